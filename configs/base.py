@@ -1,0 +1,171 @@
+"""Every field of a meshrl run, with its default and a one-line comment.
+
+Presets (tiny.py, ...) start from `get_config()`, change what differs, and are locked by the loader, so
+a misspelt override fails with the key's name. Print a resolved config with
+  python scripts/show_config.py --config=configs/base.py
+A preset may be picked through this file too: `--config=configs/base.py:tiny`.
+"""
+
+import ml_collections
+
+
+def get_config(arg=None):
+  """Returns the base config, or the preset named by `arg` (`configs/base.py:tiny`)."""
+  if arg:
+    from meshrl.configs import load_preset  # pylint: disable=import-outside-toplevel
+    return load_preset(arg)
+  config = ml_collections.ConfigDict()
+  config.name = "base"  # Run name; shows in logs and the work directory.
+  config.seed = 0  # Seed for parameter init, data order and sampling.
+  config.workdir = "runs/{name}"  # Outputs (config.json, metrics, checkpoints); {name} is filled in.
+
+  # --- mesh: the one device mesh (sharding/mesh.py). At most one size may be -1 (takes the rest).
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.data = 1  # Pure data parallelism (replicated params); multi-slice DCN runs on this axis.
+  config.mesh.fsdp = -1  # Data parallelism with params sharded (ZeRO-3).
+  config.mesh.expert = 1  # Expert parallelism for MoE layers.
+  config.mesh.sequence = 1  # Context parallelism (ring attention over the sequence).
+  config.mesh.tensor = 1  # Tensor parallelism over heads and MLP columns.
+  config.mesh.num_slices = 1  # TPU slices joined over DCN (>1 builds a hybrid ICI/DCN mesh).
+  config.mesh.train_rules = ""  # Overrides of TRAIN_RULES, e.g. "embed=fsdp;vocab=none".
+  config.mesh.rollout_rules = ""  # Overrides of ROLLOUT_RULES, same syntax.
+
+  # --- model: the decoder transformer (model/).
+  config.model = ml_collections.ConfigDict()
+  config.model.vocab_size = 259  # Vocabulary size (byte tokenizer: 256 bytes + bos, eos, pad).
+  config.model.num_layers = 4  # Transformer blocks (dense and MoE together).
+  config.model.embed_dim = 256  # Width of the residual stream.
+  config.model.num_heads = 4  # Query heads.
+  config.model.num_kv_heads = 2  # Key/value heads (grouped-query attention); divides num_heads.
+  config.model.head_dim = 64  # Per-head width for GQA.
+  config.model.mlp_dim = 512  # Hidden width of dense SwiGLU MLPs.
+  config.model.max_seq_len = 512  # Longest sequence the model accepts (prompt + response).
+  config.model.attention_type = "gqa"  # "gqa" or "mla" (multi-head latent attention).
+  config.model.qk_norm = False  # RMSNorm on queries and keys per head (Qwen3).
+  config.model.q_lora_rank = 0  # MLA: rank of the query down-projection; 0 = no query compression.
+  config.model.kv_lora_rank = 64  # MLA: rank of the compressed key/value latent.
+  config.model.qk_nope_head_dim = 32  # MLA: per-head query/key width without RoPE.
+  config.model.qk_rope_head_dim = 16  # MLA: per-head query/key width carrying RoPE (key part shared).
+  config.model.v_head_dim = 32  # MLA: per-head value width.
+  config.model.rope_theta = 10000.0  # RoPE base frequency.
+  config.model.rope_scaling = "none"  # Long-context RoPE scaling: "none", "linear" or "yarn".
+  config.model.rope_factor = 1.0  # Context extension factor for linear / YaRN scaling.
+  config.model.rope_original_max_len = 4096  # YaRN: pretraining context length.
+  config.model.rope_beta_fast = 32.0  # YaRN: rotations above which frequencies are kept.
+  config.model.rope_beta_slow = 1.0  # YaRN: rotations below which frequencies are interpolated.
+  config.model.rope_mscale = 1.0  # YaRN / DeepSeek: attention-scale multiplier coefficient.
+  config.model.rope_mscale_all_dim = 0.0  # DeepSeek YaRN: mscale_all_dim (0 = unused).
+  config.model.norm_eps = 1e-6  # RMSNorm epsilon.
+  config.model.tie_embeddings = True  # Share the input embedding with the LM head.
+  config.model.value_head = False  # Add a scalar value head (PPO critic).
+  config.model.dtype = "float32"  # Activation/compute dtype: "float32" or "bfloat16".
+  config.model.param_dtype = "float32"  # Parameter storage dtype.
+  config.model.remat = "none"  # Rematerialisation: "none", "full", "save_attention", "save_dots".
+  config.model.scan_layers = True  # Stack blocks and lax.scan over them (one compiled block).
+  config.model.init_std = 0.02  # Std of the normal initialiser of weights.
+
+  # --- moe: mixture-of-experts layers (model/moe.py).
+  config.moe = ml_collections.ConfigDict()
+  config.moe.num_experts = 8  # Routed experts per MoE layer; 0 makes every layer dense.
+  config.moe.num_experts_per_tok = 2  # Top-k experts per token.
+  config.moe.expert_mlp_dim = 256  # Hidden width of each routed expert.
+  config.moe.num_shared_experts = 0  # Always-on shared experts (DeepSeek); 0 = none.
+  config.moe.shared_expert_mlp_dim = 256  # Hidden width of one shared expert.
+  config.moe.first_k_dense = 0  # The first k layers use a dense MLP instead of MoE.
+  config.moe.score_func = "softmax"  # Router scores: "softmax" or "sigmoid".
+  config.moe.norm_topk_prob = True  # Renormalise the top-k weights to sum to one.
+  config.moe.routed_scaling_factor = 1.0  # Multiplies the routed experts' output (DeepSeek-V3).
+  config.moe.n_group = 1  # Group-limited routing: expert groups (1 = off).
+  config.moe.topk_group = 1  # Group-limited routing: groups a token may use.
+  config.moe.dispatch = "dropless"  # "dropless" (sort + ragged_dot) or "capacity" (static shapes).
+  config.moe.capacity_factor = 1.25  # Capacity mode: slots per expert = factor * tokens * k / experts.
+  config.moe.aux_loss_coef = 0.01  # Switch-style load-balancing loss weight.
+  config.moe.z_loss_coef = 0.001  # Router z-loss weight.
+  config.moe.aux_free_bias = False  # DeepSeek-V3 aux-loss-free balancing bias (state, not a param).
+  config.moe.bias_update_rate = 0.001  # Step of the aux-loss-free bias update per training step.
+
+  # --- attention: which kernel computes softmax attention (model/attention.py).
+  config.attention = ml_collections.ConfigDict()
+  config.attention.impl = "reference"  # "reference", "blockwise" or "ring".
+  config.attention.block_q = 512  # Blockwise/ring: query block length.
+  config.attention.block_kv = 512  # Blockwise/ring: key/value block length.
+  config.attention.zigzag = True  # Ring: lay the sequence out zigzag for causal load balance.
+  config.attention.logits_chunk = 0  # Chunked vocab projection + loss: tokens per chunk (0 = off).
+
+  # --- optim: the optimiser (train/optim.py).
+  config.optim = ml_collections.ConfigDict()
+  config.optim.name = "adamw"  # "adamw", "adam", "sgd" or "adafactor".
+  config.optim.learning_rate = 1e-4  # Peak learning rate.
+  config.optim.schedule = "constant"  # "constant", "cosine" or "linear" decay after warmup.
+  config.optim.warmup_steps = 0  # Linear warmup steps.
+  config.optim.decay_steps = 1000  # Steps of the decay after warmup (cosine/linear).
+  config.optim.end_lr_ratio = 0.1  # Final learning rate as a fraction of the peak.
+  config.optim.b1 = 0.9  # Adam beta1.
+  config.optim.b2 = 0.95  # Adam beta2.
+  config.optim.eps = 1e-8  # Adam epsilon.
+  config.optim.weight_decay = 0.0  # Decoupled weight decay.
+  config.optim.grad_clip = 1.0  # Global-norm gradient clipping (0 = off).
+  config.optim.grad_accum_steps = 1  # Micro-batches accumulated per optimiser step.
+
+  # --- rl: the GRPO / PPO loop (rl/).
+  config.rl = ml_collections.ConfigDict()
+  config.rl.num_steps = 100  # RL steps (one rollout batch and its updates each).
+  config.rl.prompts_per_step = 8  # Distinct prompts per rollout batch.
+  config.rl.group_size = 8  # Samples per prompt (GRPO group); >= 2 for group-relative estimators.
+  config.rl.max_prompt_len = 64  # Prompt budget in tokens.
+  config.rl.prompt_overflow = "truncate"  # Prompts over budget: "truncate" (left) or "reject".
+  config.rl.max_new_tokens = 32  # Response budget in tokens.
+  config.rl.temperature = 1.0  # Sampling temperature (0 = greedy).
+  config.rl.top_k = 0  # Top-k sampling (0 = off).
+  config.rl.top_p = 1.0  # Nucleus sampling (1 = off).
+  config.rl.stop_tokens = ""  # Extra stop token ids, comma separated (eos always stops).
+  config.rl.advantage = "grpo"  # "grpo", "dr_grpo", "rloo", "reinforce_pp" or "gae".
+  config.rl.adv_eps = 1e-6  # Epsilon added to the group std.
+  config.rl.policy_loss = "ppo"  # "ppo" (token-level ratio) or "gspo" (sequence-level ratio).
+  config.rl.clip_low = 0.2  # Lower clip range of the ratio (1 - clip_low).
+  config.rl.clip_high = 0.28  # Upper clip range of the ratio (1 + clip_high; DAPO clip-higher).
+  config.rl.dual_clip = 0.0  # Dual-clip constant c (> 1 enables) for negative advantages.
+  config.rl.loss_agg = "token_mean"  # "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant_norm".
+  config.rl.kl_coef = 0.0  # Weight of the KL to the reference policy (0 = no reference kept).
+  config.rl.kl_estimator = "k3"  # "k1", "k2" or "k3".
+  config.rl.kl_in_reward = False  # Put the KL in the reward as a per-token penalty instead of the loss.
+  config.rl.entropy_coef = 0.0  # Entropy bonus weight.
+  config.rl.value_coef = 0.5  # Critic loss weight (advantage = "gae").
+  config.rl.value_clip = 0.2  # Clip range of the value loss.
+  config.rl.gamma = 1.0  # GAE discount.
+  config.rl.gae_lambda = 1.0  # GAE lambda.
+  config.rl.epochs = 1  # Passes over each rollout batch (sample reuse).
+  config.rl.num_minibatches = 1  # Minibatches per epoch.
+  config.rl.dynamic_sampling = True  # Drop groups whose rewards are all equal and refill (DAPO).
+  config.rl.max_resample_rounds = 2  # Dynamic sampling: extra rollout rounds to refill a batch.
+  config.rl.overlong_buffer = 0  # Overlong shaping: penalty ramps over the last N tokens (0 = off).
+  config.rl.overlong_penalty = 1.0  # Overlong shaping: penalty at the budget.
+  config.rl.rewards = "answer:1.0"  # Reward functions and weights: "name:weight,..." (rl/rewards).
+  config.rl.sft_steps = 200  # Supervised warm-start steps before RL (0 = none).
+  config.rl.sft_learning_rate = 1e-3  # Warm-start learning rate.
+  config.rl.sft_batch_size = 16  # Warm-start sequences per step.
+
+  # --- data: prompts and tasks (rl/envs, train/data.py).
+  config.data = ml_collections.ConfigDict()
+  config.data.tasks = "arithmetic:1.0"  # Task families and mixture weights: "name:weight,...".
+  config.data.difficulty = 1  # Difficulty level of generated tasks (1 = easiest).
+  config.data.jsonl = ""  # Optional JSONL file of {"prompt", "answer", "domain"} rows.
+  config.data.skip_bad_rows = True  # Malformed JSONL rows: skip and count (else raise).
+  config.data.seq_len = 128  # SFT: packed sequence length.
+  config.data.num_workers = 0  # grain worker processes (0 = in-process).
+
+  # --- checkpoint: orbax checkpointing (train/checkpoint.py).
+  config.checkpoint = ml_collections.ConfigDict()
+  config.checkpoint.enabled = True  # Write checkpoints.
+  config.checkpoint.every = 50  # Steps between checkpoints.
+  config.checkpoint.max_to_keep = 2  # Checkpoints kept.
+  config.checkpoint.async_save = True  # Save in the background while training goes on.
+  config.checkpoint.restore = True  # Resume from the work directory's latest checkpoint.
+
+  # --- log: metrics and progress (train/metrics.py).
+  config.log = ml_collections.ConfigDict()
+  config.log.every = 1  # Steps between metric writes.
+  config.log.tensorboard = True  # Write TensorBoard event files.
+  config.log.progress_bar = True  # Show a progress bar on the console.
+  config.log.plot = True  # Write reward_curve.png at the end.
+  return config

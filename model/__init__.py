@@ -1,0 +1,1 @@
+"""meshrl.model."""

@@ -1,0 +1,77 @@
+"""Parameters that carry logical axis names, and their sharded creation.
+
+Every weight is an `nnx.Param` (or, for non-trained state such as the MoE router bias, another
+`nnx.Variable` type) with metadata `axes`: one logical name per dimension (sharding/rules.py). The
+mesh and the rule set turn those names into shardings; `sharded_init` creates the state under `jit`
+straight into them, so a model larger than one device never exists whole anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from meshrl.sharding.rules import TRAIN_RULES, Rules, named_shardings
+
+
+def param(key: jax.Array, shape: Sequence[int], axes: Sequence[str | None], *,
+          std: float | None = 0.02, dtype=jnp.float32) -> nnx.Param:
+  """A normal(0, std) weight (zeros when std is 0, ones when std is None) named by `axes`."""
+  if len(axes) != len(shape):
+    raise ValueError(f"param of shape {tuple(shape)} got {len(axes)} axis names {tuple(axes)}.")
+  if std is None:
+    value = jnp.ones(shape, dtype)
+  elif std == 0:
+    value = jnp.zeros(shape, dtype)
+  else:
+    value = (std * jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32)).astype(dtype)
+  return nnx.Param(value, axes=tuple(axes))
+
+
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def logical_axes(state: Any) -> Any:
+  """The state's pytree with each Variable replaced by its tuple of logical names."""
+  def names(v):
+    meta = v.get_metadata()
+    if "axes" not in meta:
+      raise ValueError(f"variable of shape {jnp.shape(v.value)} has no logical axes metadata.")
+    return tuple(meta["axes"])
+  return jax.tree.map(names, state, is_leaf=_is_variable)
+
+
+def state_shardings(state: Any, mesh: Mesh, rules: Rules = TRAIN_RULES) -> Any:
+  """NamedShardings for every Variable of `state` (a prefix tree of the state)."""
+  return named_shardings(logical_axes(state), mesh, rules)
+
+
+def sharded_init(make_module: Callable[[], nnx.Module], mesh: Mesh | None,
+                 rules: Rules = TRAIN_RULES) -> nnx.Module:
+  """Builds the module with every Variable born sharded on `mesh` (under jit with out_shardings).
+
+  `make_module()` is traced once abstractly to read shapes and axes, then run under `jit` whose
+  outputs land directly in their shardings. Without a mesh it simply calls `make_module()`.
+  """
+  if mesh is None:
+    return make_module()
+  graphdef, abstract_state = nnx.split(nnx.eval_shape(make_module))
+  shardings = state_shardings(abstract_state, mesh, rules)
+
+  def create():
+    return nnx.state(make_module())
+
+  state = jax.jit(create, out_shardings=shardings)()
+  return nnx.merge(graphdef, state)
+
+
+def count_params(make_module: Callable[[], nnx.Module]) -> int:
+  """Number of trainable parameters, from shapes alone (jax.eval_shape: nothing is allocated)."""
+  abstract = nnx.eval_shape(make_module)
+  params = nnx.state(abstract, nnx.Param)
+  return sum(int(jnp.size(x)) for x in jax.tree.leaves(params))

@@ -1,0 +1,55 @@
+"""Installs the one package `meshrl`; each top-level folder is one of its subpackages.
+
+`meshrl` itself is a namespace package: it has no folder of its own, only its subpackages.
+
+`configs/` becomes `meshrl.configs`, `model/` becomes `meshrl.model`, and so on, so nothing named
+`model` or `train` lands in site-packages (see ../shared/DESIGN.md, "Layout").
+"""
+import os
+
+import setuptools
+
+_SUBPACKAGE_DIRS = ("configs", "sharding", "model", "train", "rl")
+
+
+def _find_subpackages():
+  """Maps every folder with an __init__.py under the subpackage dirs to its meshrl.* name."""
+  package_dir = {}
+  packages = []
+  for top in _SUBPACKAGE_DIRS:
+    for root, _, files in os.walk(top):
+      if "__init__.py" in files and "__pycache__" not in root:
+        name = "meshrl." + root.replace(os.sep, ".")
+        packages.append(name)
+        package_dir[name] = root
+  return packages, package_dir
+
+
+_PACKAGES, _PACKAGE_DIR = _find_subpackages()
+
+setuptools.setup(
+    name="meshrl",
+    version="0.1.0",
+    description="JAX/TPU-native RL post-training for large Mixture-of-Experts language models.",
+    python_requires=">=3.11",
+    packages=_PACKAGES,
+    package_dir=_PACKAGE_DIR,
+    install_requires=[
+        "jax>=0.10.2",
+        "flax>=0.12.8",
+        "optax>=0.2.6",
+        "orbax-checkpoint>=0.11.0",
+        "tensorstore>=0.1.70",
+        "grain>=0.2.12",
+        "ml-collections>=1.1.0",
+        "numpy>=2.0",
+        "tensorboardX>=2.6",
+        "matplotlib>=3.8",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "test": ["pytest>=8.0"],
+        "tpu": ["jax[tpu]>=0.10.2"],
+        "hf": ["transformers>=4.57", "safetensors>=0.4", "tokenizers>=0.21", "torch==2.13.0"],
+    },
+)

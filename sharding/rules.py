@@ -1,0 +1,115 @@
+"""Logical axis rules: how named array dimensions map onto the one mesh.
+
+Model code names every dimension of its parameters and main activations with a logical name
+(`batch`, `length`, `embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `experts`, `expert_mlp`, `vocab`,
+`layers`); a rule set maps each name to zero or more mesh axes. Training and rollouts use different
+rule sets over the same mesh (../shared/DESIGN.md).
+
+A mesh axis is used at most once per array: names are resolved left to right and an axis already
+taken by an earlier dimension is skipped. So with `batch -> (data, fsdp)` and `embed -> fsdp`, an
+activation `[batch, length, embed]` is split on batch only, while a weight `[embed, mlp]` is split on
+embed over `fsdp` (ZeRO-3) and on mlp over `tensor`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshrl.sharding.mesh import MESH_AXES
+
+Rules = tuple[tuple[str, tuple[str, ...]], ...]
+
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "experts",
+                "expert_mlp", "vocab", "layers", "cache_length")
+
+TRAIN_RULES: Rules = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("length", ("sequence",)),
+    ("cache_length", ("sequence",)),
+    ("embed", ("fsdp",)),
+    ("heads", ("tensor",)),
+    ("kv_heads", ("tensor",)),
+    ("head_dim", ()),
+    ("mlp", ("tensor",)),
+    ("experts", ("expert",)),
+    ("expert_mlp", ("tensor",)),
+    ("vocab", ("tensor",)),
+    ("layers", ()),
+)
+
+# Generation keeps the parameter layout of training (the same arrays, no copy) and differs in the
+# activations: a decode step has length 1, so the sequence axis carries the KV cache, not the tokens.
+ROLLOUT_RULES: Rules = tuple(
+    (name, () if name == "length" else axes) for name, axes in TRAIN_RULES)
+
+
+def parse_rules(text: str) -> dict[str, tuple[str, ...]]:
+  """Parses `"embed=fsdp;mlp=tensor,expert;vocab=none"` into {name: mesh axes}."""
+  parsed = {}
+  for item in filter(None, (part.strip() for part in text.split(";"))):
+    name, sep, axes = item.partition("=")
+    name = name.strip()
+    if not sep or name not in LOGICAL_AXES:
+      raise ValueError(f"bad rule {item!r}: expected NAME=AXIS[,AXIS] with NAME one of {LOGICAL_AXES}.")
+    axes = tuple(a.strip() for a in axes.split(",") if a.strip() and a.strip().lower() != "none")
+    unknown = [a for a in axes if a not in MESH_AXES]
+    if unknown:
+      raise ValueError(f"rule {item!r} names mesh axes {unknown}; the mesh axes are {MESH_AXES}.")
+    parsed[name] = axes
+  return parsed
+
+
+def rules_from_config(mesh_cfg, kind: str = "train") -> Rules:
+  """TRAIN_RULES or ROLLOUT_RULES with `cfg.mesh.{kind}_rules` overrides applied."""
+  base = {"train": TRAIN_RULES, "rollout": ROLLOUT_RULES}[kind]
+  overrides = parse_rules(str(mesh_cfg.get(f"{kind}_rules", "") or ""))
+  return tuple((name, overrides.get(name, axes)) for name, axes in base)
+
+
+def logical_to_spec(names: Sequence[str | None], rules: Rules = TRAIN_RULES,
+                    mesh: Mesh | None = None) -> PartitionSpec:
+  """Turns one array's logical dimension names into a PartitionSpec.
+
+  Mesh axes of size 1 (when `mesh` is given) and axes already taken by an earlier dimension are
+  dropped. `None` names a dimension that is never split.
+  """
+  table = dict(rules)
+  used: set[str] = set()
+  spec = []
+  for name in names:
+    if name is None:
+      spec.append(None)
+      continue
+    if name not in table:
+      raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(table)}.")
+    axes = [a for a in table[name] if a not in used and (mesh is None or mesh.shape[a] > 1)]
+    used.update(axes)
+    spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+  return PartitionSpec(*spec)
+
+
+def _is_names(leaf: Any) -> bool:
+  return isinstance(leaf, tuple) and all(n is None or isinstance(n, str) for n in leaf)
+
+
+def named_shardings(logical_tree: Any, mesh: Mesh, rules: Rules = TRAIN_RULES) -> Any:
+  """Maps a pytree whose leaves are tuples of logical names to a pytree of NamedShardings."""
+  return jax.tree.map(lambda names: NamedSharding(mesh, logical_to_spec(names, rules, mesh)),
+                      logical_tree, is_leaf=_is_names)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None], mesh: Mesh | None,
+              rules: Rules = TRAIN_RULES) -> jax.Array:
+  """`with_sharding_constraint` by logical names; a no-op without a mesh (single-device code)."""
+  if mesh is None:
+    return x
+  if len(names) != x.ndim:
+    raise ValueError(f"constrain got {len(names)} names {tuple(names)} for an array of shape {x.shape}.")
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules, mesh)))
+
+
+def rules_as_dict(rules: Rules) -> Mapping[str, tuple[str, ...]]:
+  return dict(rules)

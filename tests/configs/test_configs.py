@@ -1,0 +1,93 @@
+"""Config loading, overrides and their errors; every preset loads."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from meshrl import configs
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PRESETS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "configs", "*.py"))
+                 if not os.path.basename(p).startswith("_")
+                 and os.path.basename(p) not in ("loader.py", "cli.py"))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_loads_locked(preset):
+  config = configs.load(f"configs/{preset}.py")
+  assert isinstance(config, ml_collections.ConfigDict)
+  with pytest.raises((AttributeError, KeyError)):
+    config.model.no_such_field = 1
+
+
+def test_override_changes_value_and_keeps_type():
+  config = configs.load("configs/tiny.py", ["model.num_layers=3", "optim.learning_rate=1",
+                                            "model.qk_norm=true", "data.tasks=reverse:1.0"])
+  assert config.model.num_layers == 3
+  assert isinstance(config.optim.learning_rate, float) and config.optim.learning_rate == 1.0
+  assert config.model.qk_norm is True
+  assert config.data.tasks == "reverse:1.0"
+
+
+def test_preset_argument_through_base():
+  assert configs.load("configs/base.py:tiny").name == "tiny"
+  assert configs.load("configs/tiny.py:dense").moe.num_experts == 0
+
+
+def test_unknown_key_names_key_and_closest():
+  with pytest.raises(configs.ConfigError, match=r"'model.num_layer'.*'model.num_layers'"):
+    configs.load("configs/tiny.py", ["model.num_layer=2"])
+
+
+def test_wrong_type_names_field_and_type():
+  with pytest.raises(configs.ConfigError, match=r"model.num_layers expects int"):
+    configs.load("configs/tiny.py", ["model.num_layers=two"])
+  with pytest.raises(configs.ConfigError, match=r"model.qk_norm expects a bool"):
+    configs.load("configs/tiny.py", ["model.qk_norm=maybe"])
+  with pytest.raises(configs.ConfigError, match=r"model.num_layers expects int"):
+    configs.load("configs/tiny.py", ["model.num_layers=2.5"])
+
+
+def test_missing_file_lists_presets():
+  with pytest.raises(configs.ConfigError, match="tiny"):
+    configs.load("configs/nope.py")
+
+
+def test_diff_and_save(tmp_path):
+  config = configs.load("configs/tiny.py", ["model.num_layers=5"])
+  diff = configs.config_diff(config, configs.load_preset("base"))
+  assert diff["model.num_layers"] == (4, 5)
+  path = configs.save_config(config, str(tmp_path))
+  with open(path) as f:
+    assert json.load(f)["model"]["num_layers"] == 5
+
+
+def _show_config(*flags):
+  env = dict(os.environ, TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+  env.pop("XLA_FLAGS", None)
+  return subprocess.run([sys.executable, os.path.join(REPO, "scripts", "show_config.py"), *flags],
+                        capture_output=True, text=True, env=env, cwd="/tmp", timeout=300)
+
+
+def test_cli_unknown_key_exits_nonzero():
+  result = _show_config("--config=configs/tiny.py", "--config.model.nonexistant=1")
+  assert result.returncode != 0
+  assert "model.nonexistant" in result.stderr and "did you mean" in result.stderr
+
+
+def test_cli_bad_mesh_exits_nonzero_naming_sizes():
+  result = _show_config("--cpu_devices=8", "--config=configs/tiny.py", "--config.mesh.fsdp=3")
+  assert result.returncode != 0
+  assert "fsdp=3" in result.stderr and "8 devices" in result.stderr
+
+
+def test_cli_prints_mesh():
+  result = _show_config("--cpu_devices=8", "--config=configs/tiny.py", "--config.mesh.tensor=2")
+  assert result.returncode == 0, result.stderr
+  assert "tensor: 2" in result.stdout and "fsdp: 4" in result.stdout
+  assert "mesh.tensor: 1 -> 2" in result.stdout
