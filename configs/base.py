@@ -55,6 +55,7 @@ def get_config(arg=None):
   config.model.rope_beta_slow = 1.0  # YaRN: rotations below which frequencies are interpolated.
   config.model.rope_mscale = 1.0  # YaRN / DeepSeek: attention-scale multiplier coefficient.
   config.model.rope_mscale_all_dim = 0.0  # DeepSeek YaRN: mscale_all_dim (0 = unused).
+  config.model.rope_interleave = False  # Rotate interleaved pairs (DeepSeek) instead of halves.
   config.model.norm_eps = 1e-6  # RMSNorm epsilon.
   config.model.tie_embeddings = True  # Share the input embedding with the LM head.
   config.model.value_head = False  # Add a scalar value head (PPO critic).
@@ -135,6 +136,7 @@ def get_config(arg=None):
   config.rl.gamma = 1.0  # GAE discount.
   config.rl.gae_lambda = 1.0  # GAE lambda.
   config.rl.epochs = 1  # Passes over each rollout batch (sample reuse).
+  config.rl.replay_routing = True  # Update replays the experts the rollout chose (MoE stability).
   config.rl.num_minibatches = 1  # Minibatches per epoch.
   config.rl.dynamic_sampling = True  # Drop groups whose rewards are all equal and refill (DAPO).
   config.rl.max_resample_rounds = 2  # Dynamic sampling: extra rollout rounds to refill a batch.

@@ -13,9 +13,9 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
-from meshrl.sharding.rules import TRAIN_RULES, Rules, named_shardings
+from meshrl.sharding.rules import TRAIN_RULES, Rules, logical_to_spec
 
 
 def param(key: jax.Array, shape: Sequence[int], axes: Sequence[str | None], *,
@@ -47,8 +47,15 @@ def logical_axes(state: Any) -> Any:
 
 
 def state_shardings(state: Any, mesh: Mesh, rules: Rules = TRAIN_RULES) -> Any:
-  """NamedShardings for every Variable of `state` (a prefix tree of the state)."""
-  return named_shardings(logical_axes(state), mesh, rules)
+  """NamedShardings for every Variable of `state` (a prefix tree of the state).
+
+  Shapes are taken into account: a mesh axis that does not divide a dimension leaves it whole.
+  """
+  def sharding(v):
+    names = tuple(v.get_metadata()["axes"])
+    return NamedSharding(mesh, logical_to_spec(names, rules, mesh, shape=jnp.shape(v.get_value())))
+  logical_axes(state)  # raises for a variable without names
+  return jax.tree.map(sharding, state, is_leaf=_is_variable)
 
 
 def sharded_init(make_module: Callable[[], nnx.Module], mesh: Mesh | None,

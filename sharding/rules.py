@@ -70,11 +70,12 @@ def rules_from_config(mesh_cfg, kind: str = "train") -> Rules:
 
 
 def logical_to_spec(names: Sequence[str | None], rules: Rules = TRAIN_RULES,
-                    mesh: Mesh | None = None) -> PartitionSpec:
+                    mesh: Mesh | None = None, shape: Sequence[int] | None = None) -> PartitionSpec:
   """Turns one array's logical dimension names into a PartitionSpec.
 
   Mesh axes of size 1 (when `mesh` is given) and axes already taken by an earlier dimension are
-  dropped. `None` names a dimension that is never split.
+  dropped. With `shape`, a mesh axis that does not divide its dimension (a vocabulary of 259 on
+  2 devices) is dropped too, so that dimension stays whole. `None` names a dimension never split.
   """
   table = dict(rules)
   used: set[str] = set()
@@ -86,6 +87,13 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules = TRAIN_RULES,
     if name not in table:
       raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(table)}.")
     axes = [a for a in table[name] if a not in used and (mesh is None or mesh.shape[a] > 1)]
+    if shape is not None and mesh is not None:
+      kept, parts = [], 1
+      for a in axes:
+        if shape[len(spec)] % (parts * mesh.shape[a]) == 0:
+          kept.append(a)
+          parts *= mesh.shape[a]
+      axes = kept
     used.update(axes)
     spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
   return PartitionSpec(*spec)
@@ -108,7 +116,8 @@ def constrain(x: jax.Array, names: Sequence[str | None], mesh: Mesh | None,
     return x
   if len(names) != x.ndim:
     raise ValueError(f"constrain got {len(names)} names {tuple(names)} for an array of shape {x.shape}.")
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules, mesh)))
+  spec = logical_to_spec(names, rules, mesh, shape=x.shape)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def rules_as_dict(rules: Rules) -> Mapping[str, tuple[str, ...]]:

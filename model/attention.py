@@ -1,0 +1,182 @@
+"""Attention layers: grouped-query attention (GQA) and multi-head latent attention (MLA).
+
+Both project the residual stream to queries, keys and values, rotate them by position, and call
+one kernel function, `attend(q, k, v, *, impl, ...)`, chosen by `cfg.attention.impl`
+("reference", "blockwise", "ring"; see ring_attention.py). With a KV cache the new keys/values are
+written into it first and the queries attend to the whole cache.
+
+Axis legend: B batch, T query length, S key length (cache), D embed, N heads, K kv heads,
+H head dim, R latent rank (MLA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from meshrl.model import kv_cache
+from meshrl.model.layers import Dense, RMSNorm, RopeConfig, apply_rope, yarn_softmax_scale_multiplier
+try:
+  from meshrl.model.ring_attention import attend
+except ImportError:  # TEMPORARY until ring_attention lands
+  def attend(q, k, v, *, impl, mesh=None, causal=True, q_positions=None, kv_positions=None,
+             segment_ids=None, scale=None, **_):
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h).astype(jnp.float32)
+    s = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32)) * scale
+    mask = q_positions[:, :, None] >= kv_positions[:, None, :]
+    if isinstance(segment_ids, tuple):
+      qs, ks = segment_ids
+    else:
+      qs = ks = segment_ids
+    mask &= qs[:, :, None] == ks[:, None, :]
+    s = jnp.where(mask[:, None, None], s, -1e30)
+    p = jax.nn.softmax(s, axis=-1) * mask[:, None, None]
+    o = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32))
+    return o.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
+from meshrl.sharding.rules import TRAIN_RULES, Rules, constrain
+
+__all__ = ["attend", "KernelConfig", "GQAttention", "MLAttention"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Which attention kernel runs and how it is blocked, and the layout the activations follow.
+
+  `mesh` (needed by impl="ring") and `rules` (TRAIN_RULES or ROLLOUT_RULES) decide how activations
+  are constrained; the parameters' layout does not depend on them.
+  """
+  impl: str = "reference"
+  block_q: int = 512
+  block_kv: int = 512
+  mesh: Mesh | None = None
+  rules: Rules = TRAIN_RULES
+
+  def constrain(self, x, names):
+    return constrain(x, names, self.mesh, self.rules)
+
+  def __call__(self, q, k, v, *, q_positions, kv_positions, segment_ids, scale):
+    kwargs = dict(impl=self.impl, mesh=self.mesh, causal=True, q_positions=q_positions,
+                  kv_positions=kv_positions, segment_ids=segment_ids, scale=scale)
+    if self.impl != "reference":
+      kwargs.update(block_q=self.block_q, block_kv=self.block_kv)
+    return attend(q, k, v, **kwargs)
+
+
+
+
+class GQAttention(nnx.Module):
+  """Grouped-query attention with optional per-head RMSNorm on q and k (Qwen3)."""
+
+  def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+               rope: RopeConfig, kernel: KernelConfig, qk_norm: bool = False, norm_eps: float = 1e-6,
+               std: float = 0.02, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    if num_heads % num_kv_heads:
+      raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}.")
+    self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+    self.rope, self.kernel, self.dtype = rope, kernel, dtype
+    kw = dict(std=std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.q_proj = Dense(embed_dim, num_heads * head_dim, ("embed", "heads"), **kw)
+    self.k_proj = Dense(embed_dim, num_kv_heads * head_dim, ("embed", "kv_heads"), **kw)
+    self.v_proj = Dense(embed_dim, num_kv_heads * head_dim, ("embed", "kv_heads"), **kw)
+    self.o_proj = Dense(num_heads * head_dim, embed_dim, ("heads", "embed"), **kw)
+    if qk_norm:
+      self.q_norm = RMSNorm(head_dim, eps=norm_eps, axes=("head_dim",), param_dtype=param_dtype,
+                            rngs=rngs)
+      self.k_norm = RMSNorm(head_dim, eps=norm_eps, axes=("head_dim",), param_dtype=param_dtype,
+                            rngs=rngs)
+    else:
+      self.q_norm = self.k_norm = None
+
+  def __call__(self, x, positions, segment_ids, cache=None, cache_meta=None):
+    """x [B, T, D], positions/segment_ids [B, T] -> ([B, T, D], updated cache layer or None)."""
+    batch, length, _ = x.shape
+    q = self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim)  # [B, T, N, H]
+    k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)  # [B, T, K, H]
+    v = self.v_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)  # [B, T, K, H]
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
+    q = self.kernel.constrain(q, ("batch", "length", "heads", "head_dim"))
+    kv_positions, seg = positions, segment_ids
+    if cache is not None:
+      cache = kv_cache.write_layer(cache, {"k": k, "v": v}, cache_meta.index)
+      k, v = cache["k"].astype(self.dtype), cache["v"].astype(self.dtype)
+      kv_positions = cache_meta.positions
+      seg = (segment_ids, cache_meta.segment_ids)
+    out = self.kernel(q, k, v, q_positions=positions, kv_positions=kv_positions, segment_ids=seg,
+                      scale=self.head_dim ** -0.5)  # [B, T, N, H]
+    out = self.kernel.constrain(out, ("batch", "length", "heads", "head_dim"))
+    return self.o_proj(out.reshape(batch, length, -1)), cache
+
+
+class MLAttention(nnx.Module):
+  """Multi-head latent attention (DeepSeek-V2/V3): keys and values come from a low-rank latent.
+
+  Queries: x -> [q_a -> norm ->] q_b -> per head (nope part | rope part). Keys/values: x -> latent
+  [R] (normed) + one shared rope key [H_rope]; the latent expands to per-head (k_nope | v). The cache
+  keeps the latent and the rotated rope key only: R + H_rope numbers per token instead of
+  N * (H_qk + H_v).
+  """
+
+  def __init__(self, embed_dim: int, num_heads: int, *, q_lora_rank: int, kv_lora_rank: int,
+               qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope: RopeConfig,
+               kernel: KernelConfig, norm_eps: float = 1e-6, std: float = 0.02, dtype=jnp.float32,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    if rope.head_dim != qk_rope_head_dim:
+      raise ValueError(f"MLA rope head_dim={rope.head_dim} must equal qk_rope_head_dim={qk_rope_head_dim}.")
+    self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+    self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+    self.rope, self.kernel, self.dtype = rope, kernel, dtype
+    qk_dim = qk_nope_head_dim + qk_rope_head_dim
+    kw = dict(std=std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    norm_kw = dict(eps=norm_eps, param_dtype=param_dtype, rngs=rngs)
+    if q_lora_rank:
+      self.q_a_proj = Dense(embed_dim, q_lora_rank, ("embed", None), **kw)
+      self.q_a_norm = RMSNorm(q_lora_rank, axes=(None,), **norm_kw)
+      self.q_b_proj = Dense(q_lora_rank, num_heads * qk_dim, (None, "heads"), **kw)
+      self.q_proj = None
+    else:
+      self.q_a_proj = self.q_a_norm = self.q_b_proj = None
+      self.q_proj = Dense(embed_dim, num_heads * qk_dim, ("embed", "heads"), **kw)
+    self.kv_a_proj = Dense(embed_dim, kv_lora_rank + qk_rope_head_dim, ("embed", None), **kw)
+    self.kv_a_norm = RMSNorm(kv_lora_rank, axes=(None,), **norm_kw)
+    self.kv_b_proj = Dense(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), (None, "heads"),
+                           **kw)
+    self.o_proj = Dense(num_heads * v_head_dim, embed_dim, ("heads", "embed"), **kw)
+    self.scale = qk_dim ** -0.5 * yarn_softmax_scale_multiplier(rope)
+
+  def __call__(self, x, positions, segment_ids, cache=None, cache_meta=None):
+    """x [B, T, D], positions/segment_ids [B, T] -> ([B, T, D], updated cache layer or None)."""
+    batch, length, _ = x.shape
+    if self.q_proj is not None:
+      q = self.q_proj(x)
+    else:
+      q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+    q = q.reshape(batch, length, self.num_heads, self.nope_dim + self.rope_dim)  # [B, T, N, Hqk]
+    q_nope, q_rope = q[..., :self.nope_dim], q[..., self.nope_dim:]
+    q = jnp.concatenate([q_nope, apply_rope(q_rope, positions, self.rope)], axis=-1)
+
+    compressed = self.kv_a_proj(x)  # [B, T, R + H_rope]
+    latent = self.kv_a_norm(compressed[..., :self.kv_lora_rank])  # [B, T, R]
+    k_rope = apply_rope(compressed[..., None, self.kv_lora_rank:], positions, self.rope)  # [B, T, 1, Hr]
+    kv_positions, seg = positions, segment_ids
+    if cache is not None:
+      cache = kv_cache.write_layer(cache, {"latent": latent, "k_rope": k_rope[:, :, 0]},
+                                   cache_meta.index)
+      latent, k_rope = cache["latent"].astype(self.dtype), cache["k_rope"][:, :, None].astype(self.dtype)
+      kv_positions = cache_meta.positions
+      seg = (segment_ids, cache_meta.segment_ids)
+    kv_len = latent.shape[1]
+    kv = self.kv_b_proj(latent).reshape(batch, kv_len, self.num_heads, self.nope_dim + self.v_dim)
+    k_nope, v = kv[..., :self.nope_dim], kv[..., self.nope_dim:]  # [B, S, N, Hn], [B, S, N, Hv]
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:-1] + (self.rope_dim,))],
+                        axis=-1)  # [B, S, N, Hqk]
+    out = self.kernel(q, k, v, q_positions=positions, kv_positions=kv_positions, segment_ids=seg,
+                      scale=self.scale)  # [B, T, N, Hv]
+    return self.o_proj(out.reshape(batch, length, -1)), cache

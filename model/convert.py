@@ -1,0 +1,581 @@
+"""Hugging Face checkpoints in and out: Qwen3-MoE and DeepSeek-V3 <-> meshrl's Transformer.
+
+  cfg = load_hf_config(hf_dir)                          # the run config that checkpoint needs
+  model, cfg = import_checkpoint(hf_dir, mesh, cfg)     # parameters born sharded on the mesh
+  export_checkpoint(model, cfg, out_dir, "Qwen3MoeForCausalLM")
+
+Import never holds the model whole in host memory: each parameter is built with
+`jax.make_array_from_callback`, whose callback reads only the device's slice of each Hugging Face
+tensor (`safe_open(...).get_slice`). The host peak is one parameter's distinct device slices (the
+whole stacked parameter [L, ...] when it is replicated). Export gathers one layer of one parameter at
+a time and writes safetensors shards of at most `max_shard_bytes`; its peak is one shard.
+
+Names (HF `Linear` weights are [out, in] and are transposed to meshrl's [in, out] kernels; stacked
+leaves [L, ...] take layer l of their stack from HF layer `first + l`, where `first` is 0 for
+`dense_stack` and `moe.first_k_dense` for `moe_stack`):
+
+  embed/embedding                 model.embed_tokens.weight
+  final_norm/scale, lm_head       model.norm.weight, lm_head.weight (absent when tied)
+  <stack>/attn_norm, mlp_norm     model.layers.{l}.input_layernorm, post_attention_layernorm
+  <stack>/attn/X                  model.layers.{l}.self_attn.X (q_a_norm -> q_a_layernorm,
+                                  kv_a_norm -> kv_a_layernorm, kv_a_proj -> kv_a_proj_with_mqa)
+  dense_stack/mlp/{gate,up,down}  model.layers.{l}.mlp.{gate,up,down}_proj
+  moe_stack/mlp/router, router_bias      model.layers.{l}.mlp.gate.weight, e_score_correction_bias
+  moe_stack/mlp/{gate,up,down} [L, E..]  model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj
+  moe_stack/mlp/shared_{gate,up,down}    model.layers.{l}.mlp.shared_experts.{gate,up,down}_proj
+
+Checks on import: a tensor the model needs and the files lack, or of the wrong shape, raises a
+ValueError listing them; so does any tensor meshrl would drop, except DeepSeek's multi-token-
+prediction layers (index >= num_hidden_layers), `rotary_emb.inv_freq` buffers and a tied
+`lm_head.weight`, which are skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from meshrl.configs import load_preset
+from meshrl.model.params import state_shardings
+from meshrl.model.transformer import ModelConfig, Transformer
+from meshrl.sharding.rules import TRAIN_RULES, Rules
+
+_LOG = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------------------------------
+# Config: Hugging Face config.json <-> meshrl model.* / moe.* fields.
+
+
+def _read_json(path: str) -> dict:
+  if not os.path.exists(path):
+    raise ValueError(f"{path} does not exist; expected a Hugging Face checkpoint directory.")
+  with open(path) as f:
+    return json.load(f)
+
+
+def _rope_fields(hf: dict) -> dict[str, Any]:
+  """model.rope_* from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4.x)."""
+  params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+  kind = params.get("rope_type", params.get("type", "default"))
+  fields = {"model.rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+  if kind == "default":
+    return {**fields, "model.rope_scaling": "none"}
+  if kind == "linear":
+    return {**fields, "model.rope_scaling": "linear", "model.rope_factor": float(params["factor"])}
+  if kind != "yarn":
+    raise ValueError(f"rope type {kind!r} is not supported; supported: default, linear, yarn.")
+  max_len = hf["max_position_embeddings"]
+  original = params.get("original_max_position_embeddings",
+                        hf.get("original_max_position_embeddings", max_len))
+  mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+  if params.get("attention_factor") is not None or params.get("truncate", True) is False:
+    raise ValueError(f"YaRN with attention_factor={params.get('attention_factor')} or "
+                     f"truncate={params.get('truncate')} is not supported.")
+  if mscale_all_dim and not mscale:
+    raise ValueError(f"YaRN with mscale_all_dim={mscale_all_dim} and mscale={mscale} is not supported.")
+  return {**fields, "model.rope_scaling": "yarn",
+          "model.rope_factor": float(params.get("factor") or max_len / original),
+          "model.rope_original_max_len": int(original),
+          "model.rope_beta_fast": float(params.get("beta_fast") or 32.0),
+          "model.rope_beta_slow": float(params.get("beta_slow") or 1.0),
+          "model.rope_mscale": float(mscale or 1.0),
+          "model.rope_mscale_all_dim": float(mscale_all_dim or 0.0)}
+
+
+def _common_fields(hf: dict) -> dict[str, Any]:
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported; meshrl's MLPs are SwiGLU (silu).")
+  if hf.get("attention_bias"):
+    raise ValueError("attention_bias=True is not supported; meshrl's projections have no bias.")
+  if hf.get("quantization_config"):
+    raise ValueError(f"quantized checkpoints ({hf['quantization_config'].get('quant_method')}) are not "
+                     "supported; dequantize the weights to bf16/fp32 first.")
+  return {"model.vocab_size": int(hf["vocab_size"]), "model.num_layers": int(hf["num_hidden_layers"]),
+          "model.embed_dim": int(hf["hidden_size"]), "model.num_heads": int(hf["num_attention_heads"]),
+          "model.mlp_dim": int(hf["intermediate_size"]),
+          "model.max_seq_len": int(hf["max_position_embeddings"]),
+          "model.norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+          "model.tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+          "moe.expert_mlp_dim": int(hf["moe_intermediate_size"]),
+          "moe.num_experts_per_tok": int(hf["num_experts_per_tok"]),
+          "moe.norm_topk_prob": bool(hf.get("norm_topk_prob", False)), **_rope_fields(hf)}
+
+
+def _qwen3_moe_fields(hf: dict) -> dict[str, Any]:
+  if hf.get("use_sliding_window"):
+    raise ValueError("use_sliding_window=True is not supported (meshrl attention is full causal).")
+  num_layers, num_experts = hf["num_hidden_layers"], int(hf.get("num_experts", hf.get("num_local_experts", 0)))
+  step, mlp_only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+  dense = [i for i in range(num_layers) if i in mlp_only or not (num_experts > 0 and (i + 1) % step == 0)]
+  if num_experts and dense != list(range(len(dense))):
+    raise ValueError(f"decoder_sparse_step={step} and mlp_only_layers={mlp_only} make layers {dense} "
+                     f"dense; meshrl needs the dense layers to be the first ones (0..k-1).")
+  heads = hf["num_attention_heads"]
+  return {**_common_fields(hf), "model.attention_type": "gqa", "model.qk_norm": True,
+          "model.num_kv_heads": int(hf["num_key_value_heads"]),
+          "model.head_dim": int(hf.get("head_dim") or hf["hidden_size"] // heads),
+          "model.rope_interleave": False, "moe.num_experts": num_experts,
+          "moe.first_k_dense": len(dense) if num_experts else 0, "moe.num_shared_experts": 0,
+          "moe.score_func": "softmax", "moe.routed_scaling_factor": 1.0, "moe.n_group": 1,
+          "moe.topk_group": 1, "moe.aux_free_bias": False}
+
+
+def _deepseek_v3_fields(hf: dict) -> dict[str, Any]:
+  if hf.get("rms_norm_eps", 1e-6) != 1e-6:
+    _LOG.warning("DeepSeek-V3 hard-codes eps=1e-6 in q_a_layernorm/kv_a_layernorm; meshrl uses "
+                 "rms_norm_eps=%s there too, so outputs differ slightly.", hf["rms_norm_eps"])
+  num_layers = hf["num_hidden_layers"]
+  nope, rope = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+  return {**_common_fields(hf), "model.attention_type": "mla", "model.qk_norm": False,
+          "model.num_kv_heads": int(hf["num_attention_heads"]), "model.head_dim": nope + rope,
+          "model.q_lora_rank": int(hf.get("q_lora_rank") or 0),
+          "model.kv_lora_rank": int(hf["kv_lora_rank"]), "model.qk_nope_head_dim": nope,
+          "model.qk_rope_head_dim": rope, "model.v_head_dim": int(hf["v_head_dim"]),
+          "model.rope_interleave": bool(hf.get("rope_interleave", True)),
+          "moe.num_experts": int(hf["n_routed_experts"]),
+          "moe.first_k_dense": min(int(hf.get("first_k_dense_replace") or 0), num_layers),
+          "moe.num_shared_experts": int(hf.get("n_shared_experts") or 0),
+          "moe.shared_expert_mlp_dim": int(hf["moe_intermediate_size"]),
+          "moe.score_func": "sigmoid",
+          "moe.routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+          "moe.n_group": int(hf.get("n_group") or 1), "moe.topk_group": int(hf.get("topk_group") or 1),
+          "moe.aux_free_bias": True}
+
+
+def _rope_hf(mc: ModelConfig) -> dict | None:
+  rope = mc.rope
+  if rope.scaling == "none":
+    return None
+  if rope.scaling == "linear":
+    return {"rope_type": "linear", "factor": rope.factor}
+  if rope.mscale_all_dim and not rope.mscale:
+    raise ValueError(f"rope_mscale=0 with rope_mscale_all_dim={rope.mscale_all_dim} has no HF form.")
+  out = {"rope_type": "yarn", "factor": rope.factor, "original_max_position_embeddings":
+         rope.original_max_len, "beta_fast": rope.beta_fast, "beta_slow": rope.beta_slow,
+         "mscale": rope.mscale}
+  return {**out, "mscale_all_dim": rope.mscale_all_dim} if rope.mscale_all_dim else out
+
+
+def _common_hf(mc: ModelConfig) -> dict:
+  rope = _rope_hf(mc)
+  return {"vocab_size": mc.vocab_size, "hidden_size": mc.embed_dim, "intermediate_size": mc.mlp_dim,
+          "num_hidden_layers": mc.num_layers, "num_attention_heads": mc.num_heads,
+          "hidden_act": "silu", "max_position_embeddings": mc.max_seq_len, "rms_norm_eps": mc.norm_eps,
+          "tie_word_embeddings": mc.tie_embeddings, "attention_bias": False,
+          "moe_intermediate_size": mc.expert_mlp_dim, "num_experts_per_tok": mc.num_experts_per_tok,
+          "norm_topk_prob": mc.norm_topk_prob,
+          # transformers 5 reads rope_parameters; 4.x reads rope_theta and rope_scaling.
+          "rope_parameters": {"rope_type": "default", "rope_theta": mc.rope.theta, **(rope or {})},
+          "rope_theta": mc.rope.theta, "rope_scaling": rope and {**rope, "type": rope["rope_type"]}}
+
+
+def _qwen3_moe_hf(mc: ModelConfig) -> dict:
+  problems = [f"{name}={value!r} (needs {want!r})" for name, value, want in (
+      ("model.attention_type", mc.attention_type, "gqa"), ("model.qk_norm", mc.qk_norm, True),
+      ("model.rope_interleave", mc.rope.interleave, False), ("moe.score_func", mc.score_func, "softmax"),
+      ("moe.num_shared_experts", mc.num_shared_experts, 0), ("moe.n_group", mc.n_group, 1),
+      ("moe.routed_scaling_factor", mc.routed_scaling_factor, 1.0),
+      ("moe.aux_free_bias", mc.aux_free_bias, False)) if value != want]
+  if problems:
+    raise ValueError(f"Qwen3MoeForCausalLM cannot represent {', '.join(problems)}.")
+  return {**_common_hf(mc), "model_type": "qwen3_moe", "num_key_value_heads": mc.num_kv_heads,
+          "head_dim": mc.head_dim, "num_experts": mc.num_experts, "decoder_sparse_step": 1,
+          "mlp_only_layers": list(range(mc.num_dense_layers)), "use_sliding_window": False}
+
+
+def _deepseek_v3_hf(mc: ModelConfig) -> dict:
+  problems = [f"{name}={value!r} (needs {want!r})" for name, value, want in (
+      ("model.attention_type", mc.attention_type, "mla"), ("moe.score_func", mc.score_func, "sigmoid"),
+      ("moe.shared_expert_mlp_dim", mc.shared_expert_mlp_dim or mc.expert_mlp_dim, mc.expert_mlp_dim))
+      if value != want]
+  if not mc.num_experts:
+    problems.append("moe.num_experts=0 (needs experts)")
+  if problems:
+    raise ValueError(f"DeepseekV3ForCausalLM cannot represent {', '.join(problems)}.")
+  return {**_common_hf(mc), "model_type": "deepseek_v3", "num_key_value_heads": mc.num_heads,
+          "n_routed_experts": mc.num_experts, "n_shared_experts": mc.num_shared_experts,
+          "routed_scaling_factor": mc.routed_scaling_factor, "kv_lora_rank": mc.kv_lora_rank,
+          "q_lora_rank": mc.q_lora_rank or None, "qk_nope_head_dim": mc.qk_nope_head_dim,
+          "qk_rope_head_dim": mc.qk_rope_head_dim, "v_head_dim": mc.v_head_dim,
+          "n_group": mc.n_group, "topk_group": mc.topk_group, "first_k_dense_replace": mc.first_k_dense,
+          "rope_interleave": mc.rope.interleave, "num_nextn_predict_layers": 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Architecture:
+  model_type: str
+  read: Callable[[dict], dict[str, Any]]  # HF config.json -> {"model.x": value}
+  write: Callable[[ModelConfig], dict]  # model numbers -> HF config.json (raises if inexpressible)
+
+
+ARCHITECTURES = {
+    "Qwen3MoeForCausalLM": _Architecture("qwen3_moe", _qwen3_moe_fields, _qwen3_moe_hf),
+    "DeepseekV3ForCausalLM": _Architecture("deepseek_v3", _deepseek_v3_fields, _deepseek_v3_hf),
+}
+
+
+def _architecture(name: str) -> _Architecture:
+  if name not in ARCHITECTURES:
+    raise ValueError(f"architecture {name!r} is not supported; supported: {', '.join(ARCHITECTURES)}.")
+  return ARCHITECTURES[name]
+
+
+def _hf_architecture(hf: dict) -> str:
+  names = hf.get("architectures") or [n for n, a in ARCHITECTURES.items()
+                                      if a.model_type == hf.get("model_type")] or [hf.get("model_type")]
+  return names[0]
+
+
+def hf_fields(hf_dir: str) -> dict[str, Any]:
+  """{"model.vocab_size": 151936, ...}: the meshrl fields the checkpoint's config.json decides."""
+  hf = _read_json(os.path.join(hf_dir, "config.json"))
+  return _architecture(_hf_architecture(hf)).read(hf)
+
+
+def load_hf_config(hf_dir: str, base: ml_collections.ConfigDict | None = None
+                   ) -> ml_collections.ConfigDict:
+  """The run config for a Hugging Face checkpoint: `base` (default: configs/base.py) with every
+  architecture field (model.*, moe.*) taken from `hf_dir/config.json`; returned locked.
+
+  Raises ValueError for an unsupported architecture (naming it and the supported ones) or a feature
+  meshrl lacks (sliding window, attention bias, non-prefix dense layers, quantized weights, ...).
+  """
+  fields = hf_fields(hf_dir)
+  config = ml_collections.ConfigDict((base if base is not None else load_preset("base")).to_dict())
+  if base is None:
+    config.name = "hf_" + os.path.basename(os.path.normpath(hf_dir))
+  for key, value in fields.items():
+    section, name = key.split(".")
+    config[section][name] = value
+  config.lock()
+  return config
+
+
+def _check_config_matches(cfg: ml_collections.ConfigDict, hf_dir: str):
+  wrong = [f"{key}={cfg[key.split('.')[0]][key.split('.')[1]]!r} (checkpoint: {value!r})"
+           for key, value in hf_fields(hf_dir).items()
+           if cfg[key.split(".")[0]][key.split(".")[1]] != value]
+  if wrong:
+    raise ValueError(f"config does not match {hf_dir}/config.json: {', '.join(wrong)}; build it with "
+                     "load_hf_config(hf_dir, base=cfg).")
+
+
+# --------------------------------------------------------------------------------------------------
+# Names: each meshrl leaf and the Hugging Face tensors it is made of.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+  """The HF tensors of one meshrl leaf: `template` has {layer} (and {expert}) fields when stacked."""
+  template: str
+  transpose: bool  # HF stores [out, in], meshrl [in, out]
+  first_layer: int | None = None  # HF index of stack layer 0; None when the leaf is not stacked
+  per_expert: bool = False  # a leaf [L, E, ...] made of one HF tensor per expert
+
+  def name(self, layer: int | None = None, expert: int | None = None) -> str:
+    return self.template.format(layer=None if layer is None else self.first_layer + layer, expert=expert)
+
+  def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of one HF tensor, given the meshrl leaf's shape."""
+    inner = shape[(self.first_layer is not None) + self.per_expert:]
+    return tuple(reversed(inner)) if self.transpose else inner
+
+  def names(self, shape: tuple[int, ...]) -> list[str]:
+    if self.first_layer is None:
+      return [self.template]
+    if self.per_expert:
+      return [self.name(l, e) for l in range(shape[0]) for e in range(shape[1])]
+    return [self.name(l) for l in range(shape[0])]
+
+
+_TOP = {("embed", "embedding"): _Source("model.embed_tokens.weight", False),
+        ("final_norm", "scale"): _Source("model.norm.weight", False),
+        ("lm_head", "kernel"): _Source("lm_head.weight", True)}
+_RENAMES = {"attn": "self_attn", "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+            "q_a_norm": "q_a_layernorm", "kv_a_norm": "kv_a_layernorm",
+            "kv_a_proj": "kv_a_proj_with_mqa", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+_MOE = {  # moe_stack/mlp/<leaf>: (name under model.layers.{layer}.mlp., transpose, per expert)
+    "router": ("gate.weight", True, False),
+    "router_bias": ("gate.e_score_correction_bias", False, False),
+    "gate": ("experts.{expert}.gate_proj.weight", True, True),
+    "up": ("experts.{expert}.up_proj.weight", True, True),
+    "down": ("experts.{expert}.down_proj.weight", True, True),
+    "shared_gate": ("shared_experts.gate_proj.weight", True, False),
+    "shared_up": ("shared_experts.up_proj.weight", True, False),
+    "shared_down": ("shared_experts.down_proj.weight", True, False),
+}
+
+
+def _source(path: tuple[str, ...], mc: ModelConfig) -> _Source | None:
+  """The HF tensors of the leaf at `path` of nnx.state(Transformer); None for the value head."""
+  if path in _TOP:
+    return _TOP[path]
+  if path[0] == "value_head":
+    return None
+  stack, *rest = path
+  if stack not in ("dense_stack", "moe_stack"):
+    raise ValueError(f"no Hugging Face tensor is known for meshrl parameter {'/'.join(path)}.")
+  first = 0 if stack == "dense_stack" else mc.num_dense_layers
+  if stack == "moe_stack" and rest[0] == "mlp":
+    name, transpose, per_expert = _MOE[rest[1]]
+    return _Source("model.layers.{layer}.mlp." + name, transpose, first, per_expert)
+  *modules, leaf = rest
+  hf_modules = ".".join(_RENAMES.get(m, m) for m in modules)
+  return _Source(f"model.layers.{{layer}}.{hf_modules}.weight", leaf == "kernel", first)
+
+
+# --------------------------------------------------------------------------------------------------
+# Import.
+
+
+class _Reader:
+  """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint, slice by slice."""
+
+  def __init__(self, hf_dir: str, stack: contextlib.ExitStack):
+    from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+      weight_map = _read_json(index)["weight_map"]
+    elif os.path.exists(os.path.join(hf_dir, "model.safetensors")):
+      weight_map = None
+    else:
+      raise ValueError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json.")
+    try:
+      import torch  # pylint: disable=import-outside-toplevel,unused-import
+      self.framework = "pt"  # reads bf16, which numpy cannot
+    except ImportError:
+      self.framework = "numpy"
+    files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+    self.handles = {f: stack.enter_context(safe_open(os.path.join(hf_dir, f), self.framework))
+                    for f in files}
+    if weight_map is None:
+      weight_map = {name: "model.safetensors" for name in self.handles["model.safetensors"].keys()}
+    self.weight_map = weight_map
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self.handles[self.weight_map[name]].get_slice(name).get_shape())
+
+  def read(self, name: str, index: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """The [start, stop) block `index` of tensor `name`, as numpy (bf16 as ml_dtypes.bfloat16)."""
+    block = self.handles[self.weight_map[name]].get_slice(name)[tuple(slice(*r) for r in index)]
+    if self.framework == "numpy":
+      return block
+    import torch  # pylint: disable=import-outside-toplevel
+    if block.dtype == torch.bfloat16:
+      import ml_dtypes  # pylint: disable=import-outside-toplevel
+      return block.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return block.numpy()
+
+
+def _read_block(reader: _Reader, source: _Source, index: tuple[tuple[int, int], ...]) -> np.ndarray:
+  """The block `index` ([start, stop) per dimension) of a meshrl leaf, read from its HF tensors."""
+  def one(name, inner):
+    block = reader.read(name, tuple(reversed(inner)) if source.transpose else inner)
+    return block.T if source.transpose else block
+  if source.first_layer is None:
+    return one(source.template, index)
+  layers = range(*index[0])
+  if source.per_expert:
+    experts = range(*index[1])
+    return np.stack([np.stack([one(source.name(l, e), index[2:]) for e in experts]) for l in layers])
+  return np.stack([one(source.name(l), index[1:]) for l in layers])
+
+
+def _check_tensors(reader: _Reader, plan: dict, mc: ModelConfig, hf_dir: str):
+  """Raises ValueError naming missing, misshapen and unknown tensors."""
+  wanted = {name: source.hf_shape(shape) for source, shape in plan.values()
+            for name in source.names(shape)}
+  missing = sorted(set(wanted) - set(reader.weight_map))
+  if missing:
+    raise ValueError(f"{hf_dir} lacks {len(missing)} tensor(s) the model needs: {', '.join(missing[:20])}"
+                     + (" ..." if len(missing) > 20 else ""))
+  wrong = [f"{n} {reader.shape(n)} (expected {s})" for n, s in wanted.items() if reader.shape(n) != s]
+  if wrong:
+    raise ValueError(f"{hf_dir} has tensors of the wrong shape: {', '.join(wrong[:20])}")
+
+  def skipped(name):
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    return ((layer and int(layer.group(1)) >= mc.num_layers) or name.endswith("rotary_emb.inv_freq")
+            or (name == "lm_head.weight" and mc.tie_embeddings))
+  unknown = sorted(n for n in set(reader.weight_map) - set(wanted) if not skipped(n))
+  if unknown:
+    raise ValueError(f"{hf_dir} has {len(unknown)} tensor(s) meshrl does not map and would drop: "
+                     f"{', '.join(unknown[:20])}")
+
+
+def _load_leaf(reader: _Reader, source: _Source | None, variable: nnx.Variable, sharding) -> jax.Array:
+  """One leaf, built on its sharding; each distinct device block is read once."""
+  shape, dtype = tuple(variable.shape), variable.dtype
+  blocks = {}
+
+  def block(index):
+    key = tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape))
+    if key not in blocks:
+      blocks[key] = (np.zeros(tuple(b - a for a, b in key), dtype) if source is None  # value head
+                     else np.asarray(_read_block(reader, source, key), dtype=dtype))
+    return blocks[key]
+  return jax.make_array_from_callback(shape, sharding, block)
+
+
+def import_checkpoint(hf_dir: str, mesh: Mesh | None = None,
+                      cfg: ml_collections.ConfigDict | None = None, *,
+                      rules: Rules = TRAIN_RULES) -> tuple[Transformer, ml_collections.ConfigDict]:
+  """Builds a Transformer from a Hugging Face checkpoint, each parameter read into its sharding.
+
+  Args:
+    hf_dir: directory with config.json and model.safetensors (or model.safetensors.index.json).
+    mesh: the run's mesh (None: one device).
+    cfg: the run config; its model.* / moe.* fields must match the checkpoint
+      (`load_hf_config(hf_dir, base=cfg)` makes them). Default: `load_hf_config(hf_dir)`.
+    rules: logical axis rules for the parameter shardings.
+
+  Returns:
+    (model, cfg). Parameters are stored in model.param_dtype; a value head (model.value_head) starts
+    at zero.
+  """
+  if cfg is None:
+    cfg = load_hf_config(hf_dir)
+  else:
+    _check_config_matches(cfg, hf_dir)
+  mc = ModelConfig.from_config(cfg, mesh)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(0))))
+  flat = list(nnx.to_flat_state(abstract))
+  if mesh is None:
+    shardings = [SingleDeviceSharding(jax.devices()[0])] * len(flat)
+  else:
+    shardings = [s for _, s in nnx.to_flat_state(state_shardings(abstract, mesh, rules))]
+  plan = {path: (_source(path, mc), tuple(v.shape)) for path, v in flat}
+  with contextlib.ExitStack() as stack:
+    reader = _Reader(hf_dir, stack)
+    _check_tensors(reader, {p: s for p, s in plan.items() if s[0] is not None}, mc, hf_dir)
+    loaded = [(path, v.replace(_load_leaf(reader, plan[path][0], v, sharding)))
+              for (path, v), sharding in zip(flat, shardings)]
+  return nnx.merge(graphdef, nnx.from_flat_state(loaded)), cfg
+
+
+# --------------------------------------------------------------------------------------------------
+# Export.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+  """One HF tensor to write: block [layer][expert] of leaf `path` (zeros when path is None)."""
+  name: str
+  path: tuple[str, ...] | None
+  layer: int | None
+  expert: int | None
+  transpose: bool
+  shape: tuple[int, ...]
+  dtype: Any
+
+
+def _export_entries(leaves: dict, mc: ModelConfig, architecture: str, dtype) -> list[_Entry]:
+  """The HF tensors in file order (embedding, layer by layer, final norm and head)."""
+  top, per_layer = {}, [[] for _ in range(mc.num_layers)]
+  for path, variable in sorted(leaves.items()):
+    source = _source(path, mc)
+    if source is None or (path == ("lm_head", "kernel") and mc.tie_embeddings):
+      if source is None:
+        _LOG.warning("export: %s has no Hugging Face counterpart; not written.", "/".join(path))
+      continue
+    shape = tuple(variable.shape)
+    leaf_dtype = np.float32 if path[-1] == "router_bias" else dtype  # HF keeps the bias in float32
+    if source.first_layer is None:
+      top[path] = _Entry(source.template, path, None, None, source.transpose, source.hf_shape(shape),
+                         leaf_dtype)
+      continue
+    for l in range(shape[0]):
+      per_layer[source.first_layer + l] += [
+          _Entry(source.name(l, e), path, l, e, source.transpose, source.hf_shape(shape), leaf_dtype)
+          for e in (range(shape[1]) if source.per_expert else [None])]
+  if architecture == "DeepseekV3ForCausalLM" and ("moe_stack", "mlp", "router_bias") not in leaves:
+    for l in range(mc.num_dense_layers, mc.num_layers):  # HF always has the bias: write zeros
+      per_layer[l].append(_Entry(f"model.layers.{l}.mlp.gate.e_score_correction_bias", None, None,
+                                 None, False, (mc.num_experts,), np.float32))
+  embed = [top.pop(("embed", "embedding"))] if ("embed", "embedding") in top else []
+  return embed + sum(per_layer, []) + list(top.values())
+
+
+def _shard(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
+  """Consecutive groups of entries of at most max_bytes each (an oversized tensor stands alone)."""
+  shards, size = [[]], 0
+  for entry in entries:
+    nbytes = math.prod(entry.shape) * np.dtype(entry.dtype).itemsize
+    if shards[-1] and size + nbytes > max_bytes:
+      shards, size = shards + [[]], 0
+    shards[-1].append(entry)
+    size += nbytes
+  return shards
+
+
+def export_checkpoint(model_or_state: nnx.Module | nnx.State, cfg: ml_collections.ConfigDict,
+                      out_dir: str, architecture: str, *, dtype: str | None = None,
+                      max_shard_bytes: int = 5 * 2**30) -> list[str]:
+  """Writes a Hugging Face checkpoint that `AutoModelForCausalLM.from_pretrained(out_dir)` loads.
+
+  Args:
+    model_or_state: a Transformer or its nnx.state (sharded arrays are gathered one layer of one
+      parameter at a time; every array must be addressable from this process).
+    cfg: the run config the model was built from.
+    out_dir: created if needed; gets config.json and model.safetensors, or numbered shards of at most
+      `max_shard_bytes` plus model.safetensors.index.json.
+    architecture: "Qwen3MoeForCausalLM" or "DeepseekV3ForCausalLM".
+    dtype: storage dtype of the written tensors ("bfloat16", "float32", ...); default: the parameters'.
+
+  Returns:
+    The paths of the files written. Raises ValueError when the architecture cannot express the config
+    (e.g. Qwen3-MoE without qk_norm).
+  """
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  mc = ModelConfig.from_config(cfg)
+  hf_config = _architecture(architecture).write(mc)
+  state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
+  leaves = dict(nnx.to_flat_state(state))
+  out_dtype = jnp.dtype(dtype or leaves[("embed", "embedding")].dtype)
+  hf_config.update(architectures=[architecture], dtype=out_dtype.name, torch_dtype=out_dtype.name)
+  shards = _shard(_export_entries(leaves, mc, architecture, out_dtype), max_shard_bytes)
+
+  gathered = {}  # holds one (leaf, layer) block at a time
+
+  def tensor(entry: _Entry) -> np.ndarray:
+    if entry.path is None:
+      return np.zeros(entry.shape, entry.dtype)
+    key = (entry.path, entry.layer)
+    if key not in gathered:
+      gathered.clear()
+      value = leaves[entry.path].get_value()
+      gathered[key] = np.asarray(jax.device_get(value if entry.layer is None else value[entry.layer]))
+    value = gathered[key] if entry.expert is None else gathered[key][entry.expert]
+    return np.ascontiguousarray((value.T if entry.transpose else value).astype(entry.dtype))
+
+  os.makedirs(out_dir, exist_ok=True)
+  names = (["model.safetensors"] if len(shards) == 1 else
+           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  written, weight_map, total = [], {}, 0
+  for file_name, shard in zip(names, shards):
+    tensors = {entry.name: tensor(entry) for entry in shard}
+    save_file(tensors, os.path.join(out_dir, file_name), metadata={"format": "pt"})
+    written.append(os.path.join(out_dir, file_name))
+    weight_map.update(dict.fromkeys(tensors, file_name))
+    total += sum(t.nbytes for t in tensors.values())
+  if len(shards) > 1:
+    written.append(os.path.join(out_dir, "model.safetensors.index.json"))
+    with open(written[-1], "w") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+  written.append(os.path.join(out_dir, "config.json"))
+  with open(written[-1], "w") as f:
+    json.dump(hf_config, f, indent=2, sort_keys=True)
+  return written

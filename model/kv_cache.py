@@ -1,0 +1,109 @@
+"""The key/value cache for generation: prefill a whole prompt, then decode one token at a time.
+
+Layout (one cache for the whole model; each layer stack's entries are stacked on a leading L axis so
+the scanned blocks read and write their slice):
+  layers[stack][name]   [L, B, S, ...]  per-token entries ("k"/"v" for GQA [.., K, H]; "latent" [.., R]
+                        and "k_rope" [.., H_rope] for MLA), logical axes
+                        (layers, batch, cache_length, kv_heads, head_dim)
+  positions             [B, S] int32    position of each slot; EMPTY_POSITION where nothing was written,
+                        so the causal test q_pos >= kv_pos masks empty slots out
+  segment_ids           [B, S] int32    segment of each slot (-1 where empty)
+  index                 []     int32    next slot to write (the same for every row: prompts are left-padded)
+
+Axis legend: L layers, B batch, S cache length, K kv heads, H head dim, R latent rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+EMPTY_POSITION = 2 ** 30
+EMPTY_SEGMENT = -1
+
+CACHE_AXES = {
+    "k": ("layers", "batch", "cache_length", "kv_heads", "head_dim"),
+    "v": ("layers", "batch", "cache_length", "kv_heads", "head_dim"),
+    "latent": ("layers", "batch", "cache_length", None),
+    "k_rope": ("layers", "batch", "cache_length", None),
+}
+
+
+@struct.dataclass
+class KVCache:
+  layers: dict  # {stack: {entry: [L, B, S, ...]}}
+  positions: jax.Array  # [B, S] int32
+  segment_ids: jax.Array  # [B, S] int32
+  index: jax.Array  # [] int32
+
+  @property
+  def max_len(self) -> int:
+    return self.positions.shape[1]
+
+
+@struct.dataclass
+class CacheMeta:
+  """What one layer call needs besides its own entries: slot index and every slot's position/segment."""
+  index: jax.Array  # [] int32
+  positions: jax.Array  # [B, S]
+  segment_ids: jax.Array  # [B, S]
+
+
+def init_cache(entry_shapes: dict[str, dict[str, tuple[int, ...]]], batch: int, max_len: int,
+               dtype=jnp.float32) -> KVCache:
+  """An empty cache. entry_shapes: {stack: {entry: (num_layers, *per-token feature shape)}}."""
+  layers = {
+      stack: {name: jnp.zeros((shape[0], batch, max_len) + tuple(shape[1:]), dtype)
+              for name, shape in entries.items()}
+      for stack, entries in entry_shapes.items()}
+  return KVCache(layers=layers,
+                 positions=jnp.full((batch, max_len), EMPTY_POSITION, jnp.int32),
+                 segment_ids=jnp.full((batch, max_len), EMPTY_SEGMENT, jnp.int32),
+                 index=jnp.zeros((), jnp.int32))
+
+
+def cache_axes(cache: KVCache) -> Any:
+  """Logical axis names for every array of `cache` (a pytree matching it)."""
+  layers = {stack: {name: CACHE_AXES[name] for name in entries} for stack, entries in cache.layers.items()}
+  return KVCache(layers=layers, positions=("batch", "cache_length"),
+                 segment_ids=("batch", "cache_length"), index=())
+
+
+def begin_write(cache: KVCache, positions: jax.Array, segment_ids: jax.Array):
+  """Records the positions/segments of T new tokens [B, T]; returns (cache, meta for the layers)."""
+  length = positions.shape[1]
+  if length > cache.max_len:
+    raise ValueError(f"writing {length} tokens into a KV cache of {cache.max_len} slots.")
+  start = (0, cache.index)
+  new_positions = jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), start)
+  new_segments = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), start)
+  meta = CacheMeta(index=cache.index, positions=new_positions, segment_ids=new_segments)
+  return cache.replace(positions=new_positions, segment_ids=new_segments), meta
+
+
+def end_write(cache: KVCache, layers: dict, length: int) -> KVCache:
+  """Stores the layers' updated entries and advances the write index by `length` tokens."""
+  return cache.replace(layers=layers, index=cache.index + length)
+
+
+def write_layer(layer_cache: dict, new_entries: dict, index: jax.Array) -> dict:
+  """Writes new entries {name: [B, T, ...]} at slot `index` of one layer's cache {name: [B, S, ...]}."""
+  updated = dict(layer_cache)
+  for name, value in new_entries.items():
+    target = layer_cache[name]
+    start = (0, index) + (0,) * (target.ndim - 2)
+    updated[name] = jax.lax.dynamic_update_slice(target, value.astype(target.dtype), start)
+  return updated
+
+
+def repeat_rows(cache: KVCache, times: int) -> KVCache:
+  """Each batch row repeated `times` times (row b -> rows b*times .. b*times+times-1).
+
+  Used to share one prefilled prompt across a GRPO group of samples.
+  """
+  layers = jax.tree.map(lambda a: jnp.repeat(a, times, axis=1), cache.layers)
+  return cache.replace(layers=layers, positions=jnp.repeat(cache.positions, times, axis=0),
+                       segment_ids=jnp.repeat(cache.segment_ids, times, axis=0))

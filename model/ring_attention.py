@@ -1,0 +1,439 @@
+"""Softmax attention for 1M-token sequences: one entry point, `attend`, over three kernels.
+
+  reference  plain softmax over the whole [T, S] score matrix (tests, tiny shapes).
+  blockwise  one device, FlashAttention-2 in jnp (model/blockwise.py), O(T) memory, custom VJP.
+  ring       `jax.shard_map` over the mesh axis `sequence` (Liu et al. 2023, "Ring Attention",
+             arXiv:2310.01889): each device keeps its query shard and passes its key/value shard
+             round the ring with `ppermute`, the next transfer issued before the current block is
+             computed; the custom VJP rings keys, values and their gradients back home, so memory per
+             device does not grow with the number of devices.
+
+Masks come from explicit positions (`q_pos >= kv_pos` when causal) and segment ids (equal ids
+attend), so any layout of the tokens works. For causal load balance lay the batch out once with
+`zigzag` (device r holds chunks r and 2n-1-r of 2n, as in zigzag ring attention; Brandon et al.
+2023, arXiv:2311.09431, discuss the balance problem) and pass the zigzagged positions.
+`decode_attend` serves generation against a KV cache sharded on `sequence`: each shard attends
+locally and the partial outputs are merged by their log-sum-exp with one tiny all-reduce (Shyam et
+al. 2024, "Tree Attention", arXiv:2408.04093); the cache never moves.
+
+Axis legend: B batch, T query length, S key/value length, N query heads, K key/value heads,
+G query heads per key/value head (N = K * G), H query/key head dim, J value head dim (H except MLA).
+Inside shard_map, per-device arrays end in `_`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from meshrl.model import blockwise as bw
+
+IMPLS = ("reference", "blockwise", "ring")
+SEQUENCE_AXIS = "sequence"
+BATCH_AXES = ("data", "fsdp", "expert")
+HEADS_AXIS = "tensor"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  axis: str
+  size: int
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom VJP shared by blockwise (no ring) and ring attention.
+
+
+def _shift(tree, ring: _Ring):
+  """Sends every leaf to the next device of the ring (device i -> i + 1)."""
+  perm = [(i, (i + 1) % ring.size) for i in range(ring.size)]
+  return jax.tree.map(lambda x: lax.ppermute(x, ring.axis, perm), tree)
+
+
+def _attention_fwd(q, k, v, q_ids, kv_ids, blocking: bw.Blocking, ring: _Ring | None):
+  """Forward pass; returns (out [B, K, G, T, J] in q's dtype, lse [B, K, G, T])."""
+  queries, keys = bw.Queries(q, *q_ids), bw.Keys(k, v, *kv_ids)
+  stats = bw.init_stats(queries, keys)
+  if ring is not None and ring.size > 1:
+    def step(carry, _):
+      stats, keys = carry
+      with jax.named_scope("ring_send_kv"):
+        next_keys = _shift(keys, ring)  # independent of this step's compute: overlaps it
+      return (bw.forward_sweep(queries, keys, stats, blocking), next_keys), None
+
+    (stats, keys), _ = lax.scan(step, (stats, keys), length=ring.size - 1)
+  stats = bw.forward_sweep(queries, keys, stats, blocking)  # the last shard: nothing left to send
+  out, lse = bw.finalize(stats)
+  return out.astype(q.dtype), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k, v, q_ids, kv_ids, blocking, ring):
+  """Attention in the kernel layout. q [B, K, G, T, H] (pre-scaled), k [B, K, S, H], v [B, K, S, J];
+  q_ids, kv_ids: (positions, segments) int32 [B, T] and [B, S]. Returns [B, K, G, T, J]."""
+  return _attention_fwd(q, k, v, q_ids, kv_ids, blocking, ring)[0]
+
+
+def _attention_vjp_fwd(q, k, v, q_ids, kv_ids, blocking, ring):
+  out, lse = _attention_fwd(q, k, v, q_ids, kv_ids, blocking, ring)
+  return out, (q, k, v, q_ids, kv_ids, out, lse)
+
+
+def _attention_vjp_bwd(blocking, ring, residuals, d_out):
+  q, k, v, q_ids, kv_ids, out, lse = residuals
+  queries, keys = bw.Queries(q, *q_ids), bw.Keys(k, v, *kv_ids)
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, K, G, T]
+  dq = bw.match_vma(jnp.zeros(q.shape, jnp.float32), q)
+  sweep = functools.partial(bw.backward_sweep, queries, d_out=d_out, lse=lse, delta=delta,
+                            blocking=blocking)
+  if ring is None or ring.size == 1:
+    dq, dk, dv = sweep(keys, dq=dq)
+  else:
+    # Step 0 on the home shard; then each step sends the keys on and the gradients of the shard
+    # seen last step ("pending") to the device that now holds that shard, both before computing.
+    with jax.named_scope("ring_send_kv"):
+      next_keys = _shift(keys, ring)
+    dq, dk, dv = sweep(keys, dq=dq)
+
+    def step(carry, _):
+      keys, dq, pending = carry
+      with jax.named_scope("ring_send_kv_grads"):
+        next_keys, arrived = _shift(keys, ring), _shift(pending, ring)
+      dq, dk, dv = sweep(keys, dq=dq)
+      return (next_keys, dq, (arrived[0] + dk, arrived[1] + dv)), None
+
+    (_, dq, pending), _ = lax.scan(step, (next_keys, dq, (dk, dv)), length=ring.size - 1)
+    with jax.named_scope("ring_send_kv_grads"):
+      dk, dv = _shift(pending, ring)  # the last shard's gradients go home
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_attention.defvjp(_attention_vjp_fwd, _attention_vjp_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: [B, T, N, H] <-> kernel layout, block sizes, padding.
+
+
+def _pad(x, length, axis, value):
+  extra = length - x.shape[axis]
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _kernel_inputs(q, k, v, ids, *, causal, segments, scale, block_q, block_kv):
+  """[B, T, N, H] arrays -> (Queries, Keys, Blocking), padded to whole blocks.
+
+  Padded query rows get positions/segments that match no key; padded keys match no query.
+  """
+  (q_pos, q_seg, kv_pos, kv_seg) = ids
+  b, t, n, h = q.shape
+  s, kv_heads = k.shape[1], k.shape[2]
+  bq, bk = min(block_q, t), min(block_kv, s)
+  t_pad, s_pad = -(-t // bq) * bq, -(-s // bk) * bk
+  segments = segments or (not causal and (t_pad > t or s_pad > s))
+  q = _pad(q, t_pad, 1, 0)
+  k, v = _pad(k, s_pad, 1, 0), _pad(v, s_pad, 1, 0)
+  q_ids = (_pad(q_pos, t_pad, 1, bw.PAD_Q_POSITION), _pad(q_seg, t_pad, 1, bw.PAD_Q_SEGMENT))
+  kv_ids = (_pad(kv_pos, s_pad, 1, bw.PAD_KV_POSITION), _pad(kv_seg, s_pad, 1, bw.PAD_KV_SEGMENT))
+  q = (q.astype(jnp.float32) * scale).astype(q.dtype)
+  q = q.reshape(b, t_pad, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
+  k = k.transpose(0, 2, 1, 3)  # [B, K, S, H]
+  v = v.transpose(0, 2, 1, 3)  # [B, K, S, J]
+  return q, k, v, q_ids, kv_ids, bw.Blocking(causal, segments, bq, bk)
+
+
+def _from_kernel_layout(out, t):
+  """[B, K, G, T_pad, J] -> [B, T, N, J]."""
+  b, kv_heads, g, _, j = out.shape
+  return out[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, kv_heads * g, j)
+
+
+def _local_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, causal, segments, scale,
+                     block_q, block_kv, ring):
+  """Blockwise attention of local arrays ([B, T, N, H] etc.), ringing keys if `ring` is set."""
+  *kernel_args, blocking = _kernel_inputs(
+      q, k, v, (q_pos, q_seg, kv_pos, kv_seg), causal=causal, segments=segments, scale=scale,
+      block_q=block_q, block_kv=block_kv)
+  return _from_kernel_layout(_attention(*kernel_args, blocking, ring), q.shape[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference.
+
+
+def reference_attention(q, k, v, *, causal, q_positions, kv_positions, q_segment_ids=None,
+                        kv_segment_ids=None, scale):
+  """Plain softmax attention in float32 (the whole [T, S] score matrix); rows with no key give 0.
+
+  Shapes as `attend`; segment ids are [B, T] and [B, S] or None.
+  """
+  b, t, n, h = q.shape
+  kv_heads = k.shape[2]
+  qg = q.astype(jnp.float32).reshape(b, t, kv_heads, n // kv_heads, h)  # [B, T, K, G, H]
+  hi = lax.Precision.HIGHEST
+  s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32), precision=hi) * scale
+  mask = jnp.ones((b, t, k.shape[1]), bool)
+  if causal:
+    mask &= q_positions[:, :, None] >= kv_positions[:, None, :]
+  if q_segment_ids is not None:
+    mask &= q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+  s = jnp.where(mask[:, None, None], s, -jnp.inf)
+  m = s.max(axis=-1, keepdims=True)
+  p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+  l = p.sum(axis=-1, keepdims=True)
+  p = p / jnp.where(l > 0, l, 1.0)
+  out = jnp.einsum("BKGTS,BSKJ->BTKGJ", p, v.astype(jnp.float32), precision=hi)
+  return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks and defaults.
+
+
+def _check_qkv(q, k, v):
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"q, k, v must be [batch, length, heads, head_dim]; got shapes {q.shape}, "
+                     f"{k.shape}, {v.shape}.")
+  (b, _, n, h), (kb, s, kv_heads, kh) = q.shape, k.shape
+  if kb != b or v.shape[0] != b:
+    raise ValueError(f"batch sizes differ: q {b}, k {kb}, v {v.shape[0]}.")
+  if v.shape[1] != s or v.shape[2] != kv_heads:
+    raise ValueError(f"k {k.shape} and v {v.shape} must agree on length and heads.")
+  if kh != h:
+    raise ValueError(f"q head_dim={h} and k head_dim={kh} must be equal.")
+  if kv_heads == 0 or n % kv_heads:
+    raise ValueError(f"kv_heads={kv_heads} must divide heads={n} (grouped-query attention).")
+
+
+def _ids(q, k, q_positions, kv_positions, segment_ids):
+  """Returns (q_pos, kv_pos, q_seg, kv_seg, use_segments), all int32 [B, T] / [B, S].
+
+  Default positions put the queries at the end of the keys (decode, chunked prefill).
+  """
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
+  if kv_positions is None:
+    kv_positions = jnp.arange(s, dtype=jnp.int32)
+  if q_positions is None:
+    q_positions = jnp.arange(t, dtype=jnp.int32) + (s - t)
+  q_pos = jnp.broadcast_to(jnp.asarray(q_positions, jnp.int32), (b, t))
+  kv_pos = jnp.broadcast_to(jnp.asarray(kv_positions, jnp.int32), (b, s))
+  if segment_ids is None:
+    return q_pos, kv_pos, jnp.zeros((b, t), jnp.int32), jnp.zeros((b, s), jnp.int32), False
+  if isinstance(segment_ids, (tuple, list)):
+    q_seg, kv_seg = segment_ids
+  elif t != s:
+    raise ValueError(f"one segment_ids array needs q_len == kv_len, got {t} and {s}; pass a pair "
+                     "(q_segment_ids, kv_segment_ids).")
+  else:
+    q_seg = kv_seg = segment_ids
+  q_seg = jnp.broadcast_to(jnp.asarray(q_seg, jnp.int32), (b, t))
+  kv_seg = jnp.broadcast_to(jnp.asarray(kv_seg, jnp.int32), (b, s))
+  return q_pos, kv_pos, q_seg, kv_seg, True
+
+
+def _sequence_size(mesh, what):
+  if mesh is None:
+    raise ValueError(f"{what} needs a mesh with a {SEQUENCE_AXIS!r} axis, got mesh=None.")
+  if SEQUENCE_AXIS not in mesh.shape:
+    raise ValueError(f"{what} needs a mesh with a {SEQUENCE_AXIS!r} axis; this mesh has axes "
+                     f"{dict(mesh.shape)}.")
+  return mesh.shape[SEQUENCE_AXIS]
+
+
+def _outer_specs(mesh: Mesh, batch: int, kv_heads: int):
+  """(batch axes, heads axis) for shard_map specs: the batch over those of data/fsdp/expert that
+  divide it, the heads over `tensor` when it divides the key/value heads."""
+  batch_axes, size = [], 1
+  for axis in BATCH_AXES:
+    if axis in mesh.shape and mesh.shape[axis] > 1 and batch % (size * mesh.shape[axis]) == 0:
+      batch_axes.append(axis)
+      size *= mesh.shape[axis]
+  heads = mesh.shape.get(HEADS_AXIS, 1)
+  heads_axis = HEADS_AXIS if heads > 1 and kv_heads % heads == 0 else None
+  return (tuple(batch_axes) or None), heads_axis
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API.
+
+
+def attend(q, k, v, *, impl: str, mesh: Mesh | None = None, causal: bool = True,
+           q_positions=None, kv_positions=None, segment_ids: Any = None,
+           scale: float | None = None, block_q: int = 512, block_kv: int = 512):
+  """Softmax attention with grouped-query heads, position-based causal masks and packed segments.
+
+  Args:
+    q: [B, T, N, H] queries.
+    k: [B, S, K, H] keys; K divides N (query head n reads key/value head n // (N / K)).
+    v: [B, S, K, J] values (J may differ from H, as in MLA).
+    impl: "reference", "blockwise" or "ring".
+    mesh: the run's mesh (sharding.make_mesh); required for "ring", which splits T and S over its
+      `sequence` axis (both divisible by its size), the batch over those of data/fsdp/expert that
+      divide B, and heads over `tensor` when it divides K. Inputs may arrive with any sharding.
+    causal: mask keys whose position exceeds the query's.
+    q_positions: [B, T] or [T] int token positions; default S - T + arange(T).
+    kv_positions: [B, S] or [S] int positions; default arange(S). With the zigzag layout pass the
+      zigzagged positions.
+    segment_ids: None, [B, T] ids (needs T == S) or a pair ([B, T], [B, S]); only equal ids attend.
+    scale: score scale, default 1 / sqrt(H).
+    block_q: query rows per block (blockwise and ring; capped at the local length).
+    block_kv: key rows per block.
+
+  Returns:
+    [B, T, N, J] in q's dtype, sharded like q under "ring". Query rows that can see no key give 0.
+  """
+  _check_qkv(q, k, v)
+  if impl not in IMPLS:
+    raise ValueError(f"impl={impl!r}; choose one of {IMPLS}.")
+  if block_q < 1 or block_kv < 1:
+    raise ValueError(f"block_q={block_q} and block_kv={block_kv} must be at least 1.")
+  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+  q_pos, kv_pos, q_seg, kv_seg, use_segments = _ids(q, k, q_positions, kv_positions, segment_ids)
+  if impl == "reference":
+    return reference_attention(q, k, v, causal=causal, q_positions=q_pos, kv_positions=kv_pos,
+                               q_segment_ids=q_seg if use_segments else None,
+                               kv_segment_ids=kv_seg, scale=scale)
+  local = functools.partial(_local_attention, causal=causal, segments=use_segments, scale=scale,
+                            block_q=block_q, block_kv=block_kv)
+  if impl == "blockwise":
+    return local(q, k, v, q_pos, kv_pos, q_seg, kv_seg, ring=None)
+
+  ring_size = _sequence_size(mesh, 'impl="ring"')
+  t, s = q.shape[1], k.shape[1]
+  if t % ring_size or s % ring_size:
+    raise ValueError(f"q_len={t} and kv_len={s} must both be divisible by the {SEQUENCE_AXIS!r} "
+                     f"axis size {ring_size}.")
+  batch_axes, heads_axis = _outer_specs(mesh, q.shape[0], k.shape[2])
+  x_spec = P(batch_axes, SEQUENCE_AXIS, heads_axis, None)
+  ids_spec = P(batch_axes, SEQUENCE_AXIS)
+  ring_fn = jax.shard_map(
+      functools.partial(local, ring=_Ring(SEQUENCE_AXIS, ring_size)), mesh=mesh,
+      in_specs=(x_spec,) * 3 + (ids_spec,) * 4, out_specs=x_spec)
+  with jax.named_scope("ring_attention"):
+    return ring_fn(q, k, v, q_pos, kv_pos, q_seg, kv_seg)
+
+
+def decode_attend(q, k_cache, v_cache, *, mesh: Mesh | None, q_positions, kv_positions,
+                  segment_ids: Any = None, kv_valid=None, causal: bool = True,
+                  scale: float | None = None, block_kv: int = 512):
+  """A few new queries against a KV cache sharded on `sequence` (no KV moves between devices).
+
+  Each shard attends to its slice of the cache with the blockwise kernel, then the partial outputs
+  are merged by log-sum-exp: one all-reduce of the max and one of the weighted sums, both
+  O(B * N * T * J). Forward only (generation is not differentiated).
+
+  Args:
+    q: [B, T, N, H] the new tokens' queries (T small, e.g. 1), replicated over `sequence`.
+    k_cache: [B, S, K, H] keys, S split over `sequence` (divisible by its size).
+    v_cache: [B, S, K, J] values, split like k_cache.
+    mesh: the run's mesh, or None to attend on one device.
+    q_positions: [B, T] or [T] int positions of the new tokens.
+    kv_positions: [B, S] or [S] int positions of the cache slots.
+    segment_ids: None or a pair ([B, T], [B, S]) of ids; only equal ids attend.
+    kv_valid: None or [B, S] bool, False for empty cache slots.
+    causal: mask cache slots whose position exceeds the query's.
+    scale: score scale, default 1 / sqrt(H).
+    block_kv: cache rows per block.
+
+  Returns:
+    [B, T, N, J] in q's dtype, replicated over `sequence`.
+  """
+  _check_qkv(q, k_cache, v_cache)
+  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+  if segment_ids is not None and not isinstance(segment_ids, (tuple, list)):
+    raise ValueError("decode_attend takes segment_ids as a pair (q_segment_ids [B, T], "
+                     "kv_segment_ids [B, S]).")
+  q_pos, kv_pos, q_seg, kv_seg, use_segments = _ids(q, k_cache, q_positions, kv_positions,
+                                                    segment_ids)
+  if kv_valid is not None:
+    kv_valid = jnp.broadcast_to(kv_valid, kv_seg.shape)
+    kv_seg = jnp.where(kv_valid, kv_seg, bw.PAD_KV_SEGMENT)
+    use_segments = True
+  local = functools.partial(_decode_local, causal=causal, segments=use_segments, scale=scale,
+                            block_kv=block_kv)
+  if mesh is None:
+    return local(q, k_cache, v_cache, q_pos, kv_pos, q_seg, kv_seg, axis=None)
+  shards = _sequence_size(mesh, "decode_attend")
+  if k_cache.shape[1] % shards:
+    raise ValueError(f"cache length {k_cache.shape[1]} must be divisible by the "
+                     f"{SEQUENCE_AXIS!r} axis size {shards}.")
+  batch_axes, heads_axis = _outer_specs(mesh, q.shape[0], k_cache.shape[2])
+  q_spec = P(batch_axes, None, heads_axis, None)
+  cache_spec = P(batch_axes, SEQUENCE_AXIS, heads_axis, None)
+  decode_fn = jax.shard_map(
+      functools.partial(local, axis=SEQUENCE_AXIS), mesh=mesh,
+      in_specs=(q_spec, cache_spec, cache_spec, P(batch_axes, None), P(batch_axes, SEQUENCE_AXIS),
+                P(batch_axes, None), P(batch_axes, SEQUENCE_AXIS)),
+      out_specs=q_spec)
+  with jax.named_scope("sharded_decode"):
+    return decode_fn(q, k_cache, v_cache, q_pos, kv_pos, q_seg, kv_seg)
+
+
+def _decode_local(q_, k_, v_, q_pos_, kv_pos_, q_seg_, kv_seg_, *, causal, segments, scale,
+                  block_kv, axis):
+  """One shard's partial attention, merged over `axis` by log-sum-exp (no merge when axis=None)."""
+  t = q_.shape[1]
+  q5_, k4_, v4_, q_ids_, kv_ids_, blocking = _kernel_inputs(
+      q_, k_, v_, (q_pos_, q_seg_, kv_pos_, kv_seg_), causal=causal, segments=segments,
+      scale=scale, block_q=t, block_kv=block_kv)
+  queries_ = bw.Queries(q5_, *q_ids_)
+  keys_ = bw.Keys(k4_, v4_, *kv_ids_)
+  stats_ = bw.forward_sweep(queries_, keys_, bw.init_stats(queries_, keys_), blocking)
+  out_, lse_ = bw.finalize(stats_)  # [B, K, G, T, J], [B, K, G, T]
+  if axis is not None:
+    with jax.named_scope("merge_partials"):
+      top = lax.pmax(lse_, axis)
+      weight_ = jnp.exp(lse_ - jnp.where(jnp.isfinite(top), top, 0.0))  # 0 for empty shards
+      summed = lax.psum(jnp.concatenate([out_ * weight_[..., None], weight_[..., None]], -1), axis)
+      total = summed[..., -1:]
+      out_ = summed[..., :-1] / jnp.where(total > 0, total, 1.0)
+  return _from_kernel_layout(out_, t).astype(q_.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal load balance.
+
+
+def _zigzag_order(num_shards: int) -> np.ndarray:
+  """Chunk order [0, 2n-1, 1, 2n-2, ...]: device r gets chunks r and 2n-1-r."""
+  return np.stack([np.arange(num_shards), 2 * num_shards - 1 - np.arange(num_shards)], 1).ravel()
+
+
+def _permute_chunks(x, num_shards, axis, order, name):
+  length = x.shape[axis]
+  if num_shards < 1 or length % (2 * num_shards):
+    raise ValueError(f"{name}: length {length} (axis {axis}) must be divisible by "
+                     f"2 * num_shards = {2 * num_shards}.")
+  xp = np if isinstance(x, np.ndarray) else jnp
+  axis = axis % x.ndim
+  chunks = x.reshape(x.shape[:axis] + (2 * num_shards, length // (2 * num_shards))
+                     + x.shape[axis + 1:])
+  return xp.take(chunks, order, axis=axis).reshape(x.shape)
+
+
+def zigzag(x, num_shards: int, axis: int = 1):
+  """Lays a sequence out for causal balance over `num_shards` devices.
+
+  Splits `axis` into 2 * num_shards chunks and orders them so that contiguous sharding over the
+  `sequence` axis gives device r chunks r and 2 * num_shards - 1 - r: every device then has exactly
+  the same number of unmasked (query, key) pairs. Apply it once to the batch (tokens, positions,
+  segment ids, loss masks), before the model. Works on numpy (host) and jax arrays.
+  """
+  return _permute_chunks(x, num_shards, axis, _zigzag_order(num_shards), "zigzag")
+
+
+def unzigzag(x, num_shards: int, axis: int = 1):
+  """The exact inverse of `zigzag`."""
+  return _permute_chunks(x, num_shards, axis, np.argsort(_zigzag_order(num_shards)), "unzigzag")

@@ -1,0 +1,299 @@
+"""The decoder: embed -> stacked, scanned blocks -> final norm -> LM head (and optional value head).
+
+Blocks come in up to two stacks, each one compiled block scanned over its depth: `dense` (the first
+`first_k_dense` layers, or all of them without experts) and `moe`. A stack's parameters carry a
+leading `layers` axis. `Transformer.__call__` returns a `ModelOutput`: logits (or final hidden
+states for a chunked loss), optional values, the MoE aux pytree (router losses, expert load, routing
+decisions per layer) and the updated KV cache.
+
+Axis legend: B batch, T length, D embed, V vocab, L layers, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh
+
+from meshrl.model import kv_cache as kvc
+from meshrl.model.attention import GQAttention, KernelConfig, MLAttention
+from meshrl.model.layers import Dense, Embed, RMSNorm, RopeConfig, SwiGLU
+from meshrl.model.moe import MoE
+from meshrl.sharding.rules import rules_from_config
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_attention": jax.checkpoint_policies.save_only_these_names("attention_out"),
+    "save_dots": jax.checkpoint_policies.checkpoint_dots,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Every number the model needs, in one frozen record (built from a run config by `from_config`)."""
+  vocab_size: int
+  num_layers: int
+  embed_dim: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  max_seq_len: int
+  rope: RopeConfig
+  kernel: KernelConfig = KernelConfig()
+  attention_type: str = "gqa"
+  qk_norm: bool = False
+  q_lora_rank: int = 0
+  kv_lora_rank: int = 0
+  qk_nope_head_dim: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = True
+  value_head: bool = False
+  init_std: float = 0.02
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  remat: str = "none"
+  scan_layers: bool = True
+  # MoE (num_experts == 0: every layer dense)
+  num_experts: int = 0
+  num_experts_per_tok: int = 1
+  expert_mlp_dim: int = 0
+  num_shared_experts: int = 0
+  shared_expert_mlp_dim: int = 0
+  first_k_dense: int = 0
+  score_func: str = "softmax"
+  norm_topk_prob: bool = True
+  routed_scaling_factor: float = 1.0
+  n_group: int = 1
+  topk_group: int = 1
+  dispatch: str = "dropless"
+  capacity_factor: float = 1.25
+  aux_free_bias: bool = False
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"model.num_heads={self.num_heads} is not divisible by "
+                       f"model.num_kv_heads={self.num_kv_heads}.")
+    if self.attention_type not in ("gqa", "mla"):
+      raise ValueError(f"model.attention_type={self.attention_type!r}; choose gqa or mla.")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"model.remat={self.remat!r}; choose one of {sorted(REMAT_POLICIES)}.")
+    if self.num_experts and self.num_experts_per_tok > self.num_experts:
+      raise ValueError(f"moe.num_experts_per_tok={self.num_experts_per_tok} is larger than "
+                       f"moe.num_experts={self.num_experts}.")
+    if self.num_experts and not 0 <= self.first_k_dense <= self.num_layers:
+      raise ValueError(f"moe.first_k_dense={self.first_k_dense} must be in [0, {self.num_layers}].")
+
+  @property
+  def num_dense_layers(self) -> int:
+    return self.num_layers if not self.num_experts else self.first_k_dense
+
+  @property
+  def num_moe_layers(self) -> int:
+    return self.num_layers - self.num_dense_layers
+
+  @classmethod
+  def from_config(cls, cfg, mesh: Mesh | None = None, rules=None) -> "ModelConfig":
+    """The one place a run config becomes model numbers (rules: activation layout, default train)."""
+    m, moe, att = cfg.model, cfg.moe, cfg.attention
+    rope_dim = m.qk_rope_head_dim if m.attention_type == "mla" else m.head_dim
+    rope = RopeConfig(head_dim=rope_dim, theta=m.rope_theta, scaling=m.rope_scaling, factor=m.rope_factor,
+                      original_max_len=m.rope_original_max_len, beta_fast=m.rope_beta_fast,
+                      beta_slow=m.rope_beta_slow, mscale=m.rope_mscale,
+                      mscale_all_dim=m.rope_mscale_all_dim, interleave=m.rope_interleave)
+    return cls(
+        vocab_size=m.vocab_size, num_layers=m.num_layers, embed_dim=m.embed_dim, num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, mlp_dim=m.mlp_dim, max_seq_len=m.max_seq_len,
+        rope=rope, kernel=KernelConfig(att.impl, att.block_q, att.block_kv, mesh,
+                                       rules if rules is not None else rules_from_config(cfg.mesh)),
+        attention_type=m.attention_type, qk_norm=m.qk_norm, q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+        qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, norm_eps=m.norm_eps,
+        tie_embeddings=m.tie_embeddings, value_head=m.value_head, init_std=m.init_std,
+        dtype=jnp.dtype(m.dtype), param_dtype=jnp.dtype(m.param_dtype), remat=m.remat,
+        scan_layers=m.scan_layers, num_experts=moe.num_experts,
+        num_experts_per_tok=moe.num_experts_per_tok, expert_mlp_dim=moe.expert_mlp_dim,
+        num_shared_experts=moe.num_shared_experts, shared_expert_mlp_dim=moe.shared_expert_mlp_dim,
+        first_k_dense=moe.first_k_dense, score_func=moe.score_func, norm_topk_prob=moe.norm_topk_prob,
+        routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.n_group, topk_group=moe.topk_group,
+        dispatch=moe.dispatch, capacity_factor=moe.capacity_factor, aux_free_bias=moe.aux_free_bias)
+
+  def cache_entry_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
+    """{stack: {entry: (layers, *per-token shape)}} for kv_cache.init_cache."""
+    if self.attention_type == "mla":
+      entries = {"latent": (self.kv_lora_rank,), "k_rope": (self.qk_rope_head_dim,)}
+    else:
+      entries = {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
+    stacks = {"dense": self.num_dense_layers, "moe": self.num_moe_layers}
+    return {stack: {name: (n,) + shape for name, shape in entries.items()}
+            for stack, n in stacks.items() if n}
+
+
+class Block(nnx.Module):
+  """Pre-norm residual block: x + attn(norm(x)), then x + mlp_or_moe(norm(x))."""
+
+  def __init__(self, mc: ModelConfig, *, moe: bool, rngs: nnx.Rngs):
+    kw = dict(std=mc.init_std, dtype=mc.dtype, param_dtype=mc.param_dtype, rngs=rngs)
+    self.attn_norm = RMSNorm(mc.embed_dim, eps=mc.norm_eps, param_dtype=mc.param_dtype, rngs=rngs)
+    self.mlp_norm = RMSNorm(mc.embed_dim, eps=mc.norm_eps, param_dtype=mc.param_dtype, rngs=rngs)
+    if mc.attention_type == "mla":
+      self.attn = MLAttention(
+          mc.embed_dim, mc.num_heads, q_lora_rank=mc.q_lora_rank, kv_lora_rank=mc.kv_lora_rank,
+          qk_nope_head_dim=mc.qk_nope_head_dim, qk_rope_head_dim=mc.qk_rope_head_dim,
+          v_head_dim=mc.v_head_dim, rope=mc.rope, kernel=mc.kernel, norm_eps=mc.norm_eps, **kw)
+    else:
+      self.attn = GQAttention(mc.embed_dim, mc.num_heads, mc.num_kv_heads, mc.head_dim, rope=mc.rope,
+                              kernel=mc.kernel, qk_norm=mc.qk_norm, norm_eps=mc.norm_eps, **kw)
+    if moe:
+      self.mlp = MoE(
+          mc.embed_dim, mc.expert_mlp_dim, mc.num_experts, mc.num_experts_per_tok,
+          num_shared_experts=mc.num_shared_experts, shared_expert_mlp_dim=mc.shared_expert_mlp_dim,
+          score_func=mc.score_func, norm_topk_prob=mc.norm_topk_prob,
+          routed_scaling_factor=mc.routed_scaling_factor, n_group=mc.n_group, topk_group=mc.topk_group,
+          dispatch=mc.dispatch, capacity_factor=mc.capacity_factor, aux_free_bias=mc.aux_free_bias,
+          mesh=mc.kernel.mesh, dtype=mc.dtype, param_dtype=mc.param_dtype, rngs=rngs)
+    else:
+      self.mlp = SwiGLU(mc.embed_dim, mc.mlp_dim, **kw)
+    self.is_moe = moe
+    self.kernel = mc.kernel
+
+  def __call__(self, x, positions, segment_ids, cache=None, cache_meta=None, routing=None):
+    """x [B, T, D] -> (x [B, T, D], aux dict, updated cache layer)."""
+    attn_out, cache = self.attn(self.attn_norm(x), positions, segment_ids, cache, cache_meta)
+    attn_out = checkpoint_name(attn_out, "attention_out")
+    x = self.kernel.constrain(x + attn_out, ("batch", "length", "embed"))
+    if self.is_moe:
+      mlp_out, aux = self.mlp(self.mlp_norm(x), routing=routing)
+    else:
+      mlp_out, aux = self.mlp(self.mlp_norm(x)), {}
+    x = self.kernel.constrain(x + mlp_out, ("batch", "length", "embed"))
+    return x, aux, cache
+
+
+def _stack(mc: ModelConfig, n: int, *, moe: bool, rngs: nnx.Rngs) -> Block:
+  """n Blocks with parameters stacked on a leading `layers` axis."""
+  @nnx.split_rngs(splits=n)
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def make(layer_rngs):
+    return Block(mc, moe=moe, rngs=layer_rngs)
+  stack = make(rngs)
+  for _, variable in nnx.iter_graph(stack):
+    if isinstance(variable, nnx.Variable):
+      variable.set_metadata(axes=("layers",) + tuple(variable.get_metadata()["axes"]))
+  return stack
+
+
+@struct.dataclass
+class ModelOutput:
+  logits: jax.Array | None  # [B, T, V] (None when hidden states were asked for)
+  hidden: jax.Array | None  # [B, T, D] final normed hidden states (return_hidden=True)
+  values: jax.Array | None  # [B, T] value-head output
+  aux: dict  # aux_loss, z_loss, dropped_fraction (means over MoE layers), expert_load [L, E], routing [L, B, T, K]
+  cache: Any  # updated KVCache or None
+
+
+class Transformer(nnx.Module):
+  """The MoE decoder. Build it sharded with `build_model`; call it with tokens [B, T]."""
+
+  def __init__(self, mc: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = mc
+    self.embed = Embed(mc.vocab_size, mc.embed_dim, std=mc.init_std, dtype=mc.dtype,
+                       param_dtype=mc.param_dtype, rngs=rngs)
+    self.dense_stack = _stack(mc, mc.num_dense_layers, moe=False, rngs=rngs) if mc.num_dense_layers else None
+    self.moe_stack = _stack(mc, mc.num_moe_layers, moe=True, rngs=rngs) if mc.num_moe_layers else None
+    self.final_norm = RMSNorm(mc.embed_dim, eps=mc.norm_eps, param_dtype=mc.param_dtype, rngs=rngs)
+    kw = dict(std=mc.init_std, dtype=mc.dtype, param_dtype=mc.param_dtype, rngs=rngs)
+    self.lm_head = None if mc.tie_embeddings else Dense(mc.embed_dim, mc.vocab_size, ("embed", "vocab"), **kw)
+    self.value_head = Dense(mc.embed_dim, 1, ("embed", None), **kw) if mc.value_head else None
+
+  def output_projection(self) -> jax.Array:
+    """The [D, V] matrix that turns final hidden states into logits."""
+    if self.lm_head is None:
+      return self.embed.embedding[...].T.astype(self.config.dtype)
+    return self.lm_head.kernel[...].astype(self.config.dtype)
+
+  def _run_stack(self, stack, name, x, positions, segment_ids, cache, meta, routing):
+    mc = self.config
+    graphdef, state = nnx.split(stack)
+    layer_cache = None if cache is None else cache.layers[name]
+
+    def body(carry, layer):
+      layer_state, layer_cache_, layer_routing = layer
+      block = nnx.merge(graphdef, layer_state)
+      out, aux, new_cache = block(carry, positions, segment_ids, layer_cache_, meta, layer_routing)
+      return out, (aux, new_cache)
+
+    if mc.remat != "none":
+      body = jax.checkpoint(body, policy=REMAT_POLICIES[mc.remat], prevent_cse=not mc.scan_layers)
+    xs = (state, layer_cache, routing)
+    if mc.scan_layers:
+      return jax.lax.scan(body, x, xs)
+    outs = []
+    num = jax.tree.leaves(state)[0].shape[0]
+    for i in range(num):
+      x, out = body(x, jax.tree.map(lambda a, i=i: a[i], xs))
+      outs.append(out)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+
+  def __call__(self, tokens, *, positions=None, segment_ids=None, cache: kvc.KVCache | None = None,
+               routing=None, return_hidden: bool = False) -> ModelOutput:
+    """Runs the decoder.
+
+    Args:
+      tokens: [B, T] int token ids (batch on `batch`, length on `length`).
+      positions: [B, T] int positions (default 0..T-1; with a cache, cache.index + 0..T-1). They alone
+        decide the causal mask, so zigzag or packed layouts need no other change.
+      segment_ids: [B, T] int; tokens attend only within their segment (default: all ones).
+      cache: a KVCache to write the new tokens into and attend over (prefill or decode).
+      routing: [L_moe, B, T, K] expert choices to replay in the MoE layers (from a rollout).
+      return_hidden: return final normed hidden states instead of logits (for a chunked loss).
+    """
+    mc = self.config
+    batch, length = tokens.shape
+    if length > mc.max_seq_len:
+      raise ValueError(f"sequence of {length} tokens is longer than model.max_seq_len={mc.max_seq_len}.")
+    if cache is not None and cache.max_len > mc.max_seq_len:
+      raise ValueError(f"KV cache of {cache.max_len} slots exceeds model.max_seq_len={mc.max_seq_len}.")
+    if positions is None:
+      start = 0 if cache is None else cache.index
+      positions = jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (batch, length))
+    if segment_ids is None:
+      segment_ids = jnp.ones((batch, length), jnp.int32)
+    meta = None
+    if cache is not None:
+      cache, meta = kvc.begin_write(cache, positions, segment_ids)
+    x = mc.kernel.constrain(self.embed(tokens), ("batch", "length", "embed"))
+
+    new_layers, aux = {}, {}
+    if self.dense_stack is not None:
+      x, (_, new_layers["dense"]) = self._run_stack(self.dense_stack, "dense", x, positions, segment_ids,
+                                                    cache, meta, None)
+    if self.moe_stack is not None:
+      x, (moe_aux, new_layers["moe"]) = self._run_stack(self.moe_stack, "moe", x, positions, segment_ids,
+                                                        cache, meta, routing)
+      aux = {"aux_loss": jnp.mean(moe_aux["aux_loss"]), "z_loss": jnp.mean(moe_aux["z_loss"]),
+             "dropped_fraction": jnp.mean(moe_aux["dropped_fraction"]),
+             "expert_load": moe_aux["expert_load"], "routing": moe_aux["routing"]}
+    if cache is not None:
+      cache = kvc.end_write(cache, new_layers, length)
+
+    hidden = self.final_norm(x)
+    values = None if self.value_head is None else self.value_head(hidden)[..., 0].astype(jnp.float32)
+    if return_hidden:
+      return ModelOutput(logits=None, hidden=hidden, values=values, aux=aux, cache=cache)
+    logits = jnp.einsum("btd,dv->btv", hidden, self.output_projection())
+    logits = mc.kernel.constrain(logits, ("batch", "length", "vocab"))
+    return ModelOutput(logits=logits.astype(jnp.float32), hidden=None, values=values, aux=aux, cache=cache)
+
+  def init_cache(self, batch: int, max_len: int | None = None) -> kvc.KVCache:
+    mc = self.config
+    max_len = mc.max_seq_len if max_len is None else max_len
+    return kvc.init_cache(mc.cache_entry_shapes(), batch, max_len, mc.dtype)

@@ -1,0 +1,316 @@
+"""Policy, KL, entropy and value losses: pure functions of arrays, each variant named by a string.
+
+Axis legend: B sequences, T response tokens, V vocabulary.
+
+Every per-token quantity is reduced by one of `AGGREGATIONS` (cfg.rl.loss_agg); the policy ratio is
+one of `RATIOS` (token-level PPO or sequence-level GSPO, cfg.rl.policy_loss via
+`POLICY_LOSS_RATIOS`); the KL estimator is one of `KL_ESTIMATORS` (cfg.rl.kl_estimator). Numeric
+options (clip ranges, names) are static Python values, not traced arrays.
+
+References: PPO (Schulman et al. 2017, arXiv:1707.06347); dual-clip PPO (Ye et al. 2019,
+arXiv:1912.09729); DAPO clip-higher and token-level loss (Yu et al. 2025, arXiv:2503.14476);
+Dr. GRPO constant normaliser (Liu et al. 2025, arXiv:2503.20783); GSPO (Zheng et al. 2025,
+arXiv:2507.18071); KL estimators k1/k2/k3 (Schulman, "Approximating KL divergence", 2020).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+# Log-ratios are clamped to +-LOG_RATIO_CLAMP before exp, so one wild token cannot overflow.
+LOG_RATIO_CLAMP = 20.0
+
+
+# --- masked reductions and loss aggregation ---------------------------------------------------
+
+
+def masked_sum(values: Array, mask: Array, axis=None) -> Array:
+  """Sum of `values` where `mask`, over `axis` (all axes when None)."""
+  return jnp.sum(jnp.where(mask, values, 0.0), axis=axis)
+
+
+def masked_mean(values: Array, mask: Array, axis=None) -> Array:
+  """Mean of `values` where `mask` (0 where nothing is valid)."""
+  count = jnp.sum(mask.astype(jnp.float32), axis=axis)
+  return masked_sum(values, mask, axis) / jnp.maximum(count, 1.0)
+
+
+def _zero_masked(mask: Array, *arrays: Array) -> tuple[Array, ...]:
+  """Replaces masked entries by 0 so padding (even -inf or nan there) cannot poison gradients."""
+  return tuple(jnp.where(mask, array, 0.0) for array in arrays)
+
+
+def token_mean(per_token: Array, mask: Array, *, max_len: int | None = None) -> Array:
+  """Sum over every valid token of the batch / number of valid tokens (DAPO, verl default).
+
+  Global over this batch only: split into micro-batches, the mean is per micro-batch.
+  """
+  del max_len
+  return masked_mean(per_token, mask)
+
+
+def _sequence_mean(per_sequence: Array, mask: Array) -> Array:
+  """Mean over the sequences that have at least one valid token."""
+  has_tokens = jnp.any(mask, axis=1)
+  return masked_mean(per_sequence, has_tokens)
+
+
+def seq_mean_token_mean(per_token: Array, mask: Array, *, max_len: int | None = None) -> Array:
+  """Token-mean within each sequence, then mean over sequences (GRPO paper, Tunix default)."""
+  del max_len
+  return _sequence_mean(masked_mean(per_token, mask, axis=1), mask)
+
+
+def seq_mean_token_sum(per_token: Array, mask: Array, *, max_len: int | None = None) -> Array:
+  """Token-sum within each sequence, then mean over sequences."""
+  del max_len
+  return _sequence_mean(masked_sum(per_token, mask, axis=1), mask)
+
+
+def constant_norm(per_token: Array, mask: Array, *, max_len: int | None = None) -> Array:
+  """Dr. GRPO: sum over valid tokens / (B * max_len), a constant that does not depend on lengths."""
+  if max_len is None or max_len <= 0:
+    raise ValueError(
+        f"loss_agg='constant_norm' needs max_len > 0 (the response budget), got {max_len=}.")
+  return masked_sum(per_token, mask) / (per_token.shape[0] * max_len)
+
+
+AGGREGATIONS: dict[str, Callable] = {
+    "token_mean": token_mean,
+    "seq_mean_token_mean": seq_mean_token_mean,
+    "seq_mean_token_sum": seq_mean_token_sum,
+    "constant_norm": constant_norm,
+}
+
+
+def aggregate(per_token: Array, mask: Array, *, loss_agg: str = "token_mean",
+              max_len: int | None = None) -> Array:
+  """Reduces `[B, T]` per-token values to a scalar with `AGGREGATIONS[loss_agg]`."""
+  if loss_agg not in AGGREGATIONS:
+    raise ValueError(f"loss_agg={loss_agg!r} is unknown; choose one of {sorted(AGGREGATIONS)}.")
+  return AGGREGATIONS[loss_agg](per_token, mask.astype(bool), max_len=max_len)
+
+
+# --- importance ratios ------------------------------------------------------------------------
+
+
+def token_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
+  """PPO: r_t = exp(logp_t - old_logp_t), `[B, T]`."""
+  del mask
+  return jnp.exp(jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def sequence_ratio(logp: Array, old_logp: Array, mask: Array) -> Array:
+  """GSPO-token: s_{i,t} = sg[s_i] * exp(logp_t - sg[logp_t]), `[B, T]`.
+
+  s_i = exp(mean over valid tokens of (logp - old_logp)) is the length-normalised sequence ratio.
+  Every token carries the value s_i; the gradient reaching token t is s_i * grad logp_t, so with
+  one advantage per sequence and `seq_mean_token_mean` the gradient equals sequence-level GSPO's.
+  """
+  seq_log_ratio = masked_mean(logp - old_logp, mask, axis=1)  # [B]
+  seq_ratio = jnp.exp(jnp.clip(seq_log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+  token_grad = jnp.exp(logp - jax.lax.stop_gradient(logp))  # value 1, gradient grad logp
+  return jax.lax.stop_gradient(seq_ratio)[:, None] * token_grad
+
+
+RATIOS: dict[str, Callable] = {"token": token_ratio, "sequence": sequence_ratio}
+# cfg.rl.policy_loss -> ratio kind.
+POLICY_LOSS_RATIOS: dict[str, str] = {"ppo": "token", "gspo": "sequence"}
+
+
+# --- clipped policy loss ----------------------------------------------------------------------
+
+
+def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
+                clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float = 0.0,
+                loss_agg: str = "token_mean", ratio: str = "token",
+                max_len: int | None = None) -> tuple[Array, dict[str, Array]]:
+  """Clipped surrogate loss (to minimise): max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)).
+
+  Args:
+    logp: [B, T] log-probs of the sampled tokens under the current policy.
+    old_logp: [B, T] log-probs under the behaviour policy (the rollout).
+    advantages: [B, T], or [B] (one per sequence, broadcast over tokens).
+    mask: [B, T] valid response tokens.
+    clip_low: ratio lower bound is 1 - clip_low.
+    clip_high: ratio upper bound is 1 + clip_high (DAPO clip-higher: 0.28 with clip_low 0.2).
+    dual_clip: c > 1 caps the loss of negative-advantage tokens at -c A; 0 turns it off.
+    loss_agg: a key of AGGREGATIONS.
+    ratio: a key of RATIOS, "token" (PPO) or "sequence" (GSPO).
+    max_len: response budget, needed by loss_agg="constant_norm".
+
+  Returns:
+    (loss scalar, metrics): pg_loss, clip_frac_low (ratio below 1 - clip_low with A < 0),
+    clip_frac_high (ratio above 1 + clip_high with A > 0), dual_clip_frac, ratio_mean, ratio_max,
+    approx_kl_old (k3 estimate of KL(old || current)); fractions and means over valid tokens.
+  """
+  if ratio not in RATIOS:
+    raise ValueError(f"ratio={ratio!r} is unknown; choose one of {sorted(RATIOS)}.")
+  if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
+    raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low=}, {clip_high=}.")
+  if dual_clip != 0.0 and dual_clip <= 1.0:
+    raise ValueError(f"dual_clip={dual_clip} must be 0 (off) or greater than 1.")
+  if advantages.ndim == 1:
+    advantages = advantages[:, None]  # [B, 1]
+  mask = mask.astype(bool)
+  logp, old_logp = _zero_masked(mask, logp, old_logp)
+  advantages = jnp.broadcast_to(advantages, logp.shape).astype(jnp.float32)
+  advantages = jax.lax.stop_gradient(advantages)
+
+  # Surrogate: the pessimistic (larger) of the unclipped and clipped losses.
+  ratios = RATIOS[ratio](logp, old_logp, mask)
+  loss_unclipped = -advantages * ratios
+  loss_clipped = -advantages * jnp.clip(ratios, 1.0 - clip_low, 1.0 + clip_high)
+  per_token = jnp.maximum(loss_unclipped, loss_clipped)
+  # Dual clip: for A < 0 the loss never exceeds -c A, however large the ratio.
+  dual_active = jnp.zeros_like(mask)
+  if dual_clip:
+    dual_active = (advantages < 0) & (per_token > -dual_clip * advantages)
+    per_token = jnp.where(dual_active, -dual_clip * advantages, per_token)
+  loss = aggregate(per_token, mask, loss_agg=loss_agg, max_len=max_len)
+
+  # Metrics, outside the gradient.
+  ratios = jax.lax.stop_gradient(ratios)
+  log_ratio = jnp.clip(jax.lax.stop_gradient(logp - old_logp), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+  metrics = {
+      "pg_loss": jax.lax.stop_gradient(loss),
+      "clip_frac_low": masked_mean((ratios < 1.0 - clip_low) & (advantages < 0), mask),
+      "clip_frac_high": masked_mean((ratios > 1.0 + clip_high) & (advantages > 0), mask),
+      "dual_clip_frac": masked_mean(dual_active, mask),
+      "ratio_mean": masked_mean(ratios, mask),
+      "ratio_max": jnp.max(jnp.where(mask, ratios, 0.0)),
+      "approx_kl_old": masked_mean(jnp.exp(log_ratio) - 1.0 - log_ratio, mask),
+  }
+  return loss, metrics
+
+
+# --- KL to the reference policy ---------------------------------------------------------------
+
+
+def kl_k1(logp: Array, ref_logp: Array) -> Array:
+  """k1 = logp - ref_logp: unbiased for KL(pi || ref), can be negative; zero expected gradient."""
+  return logp - ref_logp
+
+
+def kl_k2(logp: Array, ref_logp: Array) -> Array:
+  """k2 = (logp - ref_logp)^2 / 2: biased but its expected gradient is grad KL(pi || ref)."""
+  return 0.5 * (logp - ref_logp) ** 2
+
+
+def kl_k3(logp: Array, ref_logp: Array) -> Array:
+  """k3 = exp(ref - logp) - (ref - logp) - 1: unbiased, >= 0; its expected gradient is that of
+  the forward KL(ref || pi)."""
+  log_ratio = jnp.clip(ref_logp - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+  return jnp.exp(log_ratio) - log_ratio - 1.0
+
+
+def _straight_through(value_fn: Callable) -> Callable:
+  """Forward value of `value_fn`, gradient of k2 (verl's "k1+" / "k3+")."""
+  def estimator(logp, ref_logp):
+    grad_part = kl_k2(logp, ref_logp)
+    return grad_part + jax.lax.stop_gradient(value_fn(logp, ref_logp) - grad_part)
+  return estimator
+
+
+KL_ESTIMATORS: dict[str, Callable] = {
+    "k1": kl_k1,
+    "k2": kl_k2,
+    "k3": kl_k3,
+    "k1+": _straight_through(kl_k1),
+    "k3+": _straight_through(kl_k3),
+}
+
+
+def kl(logp: Array, ref_logp: Array, kind: str = "k3") -> Array:
+  """Per-token KL estimate `[B, T]` from sampled-token log-probs, `KL_ESTIMATORS[kind]`."""
+  if kind not in KL_ESTIMATORS:
+    raise ValueError(f"kl_estimator={kind!r} is unknown; choose one of {sorted(KL_ESTIMATORS)}.")
+  return KL_ESTIMATORS[kind](logp, ref_logp)
+
+
+def kl_loss(logp: Array, ref_logp: Array, mask: Array, *, kind: str = "k3",
+            loss_agg: str = "token_mean", max_len: int | None = None
+            ) -> tuple[Array, dict[str, Array]]:
+  """KL in the loss (GRPO style): aggregated estimate and metric {"kl": token mean}."""
+  mask = mask.astype(bool)
+  per_token = kl(*_zero_masked(mask, logp, ref_logp), kind)
+  loss = aggregate(per_token, mask, loss_agg=loss_agg, max_len=max_len)
+  return loss, {"kl": masked_mean(jax.lax.stop_gradient(per_token), mask.astype(bool))}
+
+
+def kl_reward_penalty(logp: Array, ref_logp: Array, mask: Array, *, coef: float,
+                      kind: str = "k1") -> Array:
+  """KL in the reward (PPO style): per-token reward -coef * KL_t, `[B, T]`, no gradient.
+
+  Add it to `advantages.outcome_token_rewards(scores, mask)` before GAE or REINFORCE++.
+  """
+  mask = mask.astype(bool)
+  per_token = jax.lax.stop_gradient(kl(*_zero_masked(mask, logp, ref_logp), kind))
+  return jnp.where(mask, -coef * per_token, 0.0)
+
+
+# --- entropy, log-probs, value loss -----------------------------------------------------------
+
+
+def logprobs_from_logits(logits: Array, tokens: Array) -> Array:
+  """Log-prob of each token: `logits [B, T, V], tokens [B, T] int -> [B, T]` (float32)."""
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(log_probs, tokens[..., None], axis=-1)[..., 0]
+
+
+def entropy_from_logits(logits: Array) -> Array:
+  """Entropy of each next-token distribution: `logits [B, T, V] -> [B, T]` (float32)."""
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  probs = jnp.exp(log_probs)
+  return -jnp.sum(jnp.where(probs > 0, probs * log_probs, 0.0), axis=-1)
+
+
+def entropy_loss(logits: Array, mask: Array, *, loss_agg: str = "token_mean",
+                 max_len: int | None = None) -> tuple[Array, dict[str, Array]]:
+  """Aggregated entropy (add `-entropy_coef * value` to the loss) and metric {"entropy"}."""
+  per_token = entropy_from_logits(logits)
+  value = aggregate(per_token, mask, loss_agg=loss_agg, max_len=max_len)
+  return value, {"entropy": masked_mean(jax.lax.stop_gradient(per_token), mask.astype(bool))}
+
+
+def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, *,
+               clip: float = 0.2, loss_agg: str = "token_mean", max_len: int | None = None
+               ) -> tuple[Array, dict[str, Array]]:
+  """Clipped critic loss: 1/2 max((V - R)^2, (clip(V, V_old - clip, V_old + clip) - R)^2).
+
+  Args:
+    values: [B, T] current critic values.
+    old_values: [B, T] values at rollout time.
+    returns: [B, T] targets (GAE returns).
+    mask: [B, T] valid tokens.
+    clip: value clip range; 0 turns clipping off.
+    loss_agg: a key of AGGREGATIONS.
+    max_len: for loss_agg="constant_norm".
+
+  Returns:
+    (loss, metrics): vf_loss, vf_clip_frac (tokens where the clipped term is larger), value_mean.
+  """
+  if clip < 0:
+    raise ValueError(f"value clip={clip} must be >= 0 (0 = no clipping).")
+  mask = mask.astype(bool)
+  values, old_values, returns = _zero_masked(mask, values, old_values, returns)
+  returns = jax.lax.stop_gradient(returns)
+  loss_unclipped = (values - returns) ** 2
+  if clip:
+    clipped_values = old_values + jnp.clip(values - old_values, -clip, clip)
+    loss_clipped = (clipped_values - returns) ** 2
+  else:
+    loss_clipped = loss_unclipped
+  per_token = 0.5 * jnp.maximum(loss_unclipped, loss_clipped)
+  loss = aggregate(per_token, mask, loss_agg=loss_agg, max_len=max_len)
+  metrics = {
+      "vf_loss": jax.lax.stop_gradient(loss),
+      "vf_clip_frac": masked_mean(loss_clipped > loss_unclipped, mask),
+      "value_mean": masked_mean(jax.lax.stop_gradient(values), mask),
+  }
+  return loss, metrics

@@ -1,0 +1,168 @@
+"""Generation for RL: `make_rollout(model, mesh, cfg) -> rollout(params, prompts, key)`, one jitted call.
+
+Each prompt is prefilled once; its KV cache (and last logits) are then repeated for the G samples of
+its group, so a group shares its prompt's prefix. Decoding is a `lax.while_loop` over one token per
+step that stops when every sequence has finished (EOS or a stop token) or the budget is spent.
+
+Rollouts run on the same mesh and take the same parameter arrays as the update: only the activation
+rules differ (ROLLOUT_RULES), so no parameter is copied or moved between the two (tests/rl/test_rollout.py).
+
+Axis legend: P prompts, G group size, B = P * G sequences, Lp prompt length, N max new tokens,
+S = Lp + N total length, L MoE layers, K experts per token, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jax.sharding import Mesh
+
+from meshrl.model import kv_cache as kvc
+from meshrl.model.transformer import ModelConfig, Transformer
+from meshrl.rl.sampling import Sampler
+from meshrl.sharding.rules import rules_from_config
+
+
+@struct.dataclass
+class RolloutBatch:
+  """Prompts and completions laid out as one [B, S] sequence per sample (prompt left-padded)."""
+  tokens: jax.Array  # [B, S] int32: prompt (left-padded with PAD) then response (PAD after the end)
+  positions: jax.Array  # [B, S] int32: 0.. over real tokens (padding gets 0)
+  segment_ids: jax.Array  # [B, S] int32: 1 on real tokens, 0 on padding
+  prompt_mask: jax.Array  # [B, S] bool: real prompt tokens
+  response_mask: jax.Array  # [B, S] bool: generated tokens up to and including the stop token
+  logprobs: jax.Array  # [B, S] float32: behaviour log-prob of each generated token (0 elsewhere)
+  lengths: jax.Array  # [B] int32: response lengths
+  truncated: jax.Array  # [B] bool: hit the token budget without a stop token
+  routing: Any  # [L, B, S, K] int32 expert choices (None for a dense model)
+
+
+@struct.dataclass
+class _DecodeState:
+  step: jax.Array  # [] int32
+  key: jax.Array  # PRNG key
+  cache: kvc.KVCache
+  logits: jax.Array  # [B, V] logits for the next token
+  tokens: jax.Array  # [B, N] int32
+  logprobs: jax.Array  # [B, N] float32
+  valid: jax.Array  # [B, N] bool: token t was generated before the sequence ended
+  done: jax.Array  # [B] bool
+  routing: Any  # [L, B, N, K] int32 or None
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+  group_size: int
+  max_new_tokens: int
+  sampler: Sampler
+  stop_tokens: tuple[int, ...]
+  pad_id: int
+
+  @classmethod
+  def from_config(cls, cfg, *, eos_id: int, pad_id: int) -> "RolloutSpec":
+    extra = tuple(int(t) for t in str(cfg.rl.stop_tokens).split(",") if t.strip())
+    if cfg.rl.group_size < 1:
+      raise ValueError(f"rl.group_size={cfg.rl.group_size} must be at least 1.")
+    return cls(group_size=cfg.rl.group_size, max_new_tokens=cfg.rl.max_new_tokens,
+               sampler=Sampler(cfg.rl.temperature, cfg.rl.top_k, cfg.rl.top_p),
+               stop_tokens=(eos_id,) + extra, pad_id=pad_id)
+
+
+def prompt_layout(prompt_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Positions (0.. over real tokens) and segment ids (1 real, 0 pad) of left-padded prompts [P, Lp]."""
+  positions = jnp.maximum(jnp.cumsum(prompt_mask.astype(jnp.int32), axis=1) - 1, 0)
+  return positions, prompt_mask.astype(jnp.int32)
+
+
+def generate(model: Transformer, spec: RolloutSpec, prompts: jax.Array, prompt_mask: jax.Array,
+             key: jax.Array) -> RolloutBatch:
+  """The rollout on a merged model (pure; jit it). prompts [P, Lp] left-padded, prompt_mask [P, Lp]."""
+  num_prompts, prompt_len = prompts.shape
+  group, budget = spec.group_size, spec.max_new_tokens
+  batch, total = num_prompts * group, prompt_len + budget
+  positions, segment_ids = prompt_layout(prompt_mask)
+
+  # Prefill each prompt once, then share its cache across the group.
+  prefill = model(prompts, positions=positions, segment_ids=segment_ids,
+                  cache=model.init_cache(num_prompts, total))
+  cache = kvc.repeat_rows(prefill.cache, group)
+  last_logits = jnp.repeat(prefill.logits[:, -1], group, axis=0)  # [B, V]
+  prompt_lengths = jnp.repeat(jnp.sum(prompt_mask, axis=1), group).astype(jnp.int32)  # [B]
+  prefill_routing = prefill.aux.get("routing")
+  decode_routing = None
+  if prefill_routing is not None:
+    layers, _, _, k = prefill_routing.shape
+    decode_routing = jnp.zeros((layers, batch, budget, k), jnp.int32)
+
+  state = _DecodeState(
+      step=jnp.zeros((), jnp.int32), key=key, cache=cache, logits=last_logits,
+      tokens=jnp.full((batch, budget), spec.pad_id, jnp.int32),
+      logprobs=jnp.zeros((batch, budget), jnp.float32), valid=jnp.zeros((batch, budget), bool),
+      done=jnp.zeros((batch,), bool), routing=decode_routing)
+  stop_tokens = jnp.asarray(spec.stop_tokens, jnp.int32)
+
+  def keep_going(s: _DecodeState):
+    return (s.step < budget) & ~jnp.all(s.done)
+
+  def decode_one(s: _DecodeState) -> _DecodeState:
+    key, sample_key = jax.random.split(s.key)
+    token = spec.sampler(s.logits, sample_key)  # [B]
+    logprob = spec.sampler.log_probs(s.logits, token)
+    live = ~s.done
+    token = jnp.where(live, token, spec.pad_id)
+    column = (0, s.step)
+    tokens = jax.lax.dynamic_update_slice(s.tokens, token[:, None], column)
+    logprobs = jax.lax.dynamic_update_slice(s.logprobs, jnp.where(live, logprob, 0.0)[:, None], column)
+    valid = jax.lax.dynamic_update_slice(s.valid, live[:, None], column)
+    done = s.done | jnp.isin(token, stop_tokens)
+    out = model(token[:, None], positions=(prompt_lengths + s.step)[:, None],
+                segment_ids=jnp.ones((batch, 1), jnp.int32), cache=s.cache)
+    routing = s.routing
+    if routing is not None:
+      routing = jax.lax.dynamic_update_slice(routing, out.aux["routing"], (0, 0, s.step, 0))
+    return _DecodeState(step=s.step + 1, key=key, cache=out.cache, logits=out.logits[:, 0],
+                        tokens=tokens, logprobs=logprobs, valid=valid, done=done, routing=routing)
+
+  final = jax.lax.while_loop(keep_going, decode_one, state)
+
+  rep = lambda a: jnp.repeat(a, group, axis=0)  # noqa: E731  [P, ...] -> [B, ...]
+  lengths = jnp.sum(final.valid, axis=1).astype(jnp.int32)
+  response_positions = prompt_lengths[:, None] + jnp.arange(budget, dtype=jnp.int32)
+  routing = None
+  if prefill_routing is not None:
+    routing = jnp.concatenate([jnp.repeat(prefill_routing, group, axis=1), final.routing], axis=2)
+  return RolloutBatch(
+      tokens=jnp.concatenate([rep(prompts), final.tokens], axis=1),
+      positions=jnp.concatenate([rep(positions), jnp.where(final.valid, response_positions, 0)], axis=1),
+      segment_ids=jnp.concatenate([rep(segment_ids), final.valid.astype(jnp.int32)], axis=1),
+      prompt_mask=jnp.concatenate([rep(prompt_mask).astype(bool), jnp.zeros((batch, budget), bool)], 1),
+      response_mask=jnp.concatenate([jnp.zeros((batch, prompt_len), bool), final.valid], axis=1),
+      logprobs=jnp.concatenate([jnp.zeros((batch, prompt_len)), final.logprobs], axis=1),
+      lengths=lengths, truncated=~final.done, routing=routing)
+
+
+def rollout_model_config(cfg, mesh: Mesh | None) -> ModelConfig:
+  """The model numbers with the rollout activation rules (parameters are laid out as in training)."""
+  return ModelConfig.from_config(cfg, mesh, rules=rules_from_config(cfg.mesh, "rollout"))
+
+
+def make_rollout(cfg, mesh: Mesh | None, *, eos_id: int, pad_id: int):
+  """Returns jitted `rollout(params, extra, prompts [P, Lp], prompt_mask [P, Lp], key) -> RolloutBatch`.
+
+  `params`/`extra` are the train state's own arrays (train/state.py); they are read, never copied.
+  """
+  mc = rollout_model_config(cfg, mesh)
+  graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(0))), nnx.Param, ...)
+  spec = RolloutSpec.from_config(cfg, eos_id=eos_id, pad_id=pad_id)
+  if mc.max_seq_len < cfg.rl.max_prompt_len + spec.max_new_tokens:
+    raise ValueError(f"rl.max_prompt_len={cfg.rl.max_prompt_len} + rl.max_new_tokens="
+                     f"{spec.max_new_tokens} exceeds model.max_seq_len={mc.max_seq_len}.")
+
+  def rollout(params, extra, prompts, prompt_mask, key):
+    return generate(nnx.merge(graphdef, params, extra), spec, prompts, prompt_mask, key)
+
+  return jax.jit(rollout)

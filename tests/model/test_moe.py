@@ -1,0 +1,291 @@
+"""MoE: routing matches a plain numpy reference, every dispatch agrees, balancing moves the load."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshrl.model.moe import (MoE, RouterBias, expert_load, load_balancing_loss, route,
+                              router_z_loss, update_router_bias)
+from meshrl.model.params import sharded_init
+from meshrl.sharding import make_mesh
+
+B, T, D, F, E, K = 8, 4, 16, 8, 8, 2
+
+SOFTMAX = dict(score_func="softmax")
+DEEPSEEK = dict(score_func="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                num_shared_experts=2, shared_expert_mlp_dim=4, aux_free_bias=True)
+
+
+def _mesh(expert):
+  return make_mesh(ml_collections.ConfigDict(
+      dict(data=1, fsdp=-1, expert=expert, sequence=1, tensor=1, num_slices=1)))
+
+
+def _moe(mesh=None, **kw):
+  """A tiny MoE with O(1) outputs, a router far from uniform, and a random bias."""
+  moe = MoE(D, F, E, K, mesh=mesh, rngs=nnx.Rngs(0), **kw)
+  for i, name in enumerate(("router", "gate", "up", "down", "shared_gate", "shared_up", "shared_down")):
+    if (weight := getattr(moe, name)) is not None:
+      fan_in = 1 if name == "router" else weight.shape[-2]
+      weight[...] = jax.random.normal(jax.random.key(10 + i), weight.shape) / math.sqrt(fan_in)
+  if moe.router_bias is not None:
+    moe.router_bias[...] = 0.3 * jax.random.normal(jax.random.key(2), (E,))
+  return moe
+
+
+def _x(seed=3):
+  return jax.random.normal(jax.random.key(seed), (B, T, D))
+
+
+@nnx.jit
+def _apply(moe, x, routing=None):
+  return moe(x, routing=routing)
+
+
+def _loss(moe, x, cot, routing=None):
+  y, aux = moe(x, routing=routing)
+  return jnp.sum(y * cot) + aux["aux_loss"] + 1e-3 * aux["z_loss"]
+
+
+_grad = nnx.jit(nnx.grad(_loss))
+
+
+def _np(v):
+  return np.asarray(v[...] if isinstance(v, nnx.Variable) else v, np.float64)
+
+
+def _np_route(logits, bias, *, score_func="softmax", n_group=1, topk_group=1,
+              routed_scaling_factor=1.0, norm_topk_prob=True, **_):
+  """Hugging Face's routing, token by token, in float64 numpy: ([N, K] weights, [N, K] experts)."""
+  weights, experts = [], []
+  for row in logits:
+    if score_func == "softmax":
+      scores = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+    else:
+      scores = 1 / (1 + np.exp(-row))
+    choice = scores + (0 if bias is None else bias)
+    if n_group > 1:
+      groups = choice.reshape(n_group, -1)
+      group_scores = np.sort(groups, axis=1)[:, -2:].sum(1)
+      kept = np.argsort(-group_scores)[:topk_group]
+      mask = np.zeros(n_group, bool)
+      mask[kept] = True
+      choice = np.where(np.repeat(mask, E // n_group), choice, -np.inf)
+    chosen = np.argsort(-choice, kind="stable")[:K]
+    w = scores[chosen]
+    if norm_topk_prob:
+      w = w / (w.sum() + (1e-20 if score_func == "sigmoid" else 0))
+    weights.append(w * routed_scaling_factor)
+    experts.append(chosen)
+  return np.array(weights), np.array(experts)
+
+
+def _np_moe(moe, x, experts=None, kept=None, **cfg):
+  """Dense per-token loop over the chosen experts (+ shared experts): y [B, T, D], experts [N, K]."""
+  xs = np.asarray(x, np.float64).reshape(-1, D)
+  bias = None if moe.router_bias is None else _np(moe.router_bias)
+  weights, chosen = _np_route(xs @ _np(moe.router), bias, **cfg)
+  if experts is not None:  # replay: weights from the router at the given experts
+    scores = xs @ _np(moe.router)
+    scores = (np.exp(scores) / np.exp(scores).sum(1, keepdims=True) if cfg["score_func"] == "softmax"
+              else 1 / (1 + np.exp(-scores)))
+    chosen = np.asarray(experts)
+    weights = np.take_along_axis(scores, chosen, 1)
+    weights = weights / weights.sum(1, keepdims=True) * cfg.get("routed_scaling_factor", 1.0)
+  silu = lambda a: a / (1 + np.exp(-a))
+  gate, up, down = _np(moe.gate), _np(moe.up), _np(moe.down)
+  y = np.zeros_like(xs)
+  for n in range(xs.shape[0]):
+    for j in range(K):
+      if kept is None or kept[n, j]:
+        e = chosen[n, j]
+        y[n] += weights[n, j] * (silu(xs[n] @ gate[e]) * (xs[n] @ up[e])) @ down[e]
+    if moe.shared_gate is not None:
+      y[n] += (silu(xs[n] @ _np(moe.shared_gate)) * (xs[n] @ _np(moe.shared_up))) @ _np(moe.shared_down)
+  return y.reshape(B, T, D), chosen
+
+
+@pytest.mark.parametrize("cfg", [SOFTMAX, DEEPSEEK], ids=["qwen3_softmax", "deepseek_sigmoid_groups"])
+def test_dropless_matches_dense_loop(cfg):
+  moe = _moe(**cfg)
+  x = _x()
+  y, aux = _apply(moe, x)
+  want, chosen = _np_moe(moe, x, **cfg)
+  np.testing.assert_array_equal(np.sort(aux["routing"].reshape(-1, K), 1), np.sort(chosen, 1))
+  assert np.abs(np.asarray(y) - want).max() <= 1e-5
+  assert aux["dropped_fraction"] == 0
+  np.testing.assert_allclose(aux["expert_load"].sum(), 1.0, rtol=1e-6)
+
+
+def test_capacity_matches_dropless_when_ample():
+  moe = _moe(**DEEPSEEK)
+  x = _x()
+  y, aux = _apply(moe, x)
+  moe.dispatch, moe.capacity_factor = "capacity", float(E)  # capacity = N * K: nothing can drop
+  y_cap, aux_cap = _apply(moe, x)
+  assert aux_cap["dropped_fraction"] == 0
+  assert np.abs(np.asarray(y_cap - y)).max() <= 1e-5
+
+
+def test_capacity_drops_overflow_in_choice_major_order():
+  moe = _moe(dispatch="capacity", capacity_factor=0.5, **SOFTMAX)
+  x = _x()
+  y, aux = _apply(moe, x)
+  chosen = np.asarray(aux["routing"]).reshape(-1, K)
+  cap = math.ceil(0.5 * B * T * K / E)
+  kept, filled = np.zeros_like(chosen, bool), np.zeros(E, int)
+  for j in range(K):  # every first choice before any second choice, then token order
+    for n in range(B * T):
+      kept[n, j] = filled[chosen[n, j]] < cap
+      filled[chosen[n, j]] += 1
+  assert 0 < aux["dropped_fraction"] == pytest.approx((~kept).sum() / chosen.size)
+  want, _ = _np_moe(moe, x, kept=kept, **SOFTMAX)
+  assert np.abs(np.asarray(y) - want).max() <= 1e-5
+
+
+@pytest.mark.parametrize("expert,cfg", [(2, SOFTMAX), (4, DEEPSEEK), (8, SOFTMAX)])
+def test_expert_parallel_matches_single_device(expert, cfg):
+  mesh = _mesh(expert)
+  single = _moe(**cfg)
+  sharded = sharded_init(lambda: _moe(mesh=mesh, **cfg), mesh)
+  assert sharded.gate[...].sharding.spec[0] == "expert"
+  x = jax.device_put(_x(), NamedSharding(mesh, PartitionSpec(("fsdp", "expert"))))
+  y, aux = _apply(sharded, x)
+  y_ref, aux_ref = _apply(single, x)
+  assert np.abs(np.asarray(y - y_ref)).max() <= 1e-5
+  np.testing.assert_array_equal(aux["routing"], aux_ref["routing"])
+  assert aux["dropped_fraction"] == 0
+
+
+def test_expert_parallel_gradients_match_single_device():
+  mesh = _mesh(4)
+  single = _moe(**DEEPSEEK)
+  sharded = sharded_init(lambda: _moe(mesh=mesh, **DEEPSEEK), mesh)
+  x, cot = _x(), _x(seed=4)
+  g_ep, g_ref = _grad(sharded, x, cot), _grad(single, x, cot)
+  errors = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), g_ep, g_ref)
+  assert max(jax.tree.leaves(errors)) <= 1e-4, errors  # composite: fp32 sums in another order
+  assert float(jnp.abs(g_ref["gate"][...]).max()) > 0 and float(jnp.abs(g_ref["router"][...]).max()) > 0
+
+
+def test_expert_parallel_capacity_drops_per_destination():
+  mesh = _mesh(4)
+  moe = sharded_init(lambda: _moe(mesh=mesh, dispatch="capacity", capacity_factor=0.5, **SOFTMAX), mesh)
+  x = _x()
+  y, aux = _apply(moe, x)
+  chosen = np.asarray(aux["routing"]).reshape(-1, K)
+  shards, local_experts = 8, E // 4  # tokens split over fsdp=2 x expert=4 devices
+  n = B * T // shards
+  cap = math.ceil(0.5 * n * K / 4)
+  kept = np.zeros_like(chosen, bool)
+  for s in range(shards):
+    filled = np.zeros(4, int)
+    for j in range(K):
+      for t in range(s * n, (s + 1) * n):
+        dest = chosen[t, j] // local_experts
+        kept[t, j] = filled[dest] < cap
+        filled[dest] += 1
+  assert 0 < aux["dropped_fraction"] == pytest.approx((~kept).sum() / chosen.size)
+  want, _ = _np_moe(moe, x, kept=kept, **SOFTMAX)
+  assert np.abs(np.asarray(y) - want).max() <= 1e-5
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_gradients_flow_in_every_mode(dispatch):
+  moe = _moe(dispatch=dispatch, capacity_factor=1.0, **DEEPSEEK)
+  grads = _grad(moe, _x(), _x(seed=4))
+  for name in ("router", "gate", "up", "down", "shared_gate", "shared_up", "shared_down"):
+    g = np.asarray(grads[name][...])
+    assert np.isfinite(g).all() and np.abs(g).max() > 0, name
+  assert "router_bias" not in grads  # the bias is state, not a parameter
+
+
+@pytest.mark.parametrize("cfg", [SOFTMAX, DEEPSEEK], ids=["softmax", "sigmoid"])
+def test_routing_replay_reproduces_output(cfg):
+  moe = _moe(**cfg)
+  x = _x()
+  y, aux = _apply(moe, x)
+  y_replay, aux_replay = _apply(moe, x, aux["routing"])
+  np.testing.assert_array_equal(y_replay, y)
+  np.testing.assert_array_equal(aux_replay["routing"], aux["routing"])
+  # Replaying other experts: weights are the router's scores at those experts.
+  other = (aux["routing"] + 1) % E
+  y_other, _ = _apply(moe, x, other)
+  want, _ = _np_moe(moe, x, experts=np.asarray(other).reshape(-1, K), **cfg)
+  assert np.abs(np.asarray(y_other) - want).max() <= 1e-5
+  router_grad = _grad(moe, x, _x(seed=4), other)["router"][...]
+  assert np.abs(np.asarray(router_grad)).max() > 0
+
+
+def test_aux_free_bias_balances_skewed_router():
+  logits = jax.random.normal(jax.random.key(5), (512, E)) + jnp.linspace(2.0, -2.0, E)  # [N, E]
+
+  def step(bias, _):
+    _, indices, _ = route(logits, bias, k=K, score_func="sigmoid", n_group=4, topk_group=2)
+    load = expert_load(indices, E)
+    return update_router_bias(bias, load, 0.02), load
+
+  _, loads = jax.lax.scan(step, jnp.zeros(E), None, length=300)
+  ratio = lambda load: float(load.max() / max(float(load.min()), 1.0 / 512))
+  assert ratio(loads[0]) > 20
+  assert ratio(loads[-20:].mean(0)) < 1.5
+
+
+def test_loss_values():
+  logits = jax.random.normal(jax.random.key(6), (64, E))
+  probs = jax.nn.softmax(logits)
+  indices = jax.lax.top_k(probs, K)[1]
+  load = np.bincount(np.asarray(indices).ravel(), minlength=E) / indices.size
+  want = E * np.sum(load * np.asarray(probs).mean(0))
+  np.testing.assert_allclose(load_balancing_loss(probs, indices), want, rtol=1e-6)
+  uniform = jnp.full((E, E), 1.0 / E)
+  assert load_balancing_loss(uniform, jnp.arange(E)[:, None]) == pytest.approx(1.0)
+  lse = np.log(np.exp(np.asarray(logits, np.float64)).sum(1))
+  np.testing.assert_allclose(router_z_loss(logits), np.mean(lse ** 2), rtol=1e-6)
+  bias = update_router_bias(jnp.zeros(E), jnp.asarray(load), 0.1)
+  np.testing.assert_allclose(bias, 0.1 * np.sign(load.mean() - load))
+
+
+def test_params_carry_logical_axes():
+  moe = MoE(D, F, E, K, num_shared_experts=1, aux_free_bias=True, rngs=nnx.Rngs(0))
+  assert moe.gate.axes == ("experts", "embed", "expert_mlp")
+  assert moe.down.axes == ("experts", "expert_mlp", "embed")
+  assert moe.router.axes == ("embed", None)
+  assert moe.shared_down.axes == ("mlp", "embed")
+  assert isinstance(moe.router_bias, RouterBias) and moe.router_bias.axes == (None,)
+  assert moe.router_bias[...].dtype == jnp.float32 and not moe.router_bias[...].any()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_experts_per_tok=9), "num_experts_per_tok=9"),
+    (dict(n_group=3), "n_group=3"),
+    (dict(n_group=2, topk_group=3), "topk_group=3"),
+    (dict(n_group=8), "at least 2"),
+    (dict(num_experts_per_tok=3, n_group=4, topk_group=1), "exceeds the 2 experts"),
+    (dict(score_func="relu"), "score_func='relu'"),
+    (dict(dispatch="dense"), "dispatch='dense'"),
+    (dict(capacity_factor=0.0), "capacity_factor=0.0"),
+])
+def test_bad_arguments_raise(kw, match):
+  args = dict(embed_dim=D, expert_mlp_dim=F, num_experts=E, num_experts_per_tok=K) | kw
+  with pytest.raises(ValueError, match=match):
+    MoE(**args, rngs=nnx.Rngs(0))
+
+
+def test_bad_mesh_and_inputs_raise():
+  with pytest.raises(ValueError, match="num_experts=6 must be divisible"):
+    MoE(D, F, 6, K, mesh=_mesh(4), rngs=nnx.Rngs(0))
+  moe = MoE(D, F, E, K, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="expected"):
+    moe(jnp.zeros((B, T, D + 1)))
+  with pytest.raises(ValueError, match="routing has shape"):
+    moe(_x(), routing=jnp.zeros((B, T, K + 1), jnp.int32))
+  ep = MoE(D, F, E, K, mesh=_mesh(8), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="divisible by the mesh's expert axis"):
+    ep(jnp.zeros((1, 3, D)))

@@ -1,0 +1,236 @@
+"""Blockwise, ring and decode attention against the plain-softmax reference (8 simulated devices)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from meshrl.model import ring_attention as ra
+from meshrl.sharding import make_mesh
+
+TOL = 1e-5  # fp32, forward and gradients
+
+
+def _mesh(sequence, data=1, tensor=1):
+  return make_mesh(dict(data=data, fsdp=1, expert=1, sequence=sequence, tensor=tensor),
+                   devices=jax.devices()[:sequence * data * tensor])
+
+
+def _inputs(b=2, t=64, s=None, n=4, kv_heads=2, h=16, j=None, seed=0):
+  """q [B, T, N, H], k [B, S, K, H], v [B, S, K, J] and an output cotangent [B, T, N, J]."""
+  s, j = s or t, j or h
+  keys = jax.random.split(jax.random.key(seed), 4)
+  return (jax.random.normal(keys[0], (b, t, n, h)), jax.random.normal(keys[1], (b, s, kv_heads, h)),
+          jax.random.normal(keys[2], (b, s, kv_heads, j)),
+          jax.random.normal(keys[3], (b, t, n, j)))
+
+
+def _packed_segments(b, t):
+  """Three documents per row, different cut points per row: [B, T] int32."""
+  cuts = np.array([[t // 3, t // 2], [t // 5, 3 * t // 4]])[:b]
+  return jnp.asarray((np.arange(t)[None, :, None] >= cuts[:, None, :]).sum(-1), jnp.int32)
+
+
+def _out_and_grads(impl, q, k, v, cot, **kwargs):
+  """(out, dq, dk, dv) of attend under jit."""
+  def run(q, k, v, cot):
+    out, vjp = jax.vjp(lambda q, k, v: ra.attend(q, k, v, impl=impl, **kwargs), q, k, v)
+    return (out,) + vjp(cot)
+  return jax.jit(run)(q, k, v, cot)
+
+
+def _max_errors(got, want):
+  return [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+          for a, b in zip(got, want)]
+
+
+def test_reference_matches_jax_dot_product_attention():
+  q, k, v, _ = _inputs(t=48, n=4, kv_heads=2)
+  want = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+  got = ra.attend(q, k, v, impl="reference")
+  assert float(jnp.max(jnp.abs(got - want))) <= TOL
+
+
+BLOCKWISE_CASES = {
+    # name: (input shapes, attend kwargs)
+    "causal_gqa_padded_len200": (dict(t=200, n=4, kv_heads=2), dict(block_q=64, block_kv=32)),
+    "noncausal_padded_len200": (dict(t=200, n=4, kv_heads=4),
+                                dict(causal=False, block_q=64, block_kv=48)),
+    "causal_packed_5heads_mqa": (dict(t=96, n=5, kv_heads=1), dict(segments=True, block_q=16,
+                                                                   block_kv=32)),
+    "noncausal_packed_5heads": (dict(t=96, n=5, kv_heads=5), dict(causal=False, segments=True,
+                                                                  block_q=32, block_kv=16)),
+    "value_dim_differs": (dict(t=64, h=24, j=8), dict(block_q=16, block_kv=16)),
+    "cross_len_default_positions": (dict(t=24, s=72), dict(block_q=8, block_kv=16)),
+}
+
+
+@pytest.mark.parametrize("case", list(BLOCKWISE_CASES))
+def test_blockwise_matches_reference(case):
+  shapes, kwargs = BLOCKWISE_CASES[case]
+  kwargs = dict(kwargs)
+  q, k, v, cot = _inputs(**shapes)
+  if kwargs.pop("segments", False):
+    kwargs["segment_ids"] = _packed_segments(q.shape[0], q.shape[1])
+  want = _out_and_grads("reference", q, k, v, cot, **kwargs)
+  got = _out_and_grads("blockwise", q, k, v, cot, **kwargs)
+  errors = _max_errors(got, want)
+  assert max(errors) <= TOL, f"{case}: out, dq, dk, dv max errors {errors}"
+
+
+RING_CASES = {
+    # name: (mesh sizes, attend kwargs)
+    "1dev_causal_packed": (dict(sequence=1), dict(segments=True)),
+    "2dev_noncausal_tensor2_data2": (dict(sequence=2, data=2, tensor=2), dict(causal=False)),
+    "4dev_causal_data2": (dict(sequence=4, data=2), dict()),
+    "8dev_causal_packed": (dict(sequence=8), dict(segments=True)),
+    "8dev_noncausal_packed": (dict(sequence=8), dict(causal=False, segments=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(RING_CASES))
+def test_ring_matches_reference(case):
+  mesh_sizes, kwargs = RING_CASES[case]
+  kwargs = dict(kwargs)
+  q, k, v, cot = _inputs(t=96, n=4, kv_heads=2)
+  if kwargs.pop("segments", False):
+    kwargs["segment_ids"] = _packed_segments(q.shape[0], q.shape[1])
+  want = _out_and_grads("reference", q, k, v, cot, **kwargs)
+  got = _out_and_grads("ring", q, k, v, cot, mesh=_mesh(**mesh_sizes), block_q=8, block_kv=4,
+                       **kwargs)
+  errors = _max_errors(got, want)
+  assert max(errors) <= TOL, f"{case}: out, dq, dk, dv max errors {errors}"
+
+
+def test_ring_odd_heads_on_zigzag_layout_matches_reference():
+  """5 query heads over 1 kv head, 4 devices, the batch laid out zigzag with its positions."""
+  shards = 4
+  q, k, v, cot = _inputs(t=120, n=5, kv_heads=1)
+  positions = jnp.broadcast_to(jnp.arange(120), (2, 120))
+  want = _out_and_grads("reference", q, k, v, cot)
+  zz = lambda x: ra.zigzag(x, shards)
+  got = _out_and_grads("ring", zz(q), zz(k), zz(v), zz(cot), mesh=_mesh(sequence=shards),
+                       q_positions=zz(positions), kv_positions=zz(positions), block_q=8,
+                       block_kv=8)
+  got = [ra.unzigzag(x, shards) for x in got]
+  errors = _max_errors(got, want)
+  assert max(errors) <= TOL, f"out, dq, dk, dv max errors {errors}"
+
+
+def test_bf16_within_2e2_of_fp32_reference():
+  q, k, v, cot = _inputs(t=64, n=4, kv_heads=2)
+  want = _out_and_grads("reference", q, k, v, cot)
+  as_bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v, cot)]
+  for impl, kwargs in (("blockwise", dict(block_q=16, block_kv=16)),
+                       ("ring", dict(mesh=_mesh(sequence=4), block_q=8, block_kv=8))):
+    got = _out_and_grads(impl, *as_bf16, **kwargs)
+    assert all(x.dtype == jnp.bfloat16 for x in got)
+    errors = _max_errors(got, want)
+    assert max(errors) <= 2e-2, f"{impl}: out, dq, dk, dv max errors {errors}"
+
+
+def _op_count(hlo_text, op):
+  return len(re.findall(rf"=\s*\S+\s+{op}(-start)?\(", hlo_text))
+
+
+def test_compiled_ring_permutes_and_never_gathers_kv():
+  q, k, v, cot = _inputs(b=1, t=64, n=4, kv_heads=2)
+  mesh = _mesh(sequence=4)
+
+  def fwd_bwd(q, k, v, cot):
+    out, vjp = jax.vjp(lambda q, k, v: ra.attend(q, k, v, impl="ring", mesh=mesh, block_q=8,
+                                                 block_kv=8), q, k, v)
+    return out, vjp(cot)
+
+  hlo = jax.jit(fwd_bwd).lower(q, k, v, cot).compile().as_text()
+  assert _op_count(hlo, "collective-permute") >= 2, "expected ppermutes in forward and backward"
+  assert _op_count(hlo, "all-gather") == 0
+  assert _op_count(hlo, "all-to-all") == 0
+
+
+def _ring_temp_bytes(shards, tokens_per_device=256):
+  q, k, v, cot = _inputs(b=1, t=shards * tokens_per_device, n=4, kv_heads=2, h=32)
+  mesh = _mesh(sequence=shards)
+
+  def fwd_bwd(q, k, v, cot):
+    out, vjp = jax.vjp(lambda q, k, v: ra.attend(q, k, v, impl="ring", mesh=mesh, block_q=64,
+                                                 block_kv=64), q, k, v)
+    return vjp(cot)
+
+  compiled = jax.jit(fwd_bwd).lower(q, k, v, cot).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_ring_temp_memory_flat_in_device_count():
+  temps = {shards: _ring_temp_bytes(shards) for shards in (2, 4, 8)}
+  spread = max(temps.values()) / min(temps.values())
+  assert spread <= 1.05, f"per-device temp bytes by device count: {temps}"
+
+
+def test_zigzag_roundtrip_and_layout():
+  x = np.arange(2 * 24 * 3).reshape(2, 24, 3)
+  zz = ra.zigzag(x, 3)
+  np.testing.assert_array_equal(ra.unzigzag(zz, 3), x)
+  np.testing.assert_array_equal(zz[0, :, 0] // 3, [0, 1, 2, 3, 20, 21, 22, 23, 4, 5, 6, 7,
+                                                   16, 17, 18, 19, 8, 9, 10, 11, 12, 13, 14, 15])
+  jx = jnp.asarray(x, jnp.float32)
+  assert bool(jnp.all(ra.unzigzag(ra.zigzag(jx, 4, axis=-2), 4, axis=-2) == jx))
+
+
+def test_zigzag_balances_causal_work():
+  shards, length = 8, 8 * 2 * 16
+  for layout, want_balanced in ((lambda p: p, False), (lambda p: ra.zigzag(p, shards, 0), True)):
+    pos = layout(np.arange(length)).reshape(shards, -1)  # [device, local tokens]
+    work = [(pos[d][:, None] >= np.arange(length)[None, :]).sum() for d in range(shards)]
+    assert (max(work) == min(work)) == want_balanced, work
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_sharded_decode_matches_reference(q_len):
+  b, s = 2, 64
+  q, k, v, _ = _inputs(b=b, t=q_len, s=s, n=4, kv_heads=2)
+  lengths = np.array([40, 64])  # row 0 has 24 empty cache slots
+  kv_pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+  q_pos = jnp.asarray(lengths[:, None] - q_len + np.arange(q_len)[None], jnp.int32)
+  kv_valid = kv_pos < lengths[:, None]
+  want = ra.reference_attention(q, k, v, causal=True, q_positions=q_pos, kv_positions=kv_pos,
+                                q_segment_ids=jnp.ones((b, q_len), jnp.int32),
+                                kv_segment_ids=kv_valid.astype(jnp.int32), scale=0.25)
+  for mesh in (_mesh(sequence=4, data=2), None):
+    got = jax.jit(lambda q, k, v: ra.decode_attend(q, k, v, mesh=mesh, q_positions=q_pos,
+                                                   kv_positions=kv_pos, kv_valid=kv_valid,
+                                                   block_kv=8))(q, k, v)
+    assert float(jnp.max(jnp.abs(got - want))) <= TOL
+
+
+def test_sharded_decode_all_reduces_partials_and_moves_no_cache():
+  q, k, v, _ = _inputs(b=1, t=1, s=64, n=4, kv_heads=2)
+  mesh = _mesh(sequence=8)
+  hlo = jax.jit(lambda q, k, v: ra.decode_attend(q, k, v, mesh=mesh, q_positions=[63],
+                                                 kv_positions=jnp.arange(64))
+                ).lower(q, k, v).compile().as_text()
+  assert _op_count(hlo, "all-reduce") >= 1
+  for op in ("collective-permute", "all-gather", "all-to-all"):
+    assert _op_count(hlo, op) == 0, op
+
+
+def test_bad_inputs_raise_naming_sizes():
+  q, k, v, _ = _inputs(t=48, n=4, kv_heads=3, h=8)
+  with pytest.raises(ValueError, match="kv_heads=3 must divide heads=4"):
+    ra.attend(q, k, v, impl="blockwise")
+  q, k, v, _ = _inputs(t=48, n=4, kv_heads=2, h=8)
+  with pytest.raises(ValueError, match="impl="):
+    ra.attend(q, k, v, impl="flash")
+  with pytest.raises(ValueError, match="mesh=None"):
+    ra.attend(q, k, v, impl="ring")
+  no_sequence = Mesh(np.array(jax.devices()[:2]), ("data",))
+  with pytest.raises(ValueError, match="'sequence' axis"):
+    ra.attend(q, k, v, impl="ring", mesh=no_sequence)
+  q, k, v, _ = _inputs(t=44, n=4, kv_heads=2, h=8)
+  with pytest.raises(ValueError, match="q_len=44 and kv_len=44 .* axis size 8"):
+    ra.attend(q, k, v, impl="ring", mesh=_mesh(sequence=8))
+  with pytest.raises(ValueError, match="length 20 .* 2 \\* num_shards = 8"):
+    ra.zigzag(np.zeros((1, 20)), 4)

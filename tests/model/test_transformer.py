@@ -1,0 +1,112 @@
+"""The decoder: sharded equals unsharded, KV-cache decode equals the full forward, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshrl import configs
+from meshrl.model.init import build_model, parameter_counts
+from meshrl.model.transformer import ModelConfig
+from meshrl.sharding import make_mesh
+
+TINY = ["model.num_layers=3", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=128",
+        "moe.expert_mlp_dim=32", "moe.num_experts=4", "moe.first_k_dense=1", "model.max_seq_len=32"]
+MLA = ["model.attention_type=mla", "model.q_lora_rank=24", "model.kv_lora_rank=16",
+       "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=12",
+       "moe.num_shared_experts=1", "moe.score_func=sigmoid", "model.rope_interleave=true"]
+
+
+def _cfg(*extra):
+  return configs.load("configs/tiny.py", TINY + list(extra))
+
+
+def _tokens(batch=8, length=12, seed=0):
+  return jnp.asarray(np.random.RandomState(seed).randint(0, 259, (batch, length)), jnp.int32)
+
+
+def _forward(model, tokens, **kw):
+  graphdef, state = nnx.split(model)
+  return jax.jit(lambda s, t: nnx.merge(graphdef, s)(t, **kw).logits)(state, tokens)
+
+
+@pytest.mark.parametrize("variant,mesh_sizes", [
+    ("gqa", dict(fsdp=8)), ("gqa", dict(fsdp=2, tensor=2, expert=2)),
+    ("mla", dict(fsdp=1, expert=4, tensor=2))])
+def test_sharded_forward_equals_unsharded(devices, variant, mesh_sizes):
+  extra = MLA if variant == "mla" else ["model.qk_norm=true"]
+  overrides = [f"mesh.{axis}={size}" for axis, size in mesh_sizes.items()]
+  cfg = _cfg(*extra, *overrides)
+  tokens = _tokens()
+  reference = _forward(build_model(ModelConfig.from_config(cfg)), tokens)
+  mesh = make_mesh(cfg.mesh)
+  sharded_model = build_model(ModelConfig.from_config(cfg, mesh), mesh)
+  kernel = sharded_model.embed.embedding[...]
+  assert len({s.device for s in kernel.addressable_shards}) == 8
+  sharded = _forward(sharded_model, tokens)
+  np.testing.assert_allclose(np.asarray(sharded), np.asarray(reference), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mla"])
+def test_cache_decode_equals_full_forward(variant):
+  cfg = _cfg(*(MLA if variant == "mla" else []))
+  model = build_model(ModelConfig.from_config(cfg))
+  tokens = _tokens(batch=2, length=10)
+  full = model(tokens).logits
+  out = model(tokens[:, :4], cache=model.init_cache(2, 16))
+  steps, cache = [out.logits], out.cache
+  for t in range(4, 10):
+    out = model(tokens[:, t:t + 1], cache=cache)
+    steps.append(out.logits)
+    cache = out.cache
+  np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, axis=1)), np.asarray(full), atol=1e-5)
+  assert int(cache.index) == 10
+
+
+def test_scan_and_loop_and_remat_agree():
+  tokens = _tokens(batch=2)
+  ref = build_model(ModelConfig.from_config(_cfg()))(tokens).logits
+  for extra in (["model.scan_layers=false"], ["model.remat=full"], ["model.remat=save_attention"]):
+    got = build_model(ModelConfig.from_config(_cfg(*extra)))(tokens).logits
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-6)
+
+
+def test_routing_replay_and_aux():
+  model = build_model(ModelConfig.from_config(_cfg()))
+  tokens = _tokens(batch=2)
+  out = model(tokens)
+  assert out.aux["routing"].shape == (2, 2, 12, 2)  # [L_moe, B, T, K]
+  np.testing.assert_allclose(np.asarray(out.aux["expert_load"].sum(-1)), 1.0, atol=1e-6)
+  replayed = model(tokens, routing=out.aux["routing"])
+  np.testing.assert_allclose(np.asarray(replayed.logits), np.asarray(out.logits), atol=1e-6)
+
+
+def test_parameter_counts_from_shapes():
+  cfg = _cfg()
+  counts = parameter_counts(ModelConfig.from_config(cfg))
+  model = build_model(ModelConfig.from_config(cfg))
+  actual = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert counts["total"] == actual
+  # 2 MoE layers x 4 experts x 3 matrices of 64x32; half the experts are active per token.
+  assert counts["total"] - counts["active_per_token"] == 2 * 2 * 3 * 64 * 32
+
+
+def test_value_head_and_hidden():
+  model = build_model(ModelConfig.from_config(_cfg("model.value_head=true")))
+  out = model(_tokens(batch=2), return_hidden=True)
+  assert out.logits is None and out.hidden.shape == (2, 12, 64) and out.values.shape == (2, 12)
+
+
+def test_bad_input_errors():
+  with pytest.raises(ValueError, match="num_heads=4 is not divisible by model.num_kv_heads=3"):
+    ModelConfig.from_config(_cfg("model.num_kv_heads=3"))
+  with pytest.raises(ValueError, match="num_experts_per_tok=5 is larger than moe.num_experts=4"):
+    ModelConfig.from_config(_cfg("moe.num_experts_per_tok=5"))
+  model = build_model(ModelConfig.from_config(_cfg()))
+  with pytest.raises(ValueError, match="40 tokens is longer than model.max_seq_len=32"):
+    model(_tokens(batch=1, length=40))
+  cfg = _cfg("mesh.expert=8", "mesh.fsdp=1", "moe.num_experts=4")
+  mesh = make_mesh(cfg.mesh)
+  with pytest.raises(ValueError, match="(?i)expert"):
+    build_model(ModelConfig.from_config(cfg, mesh), mesh)

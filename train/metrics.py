@@ -1,0 +1,267 @@
+"""Metrics at the edge of the loop: JSONL, TensorBoard, a progress bar, curves, MFU and compile counts.
+
+  writer = MetricsWriter(workdir, total_steps=cfg.rl.num_steps)
+  writer.write(step, {"reward": ..., "kl": ..., "tokens_per_s": ...})   # jax/numpy scalars are fine
+  writer.close()
+  plot_curve(f"{workdir}/metrics.jsonl", "reward", f"{workdir}/reward_curve.png")
+
+Files in `workdir`: `metrics.jsonl` (one JSON object per write, with "step"), `tb/` (TensorBoard
+events). `CompileCounter` counts XLA compilations by function name, so a loop can log (and a test
+assert) that no step compiles after the first.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import numbers
+import os
+import threading
+from typing import Any, Iterable, Mapping
+
+import jax
+import numpy as np
+
+BAR_KEYS = ("loss", "reward", "kl", "entropy", "tokens_per_s")
+
+# Dense bf16 peak FLOP/s per chip, matched against jax's `device_kind` (first match wins).
+PEAK_FLOPS = (
+    ("TPU v6 lite", 918e12), ("TPU v5 lite", 197e12), ("TPU v5", 459e12), ("TPU v4", 275e12),
+    ("H200", 989e12), ("H100", 989e12), ("A100", 312e12),
+)
+
+
+def to_python(value: Any) -> Any:
+  """A JSON-ready value: jax/numpy scalars -> float/int/bool, arrays -> (nested) lists."""
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    value = np.asarray(jax.device_get(value))
+    return value.item() if value.ndim == 0 else value.tolist()
+  if isinstance(value, Mapping):
+    return {str(k): to_python(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [to_python(v) for v in value]
+  return value
+
+
+def _is_scalar(value: Any) -> bool:
+  return isinstance(value, numbers.Number) and not isinstance(value, bool)
+
+
+def _json_safe(value: Any) -> Any:
+  """NaN and inf are not JSON; write them as strings so every line still parses."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return str(value)
+  return value
+
+
+class MetricsWriter:
+  """Writes one record per step to metrics.jsonl, TensorBoard and a tqdm bar.
+
+  Args:
+    workdir: output folder (created).
+    tensorboard: log.tensorboard; write `workdir/tb` event files.
+    progress_bar: log.progress_bar; show a tqdm bar with `bar_keys`.
+    total_steps: length of the bar.
+    bar_keys: metrics shown on the bar, when present.
+    resume_step: on a resumed run, drop records after this step from metrics.jsonl so the file
+      holds each step once (the steps after the checkpoint are trained again).
+  """
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True, progress_bar: bool = True,
+               total_steps: int | None = None, bar_keys: Iterable[str] = BAR_KEYS,
+               resume_step: int | None = None):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    if resume_step is not None:
+      _truncate_after(self.path, resume_step)
+    self._file = open(self.path, "a", encoding="utf-8")
+    self._tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+    self._bar = None
+    if progress_bar:
+      from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+      self._bar = tqdm(total=total_steps, initial=resume_step or 0, dynamic_ncols=True)
+    self._bar_keys = tuple(bar_keys)
+    self._last_step = resume_step or 0
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
+    """Records `metrics` for `step`; returns the record as written (plain Python values)."""
+    record = {"step": int(step), **to_python(dict(metrics))}
+    self._file.write(json.dumps({k: _json_safe(v) for k, v in record.items()}) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for key, value in record.items():
+        if key != "step" and _is_scalar(value):
+          self._tb.add_scalar(key, value, step)
+    if self._bar is not None:
+      self._bar.update(max(int(step) - self._last_step, 0))
+      shown = {k: f"{record[k]:.4g}" for k in self._bar_keys if _is_scalar(record.get(k))}
+      self._bar.set_postfix(shown, refresh=False)
+    self._last_step = int(step)
+    return record
+
+  def close(self) -> None:
+    self._file.close()
+    if self._tb is not None:
+      self._tb.close()
+    if self._bar is not None:
+      self._bar.close()
+
+  def __enter__(self) -> "MetricsWriter":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def _truncate_after(path: str, step: int) -> None:
+  if not os.path.exists(path):
+    return
+  kept = [line for line in read_jsonl(path) if line.get("step", 0) <= step]
+  with open(path, "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(line) + "\n" for line in kept)
+
+
+def read_jsonl(path: str) -> list[dict]:
+  """The records of a metrics.jsonl file (a torn last line, from a crash, is ignored)."""
+  records = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return records
+
+
+def plot_curve(metrics_jsonl: str, key: str, out_png: str, *, smooth: int = 1,
+               title: str | None = None) -> str:
+  """Plots `key` against step from a metrics.jsonl file into `out_png` (matplotlib, Agg).
+
+  Args:
+    metrics_jsonl: the file written by MetricsWriter.
+    key: the metric, e.g. "reward" (reward_curve.png) or "loss".
+    out_png: the image to write.
+    smooth: moving-average window drawn over the raw curve (1 = raw only).
+
+  Raises:
+    ValueError when no record holds a number for `key`.
+  """
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  points = [(r["step"], r[key]) for r in read_jsonl(metrics_jsonl) if _is_scalar(r.get(key))]
+  if not points:
+    raise ValueError(f"{metrics_jsonl} has no numeric {key!r} values to plot.")
+  steps, values = (np.asarray(v, np.float64) for v in zip(*points))
+  fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+  ax.plot(steps, values, alpha=0.4 if smooth > 1 else 1.0, label=key)
+  if smooth > 1 and len(values) >= smooth:
+    kernel = np.ones(smooth) / smooth
+    ax.plot(steps[smooth - 1:], np.convolve(values, kernel, mode="valid"), label=f"{key} ({smooth}-avg)")
+  ax.set_xlabel("step")
+  ax.set_ylabel(key)
+  ax.set_title(title or key)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+  fig.savefig(out_png)
+  plt.close(fig)
+  return out_png
+
+
+def model_flops_per_token(mc, *, seq_len: int, causal: bool = True, training: bool = True) -> float:
+  """Model FLOPs per token: matmuls with the active parameters plus attention scores.
+
+  Args:
+    mc: a ModelConfig (model/transformer.py).
+    seq_len: tokens each token attends over (the packed length T).
+    causal: halve the attention term (a token sees T/2 keys on average).
+    training: forward + backward (x3) if True, else forward only (generation).
+
+  Returns:
+    Training: 6 * N + 3 * A; generation: 2 * N + A. N counts the active parameters (k of E routed
+    experts, the output projection, not the embedding lookup, which has no FLOPs); A is the forward
+    attention per token, 2 * T * H * (d_qk + d_v) per layer, halved when causal.
+  """
+  from meshrl.model.init import parameter_counts  # pylint: disable=import-outside-toplevel
+  counts = parameter_counts(mc)
+  matmul_params = counts["active_per_token"] - (0 if mc.tie_embeddings else counts["embedding"])
+  if mc.attention_type == "mla":
+    d_qk, d_v = mc.qk_nope_head_dim + mc.qk_rope_head_dim, mc.v_head_dim
+  else:
+    d_qk = d_v = mc.head_dim
+  attention_forward = 2 * seq_len * mc.num_heads * (d_qk + d_v) * mc.num_layers
+  if causal:
+    attention_forward /= 2
+  passes = 3 if training else 1
+  return float(2 * passes * matmul_params + passes * attention_forward)
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
+  """Model FLOPs utilisation: achieved model FLOP/s over the hardware peak (all chips)."""
+  if peak_flops <= 0:
+    raise ValueError(f"peak_flops={peak_flops} must be positive.")
+  return tokens_per_s * flops_per_token / peak_flops
+
+
+def peak_flops(devices: Iterable[jax.Device] | None = None) -> float | None:
+  """Summed bf16 peak FLOP/s of `devices` (all by default), or None for unknown kinds (CPU)."""
+  total = 0.0
+  for device in jax.devices() if devices is None else devices:
+    per_chip = next((flops for kind, flops in PEAK_FLOPS if kind in device.device_kind), None)
+    if per_chip is None:
+      return None
+    total += per_chip
+  return total
+
+
+class CompileCounter:
+  """Counts XLA compilations (jax's '/jax/core/compile/backend_compile_duration' event).
+
+  Every jit cache miss that reaches the backend fires it once, persistent-cache hits included, with
+  the jitted function's name. Use it around a loop:
+
+    counter = CompileCounter()
+    ... steps ...
+    counter.count("step")  # compilations of functions whose name contains "step"
+    counter.close()
+  """
+
+  EVENT = "/jax/core/compile/backend_compile_duration"
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self.by_function: collections.Counter[str] = collections.Counter()
+    self.seconds = 0.0
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+  def _on_event(self, event: str, duration: float, **kwargs) -> None:
+    if event != self.EVENT:
+      return
+    with self._lock:
+      self.by_function[str(kwargs.get("fun_name", "?"))] += 1
+      self.seconds += duration
+
+  def count(self, name_contains: str = "") -> int:
+    """Compilations so far of functions whose name contains `name_contains` (all by default)."""
+    with self._lock:
+      return sum(n for name, n in self.by_function.items() if name_contains in name)
+
+  def close(self) -> None:
+    """Stops counting."""
+    try:
+      jax.monitoring.unregister_event_duration_listener(self._on_event)
+    except (AssertionError, ValueError):
+      pass
+
+  def __enter__(self) -> "CompileCounter":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

@@ -1,0 +1,236 @@
+"""Supervised fine-tuning on packed prompt/answer data: the RL warm start, and a check that the model
+can learn at all (the tiny model memorises a small batch).
+
+  step = make_sft_step(graphdef, mesh, cfg, tx, state_shardings=shardings_of(state))
+  state, metrics = step(state, batch)      # jitted, state donated
+  result = run_sft(cfg, workdir, mesh)     # the whole loop: data, metrics, checkpoints, resume
+
+Loss: next-token cross-entropy, counted only where the *target* token has loss_mask 1 (answer tokens
+and EOS) and lies in the same packed document as its input, averaged over those tokens; plus the MoE
+terms `moe.aux_loss_coef * aux_loss + moe.z_loss_coef * z_loss`. Segment ids go to the model, so
+packed documents never attend to each other. With `attention.logits_chunk > 0` the vocabulary
+projection and loss run chunk by chunk (train/chunked_loss.py) and [B, T, V] logits never exist.
+
+Axis legend: B batch rows, T packed length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshrl.train import chunked_loss
+from meshrl.train.data import FIELDS, make_sft_data
+from meshrl.train.optim import make_optimizer, make_schedule
+from meshrl.train.state import TrainState, create_train_state, merge_model, shardings_of
+from meshrl.train.state import update_router_bias
+
+
+def next_token_targets(batch: dict) -> tuple[jax.Array, jax.Array]:
+  """(targets [B, T] int32, weights [B, T] float32): position t predicts token t + 1.
+
+  The weight is 1 where token t + 1 is a loss token (loss_mask) of the same document as token t;
+  the last position has no target (weight 0).
+  """
+  tokens, segments, mask = batch["tokens"], batch["segment_ids"], batch["loss_mask"]
+  targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+  same_doc = jnp.pad((segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0), ((0, 0), (0, 1)))
+  weights = jnp.pad(mask[:, 1:], ((0, 0), (0, 1))) * same_doc
+  return targets, weights.astype(jnp.float32)
+
+
+def _cross_entropy(model, batch: dict, targets, weights, logits_chunk: int):
+  """-> (summed token NLL, ModelOutput)."""
+  kw = dict(positions=batch["positions"], segment_ids=batch["segment_ids"])
+  if logits_chunk:
+    out = model(batch["tokens"], return_hidden=True, **kw)
+    nll_sum, _ = chunked_loss.chunked_cross_entropy(out.hidden, model.output_projection(), targets,
+                                                    weights, chunk=logits_chunk)
+    return nll_sum, out
+  out = model(batch["tokens"], **kw)
+  logp = jax.nn.log_softmax(out.logits.astype(jnp.float32), axis=-1)  # [B, T, V]
+  target_logp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [B, T]
+  return -jnp.sum(target_logp * weights), out
+
+
+def sft_loss(params: nnx.State, extra: nnx.State, graphdef: nnx.GraphDef, batch: dict, *, moe_cfg,
+             logits_chunk: int = 0) -> tuple[jax.Array, dict]:
+  """The SFT objective on one packed batch -> (loss, metrics)."""
+  model = nnx.merge(graphdef, params, extra)
+  targets, weights = next_token_targets(batch)
+  num_tokens = jnp.sum(weights)
+  # Answer tokens: mean next-token cross-entropy.
+  nll_sum, out = _cross_entropy(model, batch, targets, weights, logits_chunk)
+  ce = nll_sum / jnp.maximum(num_tokens, 1.0)
+  loss, metrics = ce, {"ce": ce, "loss_tokens": num_tokens}
+  # MoE balance: auxiliary load-balancing and router z-losses.
+  if out.aux:
+    loss = loss + moe_cfg.aux_loss_coef * out.aux["aux_loss"] + moe_cfg.z_loss_coef * out.aux["z_loss"]
+    metrics.update(moe_aux_loss=out.aux["aux_loss"], moe_z_loss=out.aux["z_loss"],
+                   expert_load=out.aux["expert_load"])
+  metrics["loss"] = loss
+  return loss, metrics
+
+
+def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
+  """The sharding of [B, T] batch arrays: B over the batch axes, T over `sequence` (TRAIN rules)."""
+  from meshrl.sharding.rules import logical_to_spec  # pylint: disable=import-outside-toplevel
+  return NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh))
+
+
+def put_batch(batch: dict, sharding: NamedSharding | None) -> dict:
+  """Host batch ([B, T] numpy, this host's rows) -> global jax arrays in `sharding`."""
+  if sharding is None:
+    return {k: jnp.asarray(batch[k]) for k in FIELDS}
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(batch[k])) for k in FIELDS}
+
+
+def make_sft_step(model_graphdef: nnx.GraphDef, mesh: Mesh | None, cfg, tx: optax.GradientTransformation,
+                  *, state_shardings: Any = None, schedule: optax.Schedule | None = None):
+  """Returns jitted `sft_step(state, batch) -> (state, metrics)`; `state` is donated.
+
+  Args:
+    model_graphdef: from `create_train_state` / `split_model`.
+    mesh: the run's mesh (None: one device).
+    cfg: the run config (moe.*, attention.logits_chunk, optim.grad_accum_steps, mesh rules).
+    tx: the optimizer.
+    state_shardings: `shardings_of(state)`; pins the output state to the input layout so the step
+      compiles once. Batch arrays are laid out by `batch_sharding`.
+    schedule: the optimizer's learning-rate schedule, to report "lr".
+
+  Metrics (scalars unless noted): loss, ce, loss_tokens, grad_norm, lr, and for MoE models
+  moe_aux_loss, moe_z_loss, expert_load [L, E].
+  """
+  grad_fn = jax.grad(functools.partial(sft_loss, graphdef=model_graphdef, moe_cfg=cfg.moe,
+                                       logits_chunk=int(cfg.attention.logits_chunk)), has_aux=True)
+  accum = int(cfg.optim.grad_accum_steps)
+
+  def sft_step(state: TrainState, batch: dict):
+    grads, metrics = grad_fn(state.params, state.extra, batch=batch)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    if schedule is not None:
+      metrics["lr"] = schedule(state.step // accum)
+    extra = state.extra
+    if cfg.moe.aux_free_bias and "expert_load" in metrics:
+      extra = update_router_bias(extra, metrics["expert_load"], cfg.moe.bias_update_rate)
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state, extra=extra), metrics
+
+  if mesh is None or state_shardings is None:
+    return jax.jit(sft_step, donate_argnums=(0,))
+  from meshrl.sharding.rules import rules_from_config  # pylint: disable=import-outside-toplevel
+  rows = batch_sharding(mesh, rules_from_config(cfg.mesh))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  return jax.jit(sft_step, in_shardings=(state_shardings, {k: rows for k in FIELDS}),
+                 out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+
+
+class SFTResult(NamedTuple):
+  model: nnx.Module  # the trained model (shares the state's arrays)
+  state: TrainState
+  graphdef: nnx.GraphDef
+  history: list[dict]  # the metrics records written
+
+
+def _check_shapes(cfg, mesh: Mesh | None, batch_size: int) -> None:
+  """Batch and length must split over the mesh, and fit the model, before anything compiles."""
+  seq_len = cfg.data.seq_len
+  if seq_len > cfg.model.max_seq_len:
+    raise ValueError(f"data.seq_len={seq_len} is longer than model.max_seq_len={cfg.model.max_seq_len}.")
+  if mesh is None:
+    return
+  rows = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
+  if batch_size % rows:
+    raise ValueError(f"rl.sft_batch_size={batch_size} is not divisible by the {rows} batch shards "
+                     f"(mesh data * fsdp * expert = {dict(mesh.shape)}).")
+  if seq_len % mesh.shape["sequence"]:
+    raise ValueError(f"data.seq_len={seq_len} is not divisible by mesh.sequence={mesh.shape['sequence']}.")
+
+
+def _build(cfg, mesh: Mesh | None, model: nnx.Module | None) -> nnx.Module:
+  if model is not None:
+    return model
+  from meshrl.model.init import build_model  # pylint: disable=import-outside-toplevel
+  from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
+  from meshrl.sharding.rules import rules_from_config  # pylint: disable=import-outside-toplevel
+  return build_model(ModelConfig.from_config(cfg, mesh), mesh, seed=cfg.seed,
+                     rules=rules_from_config(cfg.mesh))
+
+
+def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | None = None, *,
+            examples: list[dict] | None = None, num_steps: int | None = None) -> SFTResult:
+  """Trains `rl.sft_steps` steps of SFT, writing metrics and checkpoints to `workdir`.
+
+  Args:
+    cfg: the locked run config (rl.sft_*, optim.*, data.*, checkpoint.*, log.*).
+    workdir: outputs: metrics.jsonl, tb/, checkpoints/, loss_curve.png.
+    mesh: the run's mesh (None: one device).
+    model: a built model to fine-tune (e.g. converted weights); built from cfg when None.
+    examples: fixed {"prompt", "answer"} examples instead of data.jsonl / data.tasks.
+    num_steps: overrides rl.sft_steps.
+
+  Returns:
+    SFTResult(model, state, graphdef, history). With checkpoint.restore, a run finds its latest
+    checkpoint in workdir/checkpoints and continues from it (state, data position, metrics file).
+  """
+  from meshrl.train.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from meshrl.train.metrics import CompileCounter, MetricsWriter, plot_curve  # pylint: disable=import-outside-toplevel
+  num_steps = cfg.rl.sft_steps if num_steps is None else num_steps
+  batch_size = cfg.rl.sft_batch_size
+  _check_shapes(cfg, mesh, batch_size)
+  tx = make_optimizer(cfg.optim, learning_rate=cfg.rl.sft_learning_rate)
+  graphdef, state = create_train_state(_build(cfg, mesh, model), tx, mesh)
+  data = make_sft_data(cfg, batch_size=batch_size, examples=examples)
+
+  ckpt, start = None, 0
+  if cfg.checkpoint.enabled:
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint.every,
+                        max_to_keep=cfg.checkpoint.max_to_keep, async_save=cfg.checkpoint.async_save)
+    restored = ckpt.restore(state) if cfg.checkpoint.restore else None
+    if restored is not None:
+      state, start = restored.state, restored.step
+      data.set_state(restored.data_state)
+
+  step_fn = make_sft_step(graphdef, mesh, cfg, tx, state_shardings=shardings_of(state),
+                          schedule=make_schedule(cfg.optim, learning_rate=cfg.rl.sft_learning_rate))
+  rows = None
+  if mesh is not None:
+    from meshrl.sharding.rules import rules_from_config  # pylint: disable=import-outside-toplevel
+    rows = batch_sharding(mesh, rules_from_config(cfg.mesh))
+  writer = MetricsWriter(workdir, tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar,
+                         total_steps=num_steps, resume_step=start if start else None)
+  history, counter = [], CompileCounter()
+  tokens, last_time = 0, time.perf_counter()
+  try:
+    for step in range(start + 1, num_steps + 1):
+      host_batch = next(data)
+      tokens += int(np.sum(host_batch["segment_ids"] > 0))
+      with jax.transfer_guard("disallow"):
+        state, metrics = step_fn(state, put_batch(host_batch, rows))
+      if step % cfg.log.every == 0 or step == num_steps:
+        metrics = {k: v for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
+        elapsed, last_time = time.perf_counter() - last_time, time.perf_counter()
+        metrics.update(tokens_per_s=tokens / elapsed, compiles=counter.count("sft_step"),
+                       **data.stats)
+        tokens = 0
+        history.append(writer.write(step, metrics))
+      if ckpt is not None and (ckpt.should_save(step) or step == num_steps):
+        ckpt.save(step, state, data_state=data.get_state(), config=cfg, force=True)
+  finally:
+    counter.close()
+    writer.close()
+    if ckpt is not None:
+      ckpt.close()
+  if cfg.log.plot and history:
+    plot_curve(writer.path, "loss", os.path.join(workdir, "loss_curve.png"), title="SFT loss")
+  return SFTResult(model=merge_model(graphdef, state), state=state, graphdef=graphdef, history=history)
