@@ -1,6 +1,9 @@
-"""The CPU demo: a 4-layer MoE small enough to learn a task by RL on 2 cores in minutes.
+"""The CPU demo: a 2-layer MoE (one dense layer, one with 4 experts) that learns single-digit
+arithmetic by GRPO on 2 CPU cores in a few minutes.
 
 Run it:  python scripts/rl.py --config=configs/tiny.py
+Expect: 80 warm-start (SFT) steps, then 150 GRPO steps; reward_mean rises from about 0.2 to about
+0.5 (see README for the measured curve).
 Options: `configs/tiny.py:dense` swaps every MoE layer for a dense MLP.
 """
 
@@ -22,15 +25,17 @@ def get_config(arg=None):
   config.moe.expert_mlp_dim = 128
   config.moe.first_k_dense = 1
   config.attention.impl = "reference"
-  config.optim.learning_rate = 3e-4
-  config.rl.num_steps = 60
-  config.rl.prompts_per_step = 8
+  config.optim.learning_rate = 5e-4
+  config.rl.num_steps = 150
+  config.rl.prompts_per_step = 16
   config.rl.group_size = 8
+  config.rl.num_minibatches = 4
   config.rl.max_prompt_len = 24
   config.rl.max_new_tokens = 12
-  config.rl.sft_steps = 150
+  config.rl.sft_steps = 80  # short on purpose: RL starts from a policy that is right ~25% of the time
+  config.data.seq_len = 64
   config.data.tasks = "arithmetic:1.0"
-  config.checkpoint.every = 30
+  config.checkpoint.every = 50
   if arg == "dense":
     config.moe.num_experts = 0
   elif arg:

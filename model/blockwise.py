@@ -16,8 +16,9 @@ attend), so any token layout works (zigzag, packed documents, a KV cache). A blo
 block-level position and segment ranges prove fully masked is never computed: each query block loops
 only over the span of live key blocks, and a `lax.cond` skips dead blocks inside that span.
 
-Internal layout (heads before length, so every block product is a plain batched matmul):
-  queries [B, K, G, T, H] (pre-scaled), keys [B, K, S, H], values [B, K, S, J].
+Layout: the callers' own, so no O(T) copy is made: queries [B, T, N, H], keys [B, S, K, H],
+values [B, S, K, J]; a query block is viewed as [B, bq, K, G, H] for grouped-query products.
+Per-row softmax statistics are [B, K, G, T] and the output accumulator [B, T, K, G, J].
 
 Axis legend: B batch, T query length, S key/value length, N query heads, K key/value heads,
 G query heads per key/value head (N = K * G), H query/key head dim, J value head dim (H except MLA).
@@ -26,6 +27,7 @@ G query heads per key/value head (N = K * G), H query/key head dim, J value head
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -50,25 +52,27 @@ class Blocking:
   Attributes:
     causal: mask out keys whose position is greater than the query's.
     segments: mask out keys whose segment id differs from the query's.
+    scale: multiplies the scores q.k (folded into the softmax, so q is never rescaled in memory).
     block_q: query rows per block; divides the (local) query length.
     block_kv: key rows per block; divides the (local) key length.
   """
   causal: bool
   segments: bool
+  scale: float
   block_q: int
   block_kv: int
 
 
 class Queries(NamedTuple):
-  q: jax.Array  # [B, K, G, T, H], already multiplied by the softmax scale
+  q: jax.Array  # [B, T, N, H]
   positions: jax.Array  # [B, T] int32
   segments: jax.Array  # [B, T] int32
 
 
 class Keys(NamedTuple):
   """One key/value shard: what travels around the ring."""
-  k: jax.Array  # [B, K, S, H]
-  v: jax.Array  # [B, K, S, J]
+  k: jax.Array  # [B, S, K, H]
+  v: jax.Array  # [B, S, K, J]
   positions: jax.Array  # [B, S] int32
   segments: jax.Array  # [B, S] int32
 
@@ -77,7 +81,7 @@ class Stats(NamedTuple):
   """Online-softmax state of every query row (float32)."""
   m: jax.Array  # [B, K, G, T] running max of the scores
   l: jax.Array  # [B, K, G, T] running sum of exp(score - m)
-  acc: jax.Array  # [B, K, G, T, J] running sum of exp(score - m) * v
+  acc: jax.Array  # [B, T, K, G, J] running sum of exp(score - m) * v
 
 
 def match_vma(x, *likes):
@@ -90,21 +94,34 @@ def match_vma(x, *likes):
 
 def init_stats(queries: Queries, keys: Keys) -> Stats:
   """Stats of a query row that has seen no key yet (varying like queries and keys)."""
-  b, k, g, t, _ = queries.q.shape
+  b, t, n, _ = queries.q.shape
+  k = keys.k.shape[2]
+  g = n // k
   zeros = lambda *shape: match_vma(jnp.zeros(shape, jnp.float32), queries.q, keys.k)
-  return Stats(zeros(b, k, g, t) + _M_INIT, zeros(b, k, g, t), zeros(b, k, g, t, keys.v.shape[-1]))
+  return Stats(zeros(b, k, g, t) + _M_INIT, zeros(b, k, g, t), zeros(b, t, k, g, keys.v.shape[-1]))
+
+
+def _rows(x):
+  """[B, K, G, T] row statistics -> [B, T, K, G, 1], to scale [B, T, K, G, J] rows."""
+  return jnp.moveaxis(x, 3, 1)[..., None]
 
 
 def finalize(stats: Stats) -> tuple[jax.Array, jax.Array]:
-  """Returns (out [B, K, G, T, J] float32, lse [B, K, G, T] float32); rows that saw no key give 0, -inf."""
+  """Returns (out [B, T, K, G, J] float32, lse [B, K, G, T] float32); rows that saw no key give 0, -inf."""
   seen = stats.l > 0
-  out = stats.acc / jnp.where(seen, stats.l, 1.0)[..., None]
+  out = stats.acc / _rows(jnp.where(seen, stats.l, 1.0))
   lse = jnp.where(seen, stats.m + jnp.log(jnp.where(seen, stats.l, 1.0)), -jnp.inf)
   return out, lse
 
 
 def _slice(x, start, size, axis):
   return lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def _q_block(x, t0, bq, kv_heads):
+  """Rows [t0, t0 + bq) of a [B, T, N, X] array as [B, bq, K, G, X]."""
+  b, _, n, d = x.shape
+  return _slice(x, t0, bq, 1).reshape(b, bq, kv_heads, n // kv_heads, d)
 
 
 def _block_mask(q_pos, q_seg, kv_pos, kv_seg, blocking: Blocking):
@@ -118,65 +135,58 @@ def _block_mask(q_pos, q_seg, kv_pos, kv_seg, blocking: Blocking):
   return mask
 
 
-def _scores(q_blk, k_blk, mask):
-  """[B, K, G, bq, bk] float32 scores, -inf where masked."""
-  s = jnp.einsum("BKGTH,BKSH->BKGTS", q_blk, k_blk, preferred_element_type=jnp.float32)
+def _scores(q_blk, k_blk, mask, scale):
+  """[B, K, G, bq, bk] float32 scaled scores, -inf where masked."""
+  s = jnp.einsum("BTKGH,BSKH->BKGTS", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
   if mask is not None:
     s = jnp.where(mask[:, None, None], s, -jnp.inf)
   return s
 
 
-def block_update(stats: Stats, q_blk, k_blk, v_blk, mask) -> Stats:
+def block_update(stats: Stats, q_blk, k_blk, v_blk, mask, scale: float) -> Stats:
   """The shared primitive: one query block against one key block, online softmax.
 
   Args:
-    stats: Stats of the query block (m, l [B, K, G, bq]; acc [B, K, G, bq, J]).
-    q_blk: [B, K, G, bq, H] pre-scaled queries.
-    k_blk: [B, K, bk, H] keys.
-    v_blk: [B, K, bk, J] values.
+    stats: Stats of the query block (m, l [B, K, G, bq]; acc [B, bq, K, G, J]).
+    q_blk: [B, bq, K, G, H] queries.
+    k_blk: [B, bk, K, H] keys.
+    v_blk: [B, bk, K, J] values.
     mask: [B, bq, bk] bool (True = attend) or None.
+    scale: the score scale.
 
   Returns:
     The updated Stats.
   """
-  s = _scores(q_blk, k_blk, mask)  # [B, K, G, bq, bk]
+  s = _scores(q_blk, k_blk, mask, scale)  # [B, K, G, bq, bk]
   m_new = jnp.maximum(stats.m, s.max(axis=-1))
   p = jnp.exp(s - m_new[..., None])  # masked scores give exactly 0
   alpha = jnp.exp(stats.m - m_new)
   l = alpha * stats.l + p.sum(axis=-1)
-  pv = jnp.einsum("BKGTS,BKSJ->BKGTJ", p.astype(v_blk.dtype), v_blk,
+  pv = jnp.einsum("BKGTS,BSKJ->BTKGJ", p.astype(v_blk.dtype), v_blk,
                   preferred_element_type=jnp.float32)
-  return Stats(m_new, l, alpha[..., None] * stats.acc + pv)
+  return Stats(m_new, l, _rows(alpha) * stats.acc + pv)
 
 
-def _block_kinds(q_ids, kv_ids, blocking: Blocking, n_q: int, n_kv: int):
-  """Classifies block pairs from block-level id ranges: 0 dead (fully masked), 1 full (no entry
-  masked), 2 partial.
+def _live_blocks(q_ids, kv_ids, blocking: Blocking, n_q: int, n_kv: int):
+  """Which block pairs may hold an unmasked (query, key) pair, from block-level id ranges.
 
   Returns:
-    kind [n_q, n_kv] int32, and for each query block the span of key blocks that are not dead:
-    first [n_q], stop [n_q] (first = stop = 0 when every block is dead).
+    live [n_q, n_kv] bool (False: every pair of the block is masked), and for each query block
+    the span of live key blocks: first [n_q], stop [n_q] (first = stop = 0 when none is live).
   """
   (q_pos, q_seg), (kv_pos, kv_seg) = q_ids, kv_ids
   live = jnp.ones((n_q, n_kv), bool)
-  full = jnp.ones((n_q, n_kv), bool)
 
   def per_block(x, n, reduce):
     return reduce(x.reshape(x.shape[0], n, -1), axis=(0, 2))  # [n]
 
   if blocking.causal:
-    q_lo, q_hi = per_block(q_pos, n_q, jnp.min), per_block(q_pos, n_q, jnp.max)
-    kv_lo, kv_hi = per_block(kv_pos, n_kv, jnp.min), per_block(kv_pos, n_kv, jnp.max)
-    live &= q_hi[:, None] >= kv_lo[None, :]
-    full &= q_lo[:, None] >= kv_hi[None, :]
+    live &= per_block(q_pos, n_q, jnp.max)[:, None] >= per_block(kv_pos, n_kv, jnp.min)[None, :]
   if blocking.segments:
     q_lo, q_hi = per_block(q_seg, n_q, jnp.min), per_block(q_seg, n_q, jnp.max)
     kv_lo, kv_hi = per_block(kv_seg, n_kv, jnp.min), per_block(kv_seg, n_kv, jnp.max)
     live &= (q_hi[:, None] >= kv_lo[None, :]) & (q_lo[:, None] <= kv_hi[None, :])
-    full &= ((q_lo == q_hi)[:, None] & (kv_lo == kv_hi)[None, :]
-             & (q_lo[:, None] == kv_lo[None, :]))
-  kind = jnp.where(live, jnp.where(full, 1, 2), 0).astype(jnp.int32)
-  return kind, *_live_span(live)
+  return live, *_live_span(live)
 
 
 def _live_span(live):
@@ -191,8 +201,8 @@ def forward_sweep(queries: Queries, keys: Keys, stats: Stats, blocking: Blocking
   """Updates every query row's Stats with one key/value shard, block by block.
 
   Args:
-    queries: Queries, q [B, K, G, T, H].
-    keys: Keys, k [B, K, S, H], v [B, K, S, J].
+    queries: Queries, q [B, T, N, H].
+    keys: Keys, k [B, S, K, H], v [B, S, K, J].
     stats: Stats of all T query rows.
     blocking: static settings; block_q divides T and block_kv divides S.
 
@@ -200,30 +210,27 @@ def forward_sweep(queries: Queries, keys: Keys, stats: Stats, blocking: Blocking
     The updated Stats.
   """
   bq, bk = blocking.block_q, blocking.block_kv
-  n_q, n_kv = queries.q.shape[3] // bq, keys.k.shape[2] // bk
-  kind, first, stop = _block_kinds(queries[1:], keys[2:], blocking, n_q, n_kv)
+  n_q, n_kv = queries.q.shape[1] // bq, keys.k.shape[1] // bk
+  live, first, stop = _live_blocks(queries[1:], keys[2:], blocking, n_q, n_kv)
 
   def q_step(i, stats):
     t0 = i * bq
-    q_blk = _slice(queries.q, t0, bq, 3)
+    q_blk = _q_block(queries.q, t0, bq, keys.k.shape[2])
     q_pos, q_seg = _slice(queries.positions, t0, bq, 1), _slice(queries.segments, t0, bq, 1)
-    blk_stats = Stats(*(_slice(x, t0, bq, 3) for x in stats))
+    blk_stats = Stats(_slice(stats.m, t0, bq, 3), _slice(stats.l, t0, bq, 3),
+                      _slice(stats.acc, t0, bq, 1))
 
     def kv_step(j, blk_stats):
       s0 = j * bk
-      k_blk, v_blk = _slice(keys.k, s0, bk, 2), _slice(keys.v, s0, bk, 2)
-
-      def partial(st):
-        mask = _block_mask(q_pos, q_seg, _slice(keys.positions, s0, bk, 1),
-                           _slice(keys.segments, s0, bk, 1), blocking)
-        return block_update(st, q_blk, k_blk, v_blk, mask)
-
-      full = lambda st: block_update(st, q_blk, k_blk, v_blk, None)
-      return lax.switch(kind[i, j], (lambda st: st, full, partial), blk_stats)
+      mask = _block_mask(q_pos, q_seg, _slice(keys.positions, s0, bk, 1),
+                         _slice(keys.segments, s0, bk, 1), blocking)
+      update = lambda st: block_update(st, q_blk, _slice(keys.k, s0, bk, 1),
+                                       _slice(keys.v, s0, bk, 1), mask, blocking.scale)
+      return lax.cond(live[i, j], update, lambda st: st, blk_stats)
 
     blk_stats = lax.fori_loop(first[i], stop[i], kv_step, blk_stats)
-    return Stats(*(lax.dynamic_update_slice_in_dim(x, x_blk, t0, 3)
-                   for x, x_blk in zip(stats, blk_stats)))
+    return Stats(*(lax.dynamic_update_slice_in_dim(x, x_blk, t0, axis)
+                   for x, x_blk, axis in zip(stats, blk_stats, (3, 3, 1))))
 
   with jax.named_scope("attention_forward_sweep"):
     return lax.fori_loop(0, n_q, q_step, stats)
@@ -233,64 +240,70 @@ def backward_sweep(queries: Queries, keys: Keys, d_out, lse, delta, dq, blocking
   """FlashAttention-2 backward against one key/value shard.
 
   Args:
-    queries: Queries, q [B, K, G, T, H] pre-scaled.
-    keys: Keys, k [B, K, S, H], v [B, K, S, J].
-    d_out: [B, K, G, T, J] cotangent of the output.
+    queries: Queries, q [B, T, N, H].
+    keys: Keys, k [B, S, K, H], v [B, S, K, J].
+    d_out: [B, T, N, J] cotangent of the output.
     lse: [B, K, G, T] float32 log-sum-exp of the scores over all keys (forward residual).
     delta: [B, K, G, T] float32 rowsum(d_out * out).
-    dq: [B, K, G, T, H] float32 accumulator of d(scores)/d(pre-scaled q) contributions.
+    dq: [B, T, N, H] float32 accumulator of dq / scale.
     blocking: static settings.
 
   Returns:
-    (dq updated, dk [B, K, S, H] float32, dv [B, K, S, J] float32) where dk, dv hold only this
-    sweep's contributions for this shard's keys (dk is w.r.t. keys times the pre-scaled queries).
+    (dq updated, dk [B, S, K, H] float32, dv [B, S, K, J] float32) where dk, dv hold only this
+    sweep's contributions for this shard's keys. dq and dk leave out the factor `scale`: the
+    caller applies it once to the totals.
   """
   bq, bk = blocking.block_q, blocking.block_kv
-  n_q, n_kv = queries.q.shape[3] // bq, keys.k.shape[2] // bk
-  kind, _, _ = _block_kinds(queries[1:], keys[2:], blocking, n_q, n_kv)
-  kind_t = kind.T  # [n_kv, n_q]
-  first, stop = _live_span(kind_t > 0)
+  n_q, n_kv = queries.q.shape[1] // bq, keys.k.shape[1] // bk
+  kv_heads = keys.k.shape[2]
+  live, _, _ = _live_blocks(queries[1:], keys[2:], blocking, n_q, n_kv)
+  live_t = live.T  # [n_kv, n_q]
+  first, stop = _live_span(live_t)
   lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that saw nothing: every p is exp(-inf) = 0
   dk = match_vma(jnp.zeros(keys.k.shape, jnp.float32), queries.q, keys.k)
   dv = match_vma(jnp.zeros(keys.v.shape, jnp.float32), queries.q, keys.k)
   dq = match_vma(dq, keys.k)
+  dq_zero = match_vma(jnp.zeros((dq.shape[0], bq) + dq.shape[2:], jnp.float32), dq)
 
   def kv_step(j, carry):
     dq, dk, dv = carry
     s0 = j * bk
-    k_blk, v_blk = _slice(keys.k, s0, bk, 2), _slice(keys.v, s0, bk, 2)
+    k_blk, v_blk = _slice(keys.k, s0, bk, 1), _slice(keys.v, s0, bk, 1)
     kv_pos, kv_seg = _slice(keys.positions, s0, bk, 1), _slice(keys.segments, s0, bk, 1)
 
-    def q_step(i, carry, masked):
-      dq, dk_blk, dv_blk = carry
+    def q_step(i, dk_blk, dv_blk):
+      """One live block pair: returns (dq of the query block, dk_blk, dv_blk updated)."""
       t0 = i * bq
-      q_blk = _slice(queries.q, t0, bq, 3)
-      do_blk = _slice(d_out, t0, bq, 3)
-      mask = None
-      if masked:
-        mask = _block_mask(_slice(queries.positions, t0, bq, 1),
-                           _slice(queries.segments, t0, bq, 1), kv_pos, kv_seg, blocking)
-      s = _scores(q_blk, k_blk, mask)  # [B, K, G, bq, bk]
+      q_blk = _q_block(queries.q, t0, bq, kv_heads)
+      do_blk = _q_block(d_out, t0, bq, kv_heads)
+      mask = _block_mask(_slice(queries.positions, t0, bq, 1), _slice(queries.segments, t0, bq, 1),
+                         kv_pos, kv_seg, blocking)
+      s = _scores(q_blk, k_blk, mask, blocking.scale)  # [B, K, G, bq, bk]
       p = jnp.exp(s - _slice(lse, t0, bq, 3)[..., None])
-      dv_blk += jnp.einsum("BKGTS,BKGTJ->BKSJ", p.astype(do_blk.dtype), do_blk,
+      dv_blk += jnp.einsum("BKGTS,BTKGJ->BSKJ", p.astype(do_blk.dtype), do_blk,
                            preferred_element_type=jnp.float32)
-      dp = jnp.einsum("BKGTJ,BKSJ->BKGTS", do_blk, v_blk, preferred_element_type=jnp.float32)
+      dp = jnp.einsum("BTKGJ,BSKJ->BKGTS", do_blk, v_blk, preferred_element_type=jnp.float32)
       ds = p * (dp - _slice(delta, t0, bq, 3)[..., None])
-      dq_blk = jnp.einsum("BKGTS,BKSH->BKGTH", ds.astype(k_blk.dtype), k_blk,
+      dq_blk = jnp.einsum("BKGTS,BSKH->BTKGH", ds.astype(k_blk.dtype), k_blk,
                           preferred_element_type=jnp.float32)
-      dk_blk += jnp.einsum("BKGTS,BKGTH->BKSH", ds.astype(q_blk.dtype), q_blk,
+      dk_blk += jnp.einsum("BKGTS,BTKGH->BSKH", ds.astype(q_blk.dtype), q_blk,
                            preferred_element_type=jnp.float32)
-      dq = lax.dynamic_update_slice_in_dim(dq, _slice(dq, t0, bq, 3) + dq_blk, t0, 3)
-      return dq, dk_blk, dv_blk
+      return dq_blk.reshape(dq_blk.shape[:2] + (-1, dq_blk.shape[-1])), dk_blk, dv_blk
 
     def guarded(i, carry):
-      return lax.switch(kind_t[j, i], (lambda c: c, lambda c: q_step(i, c, False),
-                                       lambda c: q_step(i, c, True)), carry)
+      # Only block-sized values pass through the cond (a full-size dq would be copied).
+      dq, dk_blk, dv_blk = carry
+      dq_blk, dk_blk, dv_blk = lax.cond(live_t[j, i], functools.partial(q_step, i),
+                                        lambda dk_blk, dv_blk: (dq_zero, dk_blk, dv_blk),
+                                        dk_blk, dv_blk)
+      t0 = i * bq
+      dq = lax.dynamic_update_slice_in_dim(dq, _slice(dq, t0, bq, 1) + dq_blk, t0, 1)
+      return dq, dk_blk, dv_blk
 
     dq, dk_blk, dv_blk = lax.fori_loop(first[j], stop[j], guarded,
-                                       (dq, _slice(dk, s0, bk, 2), _slice(dv, s0, bk, 2)))
-    dk = lax.dynamic_update_slice_in_dim(dk, dk_blk, s0, 2)
-    dv = lax.dynamic_update_slice_in_dim(dv, dv_blk, s0, 2)
+                                       (dq, _slice(dk, s0, bk, 1), _slice(dv, s0, bk, 1)))
+    dk = lax.dynamic_update_slice_in_dim(dk, dk_blk, s0, 1)
+    dv = lax.dynamic_update_slice_in_dim(dv, dv_blk, s0, 1)
     return dq, dk, dv
 
   with jax.named_scope("attention_backward_sweep"):

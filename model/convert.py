@@ -5,10 +5,11 @@
   export_checkpoint(model, cfg, out_dir, "Qwen3MoeForCausalLM")
 
 Import never holds the model whole in host memory: each parameter is built with
-`jax.make_array_from_callback`, whose callback reads only the device's slice of each Hugging Face
-tensor (`safe_open(...).get_slice`). The host peak is one parameter's distinct device slices (the
-whole stacked parameter [L, ...] when it is replicated). Export gathers one layer of one parameter at
-a time and writes safetensors shards of at most `max_shard_bytes`; its peak is one shard.
+`jax.make_array_from_callback`, whose callback reads only the device's block of each Hugging Face
+tensor (`safe_open(...).get_slice`). The host peak is this host's distinct device blocks of one
+parameter: its share of a sharded parameter, a whole stacked [L, ...] parameter when it is replicated
+or there is no mesh. Export gathers one layer of one parameter at a time and writes safetensors shards
+of at most `max_shard_bytes`; its peak is one shard.
 
 Names (HF `Linear` weights are [out, in] and are transposed to meshrl's [in, out] kernels; stacked
 leaves [L, ...] take layer l of their stack from HF layer `first + l`, where `first` is 0 for
@@ -117,7 +118,8 @@ def _common_fields(hf: dict) -> dict[str, Any]:
 def _qwen3_moe_fields(hf: dict) -> dict[str, Any]:
   if hf.get("use_sliding_window"):
     raise ValueError("use_sliding_window=True is not supported (meshrl attention is full causal).")
-  num_layers, num_experts = hf["num_hidden_layers"], int(hf.get("num_experts", hf.get("num_local_experts", 0)))
+  num_layers = hf["num_hidden_layers"]
+  num_experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)))
   step, mlp_only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
   dense = [i for i in range(num_layers) if i in mlp_only or not (num_experts > 0 and (i + 1) % step == 0)]
   if num_experts and dense != list(range(len(dense))):
@@ -265,9 +267,11 @@ def load_hf_config(hf_dir: str, base: ml_collections.ConfigDict | None = None
 
 
 def _check_config_matches(cfg: ml_collections.ConfigDict, hf_dir: str):
-  wrong = [f"{key}={cfg[key.split('.')[0]][key.split('.')[1]]!r} (checkpoint: {value!r})"
-           for key, value in hf_fields(hf_dir).items()
-           if cfg[key.split(".")[0]][key.split(".")[1]] != value]
+  def get(key):
+    section, name = key.split(".")
+    return cfg[section][name]
+  wrong = [f"{key}={get(key)!r} (checkpoint: {value!r})" for key, value in hf_fields(hf_dir).items()
+           if get(key) != value]
   if wrong:
     raise ValueError(f"config does not match {hf_dir}/config.json: {', '.join(wrong)}; build it with "
                      "load_hf_config(hf_dir, base=cfg).")
@@ -370,7 +374,10 @@ class _Reader:
 
   def read(self, name: str, index: tuple[tuple[int, int], ...]) -> np.ndarray:
     """The [start, stop) block `index` of tensor `name`, as numpy (bf16 as ml_dtypes.bfloat16)."""
-    block = self.handles[self.weight_map[name]].get_slice(name)[tuple(slice(*r) for r in index)]
+    tensor = self.handles[self.weight_map[name]].get_slice(name)
+    if self.framework == "numpy" and tensor.get_dtype() == "BF16":
+      raise ValueError(f"{name} is bfloat16, which needs torch to read (pip install meshrl[hf]).")
+    block = tensor[tuple(slice(*r) for r in index)]
     if self.framework == "numpy":
       return block
     import torch  # pylint: disable=import-outside-toplevel
@@ -487,9 +494,8 @@ def _export_entries(leaves: dict, mc: ModelConfig, architecture: str, dtype) -> 
   top, per_layer = {}, [[] for _ in range(mc.num_layers)]
   for path, variable in sorted(leaves.items()):
     source = _source(path, mc)
-    if source is None or (path == ("lm_head", "kernel") and mc.tie_embeddings):
-      if source is None:
-        _LOG.warning("export: %s has no Hugging Face counterpart; not written.", "/".join(path))
+    if source is None:
+      _LOG.warning("export: %s has no Hugging Face counterpart; not written.", "/".join(path))
       continue
     shape = tuple(variable.shape)
     leaf_dtype = np.float32 if path[-1] == "router_bias" else dtype  # HF keeps the bias in float32
@@ -506,7 +512,7 @@ def _export_entries(leaves: dict, mc: ModelConfig, architecture: str, dtype) -> 
       per_layer[l].append(_Entry(f"model.layers.{l}.mlp.gate.e_score_correction_bias", None, None,
                                  None, False, (mc.num_experts,), np.float32))
   embed = [top.pop(("embed", "embedding"))] if ("embed", "embedding") in top else []
-  return embed + sum(per_layer, []) + list(top.values())
+  return embed + [entry for layer in per_layer for entry in layer] + list(top.values())
 
 
 def _shard(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
@@ -544,6 +550,11 @@ def export_checkpoint(model_or_state: nnx.Module | nnx.State, cfg: ml_collection
   hf_config = _architecture(architecture).write(mc)
   state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
   leaves = dict(nnx.to_flat_state(state))
+  expected = nnx.to_flat_state(nnx.state(nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(0)))))
+  wrong = [f"{'/'.join(path)} {tuple(v.shape)} is {tuple(leaves[path].shape) if path in leaves else 'absent'}"
+           for path, v in expected if path not in leaves or leaves[path].shape != v.shape]
+  if wrong:
+    raise ValueError(f"the state does not fit cfg (pass the whole nnx.state(model)): {', '.join(wrong[:20])}")
   out_dtype = jnp.dtype(dtype or leaves[("embed", "embedding")].dtype)
   hf_config.update(architectures=[architecture], dtype=out_dtype.name, torch_dtype=out_dtype.name)
   shards = _shard(_export_entries(leaves, mc, architecture, out_dtype), max_shard_bytes)

@@ -59,7 +59,7 @@ def _shift(tree, ring: _Ring):
 
 
 def _attention_fwd(q, k, v, q_ids, kv_ids, blocking: bw.Blocking, ring: _Ring | None):
-  """Forward pass; returns (out [B, K, G, T, J] in q's dtype, lse [B, K, G, T])."""
+  """Forward pass; returns (out [B, T, N, J] in q's dtype, lse [B, K, G, T] float32)."""
   queries, keys = bw.Queries(q, *q_ids), bw.Keys(k, v, *kv_ids)
   stats = bw.init_stats(queries, keys)
   if ring is not None and ring.size > 1:
@@ -71,14 +71,17 @@ def _attention_fwd(q, k, v, q_ids, kv_ids, blocking: bw.Blocking, ring: _Ring | 
 
     (stats, keys), _ = lax.scan(step, (stats, keys), length=ring.size - 1)
   stats = bw.forward_sweep(queries, keys, stats, blocking)  # the last shard: nothing left to send
-  out, lse = bw.finalize(stats)
-  return out.astype(q.dtype), lse
+  out, lse = bw.finalize(stats)  # [B, T, K, G, J], [B, K, G, T]
+  return out.reshape(q.shape[:3] + v.shape[-1:]).astype(q.dtype), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _attention(q, k, v, q_ids, kv_ids, blocking, ring):
-  """Attention in the kernel layout. q [B, K, G, T, H] (pre-scaled), k [B, K, S, H], v [B, K, S, J];
-  q_ids, kv_ids: (positions, segments) int32 [B, T] and [B, S]. Returns [B, K, G, T, J]."""
+  """Attention of whole blocks: q [B, T, N, H], k [B, S, K, H], v [B, S, K, J] (T, S multiples of
+  the block sizes); q_ids, kv_ids: (positions, segments) int32 [B, T], [B, S]. Returns [B, T, N, J].
+
+  With `ring`, runs inside shard_map on per-device shards and rings the keys over `ring.axis`.
+  """
   return _attention_fwd(q, k, v, q_ids, kv_ids, blocking, ring)[0]
 
 
@@ -89,11 +92,13 @@ def _attention_vjp_fwd(q, k, v, q_ids, kv_ids, blocking, ring):
 
 def _attention_vjp_bwd(blocking, ring, residuals, d_out):
   q, k, v, q_ids, kv_ids, out, lse = residuals
+  kv_heads = k.shape[2]
   queries, keys = bw.Queries(q, *q_ids), bw.Keys(k, v, *kv_ids)
-  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, K, G, T]
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
+  delta = jnp.moveaxis(delta.reshape(delta.shape[:2] + (kv_heads, -1)), 1, 3)  # [B, K, G, T]
   dq = bw.match_vma(jnp.zeros(q.shape, jnp.float32), q)
-  sweep = functools.partial(bw.backward_sweep, queries, d_out=d_out, lse=lse, delta=delta,
-                            blocking=blocking)
+  sweep = functools.partial(bw.backward_sweep, queries, d_out=d_out, lse=lse,
+                            delta=delta, blocking=blocking)
   if ring is None or ring.size == 1:
     dq, dk, dv = sweep(keys, dq=dq)
   else:
@@ -113,14 +118,16 @@ def _attention_vjp_bwd(blocking, ring, residuals, d_out):
     (_, dq, pending), _ = lax.scan(step, (next_keys, dq, (dk, dv)), length=ring.size - 1)
     with jax.named_scope("ring_send_kv_grads"):
       dk, dv = _shift(pending, ring)  # the last shard's gradients go home
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+  scale = blocking.scale
+  return ((dq * scale).astype(q.dtype), (dk * scale).astype(k.dtype),
+          dv.astype(v.dtype), None, None)
 
 
 _attention.defvjp(_attention_vjp_fwd, _attention_vjp_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
-# Layout: [B, T, N, H] <-> kernel layout, block sizes, padding.
+# Block sizes and padding.
 
 
 def _pad(x, length, axis, value):
@@ -132,14 +139,13 @@ def _pad(x, length, axis, value):
   return jnp.pad(x, widths, constant_values=value)
 
 
-def _kernel_inputs(q, k, v, ids, *, causal, segments, scale, block_q, block_kv):
-  """[B, T, N, H] arrays -> (Queries, Keys, Blocking), padded to whole blocks.
+def _padded_inputs(q, k, v, ids, *, causal, segments, scale, block_q, block_kv):
+  """Pads T and S up to whole blocks; returns (q, k, v, q_ids, kv_ids, Blocking).
 
   Padded query rows get positions/segments that match no key; padded keys match no query.
   """
   (q_pos, q_seg, kv_pos, kv_seg) = ids
-  b, t, n, h = q.shape
-  s, kv_heads = k.shape[1], k.shape[2]
+  t, s = q.shape[1], k.shape[1]
   bq, bk = min(block_q, t), min(block_kv, s)
   t_pad, s_pad = -(-t // bq) * bq, -(-s // bk) * bk
   segments = segments or (not causal and (t_pad > t or s_pad > s))
@@ -147,26 +153,16 @@ def _kernel_inputs(q, k, v, ids, *, causal, segments, scale, block_q, block_kv):
   k, v = _pad(k, s_pad, 1, 0), _pad(v, s_pad, 1, 0)
   q_ids = (_pad(q_pos, t_pad, 1, bw.PAD_Q_POSITION), _pad(q_seg, t_pad, 1, bw.PAD_Q_SEGMENT))
   kv_ids = (_pad(kv_pos, s_pad, 1, bw.PAD_KV_POSITION), _pad(kv_seg, s_pad, 1, bw.PAD_KV_SEGMENT))
-  q = (q.astype(jnp.float32) * scale).astype(q.dtype)
-  q = q.reshape(b, t_pad, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
-  k = k.transpose(0, 2, 1, 3)  # [B, K, S, H]
-  v = v.transpose(0, 2, 1, 3)  # [B, K, S, J]
-  return q, k, v, q_ids, kv_ids, bw.Blocking(causal, segments, bq, bk)
-
-
-def _from_kernel_layout(out, t):
-  """[B, K, G, T_pad, J] -> [B, T, N, J]."""
-  b, kv_heads, g, _, j = out.shape
-  return out[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, kv_heads * g, j)
+  return q, k, v, q_ids, kv_ids, bw.Blocking(causal, segments, scale, bq, bk)
 
 
 def _local_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, causal, segments, scale,
                      block_q, block_kv, ring):
   """Blockwise attention of local arrays ([B, T, N, H] etc.), ringing keys if `ring` is set."""
-  *kernel_args, blocking = _kernel_inputs(
+  *args, blocking = _padded_inputs(
       q, k, v, (q_pos, q_seg, kv_pos, kv_seg), causal=causal, segments=segments, scale=scale,
       block_q=block_q, block_kv=block_kv)
-  return _from_kernel_layout(_attention(*kernel_args, blocking, ring), q.shape[1])
+  return _attention(*args, blocking, ring)[:, :q.shape[1]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,14 +380,14 @@ def decode_attend(q, k_cache, v_cache, *, mesh: Mesh | None, q_positions, kv_pos
 def _decode_local(q_, k_, v_, q_pos_, kv_pos_, q_seg_, kv_seg_, *, causal, segments, scale,
                   block_kv, axis):
   """One shard's partial attention, merged over `axis` by log-sum-exp (no merge when axis=None)."""
-  t = q_.shape[1]
-  q5_, k4_, v4_, q_ids_, kv_ids_, blocking = _kernel_inputs(
+  q_, k_, v_, q_ids_, kv_ids_, blocking = _padded_inputs(
       q_, k_, v_, (q_pos_, q_seg_, kv_pos_, kv_seg_), causal=causal, segments=segments,
-      scale=scale, block_q=t, block_kv=block_kv)
-  queries_ = bw.Queries(q5_, *q_ids_)
-  keys_ = bw.Keys(k4_, v4_, *kv_ids_)
+      scale=scale, block_q=q_.shape[1], block_kv=block_kv)
+  queries_ = bw.Queries(q_, *q_ids_)
+  keys_ = bw.Keys(k_, v_, *kv_ids_)
   stats_ = bw.forward_sweep(queries_, keys_, bw.init_stats(queries_, keys_), blocking)
-  out_, lse_ = bw.finalize(stats_)  # [B, K, G, T, J], [B, K, G, T]
+  out_, lse_ = bw.finalize(stats_)  # [B, T, K, G, J], [B, K, G, T]
+  lse_ = jnp.moveaxis(lse_, 3, 1)  # [B, T, K, G]
   if axis is not None:
     with jax.named_scope("merge_partials"):
       top = lax.pmax(lse_, axis)
@@ -399,7 +395,7 @@ def _decode_local(q_, k_, v_, q_pos_, kv_pos_, q_seg_, kv_seg_, *, causal, segme
       summed = lax.psum(jnp.concatenate([out_ * weight_[..., None], weight_[..., None]], -1), axis)
       total = summed[..., -1:]
       out_ = summed[..., :-1] / jnp.where(total > 0, total, 1.0)
-  return _from_kernel_layout(out_, t).astype(q_.dtype)
+  return out_.reshape(q_.shape[:3] + v_.shape[-1:]).astype(q_.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -237,8 +237,8 @@ def run(cfg, workdir: str, *, mesh=None) -> list[dict]:
   mesh = make_mesh(cfg.mesh) if mesh is None else mesh
   model = build_model(ModelConfig.from_config(cfg, mesh), mesh, seed=cfg.seed)
   if cfg.rl.sft_steps:
-    from meshrl.train.sft import warm_start  # pylint: disable=import-outside-toplevel
-    model = warm_start(cfg, os.path.join(workdir, "sft"), mesh=mesh, model=model)
+    from meshrl.train.sft import run_sft  # pylint: disable=import-outside-toplevel
+    model = run_sft(cfg, os.path.join(workdir, "sft"), mesh=mesh, model=model).model
   rl_run = setup(cfg, mesh=mesh, model=model)
   checkpointer = None
   start_step = 0

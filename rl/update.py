@@ -109,7 +109,7 @@ def make_update(cfg, graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
     grads, metrics = grad_fn(state.params, state.extra, batch=minibatch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   def update(state: TrainState, batch: dict, key: jax.Array):

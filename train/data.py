@@ -23,9 +23,11 @@ from typing import Any, Mapping
 
 import grain
 import grain.experimental as grain_exp
+import jax
 import numpy as np
 
 from meshrl.model.tokenizer import ByteTokenizer, Tokenizer
+from meshrl.rl.envs import TaskMixture, load_jsonl
 
 FIELDS = ("tokens", "segment_ids", "positions", "loss_mask")
 
@@ -114,7 +116,6 @@ def example_source(data_cfg, *, seed: int, examples: list[dict] | None = None) -
     if not examples:
       raise ValueError("examples is empty; SFT needs at least one example.")
     return grain.MapDataset.source(list(examples)).shuffle(seed=seed).repeat(None)
-  from meshrl.rl.envs import TaskMixture  # pylint: disable=import-outside-toplevel
   mixture = TaskMixture(data_cfg.tasks, difficulty=data_cfg.difficulty, seed=seed)
   return grain.MapDataset.source(_Endless(mixture))
 
@@ -132,6 +133,13 @@ class _Endless:
     return self.source[int(index)]
 
 
+def _mark_absl_flags_parsed() -> None:
+  """grain's worker processes read absl flags; scripts parse argv with argparse, so take defaults."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
 class SFTData:
   """Packed SFT batches from a source of examples; an iterator with checkpointable state.
 
@@ -140,7 +148,8 @@ class SFTData:
     seq_len: T (data.seq_len).
     batch_size: B rows per batch (rl.sft_batch_size); also the number of packing bins.
     tokenizer: defaults to the byte tokenizer.
-    num_workers: data.num_workers; > 0 runs the pipeline in grain worker processes.
+    num_workers: data.num_workers; > 0 runs the pipeline in grain worker processes, each packing
+      its own slice of the examples (so the batch order depends on it: keep it across a resume).
     shard: (index, count) of this host's share of the source (jax.process_index/process_count).
   """
 
@@ -161,6 +170,7 @@ class SFTData:
     rows = pack(encoded, seq_len=seq_len, num_bins=batch_size, pad_id=self.tokenizer.pad_id)
     self.dataset = rows.batch(batch_size, drop_remainder=True)
     if num_workers > 0:
+      _mark_absl_flags_parsed()
       self.dataset = self.dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
     self._iterator = iter(self.dataset)
 
@@ -191,20 +201,25 @@ class SFTData:
 
 def make_sft_data(cfg, *, batch_size: int | None = None, tokenizer: Tokenizer | None = None,
                   examples: list[dict] | None = None) -> SFTData:
-  """SFTData from a run config: B = rl.sft_batch_size, T = data.seq_len, examples from `examples`,
-  else data.jsonl (malformed rows skipped and counted as "skipped_bad_rows" when
-  data.skip_bad_rows, else ValueError), else the data.tasks mixture."""
-  import jax  # pylint: disable=import-outside-toplevel
+  """This host's SFTData from a run config.
+
+  B = `batch_size` or rl.sft_batch_size rows in all, split evenly over hosts (each host yields its
+  B / process_count rows); T = data.seq_len. Examples come from `examples`, else data.jsonl
+  (malformed rows skipped and counted as "skipped_bad_rows" when data.skip_bad_rows, else
+  ValueError), else the data.tasks mixture.
+  """
+  batch_size = batch_size or cfg.rl.sft_batch_size
+  hosts = jax.process_count()
+  if batch_size % hosts:
+    raise ValueError(f"rl.sft_batch_size={batch_size} does not split over {hosts} hosts.")
   bad_rows = 0
   if examples is None and cfg.data.jsonl:
-    from meshrl.rl.envs import load_jsonl  # pylint: disable=import-outside-toplevel
     loaded = load_jsonl(cfg.data.jsonl, skip_bad=cfg.data.skip_bad_rows)
     if not loaded.examples:
       raise ValueError(f"data.jsonl={cfg.data.jsonl!r} holds no valid rows ({loaded.num_bad} malformed).")
     examples, bad_rows = loaded.examples, loaded.num_bad
   source = example_source(cfg.data, seed=cfg.seed, examples=examples)
-  data = SFTData(source, seq_len=cfg.data.seq_len, batch_size=batch_size or cfg.rl.sft_batch_size,
-                 tokenizer=tokenizer, num_workers=cfg.data.num_workers,
-                 shard=(jax.process_index(), jax.process_count()))
+  data = SFTData(source, seq_len=cfg.data.seq_len, batch_size=batch_size // hosts, tokenizer=tokenizer,
+                 num_workers=cfg.data.num_workers, shard=(jax.process_index(), hosts))
   data.bad_rows = bad_rows
   return data

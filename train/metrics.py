@@ -23,6 +23,8 @@ from typing import Any, Iterable, Mapping
 import jax
 import numpy as np
 
+from meshrl.model.init import parameter_counts
+
 BAR_KEYS = ("loss", "reward", "kl", "entropy", "tokens_per_s")
 
 # Dense bf16 peak FLOP/s per chip, matched against jax's `device_kind` (first match wins).
@@ -189,7 +191,6 @@ def model_flops_per_token(mc, *, seq_len: int, causal: bool = True, training: bo
     experts, the output projection, not the embedding lookup, which has no FLOPs); A is the forward
     attention per token, 2 * T * H * (d_qk + d_v) per layer, halved when causal.
   """
-  from meshrl.model.init import parameter_counts  # pylint: disable=import-outside-toplevel
   counts = parameter_counts(mc)
   matmul_params = counts["active_per_token"] - (0 if mc.tie_embeddings else counts["embedding"])
   if mc.attention_type == "mla":

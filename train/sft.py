@@ -28,11 +28,17 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshrl.model.init import build_model
+from meshrl.model.transformer import ModelConfig, Transformer
+from meshrl.sharding.rules import logical_to_spec, rules_from_config
 from meshrl.train import chunked_loss
+from meshrl.train.checkpoint import Checkpointer
 from meshrl.train.data import FIELDS, make_sft_data
+from meshrl.train.metrics import (CompileCounter, MetricsWriter, mfu, model_flops_per_token, peak_flops,
+                                  plot_curve)
 from meshrl.train.optim import make_optimizer, make_schedule
-from meshrl.train.state import TrainState, create_train_state, merge_model, shardings_of
-from meshrl.train.state import update_router_bias
+from meshrl.train.state import (TrainState, abstract_train_state, create_train_state, merge_model,
+                                shardings_of, update_router_bias)
 
 
 def next_token_targets(batch: dict) -> tuple[jax.Array, jax.Array]:
@@ -76,21 +82,20 @@ def sft_loss(params: nnx.State, extra: nnx.State, graphdef: nnx.GraphDef, batch:
   if out.aux:
     loss = loss + moe_cfg.aux_loss_coef * out.aux["aux_loss"] + moe_cfg.z_loss_coef * out.aux["z_loss"]
     metrics.update(moe_aux_loss=out.aux["aux_loss"], moe_z_loss=out.aux["z_loss"],
-                   expert_load=out.aux["expert_load"])
+                   expert_load=out.aux["expert_load"], moe_max_load=jnp.max(out.aux["expert_load"]))
   metrics["loss"] = loss
   return loss, metrics
 
 
 def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
   """The sharding of [B, T] batch arrays: B over the batch axes, T over `sequence` (TRAIN rules)."""
-  from meshrl.sharding.rules import logical_to_spec  # pylint: disable=import-outside-toplevel
   return NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh))
 
 
 def put_batch(batch: dict, sharding: NamedSharding | None) -> dict:
   """Host batch ([B, T] numpy, this host's rows) -> global jax arrays in `sharding`."""
   if sharding is None:
-    return {k: jnp.asarray(batch[k]) for k in FIELDS}
+    return {k: jax.device_put(np.asarray(batch[k])) for k in FIELDS}
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(batch[k])) for k in FIELDS}
 
 
@@ -108,7 +113,7 @@ def make_sft_step(model_graphdef: nnx.GraphDef, mesh: Mesh | None, cfg, tx: opta
     schedule: the optimizer's learning-rate schedule, to report "lr".
 
   Metrics (scalars unless noted): loss, ce, loss_tokens, grad_norm, lr, and for MoE models
-  moe_aux_loss, moe_z_loss, expert_load [L, E].
+  moe_aux_loss, moe_z_loss, moe_max_load (largest expert share), expert_load [L, E].
   """
   grad_fn = jax.grad(functools.partial(sft_loss, graphdef=model_graphdef, moe_cfg=cfg.moe,
                                        logits_chunk=int(cfg.attention.logits_chunk)), has_aux=True)
@@ -118,7 +123,7 @@ def make_sft_step(model_graphdef: nnx.GraphDef, mesh: Mesh | None, cfg, tx: opta
     grads, metrics = grad_fn(state.params, state.extra, batch=batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     if schedule is not None:
       metrics["lr"] = schedule(state.step // accum)
     extra = state.extra
@@ -128,7 +133,6 @@ def make_sft_step(model_graphdef: nnx.GraphDef, mesh: Mesh | None, cfg, tx: opta
 
   if mesh is None or state_shardings is None:
     return jax.jit(sft_step, donate_argnums=(0,))
-  from meshrl.sharding.rules import rules_from_config  # pylint: disable=import-outside-toplevel
   rows = batch_sharding(mesh, rules_from_config(cfg.mesh))
   replicated = NamedSharding(mesh, PartitionSpec())
   return jax.jit(sft_step, in_shardings=(state_shardings, {k: rows for k in FIELDS}),
@@ -142,9 +146,10 @@ class SFTResult(NamedTuple):
   history: list[dict]  # the metrics records written
 
 
-def _check_shapes(cfg, mesh: Mesh | None, batch_size: int) -> None:
-  """Batch and length must split over the mesh, and fit the model, before anything compiles."""
-  seq_len = cfg.data.seq_len
+def check_shapes(cfg, mesh: Mesh | None) -> None:
+  """Raises ValueError (naming the fields) unless rl.sft_batch_size and data.seq_len split over the
+  mesh and the length fits the model; called before anything compiles."""
+  seq_len, batch_size = cfg.data.seq_len, cfg.rl.sft_batch_size
   if seq_len > cfg.model.max_seq_len:
     raise ValueError(f"data.seq_len={seq_len} is longer than model.max_seq_len={cfg.model.max_seq_len}.")
   if mesh is None:
@@ -157,14 +162,15 @@ def _check_shapes(cfg, mesh: Mesh | None, batch_size: int) -> None:
     raise ValueError(f"data.seq_len={seq_len} is not divisible by mesh.sequence={mesh.shape['sequence']}.")
 
 
-def _build(cfg, mesh: Mesh | None, model: nnx.Module | None) -> nnx.Module:
-  if model is not None:
-    return model
-  from meshrl.model.init import build_model  # pylint: disable=import-outside-toplevel
-  from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
-  from meshrl.sharding.rules import rules_from_config  # pylint: disable=import-outside-toplevel
-  return build_model(ModelConfig.from_config(cfg, mesh), mesh, seed=cfg.seed,
-                     rules=rules_from_config(cfg.mesh))
+def _initial_state(cfg, mesh: Mesh | None, model: nnx.Module | None, tx, resuming: bool):
+  """(graphdef, state): the model's, or on a resume an abstract target (nothing initialised)."""
+  rules = rules_from_config(cfg.mesh)
+  mc = ModelConfig.from_config(cfg, mesh)
+  if resuming and model is None and mesh is not None:
+    return abstract_train_state(lambda: Transformer(mc, rngs=nnx.Rngs(cfg.seed)), tx, mesh, rules)
+  if model is None:
+    model = build_model(mc, mesh, seed=cfg.seed, rules=rules)
+  return create_train_state(model, tx, mesh)
 
 
 def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | None = None, *,
@@ -183,32 +189,31 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
     SFTResult(model, state, graphdef, history). With checkpoint.restore, a run finds its latest
     checkpoint in workdir/checkpoints and continues from it (state, data position, metrics file).
   """
-  from meshrl.train.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
-  from meshrl.train.metrics import CompileCounter, MetricsWriter, plot_curve  # pylint: disable=import-outside-toplevel
   num_steps = cfg.rl.sft_steps if num_steps is None else num_steps
-  batch_size = cfg.rl.sft_batch_size
-  _check_shapes(cfg, mesh, batch_size)
+  check_shapes(cfg, mesh)
   tx = make_optimizer(cfg.optim, learning_rate=cfg.rl.sft_learning_rate)
-  graphdef, state = create_train_state(_build(cfg, mesh, model), tx, mesh)
-  data = make_sft_data(cfg, batch_size=batch_size, examples=examples)
-
-  ckpt, start = None, 0
+  ckpt = None
   if cfg.checkpoint.enabled:
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint.every,
                         max_to_keep=cfg.checkpoint.max_to_keep, async_save=cfg.checkpoint.async_save)
-    restored = ckpt.restore(state) if cfg.checkpoint.restore else None
-    if restored is not None:
-      state, start = restored.state, restored.step
-      data.set_state(restored.data_state)
+  resuming = ckpt is not None and cfg.checkpoint.restore and ckpt.latest_step() is not None
+  graphdef, state = _initial_state(cfg, mesh, model, tx, resuming)
+  data = make_sft_data(cfg, examples=examples)
+  start = 0
+  if resuming:
+    restored = ckpt.restore(state)
+    state, start = restored.state, restored.step
+    data.set_state(restored.data_state)
+  flops_per_token = model_flops_per_token(ModelConfig.from_config(cfg), seq_len=cfg.data.seq_len)
+  peak = peak_flops(mesh.devices.flat if mesh is not None else jax.devices()[:1])
 
   step_fn = make_sft_step(graphdef, mesh, cfg, tx, state_shardings=shardings_of(state),
                           schedule=make_schedule(cfg.optim, learning_rate=cfg.rl.sft_learning_rate))
-  rows = None
+  row_sharding = None
   if mesh is not None:
-    from meshrl.sharding.rules import rules_from_config  # pylint: disable=import-outside-toplevel
-    rows = batch_sharding(mesh, rules_from_config(cfg.mesh))
+    row_sharding = batch_sharding(mesh, rules_from_config(cfg.mesh))
   writer = MetricsWriter(workdir, tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar,
-                         total_steps=num_steps, resume_step=start if start else None)
+                         total_steps=num_steps, resume_step=start)
   history, counter = [], CompileCounter()
   tokens, last_time = 0, time.perf_counter()
   try:
@@ -216,12 +221,14 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
       host_batch = next(data)
       tokens += int(np.sum(host_batch["segment_ids"] > 0))
       with jax.transfer_guard("disallow"):
-        state, metrics = step_fn(state, put_batch(host_batch, rows))
+        state, metrics = step_fn(state, put_batch(host_batch, row_sharding))
       if step % cfg.log.every == 0 or step == num_steps:
         metrics = {k: v for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
         elapsed, last_time = time.perf_counter() - last_time, time.perf_counter()
         metrics.update(tokens_per_s=tokens / elapsed, compiles=counter.count("sft_step"),
                        **data.stats)
+        if peak:
+          metrics["mfu"] = mfu(metrics["tokens_per_s"], flops_per_token, peak)
         tokens = 0
         history.append(writer.write(step, metrics))
       if ckpt is not None and (ckpt.should_save(step) or step == num_steps):

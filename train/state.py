@@ -13,7 +13,7 @@ its parameter, so nothing is ever gathered onto one device.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,9 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrl.model.moe import RouterBias
+from meshrl.model.params import state_shardings
 from meshrl.model.moe import update_router_bias as _update_bias
+from meshrl.sharding.rules import TRAIN_RULES, Rules
 
 
 @struct.dataclass
@@ -97,6 +99,28 @@ def create_train_state(model: nnx.Module, tx: optax.GradientTransformation,
     step = jax.device_put(step, NamedSharding(mesh, PartitionSpec()))
   return graphdef, TrainState(step=step, params=params, opt_state=init_opt_state(tx, params, mesh),
                               extra=extra)
+
+
+def abstract_train_state(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation,
+                         mesh: Mesh, rules: Rules = TRAIN_RULES) -> tuple[nnx.GraphDef, TrainState]:
+  """(graphdef, TrainState of ShapeDtypeStructs with shardings on `mesh`); nothing is allocated.
+
+  The restore target of a resumed run: `Checkpointer.restore` reads every array straight into these
+  shardings, so a model need not be initialised first only to be overwritten.
+  """
+  graphdef, params, extra = split_model(nnx.eval_shape(make_model))
+
+  def place(state):
+    shardings = state_shardings(state, mesh, rules)
+    return jax.tree.map(
+        lambda v, s: v.replace(jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=s)),
+        state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  params, extra = place(params), place(extra)
+  abstract_opt = jax.eval_shape(tx.init, params)
+  opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_opt,
+                           like_params_shardings(abstract_opt, params, mesh))
+  step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+  return graphdef, TrainState(step=step, params=params, opt_state=opt_state, extra=extra)
 
 
 def abstract_state(state: Any) -> Any:

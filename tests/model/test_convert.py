@@ -5,7 +5,6 @@ import os
 import shutil
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -15,6 +14,8 @@ transformers = pytest.importorskip("transformers")
 
 from meshrl import configs  # noqa: E402
 from meshrl.model import convert  # noqa: E402
+from meshrl.model.init import parameter_counts  # noqa: E402
+from meshrl.model.transformer import ModelConfig  # noqa: E402
 from meshrl.sharding import make_mesh  # noqa: E402
 
 VOCAB = 128
@@ -159,3 +160,56 @@ def test_missing_unknown_and_mismatched(checkpoint, tmp_path):
     cfg.model.num_layers = 2
   with pytest.raises(ValueError, match=r"model.num_layers=2 \(checkpoint: 3\)"):
     convert.import_checkpoint(hf_dir, cfg=cfg)
+
+
+@pytest.mark.parametrize("checkpoint", ["DeepseekV3ForCausalLM"], indirect=True)
+def test_bfloat16_export_and_import(checkpoint, tmp_path):
+  architecture, hf_dir, _ = checkpoint
+  model, cfg = convert.import_checkpoint(hf_dir)
+  convert.export_checkpoint(model, cfg, str(tmp_path), architecture, dtype="bfloat16")
+  assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+  again, _ = convert.import_checkpoint(str(tmp_path), cfg=cfg)  # bf16 files into float32 params
+  before, after = dict(nnx.to_flat_state(nnx.state(model))), dict(nnx.to_flat_state(nnx.state(again)))
+  for path, variable in before.items():
+    want = np.asarray(variable[...])
+    if path[-1] != "router_bias":  # kept in float32, as HF does
+      want = want.astype(jax.numpy.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(after[path][...]), want, err_msg="/".join(path))
+
+
+PUBLISHED = {  # the architecture fields of the released config.json files
+    "DeepSeek-V3": (dict(
+        architectures=["DeepseekV3ForCausalLM"], first_k_dense_replace=3, hidden_size=7168,
+        intermediate_size=18432, kv_lora_rank=512, max_position_embeddings=163840,
+        moe_intermediate_size=2048, n_group=8, n_routed_experts=256, n_shared_experts=1,
+        norm_topk_prob=True, num_attention_heads=128, num_experts_per_tok=8, num_hidden_layers=61,
+        num_key_value_heads=128, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0, mscale_all_dim=1.0,
+                          original_max_position_embeddings=4096, type="yarn"),
+        rope_theta=10000, routed_scaling_factor=2.5, topk_group=4, v_head_dim=128, vocab_size=129280),
+        671, 37),
+    "Qwen3-30B-A3B": (dict(
+        architectures=["Qwen3MoeForCausalLM"], head_dim=128, hidden_size=2048, intermediate_size=6144,
+        max_position_embeddings=40960, moe_intermediate_size=768, norm_topk_prob=True,
+        num_attention_heads=32, num_experts=128, num_experts_per_tok=8, num_hidden_layers=48,
+        num_key_value_heads=4, rope_scaling=None, rope_theta=1e6, vocab_size=151936), 30.5, 3.3),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_configs_give_published_sizes(name, tmp_path):
+  hf_config, total_b, active_b = PUBLISHED[name]
+  (tmp_path / "config.json").write_text(json.dumps(hf_config))
+  counts = parameter_counts(ModelConfig.from_config(convert.load_hf_config(str(tmp_path))))
+  assert counts["total"] / 1e9 == pytest.approx(total_b, rel=0.02)  # the model cards' figures
+  assert counts["active_per_token"] / 1e9 == pytest.approx(active_b, rel=0.02)
+
+
+@pytest.mark.parametrize("checkpoint", ["DeepseekV3ForCausalLM"], indirect=True)
+def test_export_rejects_what_hf_cannot_hold(checkpoint, tmp_path):
+  architecture, hf_dir, _ = checkpoint
+  model, cfg = convert.import_checkpoint(hf_dir)
+  with pytest.raises(ValueError, match="moe_stack/mlp/router_bias .* is absent"):
+    convert.export_checkpoint(nnx.state(model, nnx.Param), cfg, str(tmp_path), architecture)
+  with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM cannot represent model.attention_type='mla'"):
+    convert.export_checkpoint(model, cfg, str(tmp_path), "Qwen3MoeForCausalLM")

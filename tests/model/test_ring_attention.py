@@ -165,9 +165,15 @@ def _ring_temp_bytes(shards, tokens_per_device=256):
 
 
 def test_ring_temp_memory_flat_in_device_count():
+  """Per-device temp bytes do not grow with the ring size at fixed tokens per device.
+
+  With 2 devices the ring loops run a single step, which XLA inlines, so that program needs a
+  little less memory (no double-buffered loop carries); from 4 devices on the loop is real and
+  the footprint must stay put.
+  """
   temps = {shards: _ring_temp_bytes(shards) for shards in (2, 4, 8)}
-  spread = max(temps.values()) / min(temps.values())
-  assert spread <= 1.05, f"per-device temp bytes by device count: {temps}"
+  assert temps[8] <= 1.05 * temps[4] and temps[4] <= 1.05 * temps[8], temps
+  assert temps[2] <= 1.05 * temps[4], temps
 
 
 def test_zigzag_roundtrip_and_layout():

@@ -5,14 +5,16 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from flax import nnx
 
 from meshrl.configs import load
 from meshrl.model.init import build_model
-from meshrl.model.transformer import ModelConfig
+from meshrl.model.moe import RouterBias
+from meshrl.model.transformer import ModelConfig, Transformer
 from meshrl.sharding import make_mesh
 from meshrl.train.checkpoint import Checkpointer, from_nested_dict, to_nested_dict
 from meshrl.train.optim import make_optimizer
-from meshrl.train.state import abstract_state, create_train_state
+from meshrl.train.state import abstract_train_state, create_train_state
 
 
 def _mesh(**sizes):
@@ -37,10 +39,24 @@ def _assert_equal_trees(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def _assert_moments_sharded_like_params(state):
+  adam = state.opt_state[1][0]  # chain(clip, adamw): ScaleByAdamState
+  for moment in (adam.mu, adam.nu):
+    for m, p in zip(jax.tree.leaves(moment), jax.tree.leaves(state.params), strict=True):
+      assert m.sharding == p.sharding
+
+
+class _Small(nnx.Module):
+  def __init__(self):
+    self.linear = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+    self.router_bias = RouterBias(jnp.arange(4.0))
+
+
 def test_nested_dict_round_trip(cfg):
-  state = _state(cfg, None, seed=0)
+  _, state = create_train_state(_Small(), make_optimizer(cfg.optim))
   nested = to_nested_dict(state)
   assert set(nested) == {"step", "params", "opt_state", "extra"}
+  assert set(nested["params"]["linear"]) == {"kernel", "bias"}
   _assert_equal_trees(from_nested_dict(nested, state), state)
 
 
@@ -52,9 +68,13 @@ def test_restore_onto_a_different_mesh(cfg, tmp_path):
     assert ckpt.save(7, saved, data_state={"next_index": 42, "skipped": 3}, config=cfg)
 
   other_mesh = _mesh(fsdp=2, tensor=4)
-  target = _state(cfg, other_mesh, seed=2)  # different values, same structure
+  mc = ModelConfig.from_config(cfg, other_mesh)
+  _, target = abstract_train_state(lambda: Transformer(mc, rngs=nnx.Rngs(0)), make_optimizer(cfg.optim),
+                                   other_mesh)
+  for state in (saved, target):
+    _assert_moments_sharded_like_params(state)
   with Checkpointer(str(tmp_path)) as ckpt:
-    restored = ckpt.restore(abstract_state(target))
+    restored = ckpt.restore(target)
   assert restored.step == 7
   assert restored.data_state == {"next_index": 42, "skipped": 3}
   assert restored.config["model"]["embed_dim"] == 64

@@ -49,8 +49,8 @@ def test_packing_hand_made_example():
 
 def test_packing_loses_nothing():
   rng = np.random.default_rng(0)
-  examples = [{"prompt": f"q{i}:" + "x" * int(rng.integers(0, 8)), "answer": f"a{i}" + "y" * int(rng.integers(0, 6))}
-              for i in range(60)]
+  examples = [{"prompt": f"q{i}:" + "x" * int(rng.integers(0, 8)),
+               "answer": f"a{i}" + "y" * int(rng.integers(0, 6))} for i in range(60)]
   rows = _packed_rows(examples, seq_len=32, num_bins=4)
   answers = []
   for row in rows:

@@ -27,11 +27,11 @@ def test_writer_files_and_curve(tmp_path):
   assert records[-1]["reward"] == pytest.approx(1.0) and records[0]["n"] == 3
   assert records[0]["load"] == [0.0, 1.0] and records[0]["bad"] == "nan"
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(workdir, "tb")))
-  png = plot_curve(os.path.join(workdir, "metrics.jsonl"), "reward", os.path.join(workdir, "reward_curve.png"),
-                   smooth=2)
+  jsonl = os.path.join(workdir, "metrics.jsonl")
+  png = plot_curve(jsonl, "reward", os.path.join(workdir, "reward_curve.png"), smooth=2)
   assert os.path.getsize(png) > 1000
   with pytest.raises(ValueError, match="'missing'"):
-    plot_curve(os.path.join(workdir, "metrics.jsonl"), "missing", os.path.join(workdir, "x.png"))
+    plot_curve(jsonl, "missing", os.path.join(workdir, "x.png"))
 
 
 def test_resume_drops_later_steps(tmp_path):

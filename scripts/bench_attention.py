@@ -1,0 +1,282 @@
+"""Attention benchmarks: CPU speed and memory, ring memory flatness, causal balance, 1M tokens on TPU.
+
+Run:  python scripts/bench_attention.py --json runs/bench_attention.json
+      (--only speed,ring_memory,balance,tpu_1m picks sections; --seq-lens 2048,4096 for a quick run)
+
+Sections of the JSON (also printed as tables):
+  speed        {impl, seq_len, seconds, peak_bytes}: causal forward+backward, batch 1, 8 heads,
+               head_dim 64, fp32, of `jax.nn.dot_product_attention(implementation="xla")` ("reference")
+               and meshrl's blockwise kernel. seconds = best of --repeats runs after a warm-up;
+               peak_bytes = argument + output + temp - aliased bytes of the compiled program.
+  ring_memory  {devices, tokens_per_device, temp_bytes}: ring attention forward+backward compiled for
+               2, 4, 8 simulated CPU devices at a fixed number of tokens per device.
+  balance      {contiguous, zigzag}: max/min over 8 devices of the unmasked causal (q, k) pairs.
+  tpu_1m       {topology, seq_len, per_chip_bytes, hbm_bytes, fits, ...}: one block (attention +
+               SwiGLU MLP + chunked loss, forward+backward) compiled with libtpu for a v5p topology,
+               the 1M-token sequence on the ring. Needs libtpu (compile only, no TPU).
+
+Targets: blockwise >= 5x faster and >= 50x less peak memory than reference at 8192; ring temp flat
+within 5%; zigzag balance 1.00; the 1M-token block fits a v5p chip with >= 10% HBM to spare.
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    + ["--xla_force_host_platform_device_count=8"])
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402  (after the flags)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from meshrl.model import ring_attention as ra  # noqa: E402
+from meshrl.sharding import make_mesh  # noqa: E402
+from meshrl.train.chunked_loss import chunked_cross_entropy  # noqa: E402
+
+HEADS, HEAD_DIM = 8, 64
+SECTIONS = ("speed", "ring_memory", "balance", "tpu_1m")
+
+
+def _peak_bytes(compiled):
+  m = compiled.memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+          - m.alias_size_in_bytes)
+
+
+def _fwd_bwd(attention):
+  """jit of (q, k, v, d_out) -> (out, dq, dk, dv)."""
+  def run(q, k, v, d_out):
+    out, vjp = jax.vjp(attention, q, k, v)
+    return (out,) + vjp(d_out)
+  return jax.jit(run)
+
+
+IMPLS = {
+    "reference": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                               implementation="xla"),
+    "blockwise": lambda q, k, v: ra.attend(q, k, v, impl="blockwise"),
+}
+
+
+def bench_speed(seq_lens, repeats):
+  rows = []
+  for seq_len in seq_lens:
+    keys = jax.random.split(jax.random.key(0), 4)
+    args = [jax.random.normal(key, (1, seq_len, HEADS, HEAD_DIM)) for key in keys]
+    for impl, attention in IMPLS.items():
+      compiled = _fwd_bwd(attention).lower(*args).compile()
+      jax.block_until_ready(compiled(*args))  # warm-up
+      times = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - start)
+      rows.append(dict(impl=impl, seq_len=seq_len, seconds=min(times),
+                       peak_bytes=_peak_bytes(compiled)))
+      print(f"  speed {impl:9s} {seq_len:6d}: {min(times):7.2f} s, "
+            f"{_peak_bytes(compiled) / 2**20:8.1f} MiB", flush=True)
+  return rows
+
+
+def bench_ring_memory(tokens_per_device, device_counts=(2, 4, 8)):
+  rows = []
+  for devices in device_counts:
+    mesh = make_mesh(dict(data=1, fsdp=1, expert=1, sequence=devices, tensor=1),
+                     devices=jax.devices()[:devices])
+    shape = jax.ShapeDtypeStruct((1, devices * tokens_per_device, HEADS, HEAD_DIM), jnp.float32)
+    attention = lambda q, k, v: ra.attend(q, k, v, impl="ring", mesh=mesh)
+    compiled = _fwd_bwd(attention).lower(shape, shape, shape, shape).compile()
+    rows.append(dict(devices=devices, tokens_per_device=tokens_per_device,
+                     temp_bytes=compiled.memory_analysis().temp_size_in_bytes))
+  return rows
+
+
+def bench_balance(devices=8, tokens_per_device=4096):
+  """max/min over devices of unmasked causal (q, k) pairs: a query at position p sees p + 1 keys."""
+  positions = np.arange(devices * tokens_per_device)
+  result = {}
+  for layout, arranged in (("contiguous", positions), ("zigzag", ra.zigzag(positions, devices, 0))):
+    pairs = (arranged.reshape(devices, -1) + 1).sum(axis=1)
+    result[layout] = float(pairs.max() / pairs.min())
+  return result
+
+
+# ---------------------------------------------------------------------------------------------
+# 1M tokens on a TPU topology (compile only).
+
+# A stand-in for one block of a large MoE model (Qwen3-235B-A22B-like attention; the SwiGLU width is
+# that of its 8 active experts, 8 x 1536). Swap in the real block by adding a builder to BLOCKS.
+TPU_DIMS = dict(embed=4096, heads=64, kv_heads=4, head_dim=128, mlp=12288, vocab=151936,
+                mlp_chunk=65536, loss_chunk=16384, dtype="bfloat16")
+
+
+def _rms_norm(x):
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
+
+
+def _chunked_swiglu(x, w_gate, w_up, w_down, chunk):
+  """SwiGLU over token chunks with remat, so [tokens, mlp] exists one chunk at a time."""
+  b, t, d = x.shape
+  xs = jnp.moveaxis(x.reshape(b, chunk, t // chunk, d), 2, 0)  # [C, B, chunk, D], interleaved
+
+  @jax.checkpoint
+  def step(_, x_chunk):
+    hidden = jax.nn.silu(x_chunk @ w_gate) * (x_chunk @ w_up)
+    return None, hidden @ w_down
+
+  _, out = jax.lax.scan(step, None, xs)
+  return jnp.moveaxis(out, 0, 2).reshape(b, t, d)
+
+
+def attention_mlp_block(dims, mesh):
+  """(param shapes, loss_fn(params, x, positions, targets)) for attention + SwiGLU + chunked loss."""
+  d, n, kh, h = dims["embed"], dims["heads"], dims["kv_heads"], dims["head_dim"]
+  dtype = jnp.dtype(dims["dtype"])
+  params = dict(wq=(d, n * h), wk=(d, kh * h), wv=(d, kh * h), wo=(n * h, d),
+                w_gate=(d, dims["mlp"]), w_up=(d, dims["mlp"]), w_down=(dims["mlp"], d),
+                head=(d, dims["vocab"]))
+  params = {name: jax.ShapeDtypeStruct(shape, dtype) for name, shape in params.items()}
+
+  def loss_fn(params, x, positions, targets):
+    b, t, _ = x.shape
+    normed = _rms_norm(x)
+    q = (normed @ params["wq"]).reshape(b, t, n, h)
+    k = (normed @ params["wk"]).reshape(b, t, kh, h)
+    v = (normed @ params["wv"]).reshape(b, t, kh, h)
+    attn = ra.attend(q, k, v, impl="ring", mesh=mesh, q_positions=positions,
+                     kv_positions=positions)
+    x = x + attn.reshape(b, t, n * h) @ params["wo"]
+    x = x + _chunked_swiglu(_rms_norm(x), params["w_gate"], params["w_up"], params["w_down"],
+                            dims["mlp_chunk"])
+    loss_sum, count = chunked_cross_entropy(_rms_norm(x), params["head"], targets,
+                                            jnp.ones_like(targets, bool), chunk=dims["loss_chunk"])
+    return loss_sum / count
+
+  return params, loss_fn
+
+
+BLOCKS = {"attention_mlp": attention_mlp_block}
+
+
+def _hbm_bytes(devices):
+  """Per-chip HBM as libtpu reports it, read from the error of a deliberately oversized program."""
+  mesh = jax.sharding.Mesh(np.array(devices[:1]), ("x",))
+  too_big = jax.ShapeDtypeStruct((2**40 // 4,), jnp.float32, sharding=NamedSharding(mesh, P()))
+  try:
+    jax.jit(lambda x: x * 2).lower(too_big).compile()
+  except Exception as error:  # pylint: disable=broad-except
+    found = re.search(r"available HBM \(([\d.]+)G\)", str(error))
+    if found:
+      return int(float(found.group(1)) * 2**30)
+  raise RuntimeError("could not read the chip's HBM size from libtpu")
+
+
+def bench_tpu_1m(topology, seq_len, block):
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  devices = topologies.get_topology_desc(platform="tpu", topology_name=topology,
+                                         chip_config_name="default",
+                                         chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
+  mesh = make_mesh(dict(data=1, fsdp=1, expert=1, sequence=len(devices), tensor=1), devices=devices)
+  param_shapes, loss_fn = BLOCKS[block](TPU_DIMS, mesh)
+  replicated = NamedSharding(mesh, P())
+  param_shapes = {name: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated)
+                  for name, s in param_shapes.items()}
+  tokens = NamedSharding(mesh, P(None, "sequence"))
+  x = jax.ShapeDtypeStruct((1, seq_len, TPU_DIMS["embed"]), jnp.dtype(TPU_DIMS["dtype"]),
+                           sharding=NamedSharding(mesh, P(None, "sequence", None)))
+  ids = jax.ShapeDtypeStruct((1, seq_len), jnp.int32, sharding=tokens)
+  start = time.perf_counter()
+  step = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
+  compiled = step.lower(param_shapes, x, ids, ids).compile()
+  memory = compiled.memory_analysis()
+  per_chip, hbm = _peak_bytes(compiled), _hbm_bytes(devices)
+  return dict(topology=topology, chips=len(devices), seq_len=seq_len, block=block,
+              tokens_per_chip=seq_len // len(devices), per_chip_bytes=per_chip,
+              temp_bytes=memory.temp_size_in_bytes, argument_bytes=memory.argument_size_in_bytes,
+              hbm_bytes=hbm, hbm_fraction=per_chip / hbm, fits=per_chip <= 0.9 * hbm,
+              compile_seconds=time.perf_counter() - start, dims=TPU_DIMS)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _print_report(report):
+  mib = lambda b: f"{b / 2**20:9.1f} MiB"
+  if "speed" in report:
+    print("\nspeed: causal fwd+bwd, B=1, 8 heads, head_dim 64, fp32 (CPU)")
+    print(f"{'seq_len':>8} {'reference s':>12} {'blockwise s':>12} {'speedup':>8} "
+          f"{'reference peak':>15} {'blockwise peak':>15} {'mem ratio':>9}")
+    by = {(r["impl"], r["seq_len"]): r for r in report["speed"]}
+    for seq_len in sorted({r["seq_len"] for r in report["speed"]}):
+      ref, blk = by[("reference", seq_len)], by[("blockwise", seq_len)]
+      print(f"{seq_len:8d} {ref['seconds']:12.2f} {blk['seconds']:12.2f} "
+            f"{ref['seconds'] / blk['seconds']:7.1f}x {mib(ref['peak_bytes']):>15} "
+            f"{mib(blk['peak_bytes']):>15} {ref['peak_bytes'] / blk['peak_bytes']:8.0f}x")
+  if "ring_memory" in report:
+    rows = report["ring_memory"]
+    print(f"\nring_memory: fwd+bwd temp per device at {rows[0]['tokens_per_device']} tokens/device")
+    for r in rows:
+      print(f"  {r['devices']} devices: {mib(r['temp_bytes'])} "
+            f"({r['temp_bytes'] / rows[0]['temp_bytes']:.3f} of 2 devices)")
+  if "balance" in report:
+    print(f"\nbalance (max/min unmasked pairs, 8 devices): contiguous "
+          f"{report['balance']['contiguous']:.2f}, zigzag {report['balance']['zigzag']:.2f}")
+  if "tpu_1m" in report:
+    r = report["tpu_1m"]
+    if "error" in r:
+      print(f"\ntpu_1m: {r['error']}")
+    else:
+      print(f"\ntpu_1m: {r['block']} fwd+bwd, {r['seq_len']} tokens on {r['topology']} "
+            f"({r['tokens_per_chip']} per chip): {r['per_chip_bytes'] / 2**30:.2f} GiB of "
+            f"{r['hbm_bytes'] / 2**30:.2f} GiB HBM ({100 * r['hbm_fraction']:.1f}%), "
+            f"fits with >=10% spare: {r['fits']} (compiled in {r['compile_seconds']:.0f} s)")
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--json", required=True, help="where to write the results")
+  parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
+  parser.add_argument("--seq-lens", default="2048,4096,8192")
+  parser.add_argument("--repeats", type=int, default=2)
+  parser.add_argument("--ring-tokens-per-device", type=int, default=4096)
+  parser.add_argument("--tpu-topology", default="v5p:4x4x4")
+  parser.add_argument("--tpu-seq-len", type=int, default=1 << 20)
+  parser.add_argument("--tpu-block", default="attention_mlp", choices=sorted(BLOCKS))
+  args = parser.parse_args(argv)
+  sections = [s for s in args.only.split(",") if s]
+  unknown = set(sections) - set(SECTIONS)
+  if unknown:
+    parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+  report = {}
+  if "balance" in sections:
+    report["balance"] = bench_balance()
+  if "ring_memory" in sections:
+    report["ring_memory"] = bench_ring_memory(args.ring_tokens_per_device)
+  if "tpu_1m" in sections:
+    try:
+      import libtpu  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    except ImportError:
+      report["tpu_1m"] = dict(error="libtpu is not installed; skipped")
+    else:
+      report["tpu_1m"] = bench_tpu_1m(args.tpu_topology, args.tpu_seq_len, args.tpu_block)
+  if "speed" in sections:
+    report["speed"] = bench_speed([int(s) for s in args.seq_lens.split(",")], args.repeats)
+  report["versions"] = dict(jax=jax.__version__, python=sys.version.split()[0])
+  os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+  with open(args.json, "w") as f:
+    json.dump(report, f, indent=2)
+  _print_report(report)
+
+
+if __name__ == "__main__":
+  main()
