@@ -107,7 +107,7 @@ def _rows(x):
 
 
 def finalize(stats: Stats) -> tuple[jax.Array, jax.Array]:
-  """Returns (out [B, T, K, G, J] float32, lse [B, K, G, T] float32); rows that saw no key give 0, -inf."""
+  """(out [B, T, K, G, J], lse [B, K, G, T]) in float32; rows that saw no key give 0 and -inf."""
   seen = stats.l > 0
   out = stats.acc / _rows(jnp.where(seen, stats.l, 1.0))
   lse = jnp.where(seen, stats.m + jnp.log(jnp.where(seen, stats.l, 1.0)), -jnp.inf)
@@ -222,11 +222,14 @@ def forward_sweep(queries: Queries, keys: Keys, stats: Stats, blocking: Blocking
 
     def kv_step(j, blk_stats):
       s0 = j * bk
-      mask = _block_mask(q_pos, q_seg, _slice(keys.positions, s0, bk, 1),
-                         _slice(keys.segments, s0, bk, 1), blocking)
-      update = lambda st: block_update(st, q_blk, _slice(keys.k, s0, bk, 1),
-                                       _slice(keys.v, s0, bk, 1), mask, blocking.scale)
-      return lax.cond(live[i, j], update, lambda st: st, blk_stats)
+
+      def update(blk_stats):
+        mask = _block_mask(q_pos, q_seg, _slice(keys.positions, s0, bk, 1),
+                           _slice(keys.segments, s0, bk, 1), blocking)
+        return block_update(blk_stats, q_blk, _slice(keys.k, s0, bk, 1),
+                            _slice(keys.v, s0, bk, 1), mask, blocking.scale)
+
+      return lax.cond(live[i, j], update, lambda blk_stats: blk_stats, blk_stats)
 
     blk_stats = lax.fori_loop(first[i], stop[i], kv_step, blk_stats)
     return Stats(*(lax.dynamic_update_slice_in_dim(x, x_blk, t0, axis)

@@ -10,8 +10,9 @@
 
 Masks come from explicit positions (`q_pos >= kv_pos` when causal) and segment ids (equal ids
 attend), so any layout of the tokens works. For causal load balance lay the batch out once with
-`zigzag` (device r holds chunks r and 2n-1-r of 2n, as in zigzag ring attention; Brandon et al.
-2023, arXiv:2311.09431, discuss the balance problem) and pass the zigzagged positions.
+`zigzag` (device r holds chunks r and 2n-1-r of 2n, the context-parallel layout of the Llama 3
+report, arXiv:2407.21783; Brandon et al. 2023, arXiv:2311.09431, analyse the imbalance) and pass
+the zigzagged positions.
 `decode_attend` serves generation against a KV cache sharded on `sequence`: each shard attends
 locally and the partial outputs are merged by their log-sum-exp with one tiny all-reduce (Shyam et
 al. 2024, "Tree Attention", arXiv:2408.04093); the cache never moves.

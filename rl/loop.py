@@ -250,7 +250,8 @@ def run(cfg, workdir: str, *, mesh=None) -> list[dict]:
       rl_run.state, start_step = restored.state, restored.step
       print(f"resumed from {checkpointer.directory} at step {start_step}")
   with MetricsWriter(workdir, tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar,
-                     total_steps=cfg.rl.num_steps, resume_step=start_step or None) as writer:
+                     total_steps=cfg.rl.num_steps, resume_step=start_step or None,
+                     bar_keys=("reward_mean", "kl", "entropy", "tokens_per_s")) as writer:
     try:
       records = train_steps(rl_run, workdir, start_step=start_step, checkpointer=checkpointer,
                             writer=writer)

@@ -4,10 +4,12 @@ Run:  python scripts/bench_attention.py --json runs/bench_attention.json
       (--only speed,ring_memory,balance,tpu_1m picks sections; --seq-lens 2048,4096 for a quick run)
 
 Sections of the JSON (also printed as tables):
-  speed        {impl, seq_len, seconds, peak_bytes}: causal forward+backward, batch 1, 8 heads,
-               head_dim 64, fp32, of `jax.nn.dot_product_attention(implementation="xla")` ("reference")
-               and meshrl's blockwise kernel. seconds = best of --repeats runs after a warm-up;
-               peak_bytes = argument + output + temp - aliased bytes of the compiled program.
+  speed        {impl, block, seq_len, seconds, peak_bytes, temp_bytes}: causal forward+backward,
+               batch 1, 8 heads, head_dim 64, fp32, of `jax.nn.dot_product_attention(
+               implementation="xla")` ("reference") and meshrl's blockwise kernel at each of
+               --blocks (block_q = block_kv; 512 is the default). seconds = best of --repeats runs
+               after a warm-up; peak_bytes = argument + output + temp - aliased bytes of the compiled
+               program (the four 16 MiB inputs and outputs at 8192 are in both).
   ring_memory  {devices, tokens_per_device, temp_bytes}: ring attention forward+backward compiled for
                2, 4, 8 simulated CPU devices at a fixed number of tokens per device.
   balance      {contiguous, zigzag}: max/min over 8 devices of the unmasked causal (q, k) pairs.
@@ -60,19 +62,21 @@ def _fwd_bwd(attention):
   return jax.jit(run)
 
 
-IMPLS = {
-    "reference": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                               implementation="xla"),
-    "blockwise": lambda q, k, v: ra.attend(q, k, v, impl="blockwise"),
-}
+def _speed_configs(blocks):
+  """(impl, block, attention fn): the reference, then blockwise at each block size."""
+  yield "reference", None, lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation="xla")
+  for block in blocks:
+    yield "blockwise", block, lambda q, k, v, b=block: ra.attend(q, k, v, impl="blockwise",
+                                                                 block_q=b, block_kv=b)
 
 
-def bench_speed(seq_lens, repeats):
+def bench_speed(seq_lens, repeats, blocks):
   rows = []
   for seq_len in seq_lens:
     keys = jax.random.split(jax.random.key(0), 4)
     args = [jax.random.normal(key, (1, seq_len, HEADS, HEAD_DIM)) for key in keys]
-    for impl, attention in IMPLS.items():
+    for impl, block, attention in _speed_configs(blocks):
       compiled = _fwd_bwd(attention).lower(*args).compile()
       jax.block_until_ready(compiled(*args))  # warm-up
       times = []
@@ -80,10 +84,11 @@ def bench_speed(seq_lens, repeats):
         start = time.perf_counter()
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - start)
-      rows.append(dict(impl=impl, seq_len=seq_len, seconds=min(times),
-                       peak_bytes=_peak_bytes(compiled)))
-      print(f"  speed {impl:9s} {seq_len:6d}: {min(times):7.2f} s, "
-            f"{_peak_bytes(compiled) / 2**20:8.1f} MiB", flush=True)
+      rows.append(dict(impl=impl, block=block, seq_len=seq_len, seconds=min(times),
+                       peak_bytes=_peak_bytes(compiled),
+                       temp_bytes=compiled.memory_analysis().temp_size_in_bytes))
+      print(f"  speed {impl:9s} block {block} {seq_len:6d}: {min(times):7.2f} s, "
+            f"peak {_peak_bytes(compiled) / 2**20:8.1f} MiB", flush=True)
   return rows
 
 
@@ -200,11 +205,14 @@ def bench_tpu_1m(topology, seq_len, block):
   compiled = step.lower(param_shapes, x, ids, ids).compile()
   memory = compiled.memory_analysis()
   per_chip, hbm = _peak_bytes(compiled), _hbm_bytes(devices)
+  hlo = compiled.as_text()
+  collectives = {op: len(re.findall(rf"=\s*\S+\s+{op}(-start)?\(", hlo))
+                 for op in ("collective-permute", "all-gather", "all-reduce", "all-to-all")}
   return dict(topology=topology, chips=len(devices), seq_len=seq_len, block=block,
               tokens_per_chip=seq_len // len(devices), per_chip_bytes=per_chip,
               temp_bytes=memory.temp_size_in_bytes, argument_bytes=memory.argument_size_in_bytes,
               hbm_bytes=hbm, hbm_fraction=per_chip / hbm, fits=per_chip <= 0.9 * hbm,
-              compile_seconds=time.perf_counter() - start, dims=TPU_DIMS)
+              compile_seconds=time.perf_counter() - start, collectives=collectives, dims=TPU_DIMS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,15 +221,18 @@ def bench_tpu_1m(topology, seq_len, block):
 def _print_report(report):
   mib = lambda b: f"{b / 2**20:9.1f} MiB"
   if "speed" in report:
-    print("\nspeed: causal fwd+bwd, B=1, 8 heads, head_dim 64, fp32 (CPU)")
-    print(f"{'seq_len':>8} {'reference s':>12} {'blockwise s':>12} {'speedup':>8} "
-          f"{'reference peak':>15} {'blockwise peak':>15} {'mem ratio':>9}")
-    by = {(r["impl"], r["seq_len"]): r for r in report["speed"]}
-    for seq_len in sorted({r["seq_len"] for r in report["speed"]}):
-      ref, blk = by[("reference", seq_len)], by[("blockwise", seq_len)]
-      print(f"{seq_len:8d} {ref['seconds']:12.2f} {blk['seconds']:12.2f} "
-            f"{ref['seconds'] / blk['seconds']:7.1f}x {mib(ref['peak_bytes']):>15} "
-            f"{mib(blk['peak_bytes']):>15} {ref['peak_bytes'] / blk['peak_bytes']:8.0f}x")
+    print("\nspeed: causal fwd+bwd, B=1, 8 heads, head_dim 64, fp32 (CPU); peak = arguments + "
+          "outputs + temp")
+    print(f"{'seq_len':>7} {'block':>5} {'ref s':>7} {'blk s':>7} {'speedup':>7} {'ref peak':>13} "
+          f"{'blk peak':>13} {'peak ratio':>10} {'ref temp':>13} {'blk temp':>13} {'temp ratio':>10}")
+    rows = report["speed"]
+    ref = {r["seq_len"]: r for r in rows if r["impl"] == "reference"}
+    for blk in (r for r in rows if r["impl"] == "blockwise"):
+      r = ref[blk["seq_len"]]
+      print(f"{blk['seq_len']:7d} {blk['block']:5d} {r['seconds']:7.2f} {blk['seconds']:7.2f} "
+            f"{r['seconds'] / blk['seconds']:6.1f}x {mib(r['peak_bytes'])} {mib(blk['peak_bytes'])} "
+            f"{r['peak_bytes'] / blk['peak_bytes']:9.1f}x {mib(r['temp_bytes'])} "
+            f"{mib(blk['temp_bytes'])} {r['temp_bytes'] / blk['temp_bytes']:9.1f}x")
   if "ring_memory" in report:
     rows = report["ring_memory"]
     print(f"\nring_memory: fwd+bwd temp per device at {rows[0]['tokens_per_device']} tokens/device")
@@ -239,7 +250,8 @@ def _print_report(report):
       print(f"\ntpu_1m: {r['block']} fwd+bwd, {r['seq_len']} tokens on {r['topology']} "
             f"({r['tokens_per_chip']} per chip): {r['per_chip_bytes'] / 2**30:.2f} GiB of "
             f"{r['hbm_bytes'] / 2**30:.2f} GiB HBM ({100 * r['hbm_fraction']:.1f}%), "
-            f"fits with >=10% spare: {r['fits']} (compiled in {r['compile_seconds']:.0f} s)")
+            f"fits with >=10% spare: {r['fits']} (compiled in {r['compile_seconds']:.0f} s); "
+            f"collectives in the program: {r['collectives']}")
 
 
 def main(argv=None):
@@ -248,6 +260,7 @@ def main(argv=None):
   parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
   parser.add_argument("--seq-lens", default="2048,4096,8192")
   parser.add_argument("--repeats", type=int, default=2)
+  parser.add_argument("--blocks", default="512,256", help="blockwise block sizes to time")
   parser.add_argument("--ring-tokens-per-device", type=int, default=4096)
   parser.add_argument("--tpu-topology", default="v5p:4x4x4")
   parser.add_argument("--tpu-seq-len", type=int, default=1 << 20)
@@ -270,7 +283,8 @@ def main(argv=None):
     else:
       report["tpu_1m"] = bench_tpu_1m(args.tpu_topology, args.tpu_seq_len, args.tpu_block)
   if "speed" in sections:
-    report["speed"] = bench_speed([int(s) for s in args.seq_lens.split(",")], args.repeats)
+    report["speed"] = bench_speed([int(s) for s in args.seq_lens.split(",")], args.repeats,
+                                  [int(b) for b in args.blocks.split(",")])
   report["versions"] = dict(jax=jax.__version__, python=sys.version.split()[0])
   os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
   with open(args.json, "w") as f:

@@ -1,0 +1,145 @@
+"""Model benchmark: forward+backward tokens/s and MFU of a few MoE sizes, against this machine's peak.
+
+Run:  JAX_PLATFORMS=cpu python scripts/bench_model.py --json runs/bench_model.json
+      (--steps 5 timed steps per size; --config.model.dtype=bfloat16 etc. apply to every size)
+
+Each size is configs/tiny.py (or --config) with the overrides in SIZES. The step is
+jit(value_and_grad(sft_loss)): mean next-token cross-entropy over every position plus the MoE aux and
+z losses (train/sft.py), on random tokens; no optimizer update. step_s is the median of --steps
+calls after one warm-up (compile) call.
+
+Peak: the best of REPEATS runs of a jitted fp32 2048 x 2048 matmul (2 n^3 FLOPs), measured before
+and after the models, taking the higher. MFU = tokens_per_s * flops_per_token / peak, with
+flops_per_token from train/metrics.py `model_flops_per_token(training=True)` (6 N_active + 3 A).
+
+JSON: {"peak_flops", "rows": [{name, params_total, params_active, batch, seq_len, step_s,
+tokens_per_s, mfu, flops_per_token, compile_s}]}.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from meshrl.configs import cli, load
+
+# name -> (config overrides, batch, seq_len). Heads x head_dim = embed_dim throughout.
+SIZES = {
+    "tiny": ([], 16, 64),
+    "d256_l4_e4": (["model.embed_dim=256", "model.num_layers=4", "model.head_dim=64",
+                    "model.mlp_dim=512", "moe.expert_mlp_dim=256", "model.max_seq_len=128"], 16, 128),
+    "d512_l4_e8": (["model.embed_dim=512", "model.num_layers=4", "model.num_heads=8",
+                    "model.num_kv_heads=4", "model.head_dim=64", "model.mlp_dim=1024",
+                    "moe.num_experts=8", "moe.expert_mlp_dim=512", "model.max_seq_len=128"], 8, 128),
+}
+MATMUL_N = 2048
+REPEATS = 10
+
+
+def _flags(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--json", required=True, help="where to write the results")
+  parser.add_argument("--steps", type=int, default=5, help="timed steps per size (after a warm-up)")
+
+
+def matmul_peak(n: int = MATMUL_N, repeats: int = REPEATS) -> float:
+  """FLOP/s of the best of `repeats` jitted fp32 [n, n] @ [n, n] matmuls (after a warm-up)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  a, b = (jax.random.normal(k, (n, n), jnp.float32) for k in jax.random.split(jax.random.key(0)))
+  matmul = jax.jit(jnp.matmul)
+  jax.block_until_ready(matmul(a, b))
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(matmul(a, b))
+    best = min(best, time.perf_counter() - start)
+  return 2 * n**3 / best
+
+
+def bench_size(cfg, *, batch: int, seq_len: int, steps: int) -> dict:
+  """Times jit(value_and_grad(loss)) on random [batch, seq_len] tokens -> one row (no mfu yet)."""
+  # pylint: disable=import-outside-toplevel
+  import functools
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from meshrl.model.init import build_model, parameter_counts
+  from meshrl.model.transformer import ModelConfig
+  from meshrl.sharding import make_mesh
+  from meshrl.train.metrics import model_flops_per_token
+  from meshrl.train.sft import sft_loss
+  # pylint: enable=import-outside-toplevel
+  mesh = make_mesh(cfg.mesh)
+  mc = ModelConfig.from_config(cfg, mesh)
+  graphdef, params, extra = nnx.split(build_model(mc, mesh, seed=cfg.seed), nnx.Param, ...)
+  tokens = jax.random.randint(jax.random.key(1), (batch, seq_len), 0, mc.vocab_size, jnp.int32)
+  ones = jnp.ones((batch, seq_len), jnp.int32)
+  data = {"tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(seq_len), (batch, seq_len)),
+          "segment_ids": ones, "loss_mask": ones}
+  loss_fn = functools.partial(sft_loss, graphdef=graphdef, moe_cfg=cfg.moe)
+  step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+
+  start = time.perf_counter()
+  jax.block_until_ready(step(params, extra, batch=data))  # compile + first run
+  compile_s = time.perf_counter() - start
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    jax.block_until_ready(step(params, extra, batch=data))
+    times.append(time.perf_counter() - start)
+  step_s = float(np.median(times))
+  counts = parameter_counts(mc)
+  return dict(params_total=counts["total"], params_active=counts["active_per_token"], batch=batch,
+              seq_len=seq_len, step_s=step_s, tokens_per_s=batch * seq_len / step_s,
+              flops_per_token=model_flops_per_token(mc, seq_len=seq_len, training=True),
+              compile_s=compile_s)
+
+
+def run(args) -> dict:
+  """Peak, every size in SIZES, peak again -> the JSON report."""
+  peak_before = matmul_peak()
+  print(f"matmul peak (fp32 {MATMUL_N}^2): {peak_before / 1e9:.1f} GFLOP/s", flush=True)
+  rows = []
+  for name, (overrides, batch, seq_len) in SIZES.items():
+    # The size's overrides first, so the command line's --config.* win.
+    cfg = load(args.config, overrides + list(args.overrides))
+    row = bench_size(cfg, batch=batch, seq_len=seq_len, steps=args.steps)
+    rows.append({"name": name, **row})
+    print(f"  {name}: {row['step_s']:.3f} s/step, {row['tokens_per_s']:.0f} tokens/s "
+          f"(compile+first {row['compile_s']:.1f} s)", flush=True)
+  peak_after = matmul_peak()
+  print(f"matmul peak again: {peak_after / 1e9:.1f} GFLOP/s", flush=True)
+  peak = max(peak_before, peak_after)
+  for row in rows:
+    row["mfu"] = row["tokens_per_s"] * row["flops_per_token"] / peak
+  return {"peak_flops": peak, "peak_flops_runs": [peak_before, peak_after], "rows": rows}
+
+
+def print_table(report: dict) -> None:
+  print(f"\nforward+backward, fp32, peak {report['peak_flops'] / 1e9:.1f} GFLOP/s "
+        f"(jnp {MATMUL_N}^2 matmul)")
+  print(f"{'name':<12} {'params':>9} {'active':>9} {'batch':>5} {'seq':>5} {'step s':>8} "
+        f"{'tokens/s':>9} {'GFLOP/tok':>9} {'MFU':>6}")
+  for r in report["rows"]:
+    print(f"{r['name']:<12} {r['params_total'] / 1e6:8.2f}M {r['params_active'] / 1e6:8.2f}M "
+          f"{r['batch']:5d} {r['seq_len']:5d} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} "
+          f"{r['flops_per_token'] / 1e9:9.4f} {100 * r['mfu']:5.1f}%")
+
+
+def main(argv):
+  args, _ = cli.parse(argv, add_flags=_flags, description=__doc__)
+  report = run(args)
+  print_table(report)
+  os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+  with open(args.json, "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=2)
+  print(f"\nwrote {args.json}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,133 @@
+"""RL step benchmark: seconds and tokens/s per phase of a GRPO step, compile time, recompiles.
+
+Run:  JAX_PLATFORMS=cpu python scripts/bench_rl.py --json runs/bench_rl.json
+      (--steps 5 timed steps after one warm-up step; --config=... and --config.a.b=... as in rl.py)
+
+The config (configs/tiny.py by default) runs with rl.sft_steps=0, checkpoints and the progress bar
+off; nothing is written but the JSON. Each step is rl/loop.py's own: `collect` (rollout rounds and
+rewards), `advantages_for`, then `run.update`, each phase waited on (device_get / block_until_ready).
+
+Phases (mean over the timed steps):
+  rollout     generation, to host numpy; tokens = generated (response) tokens, all rounds
+  rewards     host reward code (score_rollout); tokens = generated tokens
+  advantages  old/reference log-probs and advantages; tokens = update batch B * S
+  update      rl.epochs x rl.num_minibatches optimizer steps; tokens = B * S * rl.epochs
+  other       the rest of the step (prompt encoding, dynamic-sampling selection)
+compile_s is backend compile time during step 1 (CompileCounter.seconds, no tracing);
+first_step_overhead_s = step 1 wall time - mean step_s. compiles_after_first_step must equal
+compiles_at_end (the script exits 1 otherwise).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from meshrl.configs import cli
+
+PHASES = ("rollout", "rewards", "advantages", "update", "other")
+
+
+def _flags(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--json", required=True, help="where to write the results")
+  parser.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up step)")
+
+
+def timed_step(run, examples, key) -> dict:
+  """One RL step of rl/loop.py -> {phase: seconds, phase + "_tokens": tokens, "step": seconds}."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+
+  from meshrl.rl import loop
+  # pylint: enable=import-outside-toplevel
+  start = time.perf_counter()
+  collected, metrics = loop.collect(run, examples, jax.random.fold_in(key, 0))
+  t_adv = time.perf_counter()
+  batch = jax.block_until_ready(loop.advantages_for(run, collected))
+  t_update = time.perf_counter()
+  run.state, update_metrics = run.update(run.state, batch, jax.random.fold_in(key, 1))
+  jax.device_get(update_metrics)
+  jax.block_until_ready(run.state)
+  end = time.perf_counter()
+  update_tokens = collected["arrays"]["tokens"].size
+  times = {"rollout": metrics["rollout_s"], "rewards": metrics["reward_s"],
+           "advantages": t_update - t_adv, "update": end - t_update, "step": end - start}
+  times["other"] = times["step"] - sum(times[p] for p in PHASES[:-1])
+  times.update(rollout_tokens=metrics["generated_tokens"], rewards_tokens=metrics["generated_tokens"],
+               advantages_tokens=update_tokens, update_tokens=update_tokens * run.cfg.rl.epochs,
+               other_tokens=0, rounds=metrics["rollout_rounds"])
+  return times
+
+
+def bench(cfg, steps: int) -> dict:
+  """Warm-up step (compiles), then `steps` timed steps -> the report (no "config" yet)."""
+  # pylint: disable=import-outside-toplevel
+  import itertools
+
+  import jax
+  import numpy as np
+
+  from meshrl.rl import loop
+  from meshrl.train.metrics import CompileCounter
+  # pylint: enable=import-outside-toplevel
+  run = loop.setup(cfg)
+  examples = (run.tasks[i] for i in itertools.count())
+  key = jax.random.key(cfg.seed + 1)
+  with CompileCounter() as counter:
+    first = timed_step(run, examples, jax.random.fold_in(key, 1))
+    compile_s, compiles_first = counter.seconds, counter.count()
+    print(f"  step 1: {first['step']:.2f} s, {compiles_first} compilations "
+          f"({compile_s:.2f} s in the backend)", flush=True)
+    records = []
+    for step in range(2, steps + 2):
+      records.append(timed_step(run, examples, jax.random.fold_in(key, step)))
+      print(f"  step {step}: {records[-1]['step']:.2f} s ({records[-1]['rounds']} rollout round(s))",
+            flush=True)
+    compiles_end = counter.count()
+  mean = {k: float(np.mean([r[k] for r in records])) for k in records[0]}
+  phases = [{"phase": p, "seconds": mean[p],
+             "tokens_per_s": mean[f"{p}_tokens"] / mean[p] if mean[f"{p}_tokens"] else None}
+            for p in PHASES]
+  return {"compile_s": compile_s, "first_step_s": first["step"],
+          "first_step_overhead_s": first["step"] - mean["step"],
+          "compiles_after_first_step": compiles_first, "compiles_at_end": compiles_end,
+          "phases": phases, "step_s": mean["step"], "rollout_rounds_mean": mean["rounds"],
+          "steps": steps}
+
+
+def print_table(report: dict) -> None:
+  overrides = "".join(f" --{o}" for o in report["overrides"])
+  print(f"\n{report['config']}{overrides}: mean of {report['steps']} steps after a warm-up step")
+  print(f"{'phase':<11} {'seconds':>8} {'share':>6} {'tokens/s':>9}")
+  for p in report["phases"]:
+    tokens_per_s = f"{p['tokens_per_s']:9.0f}" if p["tokens_per_s"] else f"{'-':>9}"
+    print(f"{p['phase']:<11} {p['seconds']:8.3f} {100 * p['seconds'] / report['step_s']:5.1f}% "
+          f"{tokens_per_s}")
+  print(f"{'step':<11} {report['step_s']:8.3f} {100.0:5.1f}%  (rollout rounds/step "
+        f"{report['rollout_rounds_mean']:.2f})")
+  print(f"first step {report['first_step_s']:.2f} s (+{report['first_step_overhead_s']:.2f} s over "
+        f"steady state); backend compile {report['compile_s']:.2f} s")
+  print(f"compilations: {report['compiles_after_first_step']} after step 1, "
+        f"{report['compiles_at_end']} at the end")
+
+
+def main(argv):
+  args, cfg = cli.parse(argv, add_flags=_flags, description=__doc__)
+  cfg.rl.sft_steps = 0
+  cfg.checkpoint.enabled = False
+  cfg.log.progress_bar = False
+  report = {"config": args.config, "overrides": list(args.overrides), **bench(cfg, args.steps)}
+  print_table(report)
+  os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+  with open(args.json, "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=2)
+  print(f"\nwrote {args.json}")
+  if report["compiles_at_end"] != report["compiles_after_first_step"]:
+    print("error: steps after the first compiled again", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
