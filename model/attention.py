@@ -20,25 +20,7 @@ from jax.sharding import Mesh
 
 from meshrl.model import kv_cache
 from meshrl.model.layers import Dense, RMSNorm, RopeConfig, apply_rope, yarn_softmax_scale_multiplier
-try:
-  from meshrl.model.ring_attention import attend
-except ImportError:  # TEMPORARY until ring_attention lands
-  def attend(q, k, v, *, impl, mesh=None, causal=True, q_positions=None, kv_positions=None,
-             segment_ids=None, scale=None, **_):
-    b, t, n, h = q.shape
-    kh = k.shape[2]
-    qg = q.reshape(b, t, kh, n // kh, h).astype(jnp.float32)
-    s = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32)) * scale
-    mask = q_positions[:, :, None] >= kv_positions[:, None, :]
-    if isinstance(segment_ids, tuple):
-      qs, ks = segment_ids
-    else:
-      qs = ks = segment_ids
-    mask &= qs[:, :, None] == ks[:, None, :]
-    s = jnp.where(mask[:, None, None], s, -1e30)
-    p = jax.nn.softmax(s, axis=-1) * mask[:, None, None]
-    o = jnp.einsum("bkgts,bskh->btkgh", p, v.astype(jnp.float32))
-    return o.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
+from meshrl.model.ring_attention import attend, decode_attend
 from meshrl.sharding.rules import TRAIN_RULES, Rules, constrain
 
 __all__ = ["attend", "KernelConfig", "GQAttention", "MLAttention"]
@@ -60,7 +42,15 @@ class KernelConfig:
   def constrain(self, x, names):
     return constrain(x, names, self.mesh, self.rules)
 
-  def __call__(self, q, k, v, *, q_positions, kv_positions, segment_ids, scale):
+  def __call__(self, q, k, v, *, q_positions, kv_positions, segment_ids, scale, cached=False):
+    """q [B, T, N, H] against k/v [B, S, K, .]; `cached`: k/v are a KV cache (generation).
+
+    With impl="ring" a cached call uses the sequence-sharded decode (each shard attends to its
+    slice of the cache, merged by log-sum-exp): the cache never travels around the ring.
+    """
+    if cached and self.impl == "ring":
+      return decode_attend(q, k, v, mesh=self.mesh, q_positions=q_positions, kv_positions=kv_positions,
+                           segment_ids=segment_ids, scale=scale, block_kv=self.block_kv)
     kwargs = dict(impl=self.impl, mesh=self.mesh, causal=True, q_positions=q_positions,
                   kv_positions=kv_positions, segment_ids=segment_ids, scale=scale)
     if self.impl != "reference":
@@ -110,7 +100,7 @@ class GQAttention(nnx.Module):
       kv_positions = cache_meta.positions
       seg = (segment_ids, cache_meta.segment_ids)
     out = self.kernel(q, k, v, q_positions=positions, kv_positions=kv_positions, segment_ids=seg,
-                      scale=self.head_dim ** -0.5)  # [B, T, N, H]
+                      scale=self.head_dim ** -0.5, cached=cache is not None)  # [B, T, N, H]
     out = self.kernel.constrain(out, ("batch", "length", "heads", "head_dim"))
     return self.o_proj(out.reshape(batch, length, -1)), cache
 
@@ -178,5 +168,5 @@ class MLAttention(nnx.Module):
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:-1] + (self.rope_dim,))],
                         axis=-1)  # [B, S, N, Hqk]
     out = self.kernel(q, k, v, q_positions=positions, kv_positions=kv_positions, segment_ids=seg,
-                      scale=self.scale)  # [B, T, N, Hv]
+                      scale=self.scale, cached=cache is not None)  # [B, T, N, Hv]
     return self.o_proj(out.reshape(batch, length, -1)), cache

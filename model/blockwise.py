@@ -248,13 +248,12 @@ def backward_sweep(queries: Queries, keys: Keys, d_out, lse, delta, dq, blocking
     d_out: [B, T, N, J] cotangent of the output.
     lse: [B, K, G, T] float32 log-sum-exp of the scores over all keys (forward residual).
     delta: [B, K, G, T] float32 rowsum(d_out * out).
-    dq: [B, T, N, H] float32 accumulator of dq / scale.
+    dq: [B, T, N, H] float32 accumulator of dq.
     blocking: static settings.
 
   Returns:
     (dq updated, dk [B, S, K, H] float32, dv [B, S, K, J] float32) where dk, dv hold only this
-    sweep's contributions for this shard's keys. dq and dk leave out the factor `scale`: the
-    caller applies it once to the totals.
+    sweep's contributions for this shard's keys.
   """
   bq, bk = blocking.block_q, blocking.block_kv
   n_q, n_kv = queries.q.shape[1] // bq, keys.k.shape[1] // bk
@@ -286,7 +285,7 @@ def backward_sweep(queries: Queries, keys: Keys, d_out, lse, delta, dq, blocking
       dv_blk += jnp.einsum("BKGTS,BTKGJ->BSKJ", p.astype(do_blk.dtype), do_blk,
                            preferred_element_type=jnp.float32)
       dp = jnp.einsum("BTKGJ,BSKJ->BKGTS", do_blk, v_blk, preferred_element_type=jnp.float32)
-      ds = p * (dp - _slice(delta, t0, bq, 3)[..., None])
+      ds = p * (dp - _slice(delta, t0, bq, 3)[..., None]) * blocking.scale  # d(q.k)
       dq_blk = jnp.einsum("BKGTS,BSKH->BTKGH", ds.astype(k_blk.dtype), k_blk,
                           preferred_element_type=jnp.float32)
       dk_blk += jnp.einsum("BKGTS,BTKGH->BSKH", ds.astype(q_blk.dtype), q_blk,

@@ -119,9 +119,7 @@ def _attention_vjp_bwd(blocking, ring, residuals, d_out):
     (_, dq, pending), _ = lax.scan(step, (next_keys, dq, (dk, dv)), length=ring.size - 1)
     with jax.named_scope("ring_send_kv_grads"):
       dk, dv = _shift(pending, ring)  # the last shard's gradients go home
-  scale = blocking.scale
-  return ((dq * scale).astype(q.dtype), (dk * scale).astype(k.dtype),
-          dv.astype(v.dtype), None, None)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 _attention.defvjp(_attention_vjp_fwd, _attention_vjp_bwd)
