@@ -30,7 +30,7 @@ from meshrl.rl.losses import kl_reward_penalty
 from meshrl.rl.rewards import compose
 from meshrl.rl.rollout import make_rollout
 from meshrl.rl.update import make_logprob_fn, make_update
-from meshrl.sharding import make_mesh
+from meshrl.sharding import MESH_AXES, make_mesh, mesh_shape_for
 from meshrl.train.checkpoint import Checkpointer
 from meshrl.train.metrics import CompileCounter, MetricsWriter, plot_curve
 from meshrl.train.optim import make_optimizer
@@ -55,7 +55,10 @@ class RLRun:
 
 
 def check_config(cfg, num_devices: int | None = None) -> None:
-  """Rejects settings the loop cannot run, naming the fields, before anything is compiled."""
+  """Rejects settings the loop cannot run, naming the fields, before anything is compiled.
+
+  With `num_devices`, also checks that the rollout batch splits over the data-parallel mesh axes.
+  """
   estimator = adv_lib.make_estimator(cfg.rl.advantage, eps=cfg.rl.adv_eps, gamma=cfg.rl.gamma,
                                      lam=cfg.rl.gae_lambda)
   if not estimator.needs_critic and cfg.rl.group_size < 2:
@@ -63,12 +66,13 @@ def check_config(cfg, num_devices: int | None = None) -> None:
                      f" got {cfg.rl.group_size}.")
   if estimator.needs_critic and not cfg.model.value_head:
     raise ValueError("rl.advantage='gae' needs a critic: set model.value_head=true.")
-  batch = cfg.rl.prompts_per_step * cfg.rl.group_size
   if num_devices is not None:
-    mesh_batch = cfg.mesh.data * max(cfg.mesh.fsdp, 1) * cfg.mesh.expert if cfg.mesh.fsdp != -1 else None
-    if mesh_batch and batch % mesh_batch:
+    sizes = dict(zip(MESH_AXES, mesh_shape_for(cfg.mesh, num_devices)))
+    data_parallel = sizes["data"] * cfg.mesh.num_slices * sizes["fsdp"] * sizes["expert"]
+    batch = cfg.rl.prompts_per_step * cfg.rl.group_size
+    if batch % data_parallel:
       raise ValueError(f"the rollout batch of {batch} sequences (rl.prompts_per_step * rl.group_size) is "
-                       f"not divisible by the data-parallel axes data*fsdp*expert = {mesh_batch}.")
+                       f"not divisible by the data-parallel axes data*fsdp*expert = {data_parallel}.")
 
 
 def setup(cfg, *, mesh=None, model=None) -> RLRun:
