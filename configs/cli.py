@@ -19,12 +19,17 @@ from meshrl.configs.loader import ConfigError, load
 
 
 def simulate_cpu_devices(count: int) -> None:
-  """Makes jax (not yet imported) see `count` CPU devices, as a multi-chip host would."""
+  """Makes jax (not yet imported) see `count` CPU devices, as a multi-chip host would.
+
+  Also sets what libtpu needs to stay out of the way of CPU runs (and of a second such process).
+  """
   if "jax" in sys.modules:
     raise RuntimeError("--cpu_devices must be applied before jax is imported.")
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
   os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
   os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def parse(argv: Sequence[str], add_flags: Callable[[argparse.ArgumentParser], None] | None = None,

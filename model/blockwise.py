@@ -2,14 +2,14 @@
 
 Every attention path of meshrl (blockwise on one device, the ring over `sequence`, sequence-sharded
 decode) is built from the one primitive here, `block_update`: a block of queries against a block of
-keys, updating a running max `m`, denominator `l` and accumulator `acc` (Dao 2023, "FlashAttention-2",
-arXiv:2307.08691; Rabe & Staats 2021, arXiv:2112.05682). Around it:
+keys, updating a running max `m`, denominator `l` and accumulator `acc` (Dao 2023,
+"FlashAttention-2", arXiv:2307.08691; Rabe & Staats 2021, arXiv:2112.05682). Around it:
 
   forward_sweep   all query blocks x the live key blocks of one key/value shard -> updated Stats.
   finalize        Stats -> (output, log-sum-exp).
   backward_sweep  the FlashAttention-2 backward for one key/value shard: recomputes each block's
-                  probabilities from the saved log-sum-exp, returns dq (accumulated) and this shard's
-                  dk, dv.
+                  probabilities from the saved log-sum-exp, returns dq (accumulated) and this
+                  shard's dk, dv.
 
 Masks come from explicit token positions (`q_pos >= kv_pos` when causal) and segment ids (equal ids
 attend), so any token layout works (zigzag, packed documents, a KV cache). A block pair that the
@@ -265,7 +265,9 @@ def backward_sweep(queries: Queries, keys: Keys, d_out, lse, delta, dq, blocking
   dk = match_vma(jnp.zeros(keys.k.shape, jnp.float32), queries.q, keys.k)
   dv = match_vma(jnp.zeros(keys.v.shape, jnp.float32), queries.q, keys.k)
   dq = match_vma(dq, keys.k)
-  dq_zero = match_vma(jnp.zeros((dq.shape[0], bq) + dq.shape[2:], jnp.float32), dq)
+  block_zeros = lambda x, rows: match_vma(jnp.zeros((x.shape[0], rows) + x.shape[2:], jnp.float32),
+                                          dq)
+  dq_zero, dk_zero, dv_zero = block_zeros(dq, bq), block_zeros(dk, bk), block_zeros(dv, bk)
 
   def kv_step(j, carry):
     dq, dk, dv = carry
@@ -302,8 +304,7 @@ def backward_sweep(queries: Queries, keys: Keys, d_out, lse, delta, dq, blocking
       dq = lax.dynamic_update_slice_in_dim(dq, _slice(dq, t0, bq, 1) + dq_blk, t0, 1)
       return dq, dk_blk, dv_blk
 
-    dq, dk_blk, dv_blk = lax.fori_loop(first[j], stop[j], guarded,
-                                       (dq, _slice(dk, s0, bk, 1), _slice(dv, s0, bk, 1)))
+    dq, dk_blk, dv_blk = lax.fori_loop(first[j], stop[j], guarded, (dq, dk_zero, dv_zero))
     dk = lax.dynamic_update_slice_in_dim(dk, dk_blk, s0, 1)
     dv = lax.dynamic_update_slice_in_dim(dv, dv_blk, s0, 1)
     return dq, dk, dv

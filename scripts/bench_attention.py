@@ -25,15 +25,13 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    + ["--xla_force_host_platform_device_count=8"])
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+from meshrl.configs.cli import simulate_cpu_devices
+
+simulate_cpu_devices(8)
 
 import jax  # noqa: E402  (after the flags)
 import jax.numpy as jnp  # noqa: E402
@@ -62,33 +60,45 @@ def _fwd_bwd(attention):
   return jax.jit(run)
 
 
-def _speed_configs(blocks):
-  """(impl, block, attention fn): the reference, then blockwise at each block size."""
-  yield "reference", None, lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, is_causal=True, implementation="xla")
-  for block in blocks:
-    yield "blockwise", block, lambda q, k, v, b=block: ra.attend(q, k, v, impl="blockwise",
-                                                                 block_q=b, block_kv=b)
+def _attention_fn(impl, block):
+  if impl == "reference":
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                        implementation="xla")
+  return lambda q, k, v: ra.attend(q, k, v, impl="blockwise", block_q=block, block_kv=block)
+
+
+def speed_case(impl, block, seq_len, repeats):
+  """Times one configuration in this process; returns its row."""
+  keys = jax.random.split(jax.random.key(0), 4)
+  args = [jax.random.normal(key, (1, seq_len, HEADS, HEAD_DIM)) for key in keys]
+  compiled = _fwd_bwd(_attention_fn(impl, block)).lower(*args).compile()
+  jax.block_until_ready(compiled(*args))  # warm-up
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - start)
+  return dict(impl=impl, block=block or None, seq_len=seq_len, seconds=min(times),
+              peak_bytes=_peak_bytes(compiled),
+              temp_bytes=compiled.memory_analysis().temp_size_in_bytes)
 
 
 def bench_speed(seq_lens, repeats, blocks):
+  """Each configuration runs in a fresh process, so one program's memory (the reference at 8192
+  holds ~13 GB resident) does not pile onto the next."""
   rows = []
   for seq_len in seq_lens:
-    keys = jax.random.split(jax.random.key(0), 4)
-    args = [jax.random.normal(key, (1, seq_len, HEADS, HEAD_DIM)) for key in keys]
-    for impl, block, attention in _speed_configs(blocks):
-      compiled = _fwd_bwd(attention).lower(*args).compile()
-      jax.block_until_ready(compiled(*args))  # warm-up
-      times = []
-      for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-      rows.append(dict(impl=impl, block=block, seq_len=seq_len, seconds=min(times),
-                       peak_bytes=_peak_bytes(compiled),
-                       temp_bytes=compiled.memory_analysis().temp_size_in_bytes))
-      print(f"  speed {impl:9s} block {block} {seq_len:6d}: {min(times):7.2f} s, "
-            f"peak {_peak_bytes(compiled) / 2**20:8.1f} MiB", flush=True)
+    for impl, block in [("reference", 0)] + [("blockwise", b) for b in blocks]:
+      result = subprocess.run(
+          [sys.executable, os.path.abspath(__file__), "--json", os.devnull, "--speed-case",
+           f"{impl},{block},{seq_len},{repeats}"], capture_output=True, text=True, check=False)
+      if result.returncode:
+        raise RuntimeError(f"speed case {impl} {seq_len} failed ({result.returncode}):\n"
+                           f"{result.stderr[-2000:]}")
+      row = json.loads(result.stdout.strip().splitlines()[-1])
+      print(f"  speed {impl:9s} block {block:4d} {seq_len:6d}: {row['seconds']:7.2f} s, "
+            f"peak {row['peak_bytes'] / 2**20:8.1f} MiB", flush=True)
+      rows.append(row)
   return rows
 
 
@@ -170,7 +180,36 @@ def attention_mlp_block(dims, mesh):
   return params, loss_fn
 
 
-BLOCKS = {"attention_mlp": attention_mlp_block}
+def moe_block(dims, mesh):
+  """One real meshrl MoE block (model/transformer.py `Block`: GQA with ring attention, then a routed
+  MoE with expert parallelism) + chunked loss; (param shapes, loss_fn) as attention_mlp_block."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from meshrl.model.attention import KernelConfig  # pylint: disable=import-outside-toplevel
+  from meshrl.model.layers import RopeConfig  # pylint: disable=import-outside-toplevel
+  from meshrl.model.transformer import Block, ModelConfig  # pylint: disable=import-outside-toplevel
+  dtype = jnp.dtype(dims["dtype"])
+  mc = ModelConfig(
+      vocab_size=dims["vocab"], num_layers=1, embed_dim=dims["embed"], num_heads=dims["heads"],
+      num_kv_heads=dims["kv_heads"], head_dim=dims["head_dim"], mlp_dim=dims["mlp"],
+      max_seq_len=2**21, rope=RopeConfig(head_dim=dims["head_dim"], theta=1e6),
+      kernel=KernelConfig("ring", 2048, 2048, mesh), qk_norm=True, dtype=dtype, param_dtype=dtype,
+      num_experts=dims["experts"], num_experts_per_tok=dims["experts_per_tok"],
+      expert_mlp_dim=dims["expert_mlp"])
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Block(mc, moe=True, rngs=nnx.Rngs(0))))
+  params = {"block": abstract, "head": jax.ShapeDtypeStruct((dims["embed"], dims["vocab"]), dtype)}
+
+  def loss_fn(params, x, positions, targets):
+    block = nnx.merge(graphdef, params["block"])
+    x, aux, _ = jax.checkpoint(lambda x_: block(x_, positions, jnp.ones_like(positions)))(x)
+    loss_sum, count = chunked_cross_entropy(_rms_norm(x), params["head"], targets,
+                                            jnp.ones_like(targets, bool), chunk=dims["loss_chunk"])
+    return loss_sum / count + 0.01 * aux["aux_loss"]
+
+  return params, loss_fn
+
+
+BLOCKS = {"attention_mlp": attention_mlp_block, "moe": moe_block}
+MOE_DIMS = dict(experts=64, experts_per_tok=8, expert_mlp=1536)
 
 
 def _hbm_bytes(devices):
@@ -186,16 +225,32 @@ def _hbm_bytes(devices):
   raise RuntimeError("could not read the chip's HBM size from libtpu")
 
 
+def nnx_variable_type():
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  return nnx.Variable
+
+
 def bench_tpu_1m(topology, seq_len, block):
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   devices = topologies.get_topology_desc(platform="tpu", topology_name=topology,
                                          chip_config_name="default",
                                          chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
-  mesh = make_mesh(dict(data=1, fsdp=1, expert=1, sequence=len(devices), tensor=1), devices=devices)
-  param_shapes, loss_fn = BLOCKS[block](TPU_DIMS, mesh)
+  expert = 8 if block == "moe" else 1
+  mesh = make_mesh(dict(data=1, fsdp=1, expert=expert, sequence=len(devices) // expert, tensor=1),
+                   devices=devices)
+  dims = dict(TPU_DIMS, **MOE_DIMS) if block == "moe" else TPU_DIMS
+  param_shapes, loss_fn = BLOCKS[block](dims, mesh)
   replicated = NamedSharding(mesh, P())
-  param_shapes = {name: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated)
-                  for name, s in param_shapes.items()}
+  def placed(path, s):
+    names = None
+    if isinstance(s, nnx_variable_type()):
+      names = tuple(s.get_metadata().get("axes", ()))
+    spec = P("expert") if names and names[0] == "experts" else P()
+    value = s.get_value() if names is not None else s
+    placed_value = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=NamedSharding(mesh, spec))
+    return s.replace(placed_value) if names is not None else placed_value
+  param_shapes = jax.tree_util.tree_map_with_path(
+      placed, param_shapes, is_leaf=lambda s: isinstance(s, (jax.ShapeDtypeStruct, nnx_variable_type())))
   tokens = NamedSharding(mesh, P(None, "sequence"))
   x = jax.ShapeDtypeStruct((1, seq_len, TPU_DIMS["embed"]), jnp.dtype(TPU_DIMS["dtype"]),
                            sharding=NamedSharding(mesh, P(None, "sequence", None)))
@@ -206,13 +261,14 @@ def bench_tpu_1m(topology, seq_len, block):
   memory = compiled.memory_analysis()
   per_chip, hbm = _peak_bytes(compiled), _hbm_bytes(devices)
   hlo = compiled.as_text()
-  collectives = {op: len(re.findall(rf"=\s*\S+\s+{op}(-start)?\(", hlo))
+  collectives = {op: len(re.findall(rf"\s{op}(?:-start)?\(", hlo))
                  for op in ("collective-permute", "all-gather", "all-reduce", "all-to-all")}
   return dict(topology=topology, chips=len(devices), seq_len=seq_len, block=block,
               tokens_per_chip=seq_len // len(devices), per_chip_bytes=per_chip,
               temp_bytes=memory.temp_size_in_bytes, argument_bytes=memory.argument_size_in_bytes,
               hbm_bytes=hbm, hbm_fraction=per_chip / hbm, fits=per_chip <= 0.9 * hbm,
-              compile_seconds=time.perf_counter() - start, collectives=collectives, dims=TPU_DIMS)
+              compile_seconds=time.perf_counter() - start, collectives=collectives, dims=dims,
+              mesh=dict(mesh.shape))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,16 +317,25 @@ def main(argv=None):
   parser.add_argument("--seq-lens", default="2048,4096,8192")
   parser.add_argument("--repeats", type=int, default=2)
   parser.add_argument("--blocks", default="512,256", help="blockwise block sizes to time")
+  parser.add_argument("--speed-case", default="", help=argparse.SUPPRESS)  # impl,block,len,repeats
   parser.add_argument("--ring-tokens-per-device", type=int, default=4096)
   parser.add_argument("--tpu-topology", default="v5p:4x4x4")
   parser.add_argument("--tpu-seq-len", type=int, default=1 << 20)
   parser.add_argument("--tpu-block", default="attention_mlp", choices=sorted(BLOCKS))
   args = parser.parse_args(argv)
+  if args.speed_case:  # a child process of bench_speed
+    impl, block, seq_len, repeats = args.speed_case.split(",")
+    print(json.dumps(speed_case(impl, int(block), int(seq_len), int(repeats))))
+    return
   sections = [s for s in args.only.split(",") if s]
   unknown = set(sections) - set(SECTIONS)
   if unknown:
     parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
   report = {}
+  # Speed first: the reference at 8192 needs ~8.4 GiB, best asked for before anything else ran.
+  if "speed" in sections:
+    report["speed"] = bench_speed([int(s) for s in args.seq_lens.split(",")], args.repeats,
+                                  [int(b) for b in args.blocks.split(",")])
   if "balance" in sections:
     report["balance"] = bench_balance()
   if "ring_memory" in sections:
@@ -282,9 +347,6 @@ def main(argv=None):
       report["tpu_1m"] = dict(error="libtpu is not installed; skipped")
     else:
       report["tpu_1m"] = bench_tpu_1m(args.tpu_topology, args.tpu_seq_len, args.tpu_block)
-  if "speed" in sections:
-    report["speed"] = bench_speed([int(s) for s in args.seq_lens.split(",")], args.repeats,
-                                  [int(b) for b in args.blocks.split(",")])
   report["versions"] = dict(jax=jax.__version__, python=sys.version.split()[0])
   os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
   with open(args.json, "w") as f:

@@ -3,14 +3,9 @@
 The flags must be set before jax is first imported, which is why this file sets them at import time.
 """
 
-import os
+from meshrl.configs.cli import simulate_cpu_devices  # imports no jax
 
-os.environ["XLA_FLAGS"] = " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    + ["--xla_force_host_platform_device_count=8"])
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+simulate_cpu_devices(8)
 
 import jax  # noqa: E402  (must come after the flags)
 import pytest  # noqa: E402

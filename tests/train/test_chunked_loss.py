@@ -1,10 +1,14 @@
 """Chunked vocab projection + loss equals the dense computation, values and gradients."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from meshrl.sharding import make_mesh
 from meshrl.train.chunked_loss import chunked_cross_entropy, chunked_logprobs
 
 B, T, D, V = 2, 37, 16, 50  # T not a multiple of the chunk: padding is exercised
@@ -79,3 +83,15 @@ def test_bad_shapes_raise():
     chunked_cross_entropy(hidden, head.T, targets, mask, chunk=8)
   with pytest.raises(ValueError, match="chunk=0"):
     chunked_logprobs(hidden, head, targets, chunk=0)
+
+
+def test_sequence_sharded_hidden_is_never_gathered():
+  """Chunks interleave positions, so a length axis split over `sequence` stays split in the scan."""
+  mesh = make_mesh(dict(data=1, fsdp=1, expert=1, sequence=8, tensor=1))
+  split = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
+                                                    sharding=NamedSharding(mesh, P(None, "sequence")))
+  head = jax.ShapeDtypeStruct((64, 1000), jnp.float32, sharding=NamedSharding(mesh, P()))
+  grad = jax.grad(lambda h, w, t, m: chunked_cross_entropy(h, w, t, m, chunk=1024)[0], (0, 1))
+  hlo = jax.jit(grad).lower(split((1, 8192, 64), jnp.float32), head, split((1, 8192), jnp.int32),
+                            split((1, 8192), jnp.bool_)).compile().as_text()
+  assert not re.search(r"\s(all-gather|all-to-all|collective-permute)(-start)?\(", hlo)
