@@ -35,7 +35,7 @@ class KernelConfig:
   """
   impl: str = "reference"
   block_q: int = 512
-  block_kv: int = 512
+  block_kv: int = 256
   mesh: Mesh | None = None
   rules: Rules = TRAIN_RULES
 

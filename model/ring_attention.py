@@ -266,7 +266,7 @@ def _outer_specs(mesh: Mesh, batch: int, kv_heads: int):
 
 def attend(q, k, v, *, impl: str, mesh: Mesh | None = None, causal: bool = True,
            q_positions=None, kv_positions=None, segment_ids: Any = None,
-           scale: float | None = None, block_q: int = 512, block_kv: int = 512):
+           scale: float | None = None, block_q: int = 512, block_kv: int = 256):
   """Softmax attention with grouped-query heads, position-based causal masks and packed segments.
 
   Args:

@@ -64,7 +64,9 @@ def _attention_fn(impl, block):
   if impl == "reference":
     return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                         implementation="xla")
-  return lambda q, k, v: ra.attend(q, k, v, impl="blockwise", block_q=block, block_kv=block)
+  block_q, _, block_kv = str(block).partition("x")  # "512" or "512x256" (query x key/value rows)
+  return lambda q, k, v: ra.attend(q, k, v, impl="blockwise", block_q=int(block_q),
+                                   block_kv=int(block_kv or block_q))
 
 
 def speed_case(impl, block, seq_len, repeats):
@@ -78,7 +80,8 @@ def speed_case(impl, block, seq_len, repeats):
     start = time.perf_counter()
     jax.block_until_ready(compiled(*args))
     times.append(time.perf_counter() - start)
-  return dict(impl=impl, block=block or None, seq_len=seq_len, seconds=min(times),
+  return dict(impl=impl, block=None if impl == "reference" else str(block), seq_len=seq_len,
+              seconds=min(times),
               peak_bytes=_peak_bytes(compiled),
               temp_bytes=compiled.memory_analysis().temp_size_in_bytes)
 
@@ -88,7 +91,7 @@ def bench_speed(seq_lens, repeats, blocks):
   holds ~13 GB resident) does not pile onto the next."""
   rows = []
   for seq_len in seq_lens:
-    for impl, block in [("reference", 0)] + [("blockwise", b) for b in blocks]:
+    for impl, block in [("reference", "0")] + [("blockwise", b) for b in blocks]:
       result = subprocess.run(
           [sys.executable, os.path.abspath(__file__), "--json", os.devnull, "--speed-case",
            f"{impl},{block},{seq_len},{repeats}"], capture_output=True, text=True, check=False)
@@ -96,7 +99,7 @@ def bench_speed(seq_lens, repeats, blocks):
         raise RuntimeError(f"speed case {impl} {seq_len} failed ({result.returncode}):\n"
                            f"{result.stderr[-2000:]}")
       row = json.loads(result.stdout.strip().splitlines()[-1])
-      print(f"  speed {impl:9s} block {block:4d} {seq_len:6d}: {row['seconds']:7.2f} s, "
+      print(f"  speed {impl:9s} block {block!s:>7} {seq_len:6d}: {row['seconds']:7.2f} s, "
             f"peak {row['peak_bytes'] / 2**20:8.1f} MiB", flush=True)
       rows.append(row)
   return rows
@@ -279,13 +282,13 @@ def _print_report(report):
   if "speed" in report:
     print("\nspeed: causal fwd+bwd, B=1, 8 heads, head_dim 64, fp32 (CPU); peak = arguments + "
           "outputs + temp")
-    print(f"{'seq_len':>7} {'block':>5} {'ref s':>7} {'blk s':>7} {'speedup':>7} {'ref peak':>13} "
+    print(f"{'seq_len':>7} {'block':>7} {'ref s':>7} {'blk s':>7} {'speedup':>7} {'ref peak':>13} "
           f"{'blk peak':>13} {'peak ratio':>10} {'ref temp':>13} {'blk temp':>13} {'temp ratio':>10}")
     rows = report["speed"]
     ref = {r["seq_len"]: r for r in rows if r["impl"] == "reference"}
     for blk in (r for r in rows if r["impl"] == "blockwise"):
       r = ref[blk["seq_len"]]
-      print(f"{blk['seq_len']:7d} {blk['block']:5d} {r['seconds']:7.2f} {blk['seconds']:7.2f} "
+      print(f"{blk['seq_len']:7d} {blk['block']:>7} {r['seconds']:7.2f} {blk['seconds']:7.2f} "
             f"{r['seconds'] / blk['seconds']:6.1f}x {mib(r['peak_bytes'])} {mib(blk['peak_bytes'])} "
             f"{r['peak_bytes'] / blk['peak_bytes']:9.1f}x {mib(r['temp_bytes'])} "
             f"{mib(blk['temp_bytes'])} {r['temp_bytes'] / blk['temp_bytes']:9.1f}x")
@@ -316,7 +319,8 @@ def main(argv=None):
   parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
   parser.add_argument("--seq-lens", default="2048,4096,8192")
   parser.add_argument("--repeats", type=int, default=2)
-  parser.add_argument("--blocks", default="512,256", help="blockwise block sizes to time")
+  parser.add_argument("--blocks", default="512x256,512",
+                      help="blockwise block sizes to time: Q or QxKV (query rows x key rows)")
   parser.add_argument("--speed-case", default="", help=argparse.SUPPRESS)  # impl,block,len,repeats
   parser.add_argument("--ring-tokens-per-device", type=int, default=4096)
   parser.add_argument("--tpu-topology", default="v5p:4x4x4")
@@ -325,7 +329,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.speed_case:  # a child process of bench_speed
     impl, block, seq_len, repeats = args.speed_case.split(",")
-    print(json.dumps(speed_case(impl, int(block), int(seq_len), int(repeats))))
+    print(json.dumps(speed_case(impl, block, int(seq_len), int(repeats))))
     return
   sections = [s for s in args.only.split(",") if s]
   unknown = set(sections) - set(SECTIONS)
@@ -335,7 +339,7 @@ def main(argv=None):
   # Speed first: the reference at 8192 needs ~8.4 GiB, best asked for before anything else ran.
   if "speed" in sections:
     report["speed"] = bench_speed([int(s) for s in args.seq_lens.split(",")], args.repeats,
-                                  [int(b) for b in args.blocks.split(",")])
+                                  [b for b in args.blocks.split(",") if b])
   if "balance" in sections:
     report["balance"] = bench_balance()
   if "ring_memory" in sections:
