@@ -36,14 +36,16 @@ def _is_variable(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
 
 
+def _axes_of(variable: nnx.Variable) -> tuple:
+  meta = variable.get_metadata()
+  if "axes" not in meta:
+    raise ValueError(f"variable of shape {jnp.shape(variable.get_value())} has no logical axes metadata.")
+  return tuple(meta["axes"])
+
+
 def logical_axes(state: Any) -> Any:
   """The state's pytree with each Variable replaced by its tuple of logical names."""
-  def names(v):
-    meta = v.get_metadata()
-    if "axes" not in meta:
-      raise ValueError(f"variable of shape {jnp.shape(v.value)} has no logical axes metadata.")
-    return tuple(meta["axes"])
-  return jax.tree.map(names, state, is_leaf=_is_variable)
+  return jax.tree.map(_axes_of, state, is_leaf=_is_variable)
 
 
 def state_shardings(state: Any, mesh: Mesh, rules: Rules = TRAIN_RULES) -> Any:
@@ -52,9 +54,8 @@ def state_shardings(state: Any, mesh: Mesh, rules: Rules = TRAIN_RULES) -> Any:
   Shapes are taken into account: a mesh axis that does not divide a dimension leaves it whole.
   """
   def sharding(v):
-    names = tuple(v.get_metadata()["axes"])
-    return NamedSharding(mesh, logical_to_spec(names, rules, mesh, shape=jnp.shape(v.get_value())))
-  logical_axes(state)  # raises for a variable without names
+    spec = logical_to_spec(_axes_of(v), rules, mesh, shape=jnp.shape(v.get_value()))
+    return NamedSharding(mesh, spec)
   return jax.tree.map(sharding, state, is_leaf=_is_variable)
 
 

@@ -9,7 +9,6 @@ bar, checkpoints) happens here, between the jitted calls.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import time
 from typing import Any
@@ -24,7 +23,7 @@ from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
 from meshrl.rl import advantages as adv_lib
-from meshrl.rl.batch import next_prompts, score_rollout, select_groups
+from meshrl.rl.batch import informative_groups, next_prompts, score_rollout, select_groups
 from meshrl.rl.envs import TaskMixture, load_jsonl
 from meshrl.rl.losses import kl_reward_penalty
 from meshrl.rl.rewards import compose
@@ -137,7 +136,7 @@ def collect(run: RLRun, examples, key) -> tuple[dict, dict]:
                            overlong_penalty_value=cfg.overlong_penalty)
     reward_s += time.perf_counter() - t_reward
     rollouts.append(scored)
-    useful = sum((r.rewards.reshape(-1, cfg.group_size).std(1) > 0).sum() for r in rollouts)
+    useful = sum(int(informative_groups(r.rewards, cfg.group_size).sum()) for r in rollouts)
     if not cfg.dynamic_sampling or useful >= cfg.prompts_per_step:
       break
   arrays, rewards, correct, group_valid = select_groups(
@@ -171,14 +170,10 @@ def advantages_for(run: RLRun, collected: dict) -> dict:
   if "routing" in arrays:
     batch["routing"] = arrays["routing"]
   rewards = jnp.asarray(collected["rewards"])
-  values = None
-  if run.ref_params is not None or run.estimator.needs_critic:
-    ref_logp, _ = (run.logprob_fn(run.ref_params, run.state.extra, batch) if run.ref_params is not None
-                   else (None, None))
-    if ref_logp is not None:
-      batch["ref_logprobs"] = ref_logp
-    if run.estimator.needs_critic:
-      _, values = run.logprob_fn(run.state.params, run.state.extra, batch)
+  if run.ref_params is not None:
+    batch["ref_logprobs"], _ = run.logprob_fn(run.ref_params, run.state.extra, batch)
+  if run.estimator.needs_critic:
+    _, values = run.logprob_fn(run.state.params, run.state.extra, batch)
   if run.estimator.needs_critic or (cfg.kl_in_reward and "ref_logprobs" in batch):
     token_rewards = adv_lib.outcome_token_rewards(rewards, jnp.asarray(response_mask))
     if cfg.kl_in_reward and "ref_logprobs" in batch:
@@ -198,11 +193,18 @@ def advantages_for(run: RLRun, collected: dict) -> dict:
 
 
 def train_steps(run: RLRun, workdir: str, *, num_steps: int | None = None, start_step: int = 0,
+                start_example: int = 0,
                 checkpointer: Checkpointer | None = None, writer: MetricsWriter | None = None) -> list[dict]:
   """Runs RL steps; returns the metric records. Each step compiles nothing new after the first."""
   cfg = run.cfg
   num_steps = cfg.rl.num_steps if num_steps is None else num_steps
-  examples = (run.tasks[i] for i in itertools.count(start_step * cfg.rl.prompts_per_step * 4))
+  position = {"next": start_example}  # index of the next task example; saved with checkpoints
+
+  def next_example():
+    while True:
+      position["next"] += 1
+      yield run.tasks[position["next"] - 1]
+  examples = next_example()
   key = jax.random.key(cfg.seed + 1)
   records, counter = [], CompileCounter()
   try:
@@ -228,7 +230,8 @@ def train_steps(run: RLRun, workdir: str, *, num_steps: int | None = None, start
       else:
         records.append({"step": step, **metrics})
       if checkpointer is not None and cfg.checkpoint.enabled:
-        checkpointer.save(step, run.state, data_state={"step": step}, config=cfg)
+        checkpointer.save(step, run.state, data_state={"step": step, "next_example": position["next"]},
+                          config=cfg)
   finally:
     counter.close()
   return records
@@ -245,19 +248,21 @@ def run(cfg, workdir: str, *, mesh=None) -> list[dict]:
     model = run_sft(cfg, os.path.join(workdir, "sft"), mesh=mesh, model=model).model
   rl_run = setup(cfg, mesh=mesh, model=model)
   checkpointer = None
-  start_step = 0
+  start_step = start_example = 0
   if cfg.checkpoint.enabled:
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint.every,
                                 max_to_keep=cfg.checkpoint.max_to_keep, async_save=cfg.checkpoint.async_save)
     if cfg.checkpoint.restore and checkpointer.latest_step() is not None:
       restored = checkpointer.restore(rl_run.state)
       rl_run.state, start_step = restored.state, restored.step
+      start_example = int(restored.data_state.get("next_example", 0))
       print(f"resumed from {checkpointer.directory} at step {start_step}")
   with MetricsWriter(workdir, tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar,
                      total_steps=cfg.rl.num_steps, resume_step=start_step or None,
                      bar_keys=("reward_mean", "kl", "entropy", "tokens_per_s")) as writer:
     try:
-      records = train_steps(rl_run, workdir, start_step=start_step, checkpointer=checkpointer,
+      records = train_steps(rl_run, workdir, start_step=start_step, start_example=start_example,
+                            checkpointer=checkpointer,
                             writer=writer)
     finally:
       if checkpointer is not None:

@@ -13,7 +13,7 @@ embed over `fsdp` (ZeRO-3) and on mlp over `tensor`.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -119,6 +119,3 @@ def constrain(x: jax.Array, names: Sequence[str | None], mesh: Mesh | None,
   spec = logical_to_spec(names, rules, mesh, shape=x.shape)
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-
-def rules_as_dict(rules: Rules) -> Mapping[str, tuple[str, ...]]:
-  return dict(rules)
