@@ -129,9 +129,19 @@ class Embed(nnx.Module):
     self.embedding = param(rngs.params(), (vocab_size, embed_dim), ("vocab", "embed"), std=std,
                            dtype=param_dtype)
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
-    """tokens [B, T] int -> [B, T, D]."""
-    return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+  def __call__(self, tokens: jax.Array, constrain=None) -> jax.Array:
+    """tokens [B, T] int -> [B, T, D].
+
+    constrain: `KernelConfig.constrain` (or None: no mesh). The table [V, D] is stored (`vocab`,
+    `embed`), D split over `fsdp`; a gather straight from it would have to turn embed-split rows into
+    batch-split ones, which XLA's partitioner does by an involuntary full rematerialisation. So the
+    table is first gathered over `embed` (the all-gather FSDP does for every weight before use) and
+    stays split over `vocab` only: a vocab-parallel lookup, masked locally and summed.
+    """
+    table = self.embedding[...]
+    if constrain is not None:
+      table = constrain(table, ("vocab", None))  # [V, D], vocab split only
+    return jnp.take(table, tokens, axis=0).astype(self.dtype)
 
   def attend(self, hidden: jax.Array) -> jax.Array:
     """hidden [B, T, D] -> logits [B, T, V] with the embedding as the output projection."""

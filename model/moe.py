@@ -35,7 +35,7 @@ from meshrl.model.moe_dispatch import ExpertWeights
 from meshrl.model.params import param
 
 SCORE_FUNCS = ("softmax", "sigmoid")
-DISPATCH_MODES = ("dropless", "capacity")
+DISPATCH_MODES = moe_dispatch.DISPATCHES
 
 
 class RouterBias(nnx.Variable):
@@ -165,10 +165,11 @@ class MoE(nnx.Module):
   """Routed SwiGLU experts plus optional shared experts, with expert parallelism on 'expert'.
 
   Routing (router matmul, scores, top-k, aux losses) is per token and runs as ordinary SPMD code, so
-  under jit each device routes its own tokens; only the expert computation differs by mode:
-  moe_dispatch.dropless, moe_dispatch.capacity, or, when mesh.shape['expert'] > 1,
-  moe_dispatch.expert_parallel inside shard_map (dropless: no slot ever dropped; capacity: a budget
-  of ceil(capacity_factor * n * K / P) slots per destination device, not per expert).
+  under jit each device routes its own tokens; only the expert computation differs by mode: one of
+  moe_dispatch.IMPLEMENTATIONS, picked per call by `moe_dispatch.choose` ("auto": the fastest exact
+  one for the backend, the phase and the token count), or, when mesh.shape['expert'] > 1,
+  moe_dispatch.expert_parallel inside shard_map (no slot ever dropped unless dispatch="capacity":
+  then a budget of ceil(capacity_factor * n * K / P) slots per destination device, not per expert).
 
   Parameters (logical axes):
     router [D, E] ('embed', None); gate, up [E, D, F] ('experts', 'embed', 'expert_mlp');
@@ -181,7 +182,7 @@ class MoE(nnx.Module):
                num_experts_per_tok: int, *, num_shared_experts: int = 0,
                shared_expert_mlp_dim: int = 0, score_func: str = "softmax",
                norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, n_group: int = 1,
-               topk_group: int = 1, dispatch: str = "dropless", capacity_factor: float = 1.25,
+               topk_group: int = 1, dispatch: str = "auto", capacity_factor: float = 1.25,
                aux_free_bias: bool = False, mesh: Mesh | None = None, dtype=jnp.float32,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
     """Validates the numbers and creates the weights.
@@ -195,8 +196,10 @@ class MoE(nnx.Module):
       shared_expert_mlp_dim: each shared expert's hidden size (0: expert_mlp_dim).
       score_func: "softmax" or "sigmoid" (see `route`).
       norm_topk_prob, routed_scaling_factor, n_group, topk_group: see `route`.
-      dispatch: "dropless" (ragged_dot) or "capacity" (fixed rows per expert, overflow dropped).
-      capacity_factor: capacity mode: rows per expert = ceil(capacity_factor * N * K / E).
+      dispatch: "auto" or an implementation of moe_dispatch.IMPLEMENTATIONS ("capacity" alone drops
+        overflow slots).
+      capacity_factor: rows per expert = ceil(capacity_factor * N * K / E) of the "capacity" buffer
+        (overflow dropped) and of the "buffered" fast path (overflow sends the batch to "blocks").
       aux_free_bias: keep a RouterBias for aux-loss-free balancing (DeepSeek-V3).
       mesh: with mesh.shape['expert'] > 1 the experts run expert-parallel inside shard_map.
       dtype: compute dtype of the experts (routing is always float32).
@@ -204,10 +207,7 @@ class MoE(nnx.Module):
       rngs: supplies the "params" keys.
     """
     _check_routing(num_experts, num_experts_per_tok, score_func, n_group, topk_group)
-    if dispatch not in DISPATCH_MODES:
-      raise ValueError(f"dispatch={dispatch!r} is unknown; choose one of {DISPATCH_MODES}.")
-    if not capacity_factor > 0:
-      raise ValueError(f"capacity_factor={capacity_factor} must be positive.")
+    moe_dispatch.check_dispatch(dispatch, capacity_factor)
     for name, value in (("embed_dim", embed_dim), ("expert_mlp_dim", expert_mlp_dim)):
       if value < 1:
         raise ValueError(f"{name}={value} must be at least 1.")
@@ -246,13 +246,38 @@ class MoE(nnx.Module):
   def expert_parallel(self) -> bool:
     return self.mesh is not None and self.mesh.shape["expert"] > 1
 
-  def __call__(self, x: jax.Array, *, routing: jax.Array | None = None
+  def _route_mismatch(self, router_logits: jax.Array, used: jax.Array, replayed) -> jax.Array:
+    """Fraction of tokens whose replayed experts differ (as a set) from what this router would choose
+    now: how far routing replay moves the update off its own routes (0 without replay)."""
+    if replayed is None:
+      return jnp.zeros((), jnp.float32)
+    _, fresh, _ = route(jax.lax.stop_gradient(router_logits),
+                        None if self.router_bias is None else self.router_bias[...], k=self.k,
+                        score_func=self.score_func, norm_topk_prob=self.norm_topk_prob,
+                        routed_scaling_factor=self.routed_scaling_factor, n_group=self.n_group,
+                        topk_group=self.topk_group)
+    same = jnp.all(jnp.sort(fresh, axis=-1) == jnp.sort(used, axis=-1), axis=-1)  # [N]
+    return 1.0 - jnp.mean(same.astype(jnp.float32))
+
+  def backend(self) -> str:
+    """The platform the experts run on: the mesh's devices, else JAX's default backend."""
+    return self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
+
+  def implementation(self, phase: str, num_tokens: int) -> str:
+    """The dispatch a call of N tokens in `phase` runs ("expert_parallel" on an expert mesh)."""
+    if self.expert_parallel:
+      return "expert_parallel"
+    return moe_dispatch.choose(self.dispatch, backend=self.backend(), phase=phase,
+                               num_tokens=num_tokens, k=self.k, num_experts=self.num_experts)
+
+  def __call__(self, x: jax.Array, *, routing: jax.Array | None = None, phase: str = "train"
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Routes every token to K experts and sums their weighted outputs (plus the shared experts).
 
     Args:
       x: [B, T, D] activations, batch possibly sharded over ('data', 'fsdp', 'expert').
       routing: [B, T, K] int32 experts to replay instead of choosing.
+      phase: "train", "prefill" or "decode": with dispatch="auto" it helps pick the implementation.
 
     Returns:
       y [B, T, D] in `dtype`, and aux: aux_loss (load balancing, unweighted), z_loss (router z-loss,
@@ -276,15 +301,14 @@ class MoE(nnx.Module):
           indices=None if routing is None else routing.reshape(batch * length, self.k))
 
     experts = ExpertWeights(*(w[...].astype(self.dtype) for w in (self.gate, self.up, self.down)))
-    capacity_factor = self.capacity_factor if self.dispatch == "capacity" else None
-    if self.expert_parallel:
+    implementation = self.implementation(phase, batch * length)
+    if implementation == "expert_parallel":
+      capacity_factor = self.capacity_factor if self.dispatch == "capacity" else None
       ys, dropped = moe_dispatch.expert_parallel(xs, indices, weights, experts, mesh=self.mesh,
                                                  capacity_factor=capacity_factor)
-    elif capacity_factor is not None:
-      ys, dropped = moe_dispatch.capacity(xs, indices, weights, experts,
-                                          capacity_factor=capacity_factor)
     else:
-      ys, dropped = moe_dispatch.dropless(xs, indices, weights, experts)
+      ys, dropped = moe_dispatch.run(implementation, xs, indices, weights, experts,
+                                     capacity_factor=self.capacity_factor)
 
     if self.shared_gate is not None:
       with jax.named_scope("shared_experts"):
@@ -298,5 +322,6 @@ class MoE(nnx.Module):
                  z_loss=router_z_loss(router_logits),
                  expert_load=expert_load(indices, self.num_experts),
                  routing=indices.reshape(batch, length, self.k),  # [B, T, K]
-                 dropped_fraction=dropped.astype(jnp.float32) / indices.size)
+                 dropped_fraction=dropped.astype(jnp.float32) / indices.size,
+                 route_mismatch=self._route_mismatch(router_logits, indices, routing))
     return ys.reshape(batch, length, self.embed_dim).astype(self.dtype), aux

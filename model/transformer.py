@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from meshrl.model import kv_cache as kvc
 from meshrl.model.attention import GQAttention, KernelConfig, MLAttention
 from meshrl.model.layers import Dense, Embed, RMSNorm, RopeConfig, SwiGLU
+from meshrl.model import moe_dispatch
 from meshrl.model.moe import MoE
 from meshrl.sharding.rules import rules_from_config
 
@@ -74,7 +75,7 @@ class ModelConfig:
   routed_scaling_factor: float = 1.0
   n_group: int = 1
   topk_group: int = 1
-  dispatch: str = "dropless"
+  dispatch: str = "auto"
   capacity_factor: float = 1.25
   aux_free_bias: bool = False
 
@@ -89,6 +90,8 @@ class ModelConfig:
     if self.num_experts and self.num_experts_per_tok > self.num_experts:
       raise ValueError(f"moe.num_experts_per_tok={self.num_experts_per_tok} is larger than "
                        f"moe.num_experts={self.num_experts}.")
+    if self.num_experts:
+      moe_dispatch.check_dispatch(self.dispatch, self.capacity_factor)
     if self.num_experts and not 0 <= self.first_k_dense <= self.num_layers:
       raise ValueError(f"moe.first_k_dense={self.first_k_dense} must be in [0, {self.num_layers}].")
 
@@ -137,6 +140,14 @@ class ModelConfig:
             for stack, n in stacks.items() if n}
 
 
+def phase_of(cached: bool, length: int) -> str:
+  """The phase a call is in, from static facts: "train" without a KV cache, "decode" for one new token
+  per row with one, else "prefill". The MoE's dispatch="auto" picks its implementation by it."""
+  if not cached:
+    return "train"
+  return "decode" if length == 1 else "prefill"
+
+
 class Block(nnx.Module):
   """Pre-norm residual block: x + attn(norm(x)), then x + mlp_or_moe(norm(x))."""
 
@@ -165,13 +176,14 @@ class Block(nnx.Module):
     self.is_moe = moe
     self.kernel = mc.kernel
 
-  def __call__(self, x, positions, segment_ids, cache=None, cache_meta=None, routing=None):
-    """x [B, T, D] -> (x [B, T, D], aux dict, updated cache layer)."""
+  def __call__(self, x, positions, segment_ids, cache=None, cache_meta=None, routing=None,
+               phase="train"):
+    """x [B, T, D] -> (x [B, T, D], aux dict, updated cache layer); phase: see `phase_of`."""
     attn_out, cache = self.attn(self.attn_norm(x), positions, segment_ids, cache, cache_meta)
     attn_out = checkpoint_name(attn_out, "attention_out")
     x = self.kernel.constrain(x + attn_out, ("batch", "length", "embed"))
     if self.is_moe:
-      mlp_out, aux = self.mlp(self.mlp_norm(x), routing=routing)
+      mlp_out, aux = self.mlp(self.mlp_norm(x), routing=routing, phase=phase)
     else:
       mlp_out, aux = self.mlp(self.mlp_norm(x)), {}
     x = self.kernel.constrain(x + mlp_out, ("batch", "length", "embed"))
@@ -196,7 +208,7 @@ class ModelOutput:
   logits: jax.Array | None  # [B, T, V] (None when hidden states were asked for)
   hidden: jax.Array | None  # [B, T, D] final normed hidden states (return_hidden=True)
   values: jax.Array | None  # [B, T] value-head output
-  aux: dict  # aux_loss, z_loss, dropped_fraction (means over MoE layers), expert_load [L, E], routing [L, B, T, K]
+  aux: dict  # aux_loss, z_loss, dropped_fraction, route_mismatch (means over MoE layers), expert_load [L, E], routing [L, B, T, K]
   cache: Any  # updated KVCache or None
 
 
@@ -215,12 +227,19 @@ class Transformer(nnx.Module):
     self.value_head = Dense(mc.embed_dim, 1, ("embed", None), **kw) if mc.value_head else None
 
   def output_projection(self) -> jax.Array:
-    """The [D, V] matrix that turns final hidden states into logits."""
-    if self.lm_head is None:
-      return self.embed.embedding[...].T.astype(self.config.dtype)
-    return self.lm_head.kernel[...].astype(self.config.dtype)
+    """The [D, V] matrix that turns final hidden states into logits, gathered over `embed`.
 
-  def _run_stack(self, stack, name, x, positions, segment_ids, cache, meta, routing):
+    The stored weight has D on `fsdp`, which the batch of the hidden states uses too; contracting D
+    as stored would reshard the activations. Gathering the weight (FSDP's all-gather) leaves the
+    logits [B, T, V] split on batch and vocab, the layout the log-softmax and loss keep.
+    """
+    if self.lm_head is None:
+      weight = self.embed.embedding[...].T  # [D, V]
+    else:
+      weight = self.lm_head.kernel[...]  # [D, V]
+    return self.config.kernel.constrain(weight, (None, "vocab")).astype(self.config.dtype)
+
+  def _run_stack(self, stack, name, x, positions, segment_ids, cache, meta, routing, phase):
     mc = self.config
     graphdef, state = nnx.split(stack)
     layer_cache = None if cache is None else cache.layers[name]
@@ -228,7 +247,8 @@ class Transformer(nnx.Module):
     def body(carry, layer):
       layer_state, layer_cache_, layer_routing = layer
       block = nnx.merge(graphdef, layer_state)
-      out, aux, new_cache = block(carry, positions, segment_ids, layer_cache_, meta, layer_routing)
+      out, aux, new_cache = block(carry, positions, segment_ids, layer_cache_, meta, layer_routing,
+                                  phase)
       return out, (aux, new_cache)
 
     if mc.remat != "none":
@@ -267,20 +287,22 @@ class Transformer(nnx.Module):
       positions = jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (batch, length))
     if segment_ids is None:
       segment_ids = jnp.ones((batch, length), jnp.int32)
+    phase = phase_of(cache is not None, length)
     meta = None
     if cache is not None:
       cache, meta = kvc.begin_write(cache, positions, segment_ids)
-    x = mc.kernel.constrain(self.embed(tokens), ("batch", "length", "embed"))
+    x = mc.kernel.constrain(self.embed(tokens, mc.kernel.constrain), ("batch", "length", "embed"))
 
     new_layers, aux = {}, {}
     if self.dense_stack is not None:
       x, (_, new_layers["dense"]) = self._run_stack(self.dense_stack, "dense", x, positions, segment_ids,
-                                                    cache, meta, None)
+                                                    cache, meta, None, phase)
     if self.moe_stack is not None:
       x, (moe_aux, new_layers["moe"]) = self._run_stack(self.moe_stack, "moe", x, positions, segment_ids,
-                                                        cache, meta, routing)
+                                                        cache, meta, routing, phase)
       aux = {"aux_loss": jnp.mean(moe_aux["aux_loss"]), "z_loss": jnp.mean(moe_aux["z_loss"]),
              "dropped_fraction": jnp.mean(moe_aux["dropped_fraction"]),
+             "route_mismatch": jnp.mean(moe_aux["route_mismatch"]),
              "expert_load": moe_aux["expert_load"], "routing": moe_aux["routing"]}
     if cache is not None:
       cache = kvc.end_write(cache, new_layers, length)

@@ -1,7 +1,10 @@
-"""Model benchmark: forward+backward tokens/s and MFU of a few MoE sizes, against this machine's peak.
+"""Model benchmark: forward+backward tokens/s and MFU of a few MoE sizes per expert dispatch, against
+this machine's peak.
 
 Run:  JAX_PLATFORMS=cpu python scripts/bench_model.py --json runs/bench_model.json
-      (--steps 5 timed steps per size; --config.model.dtype=bfloat16 etc. apply to every size)
+      (--steps 5 timed steps per size; --dispatches auto,dropless,buffered,capacity: one row per size and
+      dispatch, `all` for every one in model/moe_dispatch.py; --config.model.dtype=bfloat16 etc. apply
+      to every size)
 
 Each size is configs/tiny.py (or --config) with the overrides in SIZES. The step is
 jit(value_and_grad(sft_loss)): mean next-token cross-entropy over every position plus the MoE aux and
@@ -13,8 +16,10 @@ Peak: the best of REPEATS runs of a jitted fp32 2048 x 2048 matmul (2 n^3 FLOPs)
 and after the models, taking the higher. MFU = tokens_per_s * flops_per_token / peak, with
 flops_per_token from train/metrics.py `model_flops_per_token(training=True)` (6 N_active + 3 A).
 
-JSON: {"peak_flops", "rows": [{name, params_total, params_active, batch, seq_len, step_s,
-tokens_per_s, mfu, flops_per_token, compile_s}]}.
+JSON: {"peak_flops", "rows": [{name, dispatch, implementation, params_total, params_active, batch,
+seq_len, step_s, tokens_per_s, mfu, flops_per_token, compile_s}]}; `implementation` is what the
+dispatch runs at that size (what "auto" picked). MFU counts the routed experts' useful FLOPs only, so
+"capacity" (which also drops overflow) and "dense" (E / K times the work) show what they cost.
 """
 
 import argparse
@@ -34,6 +39,7 @@ SIZES = {
                     "model.num_kv_heads=4", "model.head_dim=64", "model.mlp_dim=1024",
                     "moe.num_experts=8", "moe.expert_mlp_dim=512", "model.max_seq_len=128"], 8, 128),
 }
+DEFAULT_DISPATCHES = "auto,dropless,buffered,capacity"
 MATMUL_N = 2048
 REPEATS = 10
 
@@ -41,6 +47,8 @@ REPEATS = 10
 def _flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--json", required=True, help="where to write the results")
   parser.add_argument("--steps", type=int, default=5, help="timed steps per size (best one kept)")
+  parser.add_argument("--dispatches", default=DEFAULT_DISPATCHES,
+                      help="comma-separated moe.dispatch values, one row each per size; 'all' for every one")
 
 
 def matmul_peak(n: int = MATMUL_N, repeats: int = REPEATS) -> float:
@@ -67,19 +75,21 @@ def bench_size(cfg, *, batch: int, seq_len: int, steps: int) -> dict:
   import jax.numpy as jnp
   from flax import nnx
 
+  from meshrl.model import moe_dispatch
   from meshrl.model.init import build_model, parameter_counts
   from meshrl.model.transformer import ModelConfig
   from meshrl.sharding import make_mesh
   from meshrl.train.metrics import model_flops_per_token
-  from meshrl.train.sft import sft_loss
+  from meshrl.train.sft import model_rows, sft_loss
   # pylint: enable=import-outside-toplevel
   mesh = make_mesh(cfg.mesh)
   mc = ModelConfig.from_config(cfg, mesh)
   graphdef, params, extra = nnx.split(build_model(mc, mesh, seed=cfg.seed), nnx.Param, ...)
   tokens = jax.random.randint(jax.random.key(1), (batch, seq_len), 0, mc.vocab_size, jnp.int32)
   ones = jnp.ones((batch, seq_len), jnp.int32)
-  data = {"tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(seq_len), (batch, seq_len)),
+  rows = {"tokens": tokens, "positions": jnp.broadcast_to(jnp.arange(seq_len), (batch, seq_len)),
           "segment_ids": ones, "loss_mask": ones}
+  data = {k: jnp.asarray(v) for k, v in model_rows(rows).items()}
   loss_fn = functools.partial(sft_loss, graphdef=graphdef, moe_cfg=cfg.moe)
   step = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
 
@@ -93,10 +103,24 @@ def bench_size(cfg, *, batch: int, seq_len: int, steps: int) -> dict:
     times.append(time.perf_counter() - start)
   step_s = min(times)
   counts = parameter_counts(mc)
-  return dict(params_total=counts["total"], params_active=counts["active_per_token"], batch=batch,
+  implementation = moe_dispatch.choose(mc.dispatch, backend=jax.default_backend(), phase="train",
+                                       num_tokens=batch * seq_len, k=mc.num_experts_per_tok,
+                                       num_experts=mc.num_experts)
+  return dict(implementation=implementation, params_total=counts["total"],
+              params_active=counts["active_per_token"], batch=batch,
               seq_len=seq_len, step_s=step_s, tokens_per_s=batch * seq_len / step_s,
               flops_per_token=model_flops_per_token(mc, seq_len=seq_len, training=True),
               compile_s=compile_s)
+
+
+def dispatches(text: str) -> list[str]:
+  """The --dispatches list, checked against model/moe_dispatch.py's names."""
+  from meshrl.model.moe_dispatch import DISPATCHES  # pylint: disable=import-outside-toplevel
+  names = list(DISPATCHES) if text == "all" else [n.strip() for n in text.split(",") if n.strip()]
+  unknown = [n for n in names if n not in DISPATCHES]
+  if unknown or not names:
+    raise ValueError(f"--dispatches={text!r}: unknown {unknown}; choose from {DISPATCHES} or 'all'.")
+  return names
 
 
 def run(args) -> dict:
@@ -105,12 +129,13 @@ def run(args) -> dict:
   print(f"matmul peak (fp32 {MATMUL_N}^2): {peak_before / 1e9:.1f} GFLOP/s", flush=True)
   rows = []
   for name, (overrides, batch, seq_len) in SIZES.items():
-    # The size's overrides first, so the command line's --config.* win.
-    cfg = load(args.config, overrides + list(args.overrides))
-    row = bench_size(cfg, batch=batch, seq_len=seq_len, steps=args.steps)
-    rows.append({"name": name, **row})
-    print(f"  {name}: {row['step_s']:.3f} s/step, {row['tokens_per_s']:.0f} tokens/s "
-          f"(compile+first {row['compile_s']:.1f} s)", flush=True)
+    for dispatch in dispatches(args.dispatches):
+      # The size's overrides first, so the command line's --config.* win.
+      cfg = load(args.config, overrides + [f"moe.dispatch={dispatch}"] + list(args.overrides))
+      row = bench_size(cfg, batch=batch, seq_len=seq_len, steps=args.steps)
+      rows.append({"name": name, "dispatch": cfg.moe.dispatch, **row})
+      print(f"  {name} {cfg.moe.dispatch} ({row['implementation']}): {row['step_s']:.3f} s/step, "
+            f"{row['tokens_per_s']:.0f} tokens/s (compile+first {row['compile_s']:.1f} s)", flush=True)
   peak_after = matmul_peak()
   print(f"matmul peak again: {peak_after / 1e9:.1f} GFLOP/s", flush=True)
   peak = max(peak_before, peak_after)
@@ -122,16 +147,24 @@ def run(args) -> dict:
 def print_table(report: dict) -> None:
   print(f"\nforward+backward, fp32, peak {report['peak_flops'] / 1e9:.1f} GFLOP/s "
         f"(jnp {MATMUL_N}^2 matmul)")
-  print(f"{'name':<12} {'params':>9} {'active':>9} {'batch':>5} {'seq':>5} {'step s':>8} "
-        f"{'tokens/s':>9} {'GFLOP/tok':>9} {'MFU':>6}")
+  print(f"{'name':<12} {'dispatch':<20} {'params':>9} {'active':>9} {'batch':>5} {'seq':>5} "
+        f"{'step s':>8} {'tokens/s':>9} {'GFLOP/tok':>9} {'MFU':>6}")
   for r in report["rows"]:
-    print(f"{r['name']:<12} {r['params_total'] / 1e6:8.2f}M {r['params_active'] / 1e6:8.2f}M "
+    dispatch = r["dispatch"] if r["dispatch"] == r["implementation"] else (
+        f"{r['dispatch']}={r['implementation']}")
+    print(f"{r['name']:<12} {dispatch:<20} {r['params_total'] / 1e6:8.2f}M "
+          f"{r['params_active'] / 1e6:8.2f}M "
           f"{r['batch']:5d} {r['seq_len']:5d} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} "
           f"{r['flops_per_token'] / 1e9:9.4f} {100 * r['mfu']:5.1f}%")
 
 
 def main(argv):
   args, _ = cli.parse(argv, add_flags=_flags, description=__doc__)
+  try:
+    dispatches(args.dispatches)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   report = run(args)
   print_table(report)
   os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -33,7 +33,42 @@ def main(argv):
   for axis, size in mesh.shape.items():
     print(f"  {axis:>8}: {size}")
   print(f"  device ids by position: {mesh.device_ids.flatten().tolist()}")
+  try:
+    print_dispatch_plan(config, mesh)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   return 0
+
+
+def print_dispatch_plan(config, mesh) -> None:
+  """Which expert dispatch each phase of an RL step runs (moe.dispatch=auto picks per backend/phase).
+
+  Token counts per call are the global ones the MoE layer sees under jit: decode = prompts x samples
+  rows of one token, prefill = those rows x max_prompt_len, train = rows x (prompt + response) per
+  minibatch.
+  """
+  # pylint: disable=import-outside-toplevel
+  from meshrl.model import moe_dispatch
+  from meshrl.model.transformer import ModelConfig
+  # pylint: enable=import-outside-toplevel
+  mc = ModelConfig.from_config(config, mesh)  # also checks moe.dispatch and moe.capacity_factor
+  if not mc.num_moe_layers:
+    return
+  rl = config.rl
+  rows = rl.prompts_per_step * rl.group_size
+  tokens = {"train": rows * (rl.max_prompt_len + rl.max_new_tokens) // max(rl.num_minibatches, 1),
+            "prefill": rows * rl.max_prompt_len, "decode": rows}
+  backend = mesh.devices.flat[0].platform
+  print(f"\n# moe dispatch: {mc.dispatch} on {backend}")
+  if mesh.shape["expert"] > 1:
+    dropping = " (drops overflow)" if mc.dispatch == "capacity" else ""
+    print(f"  every phase: expert_parallel all-to-all over {mesh.shape['expert']} devices{dropping}")
+    return
+  chosen = moe_dispatch.plan(mc.dispatch, backend=backend, k=mc.num_experts_per_tok,
+                             num_experts=mc.num_experts, tokens_by_phase=tokens)
+  for phase, name in chosen.items():
+    print(f"  {phase:>8}: {name} ({tokens[phase]} tokens per call)")
 
 
 if __name__ == "__main__":

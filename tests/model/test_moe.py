@@ -113,7 +113,7 @@ def _np_moe(moe, x, experts=None, kept=None, **cfg):
 
 @pytest.mark.parametrize("cfg", [SOFTMAX, DEEPSEEK], ids=["qwen3_softmax", "deepseek_sigmoid_groups"])
 def test_dropless_matches_dense_loop(cfg):
-  moe = _moe(**cfg)
+  moe = _moe(dispatch="dropless", **cfg)
   x = _x()
   y, aux = _apply(moe, x)
   want, chosen = _np_moe(moe, x, **cfg)
@@ -269,7 +269,7 @@ def test_params_carry_logical_axes():
     (dict(n_group=8), "at least 2"),
     (dict(num_experts_per_tok=3, n_group=4, topk_group=1), "exceeds the 2 experts"),
     (dict(score_func="relu"), "score_func='relu'"),
-    (dict(dispatch="dense"), "dispatch='dense'"),
+    (dict(dispatch="sparse"), "moe.dispatch='sparse' is unknown; choose one of"),
     (dict(capacity_factor=0.0), "capacity_factor=0.0"),
 ])
 def test_bad_arguments_raise(kw, match):

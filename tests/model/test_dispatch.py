@@ -1,0 +1,178 @@
+"""Every expert-dispatch implementation equals a per-token loop, in outputs and gradients; `auto` is exact."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshrl import configs
+from meshrl.model import moe_dispatch
+from meshrl.model.moe import MoE
+from meshrl.model.moe_dispatch import ExpertWeights
+from meshrl.model.transformer import ModelConfig, phase_of
+
+D, F, E = 16, 8, 8
+
+
+def _weights(seed=0):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  shapes = [(E, D, F), (E, D, F), (E, F, D)]
+  return ExpertWeights(*(jax.random.normal(k, s) / np.sqrt(s[1]) for k, s in zip(keys, shapes)))
+
+
+def _routing(case):
+  """(expert choices [N, K] int32, combine weights [N, K]) for a named routing shape."""
+  rng = np.random.RandomState(0)
+  if case == "empty_experts":  # six tokens over experts {0, 1, 2}: five experts get nothing
+    choices = np.array([rng.permutation(3)[:2] for _ in range(6)])
+  elif case == "one_token":
+    choices = np.array([[6, 1]])
+  elif case == "one_expert":  # K = 1 and every token on expert 3
+    choices = np.full((12, 1), 3)
+  elif case == "one_expert_k2":  # every token's first choice is expert 5
+    choices = np.array([[5, e] for e in rng.choice([0, 1, 2, 3, 4, 6, 7], 12)])
+  elif case == "balanced":  # 4 slots per expert: fits the capacity_factor=1 buffer exactly
+    choices = np.array([[n % E, (n + 3) % E] for n in range(16)])
+  else:  # random top-2 of 24 tokens
+    choices = np.array([rng.permutation(E)[:2] for _ in range(24)])
+  weights = rng.uniform(0.1, 1.0, choices.shape)
+  return jnp.asarray(choices, jnp.int32), jnp.asarray(weights / weights.sum(1, keepdims=True), jnp.float32)
+
+
+def _loop(xs, choices, weights, w):
+  """The per-token reference: each slot through its expert's SwiGLU, one token at a time."""
+  rows = []
+  for n, experts in enumerate(np.asarray(choices)):
+    row = jnp.zeros((D,))
+    for j, e in enumerate(experts):
+      hidden = jax.nn.silu(xs[n] @ w.gate[e]) * (xs[n] @ w.up[e])
+      row = row + weights[n, j] * (hidden @ w.down[e])
+    rows.append(row)
+  return jnp.stack(rows)
+
+
+def _np_loop(xs, choices, weights, w):
+  """The same loop in float64 numpy."""
+  xs, weights = np.asarray(xs, np.float64), np.asarray(weights, np.float64)
+  gate, up, down = (np.asarray(a, np.float64) for a in w)
+  silu = lambda a: a / (1 + np.exp(-a))
+  ys = np.zeros_like(xs)
+  for n, experts in enumerate(np.asarray(choices)):
+    for j, e in enumerate(experts):
+      ys[n] += weights[n, j] * (silu(xs[n] @ gate[e]) * (xs[n] @ up[e])) @ down[e]
+  return ys
+
+
+CASES = ["empty_experts", "one_token", "one_expert", "one_expert_k2", "balanced", "random"]
+# capacity only with a buffer that holds every slot (E / K >= 1 rows per token); buffered with the
+# tightest one, so skewed cases fall back to blocks and "balanced" takes the buffer.
+IMPLEMENTATIONS = {"dropless": {}, "blocks": {}, "blocks_b8": {"block": 8}, "dense": {}, "gather": {},
+                   "buffered": {"capacity_factor": 1.0}, "capacity": {"capacity_factor": float(E)}}
+
+
+def _impl(name):
+  fn = moe_dispatch.IMPLEMENTATIONS[name.split("_")[0]]
+  kw = IMPLEMENTATIONS[name]
+  return lambda xs, choices, weights, w: fn(xs, choices, weights, w, **kw)
+
+
+def _inputs(case):
+  choices, weights = _routing(case)
+  xs = jax.random.normal(jax.random.key(1), (choices.shape[0], D))
+  cot = jax.random.normal(jax.random.key(2), (choices.shape[0], D))
+  return choices, weights, xs, cot, _weights()
+
+
+def _value_and_grads(fn, choices, weights, xs, cot, w):
+  """(ys [N, D], gradients of sum(ys * cot) w.r.t. xs, combine weights and expert weights)."""
+  def loss(xs, weights, w):
+    ys = fn(xs, choices, weights, w)
+    ys = ys[0] if isinstance(ys, tuple) else ys
+    return jnp.sum(ys * cot), ys
+
+  grads, ys = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(xs, weights, w)
+  return ys, grads
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(case):
+  """float64 numpy outputs and fp32 per-token-loop gradients, once per case."""
+  choices, weights, xs, _, w = _inputs(case)
+  return _np_loop(xs, choices, weights, w), _value_and_grads(_loop, *_inputs(case))[1]
+
+
+@pytest.mark.parametrize("name,case", list(itertools.product(IMPLEMENTATIONS, CASES)))
+def test_implementation_matches_per_token_loop(name, case):
+  ys, grads = jax.jit(functools.partial(_value_and_grads, _impl(name)))(*_inputs(case))
+  want_ys, want_grads = _reference(case)
+  np.testing.assert_allclose(np.asarray(ys), want_ys, atol=1e-5, rtol=0)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=0)
+  g_w = grads[2]
+  if case == "empty_experts":  # experts nobody chose get exactly zero gradient
+    assert not np.asarray(g_w.gate[3:]).any() and np.abs(np.asarray(g_w.gate[:3])).max() > 0
+
+
+def test_buffered_cases_take_both_branches():
+  """The parity cases above really exercise both of buffered's branches."""
+  cap = lambda c: moe_dispatch.expert_capacity(c.shape[0], c.shape[1], E, 1.0)
+  counts = lambda c: np.bincount(np.asarray(c).ravel(), minlength=E)
+  balanced, skewed = _routing("balanced")[0], _routing("one_expert_k2")[0]
+  assert counts(balanced).max() <= cap(balanced) < counts(balanced).sum()  # buffer, via lax.cond
+  assert counts(skewed).max() > cap(skewed)  # blocks
+
+
+@pytest.mark.parametrize("backend", ["cpu", "tpu", "gpu"])
+def test_auto_is_always_exact(backend):
+  for phase, tokens, k, experts in itertools.product(moe_dispatch.PHASES, [1, 3, 4, 63, 64, 65, 2560],
+                                                     [1, 2, 8], [8, 64]):
+    chosen = moe_dispatch.choose("auto", backend=backend, phase=phase, num_tokens=tokens, k=k,
+                                 num_experts=experts)
+    assert chosen in moe_dispatch.EXACT, (phase, tokens, k, experts, chosen)
+  pick = lambda phase, tokens: moe_dispatch.choose("auto", backend=backend, phase=phase,
+                                                   num_tokens=tokens, k=2, num_experts=8)
+  if backend == "cpu":
+    assert pick("decode", 1) == "gather" and pick("decode", 32) == "blocks"
+    assert pick("train", 1) == "blocks" and pick("prefill", 512) == "blocks"
+  else:
+    assert {pick(p, 2560) for p in moe_dispatch.PHASES} == {"dropless"}
+  assert moe_dispatch.choose("capacity", backend=backend, phase="train", num_tokens=8, k=2,
+                             num_experts=8) == "capacity"
+
+
+def test_phase_from_static_shapes():
+  assert phase_of(False, 80) == "train" and phase_of(False, 1) == "train"
+  assert phase_of(True, 1) == "decode" and phase_of(True, 16) == "prefill"
+
+
+def test_moe_auto_is_exact_in_every_phase():
+  moe = MoE(D, F, E, 2, dispatch="auto", rngs=nnx.Rngs(0))
+  moe.router[...] = jax.random.normal(jax.random.key(4), moe.router.shape)
+  apply = nnx.jit(lambda m, x, phase: m(x, phase=phase), static_argnums=2)
+  for phase, shape, want in [("decode", (2, 1, D), "gather"), ("decode", (16, 1, D), "blocks"),
+                             ("train", (2, 1, D), "blocks")]:
+    x = jax.random.normal(jax.random.key(5), shape)
+    assert moe.implementation(phase, shape[0] * shape[1]) == want
+    y, aux = apply(moe, x, phase)
+    moe.dispatch = "dense"  # exact: equals the per-token loop above
+    y_ref, _ = apply(moe, x, phase)
+    moe.dispatch = "auto"
+    assert aux["dropped_fraction"] == 0
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("moe.dispatch=sparse", r"moe.dispatch='sparse' is unknown; choose one of \('auto', 'dropless'"),
+    ("moe.capacity_factor=0.0", "moe.capacity_factor=0.0 must be positive"),
+    ("moe.capacity_factor=-1.0", "moe.capacity_factor=-1.0 must be positive"),
+])
+def test_bad_dispatch_config_raises(override, match):
+  cfg = configs.load("configs/tiny.py", ["moe.dispatch=capacity", override])
+  with pytest.raises(ValueError, match=match):
+    ModelConfig.from_config(cfg)
+  with pytest.raises(ValueError, match="phase='verify' is unknown"):
+    moe_dispatch.choose("auto", backend="cpu", phase="verify", num_tokens=1, k=1, num_experts=2)
