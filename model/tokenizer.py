@@ -2,7 +2,12 @@
 
 Both share `Tokenizer`: `encode`, `decode`, `vocab_size`, `bos_id`, `eos_id`, `pad_id`, plus batch
 encoding to fixed-length numpy arrays (left padding for prompts before generation, right padding
-for training targets) and batch decoding.
+for training targets) and batch decoding; `stop_ids` (the tokens that end a response: EOS and, for
+chat models, the end-of-turn token), `has_chat_template` and `render_prompt(text)` (the prompt as
+one user turn of the model's chat template, model/chat_template.py; the text itself without one).
+
+  tokenizer = tokenizer_from_config(cfg)        # cfg.model.tokenizer: "byte" or a tokenizer.json
+  ids = tokenizer.encode(tokenizer.render_prompt("12+7="))
 
 Byte ids: 0..255 are the UTF-8 bytes, then BOS = 256, EOS = 257, PAD = 258 (vocab 259).
 """
@@ -15,15 +20,31 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from meshrl.model.chat_template import ChatTemplate, load_chat_template
+
 
 class Tokenizer:
   """Base class: subclasses set `vocab_size`, `bos_id` (or None), `eos_id`, `pad_id` and implement
-  `_text_ids(text) -> list[int]` (no specials) and `_ids_text(ids) -> str` (specials removed)."""
+  `_text_ids(text) -> list[int]` (no specials) and `_ids_text(ids) -> str` (specials removed).
+
+  `vocab_size` is one more than the largest id (added tokens included), the least
+  model.vocab_size that can embed every id. `stop_ids` defaults to (eos_id,).
+  """
 
   vocab_size: int
   bos_id: int | None
   eos_id: int
   pad_id: int
+  has_chat_template: bool = False
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """Token ids that end a response; EOS first."""
+    return (self.eos_id,)
+
+  def render_prompt(self, text: str) -> str:
+    """`text` as the model's prompt: one user turn of its chat template, or `text` itself."""
+    return text
 
   def _text_ids(self, text: str) -> list[int]:
     raise NotImplementedError
@@ -32,18 +53,20 @@ class Tokenizer:
     raise NotImplementedError
 
   def encode(self, text: str, *, add_bos: bool = True, add_eos: bool = False) -> list[int]:
-    """Token ids of `text`, with BOS first (when the tokenizer has one) and optionally EOS last."""
+    """Token ids of `text`, with BOS first (when the tokenizer has one and `text` does not already
+    begin with it, as a chat template's rendering may) and optionally EOS last."""
     ids = self._text_ids(text)
-    if add_bos and self.bos_id is not None:
+    if add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
       ids = [self.bos_id] + ids
     return ids + [self.eos_id] if add_eos else ids
 
   def decode(self, ids: Iterable[int], *, stop_at_eos: bool = True) -> str:
-    """Text of `ids`: stops at the first EOS (or drops EOS), and drops BOS and PAD."""
-    specials = {self.bos_id, self.eos_id, self.pad_id}
+    """Text of `ids`: stops at the first stop token (or drops them), and drops BOS and PAD."""
+    stops = set(self.stop_ids)
+    specials = {self.bos_id, self.pad_id} | stops
     kept = []
     for token in (int(i) for i in np.asarray(ids).reshape(-1)):
-      if token == self.eos_id and stop_at_eos:
+      if token in stops and stop_at_eos:
         break
       if token not in specials:
         kept.append(token)
@@ -125,6 +148,11 @@ class HFTokenizer(Tokenizer):
   BOS may be absent (then `add_bos` adds nothing). The file's own post-processor is bypassed so
   BOS is never added twice.
 
+  Beside the file, a chat template (tokenizer_config.json or chat_template.jinja) makes
+  `render_prompt` render one user turn with add_generation_prompt=True, and `stop_ids` gather EOS,
+  generation_config.json's "eos_token_id" (an id or a list) and the template's end-of-turn token
+  (the special token it writes right after an assistant message, e.g. <|im_end|>).
+
   Args:
     path: a tokenizer.json, or a folder holding one.
     bos, eos, pad: optional id (int) or token string.
@@ -137,8 +165,9 @@ class HFTokenizer(Tokenizer):
     if not os.path.isfile(file):
       raise ValueError(
           f"tokenizer path={path!r} is neither a tokenizer.json nor a folder with one.")
+    self.file = file
     self._tokenizer = tokenizers.Tokenizer.from_file(file)
-    self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+    self.vocab_size = 1 + max(self._tokenizer.get_vocab(with_added_tokens=True).values())
     config = self._sibling_config(file)
     self.bos_id = self._special_id("bos", bos, config.get("bos_token"), _BOS_NAMES)
     self.eos_id = self._special_id("eos", eos, config.get("eos_token"), _EOS_NAMES)
@@ -147,6 +176,54 @@ class HFTokenizer(Tokenizer):
       raise ValueError(f"no EOS token found in {file!r} (tried {_EOS_NAMES}); pass eos=.")
     if self.pad_id is None:
       self.pad_id = self.eos_id
+    folder = os.path.dirname(file)
+    self.chat_template: ChatTemplate | None = load_chat_template(folder)
+    self.has_chat_template = self.chat_template is not None
+    stops = [self.eos_id, *self._generation_eos_ids(folder)]
+    end_of_turn = self._end_of_turn_id()
+    self._stop_ids = tuple(dict.fromkeys(stops + ([end_of_turn] if end_of_turn is not None else [])))
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return self._stop_ids
+
+  def render_prompt(self, text: str) -> str:
+    if self.chat_template is None:
+      return text
+    return self.chat_template.render([{"role": "user", "content": text}], add_generation_prompt=True)
+
+  def _generation_eos_ids(self, folder: str) -> list[int]:
+    """generation_config.json's eos_token_id (an int or a list), each checked against the vocab."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+      return []
+    with open(path, encoding="utf-8") as handle:
+      eos = json.load(handle).get("eos_token_id")
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < self.vocab_size]
+    if bad:
+      raise ValueError(f"{path}: eos_token_id {bad} outside the vocabulary (size {self.vocab_size}).")
+    return ids
+
+  def _end_of_turn_id(self) -> int | None:
+    """The special token the chat template writes right after an assistant message, if any.
+
+    Found by rendering a two-turn conversation whose assistant text is a marker and reading the
+    first token after the marker; a template that cannot render it has none.
+    """
+    if self.chat_template is None:
+      return None
+    marker = "MESHRL_END_OF_TURN_PROBE"
+    try:
+      text = self.chat_template.render([{"role": "user", "content": "1+1="},
+                                        {"role": "assistant", "content": marker}],
+                                       add_generation_prompt=False)
+    except ValueError:
+      return None
+    _, found, after = text.rpartition(marker)
+    ids = self._text_ids(after.lstrip(" ")) if found else []
+    specials = {i for i, token in self._tokenizer.get_added_tokens_decoder().items() if token.special}
+    return ids[0] if ids and ids[0] in specials else None
 
   @staticmethod
   def _sibling_config(file: str) -> dict:
@@ -189,3 +266,12 @@ def load_tokenizer(name: str = "byte", **special_ids) -> Tokenizer:
   if os.path.exists(name):
     return HFTokenizer(name, **special_ids)
   raise ValueError(f"tokenizer={name!r} is neither 'byte' nor an existing tokenizer.json path.")
+
+
+def tokenizer_from_config(cfg) -> Tokenizer:
+  """The run's tokenizer, `cfg.model.tokenizer`; errors name the field and its value."""
+  name = cfg.model.tokenizer
+  try:
+    return load_tokenizer(name)
+  except ValueError as e:
+    raise ValueError(f"model.tokenizer={name!r}: {e}") from None

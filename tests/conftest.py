@@ -22,3 +22,25 @@ def devices():
   found = jax.devices()
   assert len(found) == 8, f"expected 8 simulated devices, got {len(found)}"
   return found
+
+
+@pytest.fixture(scope="session")
+def hf_fixtures():
+  """tests/hf_fixtures.py (tiny Hugging Face folders built locally), loaded by path."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  if "hf_fixtures" not in sys.modules:
+    spec = importlib.util.spec_from_file_location(
+        "hf_fixtures", os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_fixtures.py"))
+    sys.modules["hf_fixtures"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules["hf_fixtures"])
+  return sys.modules["hf_fixtures"]
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(hf_fixtures, tmp_path_factory):  # pylint: disable=redefined-outer-name
+  """A tiny random Qwen3-MoE folder saved by transformers, with tokenizer and chat template."""
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  return hf_fixtures.save_tiny_qwen3_moe(str(tmp_path_factory.mktemp("tiny_qwen3_moe")))
