@@ -13,6 +13,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from meshrl.rl.rewards.code import CODE_REWARDS
 from meshrl.rl.rewards.countdown import countdown_reward
 from meshrl.rl.rewards.verifiers import (exact_match, format_reward, is_number, numeric_match,
                                          tagged_format)
@@ -24,6 +25,7 @@ VERIFIERS: dict[str, RewardFn] = {
     "exact": exact_match,
     "numeric": numeric_match,
     "countdown": countdown_reward,
+    **CODE_REWARDS,  # "code", "code_partial": unit tests run in the sandbox (rewards/code.py)
 }
 
 
