@@ -46,9 +46,12 @@ setuptools.setup(
         "tensorboardX>=2.6",
         "matplotlib>=3.8",
         "tqdm>=4.66",
+        "jinja2>=3.1.6",  # chat templates (model/chat_template.py); older versions have sandbox escapes
     ],
     extras_require={
-        "test": ["pytest>=8.0"],
+        # pytest-xdist: the suite runs on 2 worker processes (most tests are single-threaded XLA
+        # compiles, so 2 processes use the 2 cores a CI machine has).
+        "test": ["pytest>=8.0", "pytest-xdist>=3.5"],
         "tpu": ["jax[tpu]>=0.10.2"],
         "hf": ["transformers>=4.57", "safetensors>=0.4", "tokenizers>=0.21", "torch==2.13.0"],
     },

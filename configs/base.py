@@ -64,6 +64,8 @@ def get_config(arg=None):
   config.model.remat = "none"  # Rematerialisation: "none", "full", "save_attention", "save_dots".
   config.model.scan_layers = True  # Stack blocks and lax.scan over them (one compiled block).
   config.model.init_std = 0.02  # Std of the normal initialiser of weights.
+  config.model.init_from = ""  # "" = random init; or a Hugging Face dir (Qwen3-MoE, DeepSeek-V3) or a meshrl checkpoint.
+  config.model.tokenizer = "byte"  # "byte", or a tokenizer.json or a dir holding one (and its chat template).
 
   # --- moe: mixture-of-experts layers (model/moe.py).
   config.moe = ml_collections.ConfigDict()
@@ -78,8 +80,10 @@ def get_config(arg=None):
   config.moe.routed_scaling_factor = 1.0  # Multiplies the routed experts' output (DeepSeek-V3).
   config.moe.n_group = 1  # Group-limited routing: expert groups (1 = off).
   config.moe.topk_group = 1  # Group-limited routing: groups a token may use.
-  config.moe.dispatch = "dropless"  # "dropless" (sort + ragged_dot) or "capacity" (static shapes).
-  config.moe.capacity_factor = 1.25  # Capacity mode: slots per expert = factor * tokens * k / experts.
+  config.moe.dispatch = "auto"  # "auto" (fastest exact one per backend and phase), "dropless" (sort +
+  # ragged_dot), "buffered", "blocks", "dense", "gather" (all exact) or "capacity" (drops overflow).
+  config.moe.capacity_factor = 1.25  # Rows per expert = factor * tokens * k / experts: the capacity
+  # buffer (overflow dropped) and the buffered fast path (overflow falls back to blocks, not dropped).
   config.moe.aux_loss_coef = 0.01  # Switch-style load-balancing loss weight.
   config.moe.z_loss_coef = 0.001  # Router z-loss weight.
   config.moe.aux_free_bias = False  # DeepSeek-V3 aux-loss-free balancing bias (state, not a param).
@@ -143,6 +147,9 @@ def get_config(arg=None):
   config.rl.overlong_buffer = 0  # Overlong shaping: penalty ramps over the last N tokens (0 = off).
   config.rl.overlong_penalty = 1.0  # Overlong shaping: penalty at the budget.
   config.rl.rewards = "answer:1.0"  # Reward functions and weights: "name:weight,..." (rl/rewards).
+  config.rl.reward_workers = 8  # Threads scoring a batch's rewards concurrently (rl/scoring.py).
+  config.rl.reward_timeout_s = 30.0  # Per-sample reward time limit; a sample past it scores 0 (counted).
+  config.rl.max_nonfinite_steps = 3  # Stop, checkpointed, after this many all-non-finite steps in a row (0 = never).
   config.rl.sft_steps = 200  # Supervised warm-start steps before RL (0 = none).
   config.rl.sft_learning_rate = 1e-3  # Warm-start learning rate.
   config.rl.sft_batch_size = 16  # Warm-start sequences per step.
@@ -153,8 +160,17 @@ def get_config(arg=None):
   config.data.difficulty = 1  # Difficulty level of generated tasks (1 = easiest).
   config.data.jsonl = ""  # Optional JSONL file of {"prompt", "answer", "domain"} rows.
   config.data.skip_bad_rows = True  # Malformed JSONL rows: skip and count (else raise).
+  config.data.eval_fraction = 0.2  # Share of the prompt space held out for evaluation (hash split).
   config.data.seq_len = 128  # SFT: packed sequence length.
   config.data.num_workers = 0  # grain worker processes (0 = in-process).
+
+  # --- eval: held-out evaluation (rl/evaluation.py, scripts/eval.py).
+  config.eval = ml_collections.ConfigDict()
+  config.eval.every = 0  # RL steps between evaluations (0 = off); also after the warm start and at the end.
+  config.eval.num_prompts = 200  # Held-out prompts (distinct; fewer if the domain has fewer).
+  config.eval.batch_size = 64  # Prompts per evaluation rollout.
+  config.eval.pass_k = 0  # Also report pass@k with k samples at rl.temperature (0 = greedy only).
+  config.eval.jsonl = ""  # Held-out JSONL of {"prompt", "answer", "domain"} (else the data.tasks split).
 
   # --- checkpoint: orbax checkpointing (train/checkpoint.py).
   config.checkpoint = ml_collections.ConfigDict()

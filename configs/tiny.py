@@ -1,9 +1,15 @@
-"""The CPU demo: a 2-layer MoE (one dense layer, one with 4 experts) that learns single-digit
-arithmetic by GRPO on 2 CPU cores in a few minutes.
+"""The CPU demo: a 2-layer MoE (one dense layer, one with 4 experts) that learns to reverse
+three-letter words ("rev abc=" -> "cba") by GRPO on 2 CPU cores in a few minutes.
 
 Run it:  python scripts/rl.py --config=configs/tiny.py
-Expect: 80 warm-start (SFT) steps, then 150 GRPO steps; reward_mean rises from about 0.2 to about
-0.5 (see README for the measured curve).
+Expect: 52 warm-start (SFT) steps leave the policy right on about 40% of held-out prompts (greedy);
+100 GRPO steps take it above 90% (see README for the measured curve). Held-out prompts are the
+words training never sees (data.eval_fraction of the 17,576, by hash).
+
+Why this task and recipe: single-digit arithmetic has ~150 distinct prompts, so a held-out split is
+~30 prompts whose answers a 2-layer model can only memorise, not derive; reversal is an algorithm,
+so held-out accuracy measures what RL taught. Sampling at temperature 0.7 keeps the warm start's
+rollouts informative (at 1.0 its samples are almost all wrong and RL degrades the greedy policy).
 Options: `configs/tiny.py:dense` swaps every MoE layer for a dense MLP.
 """
 
@@ -25,16 +31,19 @@ def get_config(arg=None):
   config.moe.expert_mlp_dim = 128
   config.moe.first_k_dense = 1
   config.attention.impl = "reference"
-  config.optim.learning_rate = 5e-4
-  config.rl.num_steps = 150
+  config.optim.learning_rate = 3e-4
+  config.rl.num_steps = 100
   config.rl.prompts_per_step = 16
   config.rl.group_size = 8
   config.rl.num_minibatches = 4
-  config.rl.max_prompt_len = 24
-  config.rl.max_new_tokens = 12
-  config.rl.sft_steps = 80  # short on purpose: RL starts from a policy that is right ~25% of the time
+  config.rl.max_prompt_len = 16
+  config.rl.max_new_tokens = 8
+  config.rl.temperature = 0.7
+  config.rl.sft_steps = 52  # short on purpose: RL starts from a policy that is right ~40% of the time
   config.data.seq_len = 64
-  config.data.tasks = "arithmetic:1.0"
+  config.data.tasks = "reverse:1.0"
+  config.eval.every = 20
+  config.eval.num_prompts = 200
   config.checkpoint.every = 50
   if arg == "dense":
     config.moe.num_experts = 0

@@ -65,13 +65,6 @@ def init_cache(entry_shapes: dict[str, dict[str, tuple[int, ...]]], batch: int, 
                  index=jnp.zeros((), jnp.int32))
 
 
-def cache_axes(cache: KVCache) -> Any:
-  """Logical axis names for every array of `cache` (a pytree matching it)."""
-  layers = {stack: {name: CACHE_AXES[name] for name in entries} for stack, entries in cache.layers.items()}
-  return KVCache(layers=layers, positions=("batch", "cache_length"),
-                 segment_ids=("batch", "cache_length"), index=())
-
-
 def begin_write(cache: KVCache, positions: jax.Array, segment_ids: jax.Array):
   """Records the positions/segments of T new tokens [B, T]; returns (cache, meta for the layers)."""
   length = positions.shape[1]

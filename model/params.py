@@ -76,10 +76,3 @@ def sharded_init(make_module: Callable[[], nnx.Module], mesh: Mesh | None,
 
   state = jax.jit(create, out_shardings=shardings)()
   return nnx.merge(graphdef, state)
-
-
-def count_params(make_module: Callable[[], nnx.Module]) -> int:
-  """Number of trainable parameters, from shapes alone (jax.eval_shape: nothing is allocated)."""
-  abstract = nnx.eval_shape(make_module)
-  params = nnx.state(abstract, nnx.Param)
-  return sum(int(jnp.size(x)) for x in jax.tree.leaves(params))

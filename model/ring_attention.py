@@ -36,10 +36,11 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from meshrl.model import blockwise as bw
+from meshrl.sharding.rules import batch_axes
 
 IMPLS = ("reference", "blockwise", "ring")
 SEQUENCE_AXIS = "sequence"
-BATCH_AXES = ("data", "fsdp", "expert")
+BATCH_AXES = batch_axes()  # the mesh axes of the logical `batch` axis (sharding/rules.py)
 HEADS_AXIS = "tensor"
 
 

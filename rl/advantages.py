@@ -73,12 +73,6 @@ def masked_whiten(values: Array, mask: Array, *, eps: float = 1e-8,
   return jnp.where(mask, centred / (std[0] + eps), 0.0)
 
 
-def zero_variance_groups(rewards: Array, *, group_size: int) -> Array:
-  """`[P]` bool: groups whose rewards are all equal (no learning signal; DAPO dynamic sampling)."""
-  grouped = _grouped(rewards, group_size)  # [P, G]
-  return jnp.all(grouped == grouped[:, :1], axis=1)
-
-
 # --- outcome estimators: rewards [N] -> advantages [N] ---------------------------------------
 
 
@@ -218,52 +212,65 @@ def gae(rewards: Array, values: Array, mask: Array, *, gamma: float, lam: float
   return advantages, returns
 
 
-# --- registry: ESTIMATORS[cfg.rl.advantage] ---------------------------------------------------
+# --- registry: ESTIMATORS[cfg.rl.advantage], one protocol for all ------------------------------
+#
+# Every estimator is called the same way,
+#   estimator(token_rewards [B, S], mask [B, S], sample_valid [B], values [B, S] or None,
+#             *, group_size) -> (advantages [B, S], returns [B, S] or None),
+# where token_rewards holds each sequence's outcome reward on its last loss token, minus the
+# per-token KL penalty when the KL is in the reward. Outcome estimators see each sequence's summed
+# token rewards (as verl does) and broadcast their one value per sequence over its tokens; token
+# estimators (REINFORCE++, GAE) use the per-token rewards directly. So options compose: the KL in
+# the reward reaches every estimator, none is swapped for another.
+
+
+def _sequence_rewards(token_rewards: Array, mask: Array) -> Array:
+  """[B, S] -> [B]: each sequence's summed token rewards."""
+  return jnp.sum(jnp.where(mask, token_rewards.astype(jnp.float32), 0.0), axis=1)
+
+
+def _broadcast(per_sequence: Array, mask: Array) -> Array:
+  """[B] -> [B, S] over each sequence's loss tokens (0 elsewhere)."""
+  return jnp.where(mask, per_sequence[:, None], 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupNormalized:
-  """GRPO: `(rewards [N], *, group_size, mask=None) -> [N]`."""
+class Outcome:
+  """A group/batch estimator of one value per sequence, `fn(rewards [N], group_size, mask, **kw)`."""
+  fn: Callable
+  eps: float | None = None  # std epsilon, for estimators that normalise
+  options: tuple[tuple[str, object], ...] = ()
+  needs_critic = False
+  needs_groups = True
+
+  def __call__(self, token_rewards, mask, sample_valid, values=None, *, group_size):
+    del values
+    mask = mask.astype(bool)
+    kwargs = dict(self.options)
+    if self.eps is not None:
+      kwargs["eps"] = self.eps
+    per_sequence = self.fn(_sequence_rewards(token_rewards, mask), group_size=group_size,
+                           mask=sample_valid, **kwargs)
+    return _broadcast(per_sequence, mask), None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenReinforcePP:
+  """REINFORCE++ (Hu 2025): per-token reward-to-go, whitened over the batch's valid tokens."""
   eps: float = 1e-6
+  gamma: float = 1.0
   needs_critic = False
+  needs_groups = False
 
-  def __call__(self, rewards, *, group_size, mask=None):
-    return grpo(rewards, group_size=group_size, mask=mask, eps=self.eps)
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupCentred:
-  """Dr. GRPO."""
-  needs_critic = False
-
-  def __call__(self, rewards, *, group_size, mask=None):
-    return dr_grpo(rewards, group_size=group_size, mask=mask)
-
-
-@dataclasses.dataclass(frozen=True)
-class LeaveOneOut:
-  """RLOO."""
-  needs_critic = False
-
-  def __call__(self, rewards, *, group_size, mask=None):
-    return rloo(rewards, group_size=group_size, mask=mask)
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchNormalized:
-  """REINFORCE++ (and, with `group_baseline`, REINFORCE++-baseline)."""
-  eps: float = 1e-6
-  group_baseline: bool = False
-  needs_critic = False
-
-  def __call__(self, rewards, *, group_size, mask=None):
-    return reinforce_pp(rewards, group_size=group_size, mask=mask, eps=self.eps,
-                        group_baseline=self.group_baseline)
+  def __call__(self, token_rewards, mask, sample_valid, values=None, *, group_size):
+    del values, group_size
+    mask = mask.astype(bool) & sample_valid[:, None]
+    return reinforce_pp_tokens(token_rewards, mask, gamma=self.gamma, eps=self.eps), None
 
 
 @dataclasses.dataclass(frozen=True)
 class GAE:
-  """PPO with a critic: `(token_rewards [B, T], values [B, T], mask [B, T]) -> (adv, returns)`.
+  """PPO with a critic: GAE over the token rewards and the critic's values.
 
   `whiten` normalises the advantages over the batch's valid tokens (Tunix, verl, purejaxrl).
   """
@@ -271,8 +278,13 @@ class GAE:
   lam: float = 1.0
   whiten: bool = True
   needs_critic = True
+  needs_groups = False
 
-  def __call__(self, token_rewards, values, mask):
+  def __call__(self, token_rewards, mask, sample_valid, values=None, *, group_size):
+    del group_size
+    if values is None:
+      raise ValueError("advantage='gae' needs the critic's values [B, S].")
+    mask = mask.astype(bool) & sample_valid[:, None]
     advantages, returns = gae(token_rewards, values, mask, gamma=self.gamma, lam=self.lam)
     if self.whiten:
       advantages = masked_whiten(advantages, mask)
@@ -280,11 +292,11 @@ class GAE:
 
 
 ESTIMATORS: dict[str, Callable] = {
-    "grpo": GroupNormalized(),
-    "dr_grpo": GroupCentred(),
-    "rloo": LeaveOneOut(),
-    "reinforce_pp": BatchNormalized(),
-    "reinforce_pp_baseline": BatchNormalized(group_baseline=True),
+    "grpo": Outcome(grpo, eps=1e-6),
+    "dr_grpo": Outcome(dr_grpo),
+    "rloo": Outcome(rloo),
+    "reinforce_pp": TokenReinforcePP(),
+    "reinforce_pp_baseline": Outcome(reinforce_pp, eps=1e-6, options=(("group_baseline", True),)),
     "gae": GAE(),
 }
 
@@ -295,12 +307,49 @@ def make_estimator(name: str, *, eps: float = 1e-6, gamma: float = 1.0, lam: flo
   Args:
     name: a key of ESTIMATORS (cfg.rl.advantage).
     eps: std epsilon (cfg.rl.adv_eps), for the normalising estimators.
-    gamma: discount (cfg.rl.gamma), for GAE.
+    gamma: discount (cfg.rl.gamma), for REINFORCE++ and GAE.
     lam: GAE lambda (cfg.rl.gae_lambda).
   """
   if name not in ESTIMATORS:
-    raise ValueError(f"advantage={name!r} is unknown; choose one of {sorted(ESTIMATORS)}.")
+    raise ValueError(f"rl.advantage={name!r} is unknown; choose one of {sorted(ESTIMATORS)}.")
   estimator = ESTIMATORS[name]
-  given = {"eps": eps, "gamma": gamma, "lam": lam}
   fields = {f.name for f in dataclasses.fields(estimator)}
+  given = {"gamma": gamma, "lam": lam}
+  if "eps" in fields and getattr(estimator, "eps") is not None:
+    given["eps"] = eps
   return dataclasses.replace(estimator, **{k: v for k, v in given.items() if k in fields})
+
+
+def make_advantages(cfg):
+  """The jitted advantage stage of the RL step, built from the config:
+
+    advantages_fn(rewards [B], loss_mask [B, S], sample_valid [B], old_logprobs [B, S],
+                  ref_logprobs [B, S] or None, values [B, S] or None)
+      -> (advantages [B, S], returns [B, S] or None, metrics)
+
+  The outcome reward goes on each sequence's last loss token; with rl.kl_in_reward the per-token
+  penalty -kl_coef * KL(behaviour || reference) is added to the token rewards, and the configured
+  estimator (whichever it is) sees the result. metrics: {"kl_reward": mean per-token penalty} when
+  the KL is in the reward.
+  """
+  rl = cfg.rl
+  estimator = make_estimator(rl.advantage, eps=rl.adv_eps, gamma=rl.gamma, lam=rl.gae_lambda)
+  group_size = int(rl.group_size)
+  kl_in_reward, coef, kind = bool(rl.kl_in_reward), float(rl.kl_coef), rl.kl_estimator
+  from meshrl.rl.losses import kl_reward_penalty, masked_mean  # pylint: disable=import-outside-toplevel
+
+  def advantages_fn(rewards, loss_mask, sample_valid, old_logprobs, ref_logprobs, values):
+    mask = loss_mask.astype(bool) & sample_valid[:, None]
+    token_rewards = outcome_token_rewards(rewards, mask)
+    metrics = {}
+    if kl_in_reward:
+      if ref_logprobs is None:
+        raise ValueError("rl.kl_in_reward=true needs reference log-probs.")
+      penalty = kl_reward_penalty(old_logprobs, ref_logprobs, mask, coef=coef, kind=kind)
+      token_rewards = token_rewards + penalty
+      metrics["kl_reward"] = masked_mean(penalty, mask)
+    advantages, returns = estimator(token_rewards, mask, sample_valid.astype(bool), values,
+                                    group_size=group_size)
+    return advantages, returns, metrics
+
+  return jax.jit(advantages_fn)

@@ -13,7 +13,9 @@ from typing import Iterator
 import numpy as np
 
 from meshrl.model.tokenizer import Tokenizer
-from meshrl.rl.rewards import overlong_penalty, score_batch
+from meshrl.rl.batches import ScoredBatch
+from meshrl.rl.rewards import overlong_penalty
+from meshrl.rl.scoring import RewardPool
 
 
 @dataclasses.dataclass
@@ -31,10 +33,11 @@ def next_prompts(examples: Iterator[dict], tokenizer: Tokenizer, *, count: int, 
   skipped (and counted) per `overflow` ("truncate" or "reject")."""
   if overflow not in ("truncate", "reject"):
     raise ValueError(f"rl.prompt_overflow={overflow!r}; choose truncate or reject.")
+  render = getattr(tokenizer, "render_prompt", lambda text: text)  # chat template, when it has one
   chosen, rejected, truncated = [], 0, 0
   while len(chosen) < count:
     example = next(examples)
-    length = len(tokenizer.encode(example["prompt"]))
+    length = len(tokenizer.encode(render(example["prompt"])))
     if length > max_len:
       if overflow == "reject":
         rejected += 1
@@ -44,35 +47,31 @@ def next_prompts(examples: Iterator[dict], tokenizer: Tokenizer, *, count: int, 
         continue
       truncated += 1
     chosen.append(example)
-  tokens, mask = tokenizer.encode_batch([e["prompt"] for e in chosen], length=max_len,
+  tokens, mask = tokenizer.encode_batch([render(e["prompt"]) for e in chosen], length=max_len,
                                         padding="left", overflow="truncate")
   return PromptBatch(chosen, tokens, mask, rejected, truncated)
 
 
-@dataclasses.dataclass
-class ScoredRollout:
-  """One rollout's arrays (numpy, [B, ...]) with rewards, for dynamic sampling and the update."""
-  arrays: dict  # RolloutBatch fields as numpy
-  rewards: np.ndarray  # [B] float32, shaped (overlong penalty included)
-  correct: np.ndarray  # [B] float32, the raw task reward
-  info: dict
+def score_rollout(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool: RewardPool, *,
+                  group_size: int, max_new_tokens: int, overlong_buffer: int,
+                  overlong_penalty_value: float) -> ScoredBatch:
+  """Decodes the responses of one rollout ([B, ...] numpy arrays, B = P * G) and scores them on
+  `pool`; a reward function that raises or hangs scores 0 and is counted in `info`.
 
-
-def score_rollout(arrays: dict, examples: list[dict], tokenizer: Tokenizer, reward_fn, *, group_size: int,
-                  max_new_tokens: int, overlong_buffer: int, overlong_penalty_value: float) -> ScoredRollout:
-  """Decodes the responses and scores them; a reward function that raises scores 0 and is counted."""
+  DAPO overlong shaping adds a penalty (<= 0) to the reward of responses within `overlong_buffer`
+  tokens of the budget; `correct` keeps the unshaped task reward.
+  """
   response = np.where(arrays["response_mask"], arrays["tokens"], tokenizer.pad_id)
   prompt_len = arrays["tokens"].shape[1] - max_new_tokens
   texts = tokenizer.decode_batch(response[:, prompt_len:])
   per_sample = [ex for ex in examples for _ in range(group_size)]
-  rewards, info = score_batch(reward_fn, texts, per_sample)
+  rewards, info = pool.score(texts, per_sample)
   correct = rewards.astype(np.float32)
-  shaped = correct.copy()
-  if overlong_buffer:
-    shaped -= overlong_penalty(arrays["lengths"], max_len=max_new_tokens, buffer=overlong_buffer,
-                               penalty=overlong_penalty_value)
-  info["texts"] = texts
-  return ScoredRollout(arrays=arrays, rewards=shaped.astype(np.float32), correct=correct, info=info)
+  shaped = correct + overlong_penalty(arrays["lengths"], max_len=max_new_tokens, buffer=overlong_buffer,
+                                      penalty=overlong_penalty_value)
+  return ScoredBatch(arrays=arrays, rewards=shaped.astype(np.float32), correct=correct,
+                     sample_valid=np.ones(len(texts), bool),
+                     domains=[str(ex.get("domain", "")) for ex in per_sample], texts=texts, info=info)
 
 
 def informative_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
@@ -81,13 +80,12 @@ def informative_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
   return grouped.max(axis=1) > grouped.min(axis=1)
 
 
-def select_groups(rollouts: list[ScoredRollout], *, num_groups: int, group_size: int,
-                  dynamic: bool) -> tuple[dict, np.ndarray, np.ndarray, np.ndarray]:
-  """Assembles a batch of exactly `num_groups` groups from one or more rollouts.
+def select_groups(rollouts: list[ScoredBatch], *, num_groups: int, group_size: int,
+                  dynamic: bool) -> ScoredBatch:
+  """Assembles a batch of exactly `num_groups` groups from one or more scored rollouts.
 
   With `dynamic`, informative groups come first (in order of arrival); if too few exist the batch is
-  topped up with uninformative ones, which get `group_valid = False` (no gradient). Returns
-  (arrays [B, ...], rewards [B], correct [B], group_valid [num_groups]).
+  topped up with uninformative ones, whose samples get `sample_valid = False` (no gradient).
   """
   pieces = []  # (rollout index, group index, informative)
   for r, rollout in enumerate(rollouts):
@@ -97,10 +95,17 @@ def select_groups(rollouts: list[ScoredRollout], *, num_groups: int, group_size:
     pieces = [p for p in pieces if p[2]] + [p for p in pieces if not p[2]]
   pieces = pieces[:num_groups]
 
+  def rows(r, g):
+    return slice(g * group_size, (g + 1) * group_size)
+
   def gather(get):
-    return np.concatenate([get(rollouts[r])[g * group_size:(g + 1) * group_size] for r, g, _ in pieces])
+    return np.concatenate([get(rollouts[r])[rows(r, g)] for r, g, _ in pieces])
+
+  def gather_list(get):
+    return [item for r, g, _ in pieces for item in get(rollouts[r])[rows(r, g)]]
   arrays = {k: gather(lambda ro, k=k: ro.arrays[k]) for k in rollouts[0].arrays}
-  rewards = gather(lambda ro: ro.rewards)
-  correct = gather(lambda ro: ro.correct)
-  valid = np.array([u or not dynamic for _, _, u in pieces])
-  return arrays, rewards, correct, valid
+  valid = np.repeat(np.array([u or not dynamic for _, _, u in pieces]), group_size)
+  return ScoredBatch(arrays=arrays, rewards=gather(lambda ro: ro.rewards),
+                     correct=gather(lambda ro: ro.correct), sample_valid=valid,
+                     domains=gather_list(lambda ro: ro.domains), texts=gather_list(lambda ro: ro.texts),
+                     info={})

@@ -15,6 +15,7 @@ arXiv:2507.18071); KL estimators k1/k2/k3 (Schulman, "Approximating KL divergenc
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -314,3 +315,89 @@ def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, *,
       "value_mean": masked_mean(jax.lax.stop_gradient(values), mask),
   }
   return loss, metrics
+
+
+# --- the frozen spec of numbers the jitted RL loss receives -----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+  """Every number and switch of the RL objective, resolved once from the config.
+
+  The jitted loss (rl/update.py) receives this, never config sections, so which terms are on is
+  decided here and `UpdateBatch.check(spec)` refuses a batch that lacks what a term needs.
+  """
+  temperature: float  # log-probs are recomputed at the sampling temperature
+  ratio: str  # a key of RATIOS
+  clip_low: float
+  clip_high: float
+  dual_clip: float
+  loss_agg: str  # a key of AGGREGATIONS
+  max_len: int  # response budget, for constant_norm
+  entropy_coef: float
+  kl_coef: float  # weight of the KL term in the loss (0 when off or when the KL is in the reward)
+  kl_metric: bool  # reference log-probs are present (KL in the loss or in the reward): report KL
+  kl_estimator: str
+  value_coef: float  # critic loss weight (0 without a critic)
+  value_clip: float
+  replay_routing: bool  # MoE: the update replays the rollout's expert choices
+  moe: bool  # the model has MoE layers (routing exists)
+  aux_loss_coef: float
+  z_loss_coef: float
+
+  @classmethod
+  def from_config(cls, cfg, *, needs_critic: bool) -> "LossSpec":
+    """Resolves cfg.rl / cfg.moe; raises ValueError naming a field whose value is unknown."""
+    rl = cfg.rl
+    if rl.policy_loss not in POLICY_LOSS_RATIOS:
+      raise ValueError(f"rl.policy_loss={rl.policy_loss!r}; choose one of {sorted(POLICY_LOSS_RATIOS)}.")
+    if rl.loss_agg not in AGGREGATIONS:
+      raise ValueError(f"rl.loss_agg={rl.loss_agg!r}; choose one of {sorted(AGGREGATIONS)}.")
+    if rl.kl_estimator not in KL_ESTIMATORS:
+      raise ValueError(f"rl.kl_estimator={rl.kl_estimator!r}; choose one of {sorted(KL_ESTIMATORS)}.")
+    if rl.kl_coef < 0:
+      raise ValueError(f"rl.kl_coef={rl.kl_coef} must be >= 0.")
+    if rl.kl_in_reward and not rl.kl_coef:
+      raise ValueError("rl.kl_in_reward=true needs rl.kl_coef > 0 (the weight of the per-token penalty).")
+    if not 0.0 <= rl.clip_low < 1.0 or rl.clip_high < 0.0:
+      raise ValueError(f"need 0 <= rl.clip_low < 1 and rl.clip_high >= 0, got {rl.clip_low}, {rl.clip_high}.")
+    if rl.dual_clip != 0.0 and rl.dual_clip <= 1.0:
+      raise ValueError(f"rl.dual_clip={rl.dual_clip} must be 0 (off) or greater than 1.")
+    return cls(
+        temperature=float(rl.temperature), ratio=POLICY_LOSS_RATIOS[rl.policy_loss],
+        clip_low=float(rl.clip_low), clip_high=float(rl.clip_high), dual_clip=float(rl.dual_clip),
+        loss_agg=rl.loss_agg, max_len=int(rl.max_new_tokens), entropy_coef=float(rl.entropy_coef),
+        kl_coef=0.0 if rl.kl_in_reward else float(rl.kl_coef), kl_metric=bool(rl.kl_coef),
+        kl_estimator=rl.kl_estimator, value_coef=float(rl.value_coef) if needs_critic else 0.0,
+        value_clip=float(rl.value_clip), replay_routing=bool(rl.replay_routing),
+        moe=cfg.moe.num_experts > 0 and cfg.moe.first_k_dense < cfg.model.num_layers,
+        aux_loss_coef=float(cfg.moe.aux_loss_coef), z_loss_coef=float(cfg.moe.z_loss_coef))
+
+  @property
+  def critic(self) -> bool:
+    return self.value_coef > 0
+
+  def required_fields(self) -> tuple[str, ...]:
+    """The optional UpdateBatch fields this objective reads."""
+    needed = []
+    if self.kl_metric:
+      needed.append("ref_logprobs")
+    if self.critic:
+      needed += ["old_values", "returns"]
+    if self.replay_routing and self.moe:
+      needed.append("routing")
+    return tuple(needed)
+
+  def describe(self) -> str:
+    terms = [f"policy ({self.ratio} ratio, {self.loss_agg})"]
+    if self.kl_coef:
+      terms.append(f"KL {self.kl_estimator} x {self.kl_coef}")
+    elif self.kl_metric:
+      terms.append("KL in the reward")
+    if self.entropy_coef:
+      terms.append(f"entropy x {self.entropy_coef}")
+    if self.critic:
+      terms.append(f"value x {self.value_coef}")
+    if self.replay_routing and self.moe:
+      terms.append("routing replay")
+    return ", ".join(terms)

@@ -1,4 +1,5 @@
-"""Generation for RL: `make_rollout(model, mesh, cfg) -> rollout(params, prompts, key)`, one jitted call.
+"""Generation for RL: `make_rollout(cfg, mesh, ...) -> rollout(params, extra, prompts, prompt_mask, key)`,
+one jitted call returning a `RolloutBatch`.
 
 Each prompt is prefilled once; its KV cache (and last logits) are then repeated for the G samples of
 its group, so a group shares its prompt's prefix. Decoding is a `lax.while_loop` over one token per
@@ -63,13 +64,25 @@ class RolloutSpec:
   pad_id: int
 
   @classmethod
-  def from_config(cls, cfg, *, eos_id: int, pad_id: int) -> "RolloutSpec":
-    extra = tuple(int(t) for t in str(cfg.rl.stop_tokens).split(",") if t.strip())
-    if cfg.rl.group_size < 1:
-      raise ValueError(f"rl.group_size={cfg.rl.group_size} must be at least 1.")
-    return cls(group_size=cfg.rl.group_size, max_new_tokens=cfg.rl.max_new_tokens,
-               sampler=Sampler(cfg.rl.temperature, cfg.rl.top_k, cfg.rl.top_p),
-               stop_tokens=(eos_id,) + extra, pad_id=pad_id)
+  def from_config(cls, cfg, *, stop_ids: tuple[int, ...], pad_id: int, group_size: int | None = None,
+                  temperature: float | None = None) -> "RolloutSpec":
+    """The rollout of cfg.rl; `group_size` / `temperature` override it (evaluation: 1 and 0).
+
+    Stops at any of `stop_ids` (the tokenizer's end-of-sequence and end-of-turn tokens) and at the
+    ids of rl.stop_tokens."""
+    try:
+      extra = tuple(int(t) for t in str(cfg.rl.stop_tokens).split(",") if t.strip())
+    except ValueError:
+      raise ValueError(f"rl.stop_tokens={cfg.rl.stop_tokens!r} must be comma-separated token ids.") from None
+    group_size = cfg.rl.group_size if group_size is None else group_size
+    temperature = cfg.rl.temperature if temperature is None else temperature
+    if group_size < 1:
+      raise ValueError(f"rl.group_size={group_size} must be at least 1.")
+    if cfg.rl.max_new_tokens < 1:
+      raise ValueError(f"rl.max_new_tokens={cfg.rl.max_new_tokens} must be at least 1.")
+    return cls(group_size=group_size, max_new_tokens=cfg.rl.max_new_tokens,
+               sampler=Sampler(temperature, cfg.rl.top_k, cfg.rl.top_p),
+               stop_tokens=tuple(dict.fromkeys(tuple(stop_ids) + extra)), pad_id=pad_id)
 
 
 def prompt_layout(prompt_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -150,14 +163,17 @@ def rollout_model_config(cfg, mesh: Mesh | None) -> ModelConfig:
   return ModelConfig.from_config(cfg, mesh, rules=rules_from_config(cfg.mesh, "rollout"))
 
 
-def make_rollout(cfg, mesh: Mesh | None, *, eos_id: int, pad_id: int):
+def make_rollout(cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...], pad_id: int,
+                 group_size: int | None = None, temperature: float | None = None):
   """Returns jitted `rollout(params, extra, prompts [P, Lp], prompt_mask [P, Lp], key) -> RolloutBatch`.
 
   `params`/`extra` are the train state's own arrays (train/state.py); they are read, never copied.
+  `group_size` and `temperature` override cfg.rl's (evaluation uses 1 and 0: greedy).
   """
   mc = rollout_model_config(cfg, mesh)
   graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(0))), nnx.Param, ...)
-  spec = RolloutSpec.from_config(cfg, eos_id=eos_id, pad_id=pad_id)
+  spec = RolloutSpec.from_config(cfg, stop_ids=stop_ids, pad_id=pad_id, group_size=group_size,
+                                 temperature=temperature)
   if mc.max_seq_len < cfg.rl.max_prompt_len + spec.max_new_tokens:
     raise ValueError(f"rl.max_prompt_len={cfg.rl.max_prompt_len} + rl.max_new_tokens="
                      f"{spec.max_new_tokens} exceeds model.max_seq_len={mc.max_seq_len}.")

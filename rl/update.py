@@ -1,16 +1,17 @@
-"""The policy (and critic) update: `make_update(cfg, mesh, graphdef, tx) -> update(state, batch, key)`.
+"""The policy (and critic) update: `make_update(spec, graphdef, tx, ...) -> update(state, batch, key)`.
 
-One jitted call runs `rl.epochs` passes over a rollout batch, each split into `rl.num_minibatches`
-shuffled minibatches (sample reuse, as PPO does): `lax.scan` over epochs, then over minibatches.
-The loss recomputes the log-probs of the sampled tokens under the current parameters; the reference
-policy's log-probs are computed only when a KL term is on (`rl.kl_coef > 0`).
+One jitted call runs `epochs` passes over an `UpdateBatch` (rl/batches.py), each split into
+`num_minibatches` shuffled minibatches (sample reuse, as PPO does): `lax.scan` over epochs, then
+over minibatches. The loss recomputes the log-probs of the sampled tokens under the current
+parameters at the sampling temperature, replaying the rollout's MoE routes when
+`spec.replay_routing`. Which loss terms are on is fixed by the frozen `losses.LossSpec`, and the batch
+is checked against it (`UpdateBatch.check`) before the first call.
 
-Batch (a dict of arrays, every leaf with the sequence axis B first):
-  tokens, positions, segment_ids [B, S] int32; response_mask [B, S] bool; old_logprobs [B, S];
-  advantages [B] (outcome estimators) or [B, S] (GAE); optional: ref_logprobs [B, S],
-  old_values [B, S] and returns [B, S] (critic), routing [B, L, S, K] (MoE routing replay).
+`make_logprob_fn` is the same forward without a gradient: reference log-probs and the critic's
+values at rollout time.
 
-Axis legend: B sequences, S tokens, V vocab, L MoE layers, K experts per token.
+Axis legend: B sequences, S tokens (prediction-aligned: column s scores targets[:, s]), V vocab,
+L MoE layers, K experts per token.
 """
 
 from __future__ import annotations
@@ -23,116 +24,136 @@ import optax
 from flax import nnx
 
 from meshrl.rl import losses
+from meshrl.rl.batches import UpdateBatch
 from meshrl.train.state import TrainState, update_router_bias
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float) -> jax.Array:
-  """log p(tokens[:, s] | tokens[:, :s]) aligned to position s: [B, S] (0 at s = 0)."""
+def target_logprobs(logits: jax.Array, targets: jax.Array, temperature: float) -> jax.Array:
+  """log p(targets[:, s] | tokens[:, :s+1]) at the sampling temperature: [B, S] float32."""
   scale = 1.0 if temperature == 0 else 1.0 / temperature
-  logp = losses.logprobs_from_logits(logits[:, :-1].astype(jnp.float32) * scale, tokens[:, 1:])
-  return jnp.pad(logp, ((0, 0), (1, 0)))
+  return losses.logprobs_from_logits(logits.astype(jnp.float32) * scale, targets)
 
 
-def sequence_logprobs(model, batch: dict, *, temperature: float, replay_routing: bool):
-  """Forward over whole sequences -> (logp [B, S], logits [B, S, V], ModelOutput)."""
-  routing = batch.get("routing") if replay_routing else None
+def policy_forward(model, batch: UpdateBatch, *, temperature: float, replay_routing: bool):
+  """Forward over whole sequences -> (logp [B, S], ModelOutput)."""
+  routing = batch.routing if replay_routing else None
   if routing is not None:
     routing = jnp.swapaxes(routing, 0, 1)  # [L, B, S, K]
-  out = model(batch["tokens"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-              routing=routing)
-  return token_logprobs(out.logits, batch["tokens"], temperature), out
+  out = model(batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids, routing=routing)
+  return target_logprobs(out.logits, batch.targets, temperature), out
 
 
-def rl_loss(params, extra, graphdef, batch: dict, rl_cfg, moe_cfg):
+def rl_loss(params, extra, graphdef, batch: UpdateBatch, spec: losses.LossSpec):
   """The RL objective on one minibatch -> (loss, metrics). Each term below has a header."""
   model = nnx.merge(graphdef, params, extra)
-  logp, out = sequence_logprobs(model, batch, temperature=rl_cfg.temperature,
-                                replay_routing=rl_cfg.replay_routing)
-  mask = batch["response_mask"]
-  agg = dict(loss_agg=rl_cfg.loss_agg, max_len=rl_cfg.max_new_tokens)
+  logp, out = policy_forward(model, batch, temperature=spec.temperature,
+                             replay_routing=spec.replay_routing)
+  mask = batch.loss_mask
+  agg = dict(loss_agg=spec.loss_agg, max_len=spec.max_len)
   # Policy: clipped surrogate (token ratio for PPO/GRPO, sequence ratio for GSPO).
   loss, metrics = losses.policy_loss(
-      logp, batch["old_logprobs"], batch["advantages"], mask, clip_low=rl_cfg.clip_low,
-      clip_high=rl_cfg.clip_high, dual_clip=rl_cfg.dual_clip,
-      ratio=losses.POLICY_LOSS_RATIOS[rl_cfg.policy_loss], **agg)
+      logp, batch.old_logprobs, batch.advantages, mask, clip_low=spec.clip_low,
+      clip_high=spec.clip_high, dual_clip=spec.dual_clip, ratio=spec.ratio, **agg)
+  metrics["logprob_diff_max"] = jnp.max(jnp.where(mask, jnp.abs(jax.lax.stop_gradient(logp)
+                                                                - batch.old_logprobs), 0.0))
   # Entropy: a bonus when entropy_coef > 0, always a metric.
-  scaled = out.logits.astype(jnp.float32) / (rl_cfg.temperature or 1.0)
-  entropy, entropy_metrics = losses.entropy_loss(jnp.pad(scaled[:, :-1], ((0, 0), (1, 0), (0, 0))),
-                                                 mask, **agg)
-  loss = loss - rl_cfg.entropy_coef * entropy
+  scaled = out.logits.astype(jnp.float32) / (spec.temperature or 1.0)
+  entropy, entropy_metrics = losses.entropy_loss(scaled, mask, **agg)
+  if spec.entropy_coef:
+    loss = loss - spec.entropy_coef * entropy
   metrics.update(entropy_metrics)
-  # KL to the reference policy, in the loss (with kl_in_reward it went into the rewards instead).
-  if "ref_logprobs" in batch:
-    kl, kl_metrics = losses.kl_loss(logp, batch["ref_logprobs"], mask, kind=rl_cfg.kl_estimator, **agg)
+  # KL to the reference policy: a loss term, or only a metric when the KL is in the reward.
+  if spec.kl_metric:
+    kl, kl_metrics = losses.kl_loss(logp, batch.ref_logprobs, mask, kind=spec.kl_estimator, **agg)
     metrics.update(kl_metrics)
-    if not rl_cfg.kl_in_reward:
-      loss = loss + rl_cfg.kl_coef * kl
+    if spec.kl_coef:
+      loss = loss + spec.kl_coef * kl
   # Critic: clipped value loss on the value head.
-  if "returns" in batch:
-    value, value_metrics = losses.value_loss(out.values, batch["old_values"], batch["returns"], mask,
-                                             clip=rl_cfg.value_clip, **agg)
-    loss = loss + rl_cfg.value_coef * value
+  if spec.critic:
+    value, value_metrics = losses.value_loss(out.values, batch.old_values, batch.returns, mask,
+                                             clip=spec.value_clip, **agg)
+    loss = loss + spec.value_coef * value
     metrics.update(value_metrics)
   # MoE balance: auxiliary load-balancing and router z-losses.
   if out.aux:
-    loss = loss + moe_cfg.aux_loss_coef * out.aux["aux_loss"] + moe_cfg.z_loss_coef * out.aux["z_loss"]
-    metrics.update(moe_aux_loss=out.aux["aux_loss"], expert_load=out.aux["expert_load"])
+    loss = loss + spec.aux_loss_coef * out.aux["aux_loss"] + spec.z_loss_coef * out.aux["z_loss"]
+    metrics.update(moe_aux_loss=out.aux["aux_loss"], expert_load=out.aux["expert_load"],
+                   route_mismatch=out.aux["route_mismatch"])
   metrics["loss"] = loss
   return loss, metrics
 
 
-def _minibatches(batch: dict, key: jax.Array, num: int) -> dict:
+def _minibatches(batch: UpdateBatch, key: jax.Array, num: int) -> UpdateBatch:
   """Shuffles the B sequences and splits them: every leaf [B, ...] -> [num, B / num, ...]."""
-  size = jax.tree.leaves(batch)[0].shape[0]
+  size = batch.num_sequences
   order = jax.random.permutation(key, size)
   return jax.tree.map(lambda x: x[order].reshape((num, size // num) + x.shape[1:]), batch)
 
 
-def make_update(cfg, graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
-  """Returns jitted `update(state, batch, key) -> (state, metrics)`; the state is donated.
+def make_update(spec: losses.LossSpec, graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
+                batch_size: int, num_minibatches: int = 1, epochs: int = 1,
+                aux_free_bias: bool = False, bias_update_rate: float = 0.0):
+  """Returns jitted `update(state, batch: UpdateBatch, key) -> (state, metrics)`; the state is donated.
 
-  Raises ValueError when the batch of prompts_per_step * group_size sequences does not split into
-  rl.num_minibatches.
+  metrics: every loss metric averaged over epochs x minibatches, plus `ratio_mean_first` and
+  `clip_frac_first` of the first minibatch of the first epoch (on-policy: ratio 1, nothing clipped,
+  when the rollout's and the update's log-probs agree).
+
+  Raises ValueError when `num_minibatches` does not divide `batch_size` sequences.
   """
-  rl_cfg, moe_cfg = cfg.rl, cfg.moe
-  batch_size = rl_cfg.prompts_per_step * rl_cfg.group_size
-  if rl_cfg.num_minibatches < 1 or batch_size % rl_cfg.num_minibatches:
-    raise ValueError(f"rl.num_minibatches={rl_cfg.num_minibatches} must divide the batch of "
+  if num_minibatches < 1 or batch_size % num_minibatches:
+    raise ValueError(f"rl.num_minibatches={num_minibatches} must divide the batch of "
                      f"{batch_size} sequences (rl.prompts_per_step * rl.group_size).")
-  if rl_cfg.policy_loss not in losses.POLICY_LOSS_RATIOS:
-    raise ValueError(f"rl.policy_loss={rl_cfg.policy_loss!r}; choose one of "
-                     f"{sorted(losses.POLICY_LOSS_RATIOS)}.")
-  grad_fn = jax.grad(functools.partial(rl_loss, graphdef=graphdef, rl_cfg=rl_cfg, moe_cfg=moe_cfg),
-                     has_aux=True)
+  if epochs < 1:
+    raise ValueError(f"rl.epochs={epochs} must be at least 1.")
+  grad_fn = jax.grad(functools.partial(rl_loss, graphdef=graphdef, spec=spec), has_aux=True)
 
-  def minibatch_step(state: TrainState, minibatch: dict):
+  def minibatch_step(state: TrainState, minibatch: UpdateBatch):
     grads, metrics = grad_fn(state.params, state.extra, batch=minibatch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics["grad_norm"] = optax.tree.norm(grads)
+    # Two kinds of minibatch leave parameters and optimizer state exactly as they were:
+    # - one without a single loss token (every group dropped by dynamic sampling): its only gradient
+    #   is the MoE balance loss, which Adam would blow up to full-size steps on the router;
+    # - one whose loss or gradient is not finite (NaN guard): applying it would poison the weights.
+    has_tokens = jnp.any(minibatch.loss_mask)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    apply = has_tokens & finite
+    keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731
+    params = jax.tree.map(keep, params, state.params)
+    opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+    metrics["grad_norm"] = jnp.where(finite, grad_norm, 0.0)
+    metrics["skipped_minibatches"] = 1.0 - has_tokens.astype(jnp.float32)
+    metrics["nonfinite_minibatches"] = 1.0 - finite.astype(jnp.float32)
+    metrics = {k: v if k in ("nonfinite_minibatches", "expert_load") else jnp.where(finite, v, 0.0)
+               for k, v in metrics.items()}
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-  def update(state: TrainState, batch: dict, key: jax.Array):
+  def update(state: TrainState, batch: UpdateBatch, key: jax.Array):
     def epoch(state: TrainState, epoch_key: jax.Array):
-      minibatches = _minibatches(batch, epoch_key, rl_cfg.num_minibatches)
-      return jax.lax.scan(minibatch_step, state, minibatches)
+      return jax.lax.scan(minibatch_step, state, _minibatches(batch, epoch_key, num_minibatches))
 
-    state, metrics = jax.lax.scan(epoch, state, jax.random.split(key, rl_cfg.epochs))
-    metrics = jax.tree.map(lambda m: jnp.mean(m, axis=(0, 1)), metrics)  # over epochs x minibatches
-    if cfg.moe.aux_free_bias and "expert_load" in metrics:
+    state, per_minibatch = jax.lax.scan(epoch, state, jax.random.split(key, epochs))
+    first = jax.tree.map(lambda m: m[0, 0], per_minibatch)
+    metrics = jax.tree.map(lambda m: jnp.mean(m, axis=(0, 1)), per_minibatch)  # epochs x minibatches
+    metrics["ratio_mean_first"] = first["ratio_mean"]
+    del metrics["logprob_diff_max"]  # a max is only meaningful on-policy, before any step
+    metrics["logprob_diff_max_first"] = first["logprob_diff_max"]
+    metrics["clip_frac_first"] = first["clip_frac_low"] + first["clip_frac_high"]
+    if aux_free_bias and "expert_load" in metrics:
       state = state.replace(extra=update_router_bias(state.extra, metrics["expert_load"],
-                                                     cfg.moe.bias_update_rate))
+                                                     bias_update_rate))
     return state, metrics
 
   return jax.jit(update, donate_argnums=(0,))
 
 
-def make_logprob_fn(cfg, graphdef: nnx.GraphDef):
-  """Jitted `(params, extra, batch) -> (logp [B, S], values [B, S] or None)`: reference log-probs,
-  and the critic's values at rollout time."""
-  def logprob_fn(params, extra, batch):
+def make_logprob_fn(graphdef: nnx.GraphDef, *, temperature: float, replay_routing: bool):
+  """Jitted `(params, extra, batch: UpdateBatch) -> (logp [B, S], values [B, S] or None)`: reference
+  log-probs, and the critic's values at rollout time."""
+  def logprob_fn(params, extra, batch: UpdateBatch):
     model = nnx.merge(graphdef, params, extra)
-    logp, out = sequence_logprobs(model, batch, temperature=cfg.rl.temperature,
-                                  replay_routing=cfg.rl.replay_routing)
+    logp, out = policy_forward(model, batch, temperature=temperature, replay_routing=replay_routing)
     return logp, out.values
   return jax.jit(logprob_fn)

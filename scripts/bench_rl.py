@@ -4,13 +4,14 @@ Run:  JAX_PLATFORMS=cpu python scripts/bench_rl.py --json runs/bench_rl.json
       (--steps 5 timed steps after one warm-up step; --config=... and --config.a.b=... as in rl.py)
 
 The config (configs/tiny.py by default) runs with rl.sft_steps=0, checkpoints and the progress bar
-off; nothing is written but the JSON. Each step is rl/loop.py's own: `collect` (rollout rounds and
-rewards), `advantages_for`, then `run.update`, each phase waited on (device_get / block_until_ready).
+off; nothing is written but the JSON. Each step is the training job's own step program,
+`rl.step.rl_step` (collect -> score -> advantages -> update), which times its phases itself, each
+waited on (results pulled to the host).
 
 Phases (mean over the timed steps):
   rollout     generation, to host numpy; tokens = generated (response) tokens, all rounds
-  rewards     host reward code (score_rollout); tokens = generated tokens
-  advantages  old/reference log-probs and advantages; tokens = update batch B * S
+  rewards     host reward code on the RewardPool; tokens = generated tokens
+  prepare     reference log-probs, critic values and advantages; tokens = update batch B * S
   update      rl.epochs x rl.num_minibatches optimizer steps; tokens = B * S * rl.epochs
   other       the rest of the step (prompt encoding, dynamic-sampling selection)
 compile_s is backend compile time during step 1 (CompileCounter.seconds, no tracing);
@@ -26,7 +27,7 @@ import time
 
 from meshrl.configs import cli
 
-PHASES = ("rollout", "rewards", "advantages", "update", "other")
+PHASES = ("rollout", "rewards", "prepare", "update", "other")
 
 
 def _flags(parser: argparse.ArgumentParser) -> None:
@@ -34,28 +35,17 @@ def _flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--steps", type=int, default=5, help="timed steps (after one warm-up step)")
 
 
-def timed_step(run, examples, key) -> dict:
-  """One RL step of rl/loop.py -> {phase: seconds, phase + "_tokens": tokens, "step": seconds}."""
-  # pylint: disable=import-outside-toplevel
-  import jax
-
-  from meshrl.rl import loop
-  # pylint: enable=import-outside-toplevel
-  start = time.perf_counter()
-  collected, metrics = loop.collect(run, examples, jax.random.fold_in(key, 0))
-  t_adv = time.perf_counter()
-  batch = jax.block_until_ready(loop.advantages_for(run, collected))
-  t_update = time.perf_counter()
-  run.state, update_metrics = run.update(run.state, batch, jax.random.fold_in(key, 1))
-  jax.device_get(update_metrics)
-  jax.block_until_ready(run.state)
-  end = time.perf_counter()
-  update_tokens = collected["arrays"]["tokens"].size
+def timed_step(run, prompts, key) -> dict:
+  """One RL step of the step program -> {phase: seconds, phase + "_tokens": tokens, "step": seconds}."""
+  from meshrl.rl.step import rl_step  # pylint: disable=import-outside-toplevel
+  metrics = rl_step(run, prompts, key)
+  update_tokens = run.cfg.rl.prompts_per_step * run.cfg.rl.group_size * (
+      run.cfg.rl.max_prompt_len + run.cfg.rl.max_new_tokens)
   times = {"rollout": metrics["rollout_s"], "rewards": metrics["reward_s"],
-           "advantages": t_update - t_adv, "update": end - t_update, "step": end - start}
+           "prepare": metrics["prepare_s"], "update": metrics["update_s"], "step": metrics["time_s"]}
   times["other"] = times["step"] - sum(times[p] for p in PHASES[:-1])
   times.update(rollout_tokens=metrics["generated_tokens"], rewards_tokens=metrics["generated_tokens"],
-               advantages_tokens=update_tokens, update_tokens=update_tokens * run.cfg.rl.epochs,
+               prepare_tokens=update_tokens, update_tokens=update_tokens * run.cfg.rl.epochs,
                other_tokens=0, rounds=metrics["rollout_rounds"])
   return times
 
@@ -63,16 +53,13 @@ def timed_step(run, examples, key) -> dict:
 def bench(cfg, steps: int) -> dict:
   """Warm-up step (compiles), then `steps` timed steps -> the report (no "config" yet)."""
   # pylint: disable=import-outside-toplevel
-  import itertools
-
   import jax
   import numpy as np
 
   from meshrl.rl import loop
   from meshrl.train.metrics import CompileCounter
   # pylint: enable=import-outside-toplevel
-  run = loop.setup(cfg)
-  examples = (run.tasks[i] for i in itertools.count())
+  run, examples = loop.setup(cfg)
   key = jax.random.key(cfg.seed + 1)
   with CompileCounter() as counter:
     first = timed_step(run, examples, jax.random.fold_in(key, 1))
@@ -85,6 +72,7 @@ def bench(cfg, steps: int) -> dict:
       print(f"  step {step}: {records[-1]['step']:.2f} s ({records[-1]['rounds']} rollout round(s))",
             flush=True)
     compiles_end = counter.count()
+  run.close()
   mean = {k: float(np.mean([r[k] for r in records])) for k in records[0]}
   phases = [{"phase": p, "seconds": mean[p],
              "tokens_per_s": mean[f"{p}_tokens"] / mean[p] if mean[f"{p}_tokens"] else None}
@@ -93,7 +81,7 @@ def bench(cfg, steps: int) -> dict:
           "first_step_overhead_s": first["step"] - mean["step"],
           "compiles_after_first_step": compiles_first, "compiles_at_end": compiles_end,
           "phases": phases, "step_s": mean["step"], "rollout_rounds_mean": mean["rounds"],
-          "steps": steps}
+          "steps": steps, "dispatch": str(cfg.moe.dispatch)}
 
 
 def print_table(report: dict) -> None:
@@ -117,6 +105,7 @@ def main(argv):
   cfg.rl.sft_steps = 0
   cfg.checkpoint.enabled = False
   cfg.log.progress_bar = False
+  cfg.eval.every = 0
   report = {"config": args.config, "overrides": list(args.overrides), **bench(cfg, args.steps)}
   print_table(report)
   os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

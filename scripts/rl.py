@@ -5,9 +5,13 @@
       --config.mesh.expert=2                                     # the same program, 8 simulated chips
 
 Writes into the work directory (cfg.workdir, or --workdir): config.json, metrics.jsonl (one record
-per RL step), TensorBoard events (tb/), reward_curve.png, sft/ (warm start) and checkpoints/.
+per RL step), eval.jsonl (held-out evaluations, with eval.every > 0), TensorBoard events (tb/),
+reward_curve.png, sft/ (warm start) and checkpoints/. Every config error is reported as one line
+before anything runs or is written.
 """
 
+import json
+import os
 import sys
 
 from meshrl.configs import cli
@@ -17,10 +21,11 @@ def main(argv):
   def flags(parser):
     parser.add_argument("--workdir", default=None, help="output folder (default: cfg.workdir)")
   args, cfg = cli.parse(argv, add_flags=flags, description=__doc__)
-  from meshrl.rl import loop  # pylint: disable=import-outside-toplevel  (after --cpu_devices)
+  import jax  # pylint: disable=import-outside-toplevel  (after --cpu_devices)
+  from meshrl.rl import loop  # pylint: disable=import-outside-toplevel
   workdir = args.workdir or cfg.workdir.format(name=cfg.name)
   try:
-    loop.check_config(cfg)
+    loop.check_config(cfg, jax.device_count())
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -30,7 +35,15 @@ def main(argv):
     first = sum(r["reward_mean"] for r in records[:tenth]) / tenth
     last = sum(r["reward_mean"] for r in records[-tenth:]) / tenth
     print(f"reward_mean: first {tenth} steps {first:.3f} -> last {tenth} steps {last:.3f} "
-          f"(+{last - first:.3f}); outputs in {workdir}")
+          f"({last - first:+.3f}); outputs in {workdir}")
+  evals = os.path.join(workdir, "eval.jsonl")
+  if os.path.exists(evals):
+    with open(evals, encoding="utf-8") as f:
+      rows = [json.loads(line) for line in f]
+    print(f"held-out greedy accuracy: step {rows[0]['step']} {rows[0]['eval/accuracy']:.3f} -> "
+          f"step {rows[-1]['step']} {rows[-1]['eval/accuracy']:.3f} "
+          f"({rows[-1]['eval/accuracy'] - rows[0]['eval/accuracy']:+.3f}, "
+          f"{rows[-1]['eval/num_prompts']} prompts)")
   return 0
 
 

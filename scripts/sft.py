@@ -17,19 +17,25 @@ def main(argv):
   args, cfg = cli.parse(argv, description=__doc__, add_flags=lambda p: p.add_argument(
       "--steps", type=int, default=None, help="SFT steps (default: rl.sft_steps)"))
   # jax only now, after --cpu_devices.
+  from meshrl.model.tokenizer import tokenizer_from_config  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.loop import train_source  # pylint: disable=import-outside-toplevel
   from meshrl.sharding import make_mesh  # pylint: disable=import-outside-toplevel
+  from meshrl.train.init_from import check_initial_model  # pylint: disable=import-outside-toplevel
   from meshrl.train.sft import check_shapes, run_sft  # pylint: disable=import-outside-toplevel
 
   workdir = cfg.workdir.format(name=cfg.name)
   try:
     mesh = make_mesh(cfg.mesh)
     check_shapes(cfg, mesh)
+    check_initial_model(cfg)
+    source = train_source(cfg)  # the task mixture and data.jsonl, minus the held-out prompts
+    tokenizer = tokenizer_from_config(cfg)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(f"config: {save_config(cfg, workdir)}")
   # Builds the model sharded on the mesh, or on a resume reads the checkpoint straight into it.
-  result = run_sft(cfg, workdir, mesh, num_steps=args.steps)
+  result = run_sft(cfg, workdir, mesh, source=source, tokenizer=tokenizer, num_steps=args.steps)
   if result.history:
     last = result.history[-1]
     print(f"step {last['step']}: loss {last['loss']:.4f}, ce {last['ce']:.4f}, "

@@ -4,6 +4,8 @@ from meshrl.sharding.mesh import MESH_AXES, make_mesh, mesh_shape_for
 from meshrl.sharding.rules import (
     ROLLOUT_RULES,
     TRAIN_RULES,
+    batch_axes,
+    data_parallel_size,
     constrain,
     logical_to_spec,
     named_shardings,

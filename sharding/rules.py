@@ -13,6 +13,7 @@ embed over `fsdp` (ZeRO-3) and on mlp over `tensor`.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import jax
@@ -44,6 +45,24 @@ TRAIN_RULES: Rules = (
 # activations: a decode step has length 1, so the sequence axis carries the KV cache, not the tokens.
 ROLLOUT_RULES: Rules = tuple(
     (name, () if name == "length" else axes) for name, axes in TRAIN_RULES)
+
+
+def batch_axes(rules: Rules = TRAIN_RULES) -> tuple[str, ...]:
+  """The mesh axes a batch's rows are split over (the logical `batch` axis): data parallelism.
+
+  The one place the rest of the code learns which axes those are."""
+  return dict(rules)["batch"]
+
+
+def data_parallel_size(mesh_sizes, rules: Rules = TRAIN_RULES) -> int:
+  """How many ways a batch's rows are split: the product of the batch axes' sizes.
+
+  Args:
+    mesh_sizes: a Mesh, or a {axis: size} mapping (e.g. resolved from a config before the mesh is
+      built, with `data` already multiplied by the number of slices).
+  """
+  shape = mesh_sizes.shape if isinstance(mesh_sizes, Mesh) else mesh_sizes
+  return math.prod(int(shape[axis]) for axis in batch_axes(rules))
 
 
 def parse_rules(text: str) -> dict[str, tuple[str, ...]]:

@@ -1,6 +1,6 @@
 """SFT data with grain: examples -> tokens -> rows packed to [T] -> batches [B, T].
 
-  data = make_sft_data(cfg, batch_size=cfg.rl.sft_batch_size)
+  data = make_sft_data(cfg, source=examples, batch_size=cfg.rl.sft_batch_size)
   batch = next(data)        # {"tokens", "segment_ids", "positions", "loss_mask"}: [B, T] int32
   state = data.get_state()  # JSON; data.set_state(state) resumes exactly there
 
@@ -10,8 +10,8 @@ are packed first-fit into rows of T tokens (grain's FirstFitPackIterDataset, one
 each packed document gets its own segment id (1, 2, ... within a row; 0 is padding) and positions
 restarting at 0, so attention never crosses documents. Padding has token PAD, segment 0, mask 0.
 
-Examples come from the task mixture (cfg.data.tasks, random access, endless) or a JSONL file
-(cfg.data.jsonl, reshuffled every epoch). A malformed example, or one longer than T, is skipped and
+Examples come from the caller (train/ never imports rl/): an endless random-access source
+(`source[i]`, e.g. the RL task mixture) or a finite list (JSONL rows), reshuffled every epoch. A malformed example, or one longer than T, is skipped and
 counted in `stats` (never cut: a truncated answer would teach a wrong one). Counts are kept in this
 process: exact with num_workers=0, and they may re-count the few examples of a packing round that a
 restored iterator reads again.
@@ -27,7 +27,6 @@ import jax
 import numpy as np
 
 from meshrl.model.tokenizer import ByteTokenizer, Tokenizer
-from meshrl.rl.envs import TaskMixture, load_jsonl
 
 FIELDS = ("tokens", "segment_ids", "positions", "loss_mask")
 
@@ -50,7 +49,8 @@ def encode_example(example: Any, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
     raise MalformedExample(f"prompt={prompt!r} is not a non-empty string")
   if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
     raise MalformedExample(f"answer={answer!r} is not a string or number")
-  prompt_ids = tokenizer.encode(prompt, add_bos=True)
+  render = getattr(tokenizer, "render_prompt", lambda text: text)  # the chat template, when there is one
+  prompt_ids = tokenizer.encode(render(prompt), add_bos=True)
   answer_ids = tokenizer.encode(str(answer), add_bos=False, add_eos=True)
   tokens = np.asarray(prompt_ids + answer_ids, np.int32)
   loss_mask = np.concatenate([np.zeros(len(prompt_ids), np.int32), np.ones(len(answer_ids), np.int32)])
@@ -103,21 +103,19 @@ def pack(dataset: grain.IterDataset, *, seq_len: int, num_bins: int, pad_id: int
   return packed.map(lambda row: {k: np.asarray(v, np.int32) for k, v in rename(row).items()})
 
 
-def example_source(data_cfg, *, seed: int, examples: list[dict] | None = None) -> grain.MapDataset:
+def example_source(source: Any, *, seed: int) -> grain.MapDataset:
   """An endless, random-access MapDataset of example dicts.
 
   Args:
-    data_cfg: the `data` section (tasks, difficulty).
-    seed: the run seed (mixture draws and epoch shuffles).
-    examples: a fixed list (JSONL rows, a test's examples) cycled through and reshuffled every epoch,
-      instead of the task mixture.
+    source: an endless random-access source (`source[i]` for every i >= 0, e.g. a task mixture),
+      or a finite list or tuple of examples, cycled through and reshuffled every epoch.
+    seed: the run seed (epoch shuffles of a finite list).
   """
-  if examples is not None:
-    if not examples:
-      raise ValueError("examples is empty; SFT needs at least one example.")
-    return grain.MapDataset.source(list(examples)).shuffle(seed=seed).repeat(None)
-  mixture = TaskMixture(data_cfg.tasks, difficulty=data_cfg.difficulty, seed=seed)
-  return grain.MapDataset.source(_Endless(mixture))
+  if isinstance(source, (list, tuple)):
+    if not source:
+      raise ValueError("the SFT example list is empty; SFT needs at least one example.")
+    return grain.MapDataset.source(list(source)).shuffle(seed=seed).repeat(None)
+  return grain.MapDataset.source(_Endless(source))
 
 
 class _Endless:
@@ -199,27 +197,20 @@ class SFTData:
     self.bad_rows = int(state.get("skipped_bad_rows", self.bad_rows))
 
 
-def make_sft_data(cfg, *, batch_size: int | None = None, tokenizer: Tokenizer | None = None,
-                  examples: list[dict] | None = None) -> SFTData:
-  """This host's SFTData from a run config.
+def make_sft_data(cfg, *, source: Any, batch_size: int | None = None,
+                  tokenizer: Tokenizer | None = None, bad_rows: int = 0) -> SFTData:
+  """This host's SFTData from a run config and the caller's examples.
 
   B = `batch_size` or rl.sft_batch_size rows in all, split evenly over hosts (each host yields its
-  B / process_count rows); T = data.seq_len. Examples come from `examples`, else data.jsonl
-  (malformed rows skipped and counted as "skipped_bad_rows" when data.skip_bad_rows, else
-  ValueError), else the data.tasks mixture.
+  B / process_count rows); T = data.seq_len. `source` as in `example_source`; `bad_rows` counts
+  rows the caller dropped while loading it (reported as "skipped_bad_rows").
   """
   batch_size = batch_size or cfg.rl.sft_batch_size
   hosts = jax.process_count()
   if batch_size % hosts:
     raise ValueError(f"rl.sft_batch_size={batch_size} does not split over {hosts} hosts.")
-  bad_rows = 0
-  if examples is None and cfg.data.jsonl:
-    loaded = load_jsonl(cfg.data.jsonl, skip_bad=cfg.data.skip_bad_rows)
-    if not loaded.examples:
-      raise ValueError(f"data.jsonl={cfg.data.jsonl!r} holds no valid rows ({loaded.num_bad} malformed).")
-    examples, bad_rows = loaded.examples, loaded.num_bad
-  source = example_source(cfg.data, seed=cfg.seed, examples=examples)
-  data = SFTData(source, seq_len=cfg.data.seq_len, batch_size=batch_size // hosts, tokenizer=tokenizer,
-                 num_workers=cfg.data.num_workers, shard=(jax.process_index(), hosts))
+  data = SFTData(example_source(source, seed=cfg.seed), seq_len=cfg.data.seq_len,
+                 batch_size=batch_size // hosts, tokenizer=tokenizer, num_workers=cfg.data.num_workers,
+                 shard=(jax.process_index(), hosts))
   data.bad_rows = bad_rows
   return data

@@ -3,13 +3,17 @@ can learn at all (the tiny model memorises a small batch).
 
   step = make_sft_step(graphdef, mesh, cfg, tx, state_shardings=shardings_of(state))
   state, metrics = step(state, batch)      # jitted, state donated
-  result = run_sft(cfg, workdir, mesh)     # the whole loop: data, metrics, checkpoints, resume
+  result = run_sft(cfg, workdir, mesh, source=examples)  # the loop: data, metrics, checkpoints, resume
 
 Loss: next-token cross-entropy, counted only where the *target* token has loss_mask 1 (answer tokens
 and EOS) and lies in the same packed document as its input, averaged over those tokens; plus the MoE
 terms `moe.aux_loss_coef * aux_loss + moe.z_loss_coef * z_loss`. Segment ids go to the model, so
 packed documents never attend to each other. With `attention.logits_chunk > 0` the vocabulary
 projection and loss run chunk by chunk (train/chunked_loss.py) and [B, T, V] logits never exist.
+
+Targets are taken on the host, in contiguous order (`model_rows`); then, when ring attention runs over
+a sequence axis with `attention.zigzag`, every row is laid out zigzag for causal balance. The loss is a
+sum over positions, so the layout does not change it.
 
 Axis legend: B batch rows, T packed length, V vocabulary.
 """
@@ -30,10 +34,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrl.model.init import build_model
 from meshrl.model.transformer import ModelConfig, Transformer
-from meshrl.sharding.rules import logical_to_spec, rules_from_config
+from meshrl.sharding.rules import data_parallel_size, logical_to_spec, rules_from_config
 from meshrl.train import chunked_loss
 from meshrl.train.checkpoint import Checkpointer
-from meshrl.train.data import FIELDS, make_sft_data
+from meshrl.model.ring_attention import zigzag
+from meshrl.train.data import make_sft_data
 from meshrl.train.metrics import (CompileCounter, MetricsWriter, mfu, model_flops_per_token, peak_flops,
                                   plot_curve)
 from meshrl.train.optim import make_optimizer, make_schedule
@@ -41,17 +46,38 @@ from meshrl.train.state import (TrainState, abstract_train_state, create_train_s
                                 shardings_of, update_router_bias)
 
 
-def next_token_targets(batch: dict) -> tuple[jax.Array, jax.Array]:
+MODEL_FIELDS = ("tokens", "positions", "segment_ids", "targets", "weights")
+
+
+def next_token_targets(batch: dict) -> tuple[np.ndarray, np.ndarray]:
   """(targets [B, T] int32, weights [B, T] float32): position t predicts token t + 1.
 
   The weight is 1 where token t + 1 is a loss token (loss_mask) of the same document as token t;
-  the last position has no target (weight 0).
+  the last position has no target (weight 0). Host side (numpy), on contiguous rows.
   """
-  tokens, segments, mask = batch["tokens"], batch["segment_ids"], batch["loss_mask"]
-  targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
-  same_doc = jnp.pad((segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0), ((0, 0), (0, 1)))
-  weights = jnp.pad(mask[:, 1:], ((0, 0), (0, 1))) * same_doc
-  return targets, weights.astype(jnp.float32)
+  tokens, segments, mask = (np.asarray(batch[k]) for k in ("tokens", "segment_ids", "loss_mask"))
+  targets = np.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+  same_doc = np.pad((segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0), ((0, 0), (0, 1)))
+  weights = np.pad(mask[:, 1:], ((0, 0), (0, 1))) * same_doc
+  return targets.astype(np.int32), weights.astype(np.float32)
+
+
+def model_rows(batch: dict, zigzag_shards: int = 1) -> dict[str, np.ndarray]:
+  """Packed rows {"tokens", "segment_ids", "positions", "loss_mask"} -> the step's inputs
+  MODEL_FIELDS [B, T], laid out zigzag over `zigzag_shards` sequence shards when > 1."""
+  targets, weights = next_token_targets(batch)
+  rows = {"tokens": np.asarray(batch["tokens"]), "positions": np.asarray(batch["positions"]),
+          "segment_ids": np.asarray(batch["segment_ids"]), "targets": targets, "weights": weights}
+  if zigzag_shards > 1:
+    rows = {k: zigzag(v, zigzag_shards, axis=1) for k, v in rows.items()}
+  return rows
+
+
+def zigzag_shards(cfg, mesh: Mesh | None) -> int:
+  """mesh.sequence when ring attention runs with attention.zigzag, else 1."""
+  if mesh is None or not cfg.attention.zigzag or cfg.attention.impl != "ring":
+    return 1
+  return int(mesh.shape["sequence"])
 
 
 def _cross_entropy(model, batch: dict, targets, weights, logits_chunk: int):
@@ -72,7 +98,7 @@ def sft_loss(params: nnx.State, extra: nnx.State, graphdef: nnx.GraphDef, batch:
              logits_chunk: int = 0) -> tuple[jax.Array, dict]:
   """The SFT objective on one packed batch -> (loss, metrics)."""
   model = nnx.merge(graphdef, params, extra)
-  targets, weights = next_token_targets(batch)
+  targets, weights = batch["targets"], batch["weights"]
   num_tokens = jnp.sum(weights)
   # Answer tokens: mean next-token cross-entropy.
   nll_sum, out = _cross_entropy(model, batch, targets, weights, logits_chunk)
@@ -92,11 +118,13 @@ def batch_sharding(mesh: Mesh, rules) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh))
 
 
-def put_batch(batch: dict, sharding: NamedSharding | None) -> dict:
-  """Host batch ([B, T] numpy, this host's rows) -> global jax arrays in `sharding`."""
+def put_batch(batch: dict, sharding: NamedSharding | None, zigzag_over: int = 1) -> dict:
+  """Host batch ([B, T] numpy packed rows, this host's) -> the step's inputs (`model_rows`) as global
+  jax arrays in `sharding`."""
+  rows = model_rows(batch, zigzag_over)
   if sharding is None:
-    return {k: jax.device_put(np.asarray(batch[k])) for k in FIELDS}
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(batch[k])) for k in FIELDS}
+    return {k: jax.device_put(v) for k, v in rows.items()}
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in rows.items()}
 
 
 def make_sft_step(model_graphdef: nnx.GraphDef, mesh: Mesh | None, cfg, tx: optax.GradientTransformation,
@@ -135,7 +163,7 @@ def make_sft_step(model_graphdef: nnx.GraphDef, mesh: Mesh | None, cfg, tx: opta
     return jax.jit(sft_step, donate_argnums=(0,))
   rows = batch_sharding(mesh, rules_from_config(cfg.mesh))
   replicated = NamedSharding(mesh, PartitionSpec())
-  return jax.jit(sft_step, in_shardings=(state_shardings, {k: rows for k in FIELDS}),
+  return jax.jit(sft_step, in_shardings=(state_shardings, {k: rows for k in MODEL_FIELDS}),
                  out_shardings=(state_shardings, replicated), donate_argnums=(0,))
 
 
@@ -154,12 +182,15 @@ def check_shapes(cfg, mesh: Mesh | None) -> None:
     raise ValueError(f"data.seq_len={seq_len} is longer than model.max_seq_len={cfg.model.max_seq_len}.")
   if mesh is None:
     return
-  rows = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
+  rows = data_parallel_size(mesh)
   if batch_size % rows:
     raise ValueError(f"rl.sft_batch_size={batch_size} is not divisible by the {rows} batch shards "
                      f"(mesh data * fsdp * expert = {dict(mesh.shape)}).")
-  if seq_len % mesh.shape["sequence"]:
-    raise ValueError(f"data.seq_len={seq_len} is not divisible by mesh.sequence={mesh.shape['sequence']}.")
+  sequence = mesh.shape["sequence"]
+  multiple = sequence * (2 if zigzag_shards(cfg, mesh) > 1 else 1)
+  if seq_len % multiple:
+    twice = ", x2 for attention.zigzag" if multiple > sequence else ""
+    raise ValueError(f"data.seq_len={seq_len} is not divisible by {multiple} (mesh.sequence={sequence}{twice}).")
 
 
 def _initial_state(cfg, mesh: Mesh | None, model: nnx.Module | None, tx, resuming: bool):
@@ -174,7 +205,7 @@ def _initial_state(cfg, mesh: Mesh | None, model: nnx.Module | None, tx, resumin
 
 
 def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | None = None, *,
-            examples: list[dict] | None = None, num_steps: int | None = None) -> SFTResult:
+            source: Any, tokenizer=None, num_steps: int | None = None, bad_rows: int = 0) -> SFTResult:
   """Trains `rl.sft_steps` steps of SFT, writing metrics and checkpoints to `workdir`.
 
   Args:
@@ -182,7 +213,9 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
     workdir: outputs: metrics.jsonl, tb/, checkpoints/, loss_curve.png.
     mesh: the run's mesh (None: one device).
     model: a built model to fine-tune (e.g. converted weights); built from cfg when None.
-    examples: fixed {"prompt", "answer"} examples instead of data.jsonl / data.tasks.
+    source: the examples ({"prompt", "answer"}): an endless random-access source (the RL task
+      mixture) or a finite list, as `train.data.example_source` takes.
+    tokenizer: defaults to the byte tokenizer.
     num_steps: overrides rl.sft_steps.
 
   Returns:
@@ -198,7 +231,8 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
                         max_to_keep=cfg.checkpoint.max_to_keep, async_save=cfg.checkpoint.async_save)
   resuming = ckpt is not None and cfg.checkpoint.restore and ckpt.latest_step() is not None
   graphdef, state = _initial_state(cfg, mesh, model, tx, resuming)
-  data = make_sft_data(cfg, examples=examples)
+  data = make_sft_data(cfg, source=source, tokenizer=tokenizer, bad_rows=bad_rows)
+  zigzag_over = zigzag_shards(cfg, mesh)
   start = 0
   if resuming:
     restored = ckpt.restore(state)
@@ -221,7 +255,7 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
       host_batch = next(data)
       tokens += int(np.sum(host_batch["segment_ids"] > 0))
       with jax.transfer_guard("disallow"):
-        state, metrics = step_fn(state, put_batch(host_batch, row_sharding))
+        state, metrics = step_fn(state, put_batch(host_batch, row_sharding, zigzag_over))
       if step % cfg.log.every == 0 or step == num_steps:
         metrics = {k: v for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
         elapsed, last_time = time.perf_counter() - last_time, time.perf_counter()

@@ -65,24 +65,69 @@ def test_mask_excludes_samples_from_group_statistics():
   assert loo[3] == 0.0
 
 
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
 def test_group_estimators_reject_bad_group_size(name):
+  fn = getattr(adv, name)
   with pytest.raises(ValueError, match="group_size=1"):
-    adv.ESTIMATORS[name](jnp.ones(4), group_size=1)
-  if name != "reinforce_pp_baseline":
+    fn(jnp.ones(4), group_size=1, **({"group_baseline": True} if name == "reinforce_pp" else {}))
+  if name != "reinforce_pp":
     with pytest.raises(ValueError, match="multiple of group_size=3"):
-      adv.ESTIMATORS[name](jnp.ones(4), group_size=3)
+      fn(jnp.ones(4), group_size=3)
 
 
-def test_registry_common_signature_and_jit():
-  rewards = jnp.asarray(REWARDS)
+def _token_inputs():
+  """8 sequences x 5 tokens: outcome rewards on each row's last loss token, ragged masks."""
+  lengths = np.array([5, 3, 1, 4, 2, 5, 3, 4])
+  mask = np.arange(5)[None, :] < lengths[:, None]
+  token_rewards = np.zeros((8, 5), np.float32)
+  token_rewards[np.arange(8), lengths - 1] = REWARDS
+  return jnp.asarray(token_rewards), jnp.asarray(mask)
+
+
+def test_registry_one_protocol_and_jit():
+  """Every estimator: (token_rewards, mask, valid, values, group_size) -> [B, S] advantages, 0 off
+  the mask; outcome estimators put their per-sequence value (from the summed token rewards) on
+  every loss token."""
+  token_rewards, mask = _token_inputs()
+  valid = jnp.ones(8, bool)
+  values = jnp.zeros((8, 5))
   for name, estimator in adv.ESTIMATORS.items():
-    if estimator.needs_critic:
-      continue
-    direct = estimator(rewards, group_size=G, mask=None)
-    jitted = jax.jit(lambda r, m, e=estimator: e(r, group_size=G, mask=m))(rewards, jnp.ones(8, bool))
-    assert direct.shape == (8,), name
+    direct, returns = estimator(token_rewards, mask, valid, values, group_size=G)
+    jitted, _ = jax.jit(lambda r, m, v, x, e=estimator: e(r, m, v, x, group_size=G))(
+        token_rewards, mask, valid, values)
+    assert direct.shape == (8, 5), name
     np.testing.assert_allclose(direct, jitted, atol=1e-6, err_msg=name)
+    assert np.all(np.asarray(direct)[~np.asarray(mask)] == 0), name
+    assert (returns is not None) == estimator.needs_critic, name
+  expected = {"grpo": adv.grpo(jnp.asarray(REWARDS), group_size=G),
+              "rloo": adv.rloo(jnp.asarray(REWARDS), group_size=G)}
+  for name, per_sequence in expected.items():
+    got, _ = adv.ESTIMATORS[name](token_rewards, mask, valid, None, group_size=G)
+    np.testing.assert_allclose(got, np.where(mask, np.asarray(per_sequence)[:, None], 0), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_kl_in_reward_reaches_the_configured_estimator(name):
+  """With rl.kl_in_reward the estimator stays the configured one and sees reward - coef * sum KL."""
+  from meshrl import configs  # pylint: disable=import-outside-toplevel
+  cfg = configs.load("configs/tiny.py", [f"rl.advantage={name}", "rl.kl_coef=0.5", "rl.kl_in_reward=true",
+                                         "rl.kl_estimator=k1", f"rl.group_size={G}"])
+  token_rewards, mask = _token_inputs()
+  rng = np.random.default_rng(1)
+  old = jnp.asarray(rng.normal(size=(8, 5)).astype(np.float32))
+  ref = jnp.asarray(rng.normal(size=(8, 5)).astype(np.float32))
+  valid = jnp.ones(8, bool)
+  got, _, metrics = adv.make_advantages(cfg)(jnp.asarray(REWARDS), mask, valid, old, ref, None)
+  penalty = np.where(mask, -0.5 * (np.asarray(old) - np.asarray(ref)), 0.0)  # k1
+  shaped = np.asarray(token_rewards) + penalty
+  want, _ = adv.ESTIMATORS[name](jnp.asarray(shaped), mask, valid, None, group_size=G)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  without, _ = adv.ESTIMATORS[name](token_rewards, mask, valid, None, group_size=G)
+  assert np.abs(np.asarray(got) - np.asarray(without)).max() > 1e-3  # the KL really reached it
+  np.testing.assert_allclose(metrics["kl_reward"], penalty[np.asarray(mask)].mean(), rtol=1e-5)
+  if name == "grpo":  # and it is GRPO of the summed rewards, not another estimator
+    per_sequence = adv.grpo(jnp.asarray(shaped.sum(axis=1)), group_size=G)
+    np.testing.assert_allclose(got, np.where(mask, np.asarray(per_sequence)[:, None], 0), atol=1e-5)
 
 
 def test_make_estimator_fills_fields_and_rejects_unknown():
@@ -136,11 +181,6 @@ def test_gae_estimator_whitens_over_valid_tokens():
   raw, returns = _gae_numpy(rewards, values, mask, 1.0, 1.0)
   valid = raw[mask]
   expected = np.where(mask, (raw - valid.mean()) / (valid.std(ddof=1) + 1e-8), 0.0)
-  got_adv, got_ret = adv.ESTIMATORS["gae"](rewards, values, mask)
+  got_adv, got_ret = adv.ESTIMATORS["gae"](rewards, mask, jnp.ones(2, bool), values, group_size=1)
   np.testing.assert_allclose(got_adv, expected, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(got_ret, returns, rtol=1e-6)
-
-
-def test_zero_variance_groups():
-  got = adv.zero_variance_groups(jnp.array([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), group_size=2)
-  np.testing.assert_array_equal(got, [True, False, True])

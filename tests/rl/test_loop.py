@@ -10,6 +10,8 @@ from meshrl import configs
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.rl import loop
 from meshrl.rl.batch import next_prompts, score_rollout, select_groups
+from meshrl.rl.batches import ScoredBatch
+from meshrl.rl.scoring import RewardPool
 
 TOK = ByteTokenizer()
 
@@ -22,6 +24,7 @@ def test_group_size_one_rejected_for_grpo():
 
 def test_batch_must_divide_data_parallel_axes():
   cfg = configs.load("configs/tiny.py", ["rl.prompts_per_step=3", "rl.group_size=2", "mesh.fsdp=4",
+                                         "rl.num_minibatches=1",
                                          "mesh.tensor=2"])
   with pytest.raises(ValueError, match="6 sequences.*data\\*fsdp\\*expert = 4"):
     loop.check_config(cfg, 8)
@@ -57,43 +60,64 @@ def test_raising_reward_and_empty_completions_are_counted_not_fatal():
       raise RuntimeError("reward code crashed")
     return float(completion == example["answer"])
   arrays = _arrays(["2", "boom", "", "3"])
-  scored = score_rollout(arrays, [{"answer": "2"}, {"answer": "3"}], TOK, flaky, group_size=2,
+  scored = score_rollout(arrays, [{"answer": "2"}, {"answer": "3"}], TOK, RewardPool(flaky), group_size=2,
                          max_new_tokens=4, overlong_buffer=0, overlong_penalty_value=1.0)
   np.testing.assert_array_equal(scored.rewards, [1, 0, 0, 1])
   assert scored.info["reward_errors"] == 1
 
 
+def test_overlong_shaping_lowers_the_reward_of_long_answers():
+  """DAPO overlong shaping, budget 12 and buffer 4: rewards [1, 1] at lengths [4, 12] become [1, 0]."""
+  arrays = _arrays(["1", "1"], budget=12)
+  arrays["lengths"] = np.array([4, 12])
+  scored = score_rollout(arrays, [{"answer": "1"}], TOK, RewardPool(lambda c, e: 1.0), group_size=2,
+                         max_new_tokens=12, overlong_buffer=4, overlong_penalty_value=1.0)
+  np.testing.assert_allclose(scored.rewards, [1.0, 0.0])
+  np.testing.assert_allclose(scored.correct, [1.0, 1.0])
+
+
 def test_dynamic_sampling_keeps_informative_groups_first():
-  def scored(rewards):
+  def scored(rewards, offset=0):
     rewards = np.asarray(rewards, np.float32)
-    arrays = {"tokens": np.arange(len(rewards))[:, None]}
-    return type("S", (), {"arrays": arrays, "rewards": rewards, "correct": rewards})()
-  first, second = scored([1, 1, 0, 1]), scored([0, 0, 1, 0])
-  arrays, rewards, _, valid = select_groups([first, second], num_groups=2, group_size=2, dynamic=True)
-  np.testing.assert_array_equal(rewards, [0, 1, 1, 0])
-  np.testing.assert_array_equal(valid, [True, True])
-  _, _, _, valid = select_groups([scored([1, 1, 0, 0])], num_groups=2, group_size=2, dynamic=True)
-  np.testing.assert_array_equal(valid, [False, False])
+    ids = offset + np.arange(len(rewards))
+    return ScoredBatch(arrays={"tokens": ids[:, None]}, rewards=rewards, correct=rewards,
+                       sample_valid=np.ones(len(ids), bool), domains=["d"] * len(ids),
+                       texts=[str(i) for i in ids])
+  first, second = scored([1, 1, 0, 1]), scored([0, 0, 1, 0], offset=10)
+  batch = select_groups([first, second], num_groups=2, group_size=2, dynamic=True)
+  np.testing.assert_array_equal(batch.rewards, [0, 1, 1, 0])
+  np.testing.assert_array_equal(batch.arrays["tokens"][:, 0], [2, 3, 12, 13])
+  assert batch.texts == ["2", "3", "12", "13"]
+  np.testing.assert_array_equal(batch.sample_valid, [True] * 4)
+  batch = select_groups([scored([1, 1, 0, 0])], num_groups=2, group_size=2, dynamic=True)
+  np.testing.assert_array_equal(batch.sample_valid, [False] * 4)
 
 
 def test_jsonl_row_without_prompt_is_skipped(tmp_path):
   path = tmp_path / "data.jsonl"
   path.write_text('{"prompt": "1+1=", "answer": "2", "domain": "arithmetic"}\n{"answer": "3"}\nnot json\n')
-  cfg = configs.load("configs/tiny.py", [f"data.jsonl={path}", "data.tasks=", "rl.sft_steps=0"])
-  run = loop.setup(cfg)
-  assert run.tasks[0]["prompt"] == "1+1="
+  cfg = configs.load("configs/tiny.py", [f"data.jsonl={path}", "data.tasks=", "rl.sft_steps=0",
+                                         "data.eval_fraction=0"])
+  source = loop.train_source(cfg)
+  assert [source[i]["prompt"] for i in range(3)] == ["1+1="] * 3
 
 
-def test_short_run_reward_rises(tmp_path):
-  """Warm start + GRPO, the demo's recipe cut short: reward must rise (and nothing recompiles)."""
-  cfg = configs.load("configs/tiny.py", ["rl.num_steps=60", "log.progress_bar=false",
-                                         "log.tensorboard=false", "checkpoint.every=30"])
+def test_short_run_raises_reward_and_held_out_accuracy(tmp_path):
+  """The demo's recipe cut short (warm start + 30 GRPO steps): the sampled reward and the held-out
+  greedy accuracy both rise, nothing recompiles, and the outputs are written."""
+  cfg = configs.load("configs/tiny.py", ["rl.num_steps=30", "log.progress_bar=false", "eval.every=30",
+                                         "eval.num_prompts=64", "log.tensorboard=false",
+                                         "checkpoint.every=30"])
   records = loop.run(cfg, str(tmp_path))
   rewards = np.asarray([r["reward_mean"] for r in records])
   first, last = rewards[:10].mean(), rewards[-10:].mean()
   assert last >= first + 0.08, (first, last)
+  evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+  assert [e["step"] for e in evals] == [0, 30]
+  assert evals[1]["eval/accuracy"] >= evals[0]["eval/accuracy"] + 0.1, evals
   assert len({r["compiles"] for r in records[1:]}) == 1  # nothing compiles after the first step
   lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-  assert len(lines) == 60 and {"step", "reward_mean", "kl", "entropy", "clip_frac",
-                               "response_len_mean", "tokens_per_s", "time_s"} <= set(json.loads(lines[0]))
+  assert len(lines) == 30 and {"step", "reward_mean", "kl", "entropy", "clip_frac", "response_len_mean",
+                               "tokens_per_s", "time_s", "reward_mean/reverse",
+                               "response_len/reverse"} <= set(json.loads(lines[0]))
   assert os.path.exists(tmp_path / "reward_curve.png") and os.path.exists(tmp_path / "config.json")

@@ -36,7 +36,7 @@ def _prompts(texts, length=8):
 
 def test_greedy_rollout_equals_argmax_with_full_forward():
   cfg, mesh, graphdef, state = _setup("rl.temperature=0.0", "rl.group_size=2")
-  rollout = make_rollout(cfg, mesh, eos_id=TOK.eos_id, pad_id=TOK.pad_id)
+  rollout = make_rollout(cfg, mesh, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id)
   tokens, mask = _prompts(["1+2=", "33+4="])
   out = rollout(state.params, state.extra, tokens, mask, jax.random.key(0))
   model = nnx.merge(graphdef, state.params, state.extra)
@@ -60,9 +60,9 @@ def test_greedy_rollout_equals_argmax_with_full_forward():
 
 def test_group_prefix_sharing_matches_no_sharing():
   cfg, mesh, _, state = _setup("rl.group_size=4")
-  shared = make_rollout(cfg, mesh, eos_id=TOK.eos_id, pad_id=TOK.pad_id)
+  shared = make_rollout(cfg, mesh, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id)
   cfg1 = configs.load("configs/tiny.py", SMALL + ["rl.group_size=1"])
-  unshared = make_rollout(cfg1, mesh, eos_id=TOK.eos_id, pad_id=TOK.pad_id)
+  unshared = make_rollout(cfg1, mesh, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id)
   tokens, mask = _prompts(["12+7=", "sort 31="])
   key = jax.random.key(3)
   a = shared(state.params, state.extra, tokens, mask, key)
@@ -74,7 +74,7 @@ def test_group_prefix_sharing_matches_no_sharing():
 
 def test_rollout_outputs_are_consistent():
   cfg, mesh, _, state = _setup("rl.group_size=3", "rl.top_k=20", "rl.top_p=0.9")
-  out = make_rollout(cfg, mesh, eos_id=TOK.eos_id, pad_id=TOK.pad_id)(
+  out = make_rollout(cfg, mesh, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id)(
       state.params, state.extra, *_prompts(["1+1=", "22-3=", "copy ab="]), jax.random.key(1))
   response = np.asarray(out.response_mask)
   assert response.shape == (9, 14) and not response[:, :8].any()
@@ -98,7 +98,7 @@ def test_top_k_and_top_p_filter():
 def test_rollout_reads_the_train_state_arrays_without_copy(devices):
   cfg, mesh, _, state = _setup("rl.group_size=2", "rl.prompts_per_step=4",
                                mesh_overrides=["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"])
-  rollout = make_rollout(cfg, mesh, eos_id=TOK.eos_id, pad_id=TOK.pad_id)
+  rollout = make_rollout(cfg, mesh, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id)
   tokens, mask = _prompts(["1+2=", "3+4=", "5+6=", "7+8="])
   def pointers_of(params):
     return [s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(params) for s in x.addressable_shards]

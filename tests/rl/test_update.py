@@ -1,4 +1,7 @@
-"""The jitted update: lowers the RL loss on a fixed batch, keeps parameter shardings, checks input."""
+"""The jitted update on real rollouts: on-policy agreement with the rollout (routing replay), the
+loss terms against an independent numpy computation, shardings kept, bad batches refused."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -9,52 +12,158 @@ from meshrl import configs
 from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
-from meshrl.rl.rollout import make_rollout
+from meshrl.rl import losses
+from meshrl.rl.batches import ScoredBatch, UpdateBatch
+from meshrl.rl.step import _rollout_arrays, build_run, prepare
 from meshrl.rl.update import make_update, rl_loss
 from meshrl.sharding import make_mesh
 from meshrl.train.optim import make_optimizer
-from meshrl.train.state import create_train_state
 
 TOK = ByteTokenizer()
 SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
-         "moe.expert_mlp_dim=32", "rl.max_prompt_len=8", "rl.max_new_tokens=6", "model.max_seq_len=16",
-         "rl.prompts_per_step=4", "rl.group_size=4", "optim.learning_rate=3e-3"]
+         "moe.expert_mlp_dim=32", "moe.first_k_dense=0", "rl.max_prompt_len=8", "rl.max_new_tokens=8",
+         "model.max_seq_len=16", "rl.prompts_per_step=4", "rl.group_size=4", "optim.learning_rate=3e-3",
+         "rl.dynamic_sampling=false"]
+PROMPTS = ["1+2=", "3+4=", "5+6=", "7+8="]
 
 
-def _batch(cfg, mesh, state):
-  rollout = make_rollout(cfg, mesh, eos_id=TOK.eos_id, pad_id=TOK.pad_id)
-  tokens, mask = TOK.encode_batch(["1+2=", "3+4=", "5+6=", "7+8="], length=8)
-  out = rollout(state.params, state.extra, tokens, mask, jax.random.key(0))
-  rewards = np.random.RandomState(0).rand(16).astype(np.float32)
-  advantages = (rewards - rewards.mean()) / rewards.std()
-  return {"tokens": out.tokens, "positions": out.positions, "segment_ids": out.segment_ids,
-          "response_mask": out.response_mask, "old_logprobs": out.logprobs,
-          "advantages": jnp.asarray(advantages), "routing": jnp.swapaxes(out.routing, 0, 1)}
-
-
-@pytest.mark.parametrize("extra", [[], ["rl.num_minibatches=2", "rl.epochs=2", "rl.policy_loss=gspo"]])
-def test_update_lowers_loss_and_keeps_shardings(devices, extra):
-  cfg = configs.load("configs/tiny.py", SMALL + ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"] + extra)
+def _run(extra=(), mesh_overrides=("mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2")):
+  cfg = configs.load("configs/tiny.py", SMALL + list(mesh_overrides) + list(extra))
   mesh = make_mesh(cfg.mesh)
-  tx = make_optimizer(cfg.optim)
-  graphdef, state = create_train_state(build_model(ModelConfig.from_config(cfg, mesh), mesh), tx, mesh)
-  batch = _batch(cfg, mesh, state)
-  shardings = [x.sharding for x in jax.tree.leaves(state.params)]
+  model = build_model(ModelConfig.from_config(cfg, mesh), mesh, seed=0)
+  return cfg, build_run(cfg, mesh, model, TOK)
 
-  def loss_of(s):
-    return float(rl_loss(s.params, s.extra, graphdef, batch, cfg.rl, cfg.moe)[0])
-  before = loss_of(state)
-  update = make_update(cfg, graphdef, tx)
+
+def _scored(run, seed=0) -> ScoredBatch:
+  tokens, mask = TOK.encode_batch(PROMPTS, length=run.cfg.rl.max_prompt_len)
+  out = run.rollout(run.state.params, run.state.extra, tokens, mask, jax.random.key(seed))
+  arrays = _rollout_arrays(out)
+  rewards = np.random.RandomState(seed).rand(16).astype(np.float32)
+  return ScoredBatch(arrays=arrays, rewards=rewards, correct=rewards, sample_valid=np.ones(16, bool),
+                     domains=["arithmetic"] * 16, texts=[""] * 16)
+
+
+def test_recomputed_logprobs_equal_behaviour_logprobs_with_routing_replay(devices):
+  """Temperature 0.7, every layer MoE: the update's log-probs equal the rollout's within 1e-4, the first
+  minibatch is on-policy (ratio 1, nothing clipped); foreign routes change the log-probs."""
+  _, run = _run(["rl.temperature=0.7", "rl.num_minibatches=2", "rl.kl_coef=0.1"])
+  batch, _ = prepare(run, _scored(run))
+  # A batch lacking what a loss term needs is refused by name, before the update runs.
+  with pytest.raises(ValueError, match=r"lacks \['ref_logprobs'\].*KL k3"):
+    batch.replace(ref_logprobs=None).check(run.spec)
+  with pytest.raises(ValueError, match="lacks.*routing"):
+    batch.replace(routing=None).check(run.spec)
+  with pytest.raises(ValueError, match="advantages has shape"):
+    batch.replace(advantages=batch.advantages[:, :3]).check(run.spec)
+  with pytest.raises(ValueError, match="old_values"):
+    UpdateBatch.check(batch, dataclasses.replace(run.spec, value_coef=0.5))
+  logp, _ = run.logprob_fn(run.state.params, run.state.extra, batch)
+  mask = np.asarray(batch.loss_mask)
+  assert mask.sum() > 20
+  diff = np.abs(np.asarray(logp) - np.asarray(batch.old_logprobs))[mask]
+  assert diff.max() < 1e-4, diff.max()
+  # Replaying other experts' routes changes what the update computes.
+  foreign = batch.replace(routing=(batch.routing + 1) % run.cfg.moe.num_experts)
+  logp_foreign, _ = run.logprob_fn(run.state.params, run.state.extra, foreign)
+  assert np.abs(np.asarray(logp_foreign) - np.asarray(logp))[mask].max() > 1e-3
+  state, metrics = run.update(run.state, batch, jax.random.key(1))
+  assert abs(float(metrics["ratio_mean_first"]) - 1.0) < 1e-4
+  assert float(metrics["clip_frac_first"]) == 0.0
+  assert float(metrics["logprob_diff_max_first"]) < 1e-4
+  assert 0.0 <= float(metrics["route_mismatch"]) <= 1.0
+  del state
+
+
+def test_update_lowers_loss_and_keeps_shardings(devices):
+  cfg, run = _run(["rl.num_minibatches=2", "rl.epochs=2", "rl.policy_loss=gspo"])
+  batch, _ = prepare(run, _scored(run))
+  shardings = [x.sharding for x in jax.tree.leaves(run.state.params)]
+
+  def loss_of(state):
+    return float(rl_loss(state.params, state.extra, run.graphdef, batch, run.spec)[0])
+  before = loss_of(run.state)
+  state = run.state
   for i in range(5):
-    state, metrics = update(state, batch, jax.random.key(i))
-  after = loss_of(state)
-  assert after < before - 0.05, (before, after)
+    state, metrics = run.update(state, batch, jax.random.key(i))
+  assert loss_of(state) < before - 0.05
   assert np.isfinite(float(metrics["grad_norm"]))
   for want, x in zip(shardings, jax.tree.leaves(state.params)):
     assert x.sharding.is_equivalent_to(want, x.ndim)  # the next rollout takes them in place
+  del cfg
+
+
+def _log_softmax(x):
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_rl_loss_terms_equal_independent_numpy(devices):
+  """Policy (PPO clip), entropy bonus, KL k3 in the loss and the clipped value loss, summed with
+  their coefficients, equal a numpy computation from the model's own logits and values."""
+  cfg, run = _run(["rl.entropy_coef=0.01", "rl.kl_coef=0.2", "rl.kl_estimator=k3", "rl.advantage=gae",
+                   "model.value_head=true", "rl.value_coef=0.5", "rl.value_clip=0.1",
+                   "moe.aux_loss_coef=0", "moe.z_loss_coef=0"], mesh_overrides=())
+  assert run.spec.critic and run.spec.kl_coef == 0.2
+  batch, _ = prepare(run, _scored(run))
+  rng = np.random.RandomState(3)
+  # Perturb the stored quantities so every term is away from its trivial value.
+  batch = batch.replace(old_logprobs=batch.old_logprobs + jnp.asarray(rng.normal(0, 0.3, batch.tokens.shape),
+                                                                    jnp.float32),
+                        ref_logprobs=batch.ref_logprobs + 0.5,
+                        old_values=batch.old_values + 0.3)
+  loss, metrics = rl_loss(run.state.params, run.state.extra, run.graphdef, batch, run.spec)
+  model = jax.tree.map(lambda x: x, run.state)
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  out = nnx.merge(run.graphdef, model.params, model.extra)(
+      batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids,
+      routing=jnp.swapaxes(batch.routing, 0, 1))
+  logits = np.asarray(out.logits, np.float64) / cfg.rl.temperature
+  values = np.asarray(out.values, np.float64)
+  b = jax.tree.map(lambda x: np.asarray(x, np.float64) if x is not None else None, batch)
+  mask = b.loss_mask.astype(bool)
+  logp_all = _log_softmax(logits)
+  logp = np.take_along_axis(logp_all, b.targets[..., None].astype(int), -1)[..., 0]
+  ratio = np.exp(logp - b.old_logprobs)
+  adv = b.advantages
+  pg = np.maximum(-adv * ratio, -adv * np.clip(ratio, 1 - cfg.rl.clip_low, 1 + cfg.rl.clip_high))
+  entropy = -(np.exp(logp_all) * logp_all).sum(-1)
+  d = b.ref_logprobs - logp
+  k3 = np.exp(d) - d - 1
+  clipped_v = b.old_values + np.clip(values - b.old_values, -0.1, 0.1)
+  vf = 0.5 * np.maximum((values - b.returns) ** 2, (clipped_v - b.returns) ** 2)
+  mean = lambda x: x[mask].mean()  # noqa: E731  token_mean
+  want = mean(pg) - 0.01 * mean(entropy) + 0.2 * mean(k3) + 0.5 * mean(vf)
+  np.testing.assert_allclose(float(loss), want, rtol=2e-4, atol=2e-5)
+  np.testing.assert_allclose(float(metrics["kl"]), mean(k3), rtol=2e-4)
+  np.testing.assert_allclose(float(metrics["entropy"]), mean(entropy), rtol=2e-4)
 
 
 def test_minibatches_must_divide_batch():
   cfg = configs.load("configs/tiny.py", SMALL + ["rl.num_minibatches=3"])
+  spec = losses.LossSpec.from_config(cfg, needs_critic=False)
   with pytest.raises(ValueError, match="rl.num_minibatches=3 must divide the batch of 16"):
-    make_update(cfg, None, make_optimizer(cfg.optim))
+    make_update(spec, None, make_optimizer(cfg.optim), batch_size=16, num_minibatches=3)
+
+
+def test_empty_and_non_finite_minibatches_leave_the_state_unchanged(devices):
+  """A minibatch without loss tokens (all groups dropped by dynamic sampling: only the MoE balance
+  loss has a gradient, which Adam would turn into full-size router steps) and one with a planted NaN
+  (the NaN guard) leave parameters and optimizer state bit-identical, and are counted; a real batch
+  still moves them."""
+  _, run = _run(mesh_overrides=())
+  batch, _ = prepare(run, _scored(run))
+  before = jax.tree.map(np.asarray, (run.state.params, run.state.opt_state))
+  state = run.state
+  empty = batch.replace(loss_mask=np.zeros_like(np.asarray(batch.loss_mask)))
+  poisoned = batch.replace(old_logprobs=batch.old_logprobs * np.nan)  # every minibatch
+  for bad, counter in ((empty, "skipped_minibatches"), (poisoned, "nonfinite_minibatches")):
+    state, metrics = run.update(state, bad, jax.random.key(0))
+    assert float(metrics[counter]) == 1.0, counter
+    assert np.isfinite(float(metrics["loss"]))
+    for want, got in zip(jax.tree.leaves(before), jax.tree.leaves((state.params, state.opt_state))):
+      np.testing.assert_array_equal(np.asarray(got), want)
+  state, metrics = run.update(state, batch, jax.random.key(0))
+  assert float(metrics["skipped_minibatches"]) == 0.0 and float(metrics["nonfinite_minibatches"]) == 0.0
+  moved = [np.abs(np.asarray(g) - w).max() for w, g in zip(jax.tree.leaves(before[0]),
+                                                           jax.tree.leaves(state.params))]
+  assert max(moved) > 0

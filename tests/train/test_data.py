@@ -8,6 +8,7 @@ import pytest
 
 from meshrl.configs import load
 from meshrl.model.tokenizer import ByteTokenizer
+from meshrl.rl.envs import TaskMixture, load_jsonl
 from meshrl.train.data import SFTData, encode_example, example_source, make_sft_data, pack
 
 TOK = ByteTokenizer()
@@ -79,23 +80,24 @@ def test_jsonl_bad_rows_counted(tmp_path):
   path.write_text('{"prompt": "2+2=", "answer": 4}\nnot json\n{"answer": "x"}\n'
                   '{"prompt": "3+1=", "answer": "4"}\n')
   cfg = load("configs/tiny.py", [f"data.jsonl={path}", "data.seq_len=32"])
-  data = make_sft_data(cfg, batch_size=2)
+  loaded = load_jsonl(cfg.data.jsonl, skip_bad=True)  # the caller (rl/ or a script) loads the rows
+  data = make_sft_data(cfg, source=loaded.examples, batch_size=2, bad_rows=loaded.num_bad)
   batch = next(data)
   assert batch["tokens"].shape == (2, 32)
   assert data.stats["skipped_bad_rows"] == 2
-  cfg_strict = load("configs/tiny.py", [f"data.jsonl={path}", "data.skip_bad_rows=false"])
   with pytest.raises(ValueError, match="tasks.jsonl:2"):
-    make_sft_data(cfg_strict)
+    load_jsonl(str(path), skip_bad=False)
 
 
 def test_state_round_trip_resumes_exactly():
   cfg = load("configs/tiny.py", ["data.seq_len=64", "data.tasks=arithmetic:1.0,reverse:1.0"])
-  data = make_sft_data(cfg, batch_size=4)
+  source = TaskMixture(cfg.data.tasks, seed=cfg.seed)
+  data = make_sft_data(cfg, source=source, batch_size=4)
   for _ in range(3):
     next(data)
   state = json.loads(json.dumps(data.get_state()))  # survives JSON (the checkpoint's format)
   expected = [next(data) for _ in range(2)]
-  resumed = make_sft_data(cfg, batch_size=4)
+  resumed = make_sft_data(cfg, source=source, batch_size=4)
   resumed.set_state(state)
   for want in expected:
     got = next(resumed)
@@ -105,5 +107,6 @@ def test_state_round_trip_resumes_exactly():
 
 def test_mixture_source_is_deterministic():
   cfg = load("configs/tiny.py")
-  a, b = example_source(cfg.data, seed=3), example_source(cfg.data, seed=3)
+  a = example_source(TaskMixture(cfg.data.tasks, seed=3), seed=3)
+  b = example_source(TaskMixture(cfg.data.tasks, seed=3), seed=3)
   assert [a[i] for i in range(5)] == [b[i] for i in range(5)]

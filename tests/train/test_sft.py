@@ -12,6 +12,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from meshrl.configs import load
 from meshrl.model.init import build_model
 from meshrl.model.transformer import ModelConfig
+from meshrl.rl.envs import TaskMixture
 from meshrl.sharding import make_mesh
 from meshrl.train.checkpoint import Checkpointer
 from meshrl.train.data import make_sft_data
@@ -32,12 +33,39 @@ def test_targets_and_weights_on_a_packed_row():
   assert weights.tolist() == [[1, 1, 0, 1, 1, 0, 0]]
 
 
+def test_packed_row_loss_equals_each_document_alone():
+  """Packing isolates documents: each token's loss in a packed row equals its loss when its document
+  runs alone (segment ids stop attention across documents, positions restart at 0)."""
+  cfg = load("configs/tiny.py", ["data.seq_len=32"])
+  model = build_model(ModelConfig.from_config(cfg), seed=0)
+  rng = np.random.default_rng(0)
+  docs = [rng.integers(0, 256, size=n).astype(np.int32) for n in (9, 12, 7)]
+
+  def per_token_nll(tokens, positions, segments):
+    logits = model(jnp.asarray(tokens)[None], positions=jnp.asarray(positions)[None],
+                   segment_ids=jnp.asarray(segments)[None]).logits[0]
+    logp = jax.nn.log_softmax(logits[:-1].astype(jnp.float32))
+    return np.asarray(jnp.take_along_axis(logp, jnp.asarray(tokens)[1:, None], axis=-1)[:, 0])
+  tokens = np.concatenate(docs + [np.zeros(4, np.int32)])
+  segments = np.concatenate([np.full(len(d), i + 1) for i, d in enumerate(docs)] + [np.zeros(4)]).astype(np.int32)
+  positions = np.concatenate([np.arange(len(d)) for d in docs] + [np.zeros(4)]).astype(np.int32)
+  packed = per_token_nll(tokens, positions, segments)
+  start = 0
+  for doc in docs:
+    alone = per_token_nll(doc, np.arange(len(doc)), np.ones(len(doc), np.int32))
+    np.testing.assert_allclose(packed[start:start + len(doc) - 1], alone, atol=2e-5)
+    start += len(doc)
+  # Without segment ids the second document would see the first: the check can fail.
+  leaky = per_token_nll(tokens, positions, np.ones_like(segments))
+  assert np.abs(leaky[len(docs[0]):len(docs[0]) + 11] - packed[len(docs[0]):len(docs[0]) + 11]).max() > 1e-4
+
+
 def test_tiny_moe_memorises_a_fixed_batch():
   cfg = load("configs/tiny.py", ["data.seq_len=64", "rl.sft_batch_size=8"])
   mc = ModelConfig.from_config(cfg)
   tx = make_optimizer(cfg.optim, learning_rate=3e-3)
   graphdef, state = create_train_state(build_model(mc, seed=0), tx)
-  batch = put_batch(next(make_sft_data(cfg)), None)
+  batch = put_batch(next(make_sft_data(cfg, source=TaskMixture(cfg.data.tasks, seed=0))), None)
   step = make_sft_step(graphdef, None, cfg, tx)
   state, first = step(state, batch)
   for _ in range(99):
@@ -46,6 +74,10 @@ def test_tiny_moe_memorises_a_fixed_batch():
   assert ce < 0.1 * ce0, (ce0, ce)
   assert float(metrics["loss"]) < 0.1 * float(first["loss"])
   assert int(state.step) == 100
+
+
+def _source(cfg):
+  return TaskMixture(cfg.data.tasks, difficulty=cfg.data.difficulty, seed=cfg.seed)
 
 
 def _mesh_cfg(workdir, **overrides):
@@ -77,7 +109,7 @@ def test_run_sft_writes_outputs_and_resumes(tmp_path):
   workdir = tmp_path / "run"
   cfg = _mesh_cfg(workdir)
   mesh = make_mesh(cfg.mesh)
-  first = run_sft(cfg, str(workdir), mesh)
+  first = run_sft(cfg, str(workdir), mesh, source=_source(cfg))
   assert [r["step"] for r in first.history] == [1, 2, 3, 4]
   assert all(r["compiles"] == 1 for r in first.history)  # no step compiles after the first
   assert first.history[-1]["loss"] < first.history[0]["loss"]
@@ -92,7 +124,7 @@ def test_run_sft_writes_outputs_and_resumes(tmp_path):
   assert saved.config["data"]["seq_len"] == 32
   assert set(saved.data_state) >= {"grain", "skipped_malformed", "skipped_too_long"}
 
-  resumed = run_sft(cfg, str(workdir), mesh, num_steps=6)
+  resumed = run_sft(cfg, str(workdir), mesh, num_steps=6, source=_source(cfg))
   assert [r["step"] for r in resumed.history] == [5, 6]
   assert int(resumed.state.step) == 6
   steps = [r["step"] for r in read_jsonl(str(workdir / "metrics.jsonl"))]
@@ -102,14 +134,15 @@ def test_run_sft_writes_outputs_and_resumes(tmp_path):
 
   # The same 6 steps without a break land on the same weights: state and data position resumed.
   straight = run_sft(_mesh_cfg(tmp_path / "straight", **{"checkpoint.enabled": False}),
-                     str(tmp_path / "straight"), mesh, num_steps=6)
+                     str(tmp_path / "straight"), mesh, num_steps=6, source=_source(cfg))
   for got, want in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(straight.state), strict=True):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
 
 
 def test_mismatched_shapes_fail_before_compiling(tmp_path):
   with pytest.raises(ValueError, match="data.seq_len=128 is longer than model.max_seq_len=64"):
-    run_sft(_mesh_cfg(tmp_path, **{"data.seq_len": 128}), str(tmp_path))
+    bad = _mesh_cfg(tmp_path, **{"data.seq_len": 128})
+    run_sft(bad, str(tmp_path), source=_source(bad))
   cfg = _mesh_cfg(tmp_path, **{"rl.sft_batch_size": 6})
   with pytest.raises(ValueError, match="rl.sft_batch_size=6 is not divisible"):
-    run_sft(cfg, str(tmp_path), make_mesh(cfg.mesh))
+    run_sft(cfg, str(tmp_path), make_mesh(cfg.mesh), source=_source(cfg))

@@ -1,0 +1,130 @@
+"""Scoring a batch's completions concurrently, with a per-sample timeout: `RewardPool`.
+
+Reward code is untrusted in the sense that it may raise, return garbage or hang (a regex that
+backtracks forever, a verifier waiting on a subprocess). Each sample is one job on a pool of daemon
+worker threads; a job that raises scores 0 for its term and is counted; a job that runs longer than
+`timeout_s` scores 0, is counted in `reward_timeouts`, and its worker is written off and replaced,
+so one hung sample delays only itself and never the next batch. (A thread cannot be killed: the
+hung one keeps running in the background as a daemon and is dropped at exit. Rewards that run
+programs should bound those themselves, as the sandbox does.)
+
+Results are placed by sample index, so scores do not depend on which worker ran what.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from meshrl.rl.rewards.compose import _terms
+
+
+class _Job:
+  __slots__ = ("index", "completion", "example", "started", "done", "scores", "errors")
+
+  def __init__(self, index: int, completion: str, example: dict):
+    self.index, self.completion, self.example = index, completion, example
+    self.started: float | None = None
+    self.done = False
+    self.scores: list[float] = []
+    self.errors: list[str] = []
+
+
+class RewardPool:
+  """Scores completions on `num_workers` threads, each sample within `timeout_s` seconds.
+
+  Args:
+    reward_fn: a WeightedReward (rl.rewards.compose), a {name: fn} dict, a list of fns or one fn,
+      each `(completion, example) -> float`.
+    num_workers: worker threads (>= 1).
+    timeout_s: per-sample limit in seconds (> 0), counted from when a worker starts the sample.
+  """
+
+  def __init__(self, reward_fn, *, num_workers: int = 8, timeout_s: float = 30.0):
+    if num_workers < 1:
+      raise ValueError(f"rl.reward_workers={num_workers} must be at least 1.")
+    if not timeout_s > 0:
+      raise ValueError(f"rl.reward_timeout_s={timeout_s} must be positive.")
+    self.terms = _terms(reward_fn)
+    self.timeout_s = float(timeout_s)
+    self._queue: queue.Queue = queue.Queue()
+    self._cond = threading.Condition()
+    self._workers = 0
+    self.abandoned = 0  # workers written off because their job hung
+    for _ in range(num_workers):
+      self._spawn()
+
+  def _spawn(self) -> None:
+    threading.Thread(target=self._work, daemon=True, name=f"reward-{self._workers}").start()
+    self._workers += 1
+
+  def _work(self) -> None:
+    while True:
+      job = self._queue.get()
+      if job is None:
+        return
+      with self._cond:
+        job.started = time.monotonic()
+      scores, errors = [], []
+      for name, _, fn in self.terms:
+        try:
+          value = float(fn(job.completion, job.example))
+          if not math.isfinite(value):
+            raise ValueError(f"reward is not finite: {value}")
+          scores.append(value)
+        except Exception as error:  # pylint: disable=broad-except  (never crash the loop)
+          scores.append(0.0)
+          errors.append(f"{name}[{job.index}]: {type(error).__name__}: {error}")
+      with self._cond:
+        if job.done:  # timed out meanwhile: this worker was written off, so it stops here
+          return
+        job.scores, job.errors, job.done = scores, errors, True
+        self._cond.notify_all()
+
+  def score(self, completions: Sequence[str], examples: Sequence[dict]) -> tuple[np.ndarray, dict]:
+    """-> (rewards [N] float32, info). Never raises for a failing or hanging reward.
+
+    info: reward_errors (term calls that raised or returned a non-finite value), reward_timeouts
+    (samples past timeout_s), first_errors (up to 3 messages), per_fn {name: [N] unweighted},
+    by_domain {domain: mean reward}.
+    """
+    if len(completions) != len(examples):
+      raise ValueError(f"len(completions)={len(completions)} != len(examples)={len(examples)}.")
+    jobs = [_Job(i, c, e) for i, (c, e) in enumerate(zip(completions, examples))]
+    for job in jobs:
+      self._queue.put(job)
+    timeouts = 0
+    with self._cond:
+      while not all(job.done for job in jobs):
+        now = time.monotonic()
+        for job in jobs:
+          if not job.done and job.started is not None and now - job.started > self.timeout_s:
+            job.done = True
+            job.scores = [0.0] * len(self.terms)
+            job.errors = [f"sample {job.index}: timed out after {self.timeout_s:g} s"]
+            timeouts += 1
+            self.abandoned += 1
+            self._spawn()  # replace the hung worker
+        self._cond.wait(timeout=min(0.05, self.timeout_s / 4))
+    per_fn = {name: np.asarray([job.scores[t] for job in jobs], np.float32)
+              for t, (name, _, _) in enumerate(self.terms)}
+    total = np.zeros(len(jobs), np.float32)
+    for name, weight, _ in self.terms:
+      total += np.float32(weight) * per_fn[name]
+    errors = [message for job in jobs for message in job.errors]
+    domains = [e.get("domain", "") if isinstance(e, Mapping) else "" for e in examples]
+    by_domain = {d: float(np.mean(total[[x == d for x in domains]])) for d in sorted(set(domains))}
+    info = {"reward_errors": sum(len(job.errors) for job in jobs) - timeouts,
+            "reward_timeouts": timeouts, "first_errors": errors[:3], "per_fn": per_fn,
+            "by_domain": by_domain}
+    return total, info
+
+  def close(self) -> None:
+    """Stops the idle workers (hung ones are daemons and end with the process)."""
+    for _ in range(self._workers):
+      self._queue.put(None)

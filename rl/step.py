@@ -1,0 +1,223 @@
+"""The one RL step program: collect -> score -> advantages -> update.
+
+`scripts/rl.py`, `scripts/bench_rl.py`, `scripts/eval.py` and the tests all drive this module:
+
+  run = build_run(cfg, mesh, model, tokenizer)       # the jitted programs, built once
+  metrics = rl_step(run, examples, key)               # one step; run.state is replaced
+
+  collect   rollout(s) on the devices (jit) -> ScoredBatch, scored on the host's RewardPool, with
+            DAPO dynamic sampling
+  prepare   ScoredBatch -> UpdateBatch: prediction-aligned arrays, reference log-probs and critic
+            values (jit), advantages (jit, `advantages.make_advantages`), zigzag for ring attention
+  update    the jitted policy/critic update over epochs x minibatches (rl/update.py)
+
+Logging, evaluation and checkpoints are hooks of the driver (rl/loop.py), not part of the step. The
+rollout and the update read and replace the same `run.state.params` arrays on the one mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from meshrl.model.tokenizer import Tokenizer
+from meshrl.rl import advantages as adv_lib
+from meshrl.rl import losses
+from meshrl.rl.batch import informative_groups, next_prompts, score_rollout, select_groups
+from meshrl.rl.batches import (ScoredBatch, UpdateBatch, align_for_update, device_put_batch,
+                               zigzag_batch)
+from meshrl.rl.rewards import compose
+from meshrl.rl.rollout import make_rollout
+from meshrl.rl.scoring import RewardPool
+from meshrl.rl.update import make_logprob_fn, make_update
+from meshrl.sharding.rules import logical_to_spec, rules_from_config
+from meshrl.train.optim import make_optimizer
+from meshrl.train.state import TrainState, create_train_state
+
+
+@dataclasses.dataclass
+class RLRun:
+  """Everything a step needs; built once by `build_run`."""
+  cfg: Any
+  mesh: Any
+  graphdef: Any
+  state: TrainState
+  ref_params: Any  # the initial params, kept only when a KL term is on (else None)
+  spec: losses.LossSpec
+  estimator: Any
+  rollout: Any  # jitted (params, extra, prompts, mask, key) -> RolloutBatch
+  update: Any  # jitted (state, UpdateBatch, key) -> (state, metrics)
+  logprob_fn: Any  # jitted (params, extra, UpdateBatch) -> (logp, values)
+  advantages_fn: Any  # jitted, advantages.make_advantages
+  tokenizer: Tokenizer
+  pool: RewardPool
+  batch_sharding: Any  # NamedSharding of [B, S] update arrays, or None without a mesh
+  zigzag_shards: int  # > 1: update batches are laid out zigzag over the sequence axis
+
+  def close(self) -> None:
+    self.pool.close()
+
+
+def zigzag_shards(cfg, mesh) -> int:
+  """Sequence shards to lay batches out zigzag over: mesh.sequence when attention.zigzag is on and
+  the ring kernel runs, else 1."""
+  if mesh is None or not cfg.attention.zigzag or cfg.attention.impl != "ring":
+    return 1
+  return int(mesh.shape["sequence"])
+
+
+def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
+  """The train state of `model` and the run's jitted programs (nothing is compiled yet)."""
+  estimator = adv_lib.make_estimator(cfg.rl.advantage, eps=cfg.rl.adv_eps, gamma=cfg.rl.gamma,
+                                     lam=cfg.rl.gae_lambda)
+  spec = losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic)
+  tx = make_optimizer(cfg.optim)
+  graphdef, state = create_train_state(model, tx, mesh)
+  batch_size = cfg.rl.prompts_per_step * cfg.rl.group_size
+  sharding = None
+  if mesh is not None:
+    total = cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
+    sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules_from_config(cfg.mesh), mesh,
+                                                   shape=(batch_size, total)))
+  return RLRun(
+      cfg=cfg, mesh=mesh, graphdef=graphdef, state=state,
+      ref_params=jax.tree.map(jnp.copy, state.params) if spec.kl_metric else None,
+      spec=spec, estimator=estimator,
+      rollout=make_rollout(cfg, mesh, stop_ids=stop_ids_of(tokenizer), pad_id=tokenizer.pad_id),
+      update=make_update(spec, graphdef, tx, batch_size=batch_size,
+                         num_minibatches=cfg.rl.num_minibatches, epochs=cfg.rl.epochs,
+                         aux_free_bias=cfg.moe.aux_free_bias, bias_update_rate=cfg.moe.bias_update_rate),
+      logprob_fn=make_logprob_fn(graphdef, temperature=cfg.rl.temperature,
+                                 replay_routing=cfg.rl.replay_routing),
+      advantages_fn=adv_lib.make_advantages(cfg), tokenizer=tokenizer,
+      pool=RewardPool(compose(cfg.rl.rewards), num_workers=cfg.rl.reward_workers,
+                      timeout_s=cfg.rl.reward_timeout_s),
+      batch_sharding=sharding, zigzag_shards=zigzag_shards(cfg, mesh))
+
+
+def stop_ids_of(tokenizer: Tokenizer) -> tuple[int, ...]:
+  """The tokenizer's stop tokens (end of sequence and of a chat turn)."""
+  return tuple(getattr(tokenizer, "stop_ids", None) or (tokenizer.eos_id,))
+
+
+def _rollout_arrays(batch) -> dict[str, np.ndarray]:
+  """RolloutBatch (device) -> host numpy dict; routing moved to [B, L, S, K] or dropped."""
+  arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+  routing = arrays.pop("routing")
+  arrays = jax.tree.map(np.asarray, arrays)
+  if routing is not None:
+    arrays["routing"] = np.swapaxes(np.asarray(routing), 0, 1)
+  return arrays
+
+
+def _per_domain(values: np.ndarray, domains: list[str], prefix: str) -> dict[str, float]:
+  names = sorted(set(domains))
+  if len(names) < 1 or names == [""]:
+    return {}
+  return {f"{prefix}/{d or 'none'}": float(np.mean(values[[x == d for x in domains]])) for d in names}
+
+
+def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[ScoredBatch, dict]:
+  """Rollout(s) and their scores for one step -> (ScoredBatch of exactly prompts_per_step groups,
+  metrics). With rl.dynamic_sampling, up to rl.max_resample_rounds more rollouts refill the batch
+  with groups whose rewards differ (DAPO); groups kept only for the shape have no gradient."""
+  cfg = run.cfg.rl
+  rounds = 1 + (cfg.max_resample_rounds if cfg.dynamic_sampling else 0)
+  scored_rounds, rejected, truncated = [], 0, 0
+  rollout_s = reward_s = 0.0
+  generated, reward_errors, reward_timeouts = 0, 0, 0
+  first_errors = []
+  for round_index in range(rounds):
+    prompts = next_prompts(examples, run.tokenizer, count=cfg.prompts_per_step,
+                           max_len=cfg.max_prompt_len, overflow=cfg.prompt_overflow)
+    rejected, truncated = rejected + prompts.rejected, truncated + prompts.truncated
+    t0 = time.perf_counter()
+    out = run.rollout(run.state.params, run.state.extra, prompts.tokens, prompts.mask,
+                      jax.random.fold_in(key, round_index))
+    arrays = _rollout_arrays(out)
+    rollout_s += time.perf_counter() - t0
+    generated += int(arrays["lengths"].sum())
+    t0 = time.perf_counter()
+    scored = score_rollout(arrays, prompts.examples, run.tokenizer, run.pool, group_size=cfg.group_size,
+                           max_new_tokens=cfg.max_new_tokens, overlong_buffer=cfg.overlong_buffer,
+                           overlong_penalty_value=cfg.overlong_penalty)
+    reward_s += time.perf_counter() - t0
+    reward_errors += scored.info["reward_errors"]
+    reward_timeouts += scored.info["reward_timeouts"]
+    first_errors += scored.info["first_errors"]
+    scored_rounds.append(scored)
+    useful = sum(int(informative_groups(r.rewards, cfg.group_size).sum()) for r in scored_rounds)
+    if not cfg.dynamic_sampling or useful >= cfg.prompts_per_step:
+      break
+  batch = select_groups(scored_rounds, num_groups=cfg.prompts_per_step, group_size=cfg.group_size,
+                        dynamic=cfg.dynamic_sampling)
+  first = scored_rounds[0]  # the first round is an unbiased sample of the policy: report it
+  lengths = first.arrays["lengths"].astype(np.float32)
+  metrics = {
+      "reward_mean": float(first.correct.mean()), "reward_std": float(first.correct.std()),
+      "shaped_reward_mean": float(first.rewards.mean()),
+      "batch_reward_mean": float(batch.correct[batch.sample_valid].mean()) if batch.sample_valid.any()
+      else 0.0,
+      "response_len_mean": float(lengths.mean()),
+      "truncated_frac": float(first.arrays["truncated"].mean()),
+      "reward_errors": reward_errors, "reward_timeouts": reward_timeouts,
+      "rollout_rounds": len(scored_rounds),
+      "groups_kept": int(batch.sample_valid.reshape(-1, cfg.group_size)[:, 0].sum()),
+      "prompts_rejected": rejected, "prompts_truncated": truncated,
+      "empty_responses": int((first.arrays["lengths"] <= 1).sum()),
+      "rollout_s": rollout_s, "reward_s": reward_s, "generated_tokens": generated,
+      "sample_text": first.texts[0][:40],
+      **_per_domain(first.correct, first.domains, "reward_mean"),
+      **_per_domain(lengths, first.domains, "response_len"),
+  }
+  if first_errors:
+    metrics["first_reward_error"] = first_errors[0][:200]
+  return batch, metrics
+
+
+def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
+  """ScoredBatch -> UpdateBatch on the devices, with everything `run.spec` needs, checked."""
+  aligned = align_for_update(scored)
+  routing = aligned.pop("routing", None) if run.spec.replay_routing else None
+  aligned.pop("routing", None)
+  host = UpdateBatch(**aligned, advantages=np.zeros_like(aligned["old_logprobs"]), routing=routing)
+  batch = device_put_batch(zigzag_batch(host, run.zigzag_shards), run.batch_sharding)
+  ref_logprobs = values = None
+  if run.ref_params is not None:
+    ref_logprobs, _ = run.logprob_fn(run.ref_params, run.state.extra, batch)
+  if run.spec.critic:
+    _, values = run.logprob_fn(run.state.params, run.state.extra, batch)
+  valid = jnp.asarray(scored.sample_valid)
+  advantages, returns, metrics = run.advantages_fn(jnp.asarray(scored.rewards), batch.loss_mask, valid,
+                                                   batch.old_logprobs, ref_logprobs, values)
+  batch = batch.replace(advantages=advantages, ref_logprobs=ref_logprobs,
+                        old_values=values if run.spec.critic else None,
+                        returns=returns if run.spec.critic else None)
+  return batch.check(run.spec), {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+
+def rl_step(run: RLRun, examples: Iterator[dict], key: jax.Array) -> dict:
+  """One RL step: collect -> score -> advantages -> update. Replaces `run.state`; returns metrics."""
+  t0 = time.perf_counter()
+  scored, metrics = collect(run, examples, jax.random.fold_in(key, 0))
+  t_prepare = time.perf_counter()
+  batch, prepare_metrics = prepare(run, scored)
+  metrics.update(prepare_metrics)
+  t_update = time.perf_counter()
+  metrics["prepare_s"] = t_update - t_prepare
+  run.state, update_metrics = run.update(run.state, batch, jax.random.fold_in(key, 1))
+  update_metrics = jax.device_get(update_metrics)
+  metrics["update_s"] = time.perf_counter() - t_update
+  update_metrics.pop("expert_load", None)
+  metrics.update({k: float(v) for k, v in update_metrics.items()})
+  metrics.setdefault("kl", 0.0)
+  metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
+  metrics["time_s"] = time.perf_counter() - t0
+  metrics["tokens_per_s"] = scored.arrays["tokens"].size / metrics["time_s"]
+  return metrics

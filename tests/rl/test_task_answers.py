@@ -1,0 +1,100 @@
+"""Generated tasks checked against independent answers (Python's own arithmetic, `sorted`, slicing,
+a brute-force countdown search), not against their own verifiers; and the held-out split."""
+
+import ast
+import itertools
+import operator
+import re
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from meshrl import configs
+from meshrl.rl import envs, loop
+from meshrl.rl.evaluation import held_out_examples
+
+
+def _examples(domain, difficulty, count=300):
+  return [envs.make_example(domain, np.random.default_rng([11, i]), difficulty=difficulty)
+          for i in range(count)]
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def _python_value(expression: str) -> int:
+  """Evaluates + - * over integers with Python's own operators (via its parser)."""
+  def walk(node):
+    if isinstance(node, ast.BinOp):
+      return _OPS[type(node.op)](walk(node.left), walk(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+      return -walk(node.operand)
+    assert isinstance(node, ast.Constant) and isinstance(node.value, int), ast.dump(node)
+    return node.value
+  return walk(ast.parse(expression, mode="eval").body)
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3, 4])
+def test_arithmetic_answers_equal_python_arithmetic(difficulty):
+  for example in _examples("arithmetic", difficulty):
+    assert example["prompt"].endswith("=")
+    assert int(example["answer"]) == _python_value(example["prompt"][:-1]), example
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3, 4])
+def test_sequence_answers_equal_sorted_and_slicing(difficulty):
+  for domain, expected in (("reverse", lambda s: s[::-1]), ("sort", lambda s: "".join(sorted(s))),
+                           ("copy", lambda s: s)):
+    for example in _examples(domain, difficulty, 100):
+      match = re.fullmatch(r"(rev|sort|copy) (\w+)=", example["prompt"])
+      assert match, example
+      assert example["answer"] == expected(match.group(2)), example
+
+
+def _reachable(numbers, target) -> bool:
+  """Brute force: can + - * / over all of `numbers` (each once) make `target` exactly?"""
+  values = [Fraction(n) for n in numbers]
+
+  def search(vals):
+    if len(vals) == 1:
+      return vals[0] == target
+    for i, j in itertools.permutations(range(len(vals)), 2):
+      rest = [v for k, v in enumerate(vals) if k not in (i, j)]
+      a, b = vals[i], vals[j]
+      candidates = [a + b, a - b, a * b] + ([a / b] if b else [])
+      if any(search(rest + [c]) for c in candidates):
+        return True
+    return False
+  return search(values)
+
+
+@pytest.mark.parametrize("difficulty", [1, 2, 3])
+def test_countdown_targets_are_reachable_by_brute_force(difficulty):
+  for example in _examples("countdown", difficulty, 40):
+    numbers, target = example["numbers"], example["target"]
+    assert example["prompt"] == f"{target} from {' '.join(map(str, numbers))}="
+    assert _reachable(numbers, target), example
+
+
+def test_held_out_prompts_never_appear_in_training():
+  cfg = configs.load("configs/tiny.py", ["eval.num_prompts=30", "data.tasks=arithmetic:1.0"])
+  held_out = {e["prompt"] for e in held_out_examples(cfg)}
+  assert 15 <= len(held_out) <= 30  # single-digit arithmetic has few distinct held-out prompts
+  source = loop.train_source(cfg)
+  trained = {source[i]["prompt"] for i in range(3000)}
+  assert not held_out & trained
+  assert len(trained) > 100  # and training still sees most of the prompt space
+  everything = envs.TaskMixture(cfg.data.tasks, seed=cfg.seed)
+  assert held_out <= {everything[i]["prompt"] for i in range(5000)}  # the split is of the same tasks
+
+
+def test_eval_jsonl_overlapping_training_is_refused(tmp_path):
+  rows = '{"prompt": "1+2=", "answer": "3"}\n{"prompt": "2+2=", "answer": "4"}\n'
+  (tmp_path / "train.jsonl").write_text(rows)
+  (tmp_path / "eval.jsonl").write_text('{"prompt": "2+2=", "answer": "4"}\n')
+  cfg = configs.load("configs/tiny.py", [f"data.jsonl={tmp_path / 'train.jsonl'}", "data.tasks=",
+                                         f"eval.jsonl={tmp_path / 'eval.jsonl'}", "eval.every=10"])
+  source = loop.train_source(cfg)
+  with pytest.raises(ValueError, match=r"eval.jsonl=.*shares 1 prompt\(s\) with the training data, e.g. '2\+2='"):
+    held_out_examples(cfg, train_prompts=[e["prompt"] for e in source.pools["jsonl"]])
