@@ -36,7 +36,6 @@ def _params(model):
   return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-@pytest.mark.slow  # about 30 s of CPU, 50-85 s on the shared 2-core machine
 def test_rl_from_hf_folder_then_export_matches_transformers(tiny_qwen3_moe, hf_fixtures, tmp_path, devices):
   del devices
   folder, workdir, out = tiny_qwen3_moe.path, str(tmp_path / "run"), str(tmp_path / "hf")
