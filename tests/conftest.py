@@ -24,6 +24,23 @@ def devices():
   return found
 
 
+@pytest.fixture
+def compile_cache(tmp_path):
+  """A persistent compilation cache for one test, so runs that restart (a resumed job) reuse the
+  programs the first run compiled, as jobs with jax_compilation_cache_dir do; the previous settings
+  come back after."""
+  from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=import-outside-toplevel
+  old = {name: getattr(jax.config, name) for name in
+         ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")}
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  compilation_cache.reset_cache()
+  yield
+  for name, value in old.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
+
+
 @pytest.fixture(scope="session")
 def hf_fixtures():
   """tests/hf_fixtures.py (tiny Hugging Face folders built locally), loaded by path."""

@@ -89,22 +89,6 @@ def _lines(path):
   return [json.loads(line) for line in open(path, encoding="utf-8")]
 
 
-@pytest.fixture
-def compile_cache(tmp_path):
-  """A persistent compilation cache, so the three runs below compile each program once (as restarted
-  jobs with jax_compilation_cache_dir do); the previous settings come back after."""
-  from jax.experimental.compilation_cache import compilation_cache as cc  # pylint: disable=import-outside-toplevel
-  old = {name: getattr(jax.config, name) for name in
-         ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")}
-  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla_cache"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-  cc.reset_cache()
-  yield
-  for name, value in old.items():
-    jax.config.update(name, value)
-  cc.reset_cache()
-
-
 @pytest.mark.usefixtures("compile_cache")
 def test_resume_equals_uninterrupted_and_rerun_is_identical(tmp_path, devices):
   """Steps 1-4 straight vs steps 1-2, stop, resume 3-4: identical metrics (time aside); and the

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
 from meshrl.configs import load
 from meshrl.model.init import build_model
@@ -87,21 +86,6 @@ def _mesh_cfg(workdir, **overrides):
             "moe.score_func": "sigmoid", "workdir": str(workdir)}
   fields.update(overrides)
   return load("configs/tiny.py", [f"{k}={v}" for k, v in fields.items()])
-
-
-@pytest.fixture
-def compile_cache(tmp_path):
-  """A persistent compilation cache, so the resumed run reuses the first run's programs (as a
-  restarted job with jax_compilation_cache_dir does); the previous settings come back after."""
-  old = {name: getattr(jax.config, name) for name in
-         ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")}
-  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla_cache"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-  compilation_cache.reset_cache()
-  yield
-  for name, value in old.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
 
 
 @pytest.mark.usefixtures("compile_cache")
