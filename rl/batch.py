@@ -33,11 +33,10 @@ def next_prompts(examples: Iterator[dict], tokenizer: Tokenizer, *, count: int, 
   skipped (and counted) per `overflow` ("truncate" or "reject")."""
   if overflow not in ("truncate", "reject"):
     raise ValueError(f"rl.prompt_overflow={overflow!r}; choose truncate or reject.")
-  render = getattr(tokenizer, "render_prompt", lambda text: text)  # chat template, when it has one
   chosen, rejected, truncated = [], 0, 0
   while len(chosen) < count:
     example = next(examples)
-    length = len(tokenizer.encode(render(example["prompt"])))
+    length = len(tokenizer.encode(tokenizer.render_prompt(example["prompt"])))
     if length > max_len:
       if overflow == "reject":
         rejected += 1
@@ -47,7 +46,7 @@ def next_prompts(examples: Iterator[dict], tokenizer: Tokenizer, *, count: int, 
         continue
       truncated += 1
     chosen.append(example)
-  tokens, mask = tokenizer.encode_batch([render(e["prompt"]) for e in chosen], length=max_len,
+  tokens, mask = tokenizer.encode_batch([tokenizer.render_prompt(e["prompt"]) for e in chosen], length=max_len,
                                         padding="left", overflow="truncate")
   return PromptBatch(chosen, tokens, mask, rejected, truncated)
 

@@ -25,7 +25,6 @@ from meshrl.rl.envs import TaskMixture, distinct_examples, load_jsonl
 from meshrl.rl.rewards import answer_reward
 from meshrl.rl.rollout import make_rollout
 from meshrl.rl.scoring import RewardPool
-from meshrl.rl.step import stop_ids_of
 from meshrl.sharding.rules import data_parallel_size
 
 
@@ -63,7 +62,7 @@ class Evaluator:
     self.cfg, self.tokenizer, self.examples = cfg, tokenizer, list(examples)
     shards = data_parallel_size(mesh.shape) if mesh is not None else 1
     self.batch = -(-min(cfg.eval.batch_size, len(self.examples)) // shards) * shards
-    stop_ids, pad = stop_ids_of(tokenizer), tokenizer.pad_id
+    stop_ids, pad = tokenizer.stop_ids, tokenizer.pad_id
     self.greedy = make_rollout(cfg, mesh, stop_ids=stop_ids, pad_id=pad, group_size=1, temperature=0.0)
     self.pass_k = int(cfg.eval.pass_k)
     self.sampled = None

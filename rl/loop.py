@@ -151,7 +151,7 @@ def train_source(cfg) -> TaskMixture:
                      eval_fraction=cfg.data.eval_fraction)
 
 
-def _train_prompts(source: TaskMixture) -> list[str]:
+def train_prompts(source: TaskMixture) -> list[str]:
   """The prompts training may draw from fixed pools (JSONL), for the eval overlap check."""
   return [e["prompt"] for pool in source.pools.values() for e in pool]
 
@@ -263,7 +263,7 @@ def run(cfg, workdir: str, *, mesh=None) -> list[dict]:
   print(dispatch_summary(cfg, mesh))
   tokenizer = tokenizer_from_config(cfg)
   source = train_source(cfg)
-  held_out = held_out_examples(cfg, train_prompts=_train_prompts(source)) if cfg.eval.every else []
+  held_out = held_out_examples(cfg, train_prompts=train_prompts(source)) if cfg.eval.every else []
   model = initial_model(cfg, mesh)
   if cfg.rl.sft_steps:
     from meshrl.train.sft import run_sft  # pylint: disable=import-outside-toplevel

@@ -38,6 +38,7 @@ from meshrl.rl.scoring import RewardPool
 from meshrl.rl.update import make_logprob_fn, make_update
 from meshrl.sharding.rules import logical_to_spec, rules_from_config
 from meshrl.train.optim import make_optimizer
+from meshrl.train.sft import zigzag_shards
 from meshrl.train.state import TrainState, create_train_state
 
 
@@ -64,14 +65,6 @@ class RLRun:
     self.pool.close()
 
 
-def zigzag_shards(cfg, mesh) -> int:
-  """Sequence shards to lay batches out zigzag over: mesh.sequence when attention.zigzag is on and
-  the ring kernel runs, else 1."""
-  if mesh is None or not cfg.attention.zigzag or cfg.attention.impl != "ring":
-    return 1
-  return int(mesh.shape["sequence"])
-
-
 def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
   """The train state of `model` and the run's jitted programs (nothing is compiled yet)."""
   estimator = adv_lib.make_estimator(cfg.rl.advantage, eps=cfg.rl.adv_eps, gamma=cfg.rl.gamma,
@@ -89,7 +82,7 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
       cfg=cfg, mesh=mesh, graphdef=graphdef, state=state,
       ref_params=jax.tree.map(jnp.copy, state.params) if spec.kl_metric else None,
       spec=spec, estimator=estimator,
-      rollout=make_rollout(cfg, mesh, stop_ids=stop_ids_of(tokenizer), pad_id=tokenizer.pad_id),
+      rollout=make_rollout(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id),
       update=make_update(spec, graphdef, tx, batch_size=batch_size,
                          num_minibatches=cfg.rl.num_minibatches, epochs=cfg.rl.epochs,
                          aux_free_bias=cfg.moe.aux_free_bias, bias_update_rate=cfg.moe.bias_update_rate),
@@ -99,11 +92,6 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
       pool=RewardPool(compose(cfg.rl.rewards), num_workers=cfg.rl.reward_workers,
                       timeout_s=cfg.rl.reward_timeout_s),
       batch_sharding=sharding, zigzag_shards=zigzag_shards(cfg, mesh))
-
-
-def stop_ids_of(tokenizer: Tokenizer) -> tuple[int, ...]:
-  """The tokenizer's stop tokens (end of sequence and of a chat turn)."""
-  return tuple(getattr(tokenizer, "stop_ids", None) or (tokenizer.eos_id,))
 
 
 def _rollout_arrays(batch) -> dict[str, np.ndarray]:

@@ -28,7 +28,7 @@ def main(argv):
 
   from meshrl.model.tokenizer import tokenizer_from_config
   from meshrl.rl.evaluation import Evaluator, held_out_examples
-  from meshrl.rl.loop import train_source
+  from meshrl.rl.loop import train_prompts, train_source
   from meshrl.sharding import make_mesh
   from meshrl.train.init_from import check_initial_model, initial_model
   from meshrl.train.state import split_model
@@ -39,7 +39,7 @@ def main(argv):
     check_initial_model(cfg)
     mesh = make_mesh(cfg.mesh)
     source = train_source(cfg)
-    examples = held_out_examples(cfg, train_prompts=[e["prompt"] for p in source.pools.values() for e in p])
+    examples = held_out_examples(cfg, train_prompts=train_prompts(source))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -49,8 +49,7 @@ def encode_example(example: Any, tokenizer: Tokenizer) -> dict[str, np.ndarray]:
     raise MalformedExample(f"prompt={prompt!r} is not a non-empty string")
   if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
     raise MalformedExample(f"answer={answer!r} is not a string or number")
-  render = getattr(tokenizer, "render_prompt", lambda text: text)  # the chat template, when there is one
-  prompt_ids = tokenizer.encode(render(prompt), add_bos=True)
+  prompt_ids = tokenizer.encode(tokenizer.render_prompt(prompt), add_bos=True)  # chat template, if any
   answer_ids = tokenizer.encode(str(answer), add_bos=False, add_eos=True)
   tokens = np.asarray(prompt_ids + answer_ids, np.int32)
   loss_mask = np.concatenate([np.zeros(len(prompt_ids), np.int32), np.ones(len(answer_ids), np.int32)])
