@@ -45,8 +45,8 @@ def print_dispatch_plan(config, mesh) -> None:
   """Which expert dispatch each phase of an RL step runs (moe.dispatch=auto picks per backend/phase).
 
   Token counts per call are the global ones the MoE layer sees under jit: decode = prompts x samples
-  rows of one token, prefill = those rows x max_prompt_len, train = rows x (prompt + response) per
-  minibatch.
+  rows of one token, prefill = prompts x max_prompt_len (a group shares its prompt's prefill),
+  train = rows x (prompt + response) per minibatch.
   """
   # pylint: disable=import-outside-toplevel
   from meshrl.model import moe_dispatch
@@ -58,7 +58,7 @@ def print_dispatch_plan(config, mesh) -> None:
   rl = config.rl
   rows = rl.prompts_per_step * rl.group_size
   tokens = {"train": rows * (rl.max_prompt_len + rl.max_new_tokens) // max(rl.num_minibatches, 1),
-            "prefill": rows * rl.max_prompt_len, "decode": rows}
+            "prefill": rl.prompts_per_step * rl.max_prompt_len, "decode": rows}
   backend = mesh.devices.flat[0].platform
   print(f"\n# moe dispatch: {mc.dispatch} on {backend}")
   if mesh.shape["expert"] > 1:
