@@ -30,7 +30,7 @@ from meshrl.sharding.rules import data_parallel_size
 
 def held_out_examples(cfg, *, train_prompts: Sequence[str] = ()) -> list[dict]:
   """eval.num_prompts held-out examples with distinct prompts: from eval.jsonl, else from the
-  held-out side of the data.tasks mixture (fewer when the domain has fewer distinct prompts).
+  held-out side of the data.domains registry (every domain), else of the data.tasks mixture (fewer when the domain has fewer distinct prompts).
 
   Raises ValueError naming the file when eval.jsonl shares a prompt with `train_prompts`.
   """
@@ -41,6 +41,12 @@ def held_out_examples(cfg, *, train_prompts: Sequence[str] = ()) -> list[dict]:
       raise ValueError(f"eval.jsonl={cfg.eval.jsonl!r} shares {len(overlap)} prompt(s) with the training "
                        f"data, e.g. {overlap[0]!r}; held-out prompts must be disjoint.")
     return distinct_examples(loaded.examples, cfg.eval.num_prompts, max_draws=len(loaded.examples))
+  if cfg.data.domains:  # the registry's domains, each on the held-out side of its hash split
+    from meshrl.rl.envs.quality import Quarantine  # pylint: disable=import-outside-toplevel
+    from meshrl.rl.envs.registry import held_out_from_file  # pylint: disable=import-outside-toplevel
+    return held_out_from_file(cfg.data.domains, count=cfg.eval.num_prompts, seed=cfg.seed + 7919,
+                              eval_fraction=cfg.data.eval_fraction,
+                              quarantine=Quarantine(cfg.data.quarantine))
   mixture = TaskMixture(cfg.data.tasks, difficulty=cfg.data.difficulty, seed=cfg.seed + 7919,
                         split="eval", eval_fraction=cfg.data.eval_fraction)
   return distinct_examples(mixture, cfg.eval.num_prompts)

@@ -14,8 +14,9 @@ class JsonlExamples(NamedTuple):
   bad_lines: list[int]  # their 1-based line numbers
 
 
-def _check_row(row) -> dict:
-  """The example of one parsed row; ValueError saying what is wrong."""
+def check_row(row) -> dict:
+  """The example of one parsed row (a JSONL line or an ArrayRecord record); ValueError saying what
+  is wrong."""
   if not isinstance(row, dict):
     raise ValueError(f"row is a {type(row).__name__}, not an object")
   prompt = row.get("prompt")
@@ -53,7 +54,7 @@ def load_jsonl(path: str, *, skip_bad: bool = True) -> JsonlExamples:
       if not line.strip():
         continue
       try:
-        examples.append(_check_row(json.loads(line)))
+        examples.append(check_row(json.loads(line)))
       except ValueError as error:  # json.JSONDecodeError is a ValueError too.
         if not skip_bad:
           raise ValueError(f"{path}:{line_number}: malformed task row: {error}") from None

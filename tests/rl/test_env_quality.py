@@ -1,0 +1,96 @@
+"""rl/envs/quality.py: the quality gate quarantines every planted fault and no sound task; the
+quarantine list is append-only and fed by environment failures seen in training."""
+
+import json
+import os
+
+import pytest
+
+from meshrl.rl.envs import terminal_tasks
+from meshrl.rl.envs.quality import Quarantine, judge, run_gate
+from meshrl.rl.envs.terminal import StepOutcome, load_task
+from meshrl.rl.sandbox import SandboxUnavailable, check_bwrap
+from meshrl.rl.sandbox.bwrap import Runtime
+
+try:
+  check_bwrap(Runtime.host(), uid=61000 if os.geteuid() == 0 else None)
+  HAVE_BWRAP = True
+except SandboxUnavailable:
+  HAVE_BWRAP = False
+needs_bwrap = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap cannot run here")
+
+
+def _outcome(exit_code=0, timed_out=False):
+  return StepOutcome(exit_code=None if timed_out else exit_code, signal=None, timed_out=timed_out,
+                     output=b"", truncated=False, seconds=0.0)
+
+
+def test_judge_names_each_fault(tmp_path):
+  meta, spec = terminal_tasks.make_task("create", 0)
+  terminal_tasks.write_task(str(tmp_path / "t"), meta, spec)
+  task = load_task(str(tmp_path / "t"))
+  labels = ["oracle0", "check_oracle0", "check_oracle0", "oracle1", "check_oracle1", "check_empty",
+            "check_empty"]
+  sound = [_outcome(0), _outcome(0), _outcome(0), _outcome(0), _outcome(0), _outcome(1), _outcome(1)]
+  assert judge(task, labels, sound, k=2) == []
+  def with_(i, outcome):
+    return sound[:i] + [outcome] + sound[i + 1:]
+  assert "flaky" in judge(task, labels, with_(2, _outcome(1)), k=2)[0]
+  assert "flaky" in judge(task, labels, with_(6, _outcome(0)), k=2)[0]
+  assert "1 of 2 runs" in judge(task, labels, with_(4, _outcome(1)), k=2)[0]
+  assert "oracle.sh fails itself" in judge(task, labels, with_(3, _outcome(2)), k=2)[0]
+  assert "crashed" in judge(task, labels, with_(5, _outcome(127)), k=2)[0]
+  assert "did not finish" in judge(task, labels[:1], [_outcome(timed_out=True)], k=2)[0]
+  empty_pass = sound[:5] + [_outcome(0), _outcome(0)]
+  assert judge(task, labels, empty_pass, k=2) == [
+      "check.sh passes on the empty work directory (setup only)"]
+
+
+@needs_bwrap
+def test_gate_quarantines_every_planted_fault_and_no_sound_task(tmp_path):
+  faults = terminal_tasks.write_planted_faults(str(tmp_path / "faults"))
+  sound = terminal_tasks.write_tasks(str(tmp_path / "sound"), per_family=1, seed=3)
+  assert len(set(faults.values())) >= 12
+  quarantine = Quarantine(str(tmp_path / "q.jsonl"))
+  report = run_gate([str(tmp_path / "sound"), str(tmp_path / "faults")], quarantine=quarantine)
+  fault_ids = {f"fault-{kind}" if f"fault-{kind}" in report["reasons"] else folder
+               for folder, kind in faults.items()}
+  assert set(report["quarantined"]) == fault_ids, report["reasons"]
+  assert not set(sound) & set(report["quarantined"])
+  assert report["tasks"] == len(faults) + len(sound)
+  assert quarantine.ids == frozenset(report["quarantined"])
+  assert {json.loads(line)["id"] for line in open(tmp_path / "q.jsonl")} == quarantine.ids
+  assert "empty work directory" in report["reasons"]["fault-empty_passes"]
+  assert "timeout_s=1" in report["reasons"]["fault-oracle_timeout"]
+
+
+@needs_bwrap
+@pytest.mark.slow
+def test_gate_over_all_generated_tasks(tmp_path):
+  names = terminal_tasks.write_tasks(str(tmp_path / "tasks"))
+  assert len(names) >= 60 and len({n.split("-")[0] for n in names}) == 6
+  report = run_gate([str(tmp_path / "tasks")])
+  assert report["quarantined"] == [], report["reasons"]
+
+
+@needs_bwrap
+def test_policy_flags_curriculum(tmp_path):
+  terminal_tasks.write_tasks(str(tmp_path / "t"), per_family=1, families=("create", "find"))
+  report = run_gate([str(tmp_path / "t")], k=1, repeats=2, samples=2, policy=lambda c: "<done>")
+  assert report["curriculum"] == {"create-0-000": "never_solved", "find-0-000": "never_solved"}
+
+
+def test_quarantine_file_is_append_only_and_fed_by_failures(tmp_path):
+  path = tmp_path / "q.jsonl"
+  path.write_text('{"id": "old", "reason": "qa"}\n')
+  quarantine = Quarantine(str(path), threshold=2)
+  assert "old" in quarantine and quarantine.add("new", "broken")
+  assert not quarantine.add("new", "again")
+  assert not quarantine.record_failure({"task_id": "t1"}, "sandbox timeout")
+  assert quarantine.record_failure({"task_id": "t1"}, "checker crashed")
+  assert "t1" in quarantine and "checker crashed" in quarantine.reasons["t1"]
+  assert [json.loads(l)["id"] for l in path.read_text().splitlines()] == ["old", "new", "t1"]
+  assert Quarantine(str(path)).ids == {"old", "new", "t1"}
+  path.write_text("not json\n")
+  with pytest.raises(ValueError, match="q.jsonl:1"):
+    Quarantine(str(path))
