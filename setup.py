@@ -51,7 +51,8 @@ setuptools.setup(
     extras_require={
         # pytest-xdist: the suite runs on 2 worker processes (most tests are single-threaded XLA
         # compiles, so 2 processes use the 2 cores a CI machine has).
-        "test": ["pytest>=8.0", "pytest-xdist>=3.5"],
+        # nbclient + ipykernel: .ci/run executes notebooks/quickstart.ipynb top to bottom.
+        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "nbclient>=0.10", "ipykernel>=6.29"],
         "tpu": ["jax[tpu]>=0.10.2"],
         "hf": ["transformers>=4.57", "safetensors>=0.4", "tokenizers>=0.21", "torch==2.13.0"],
     },

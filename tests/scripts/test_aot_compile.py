@@ -1,0 +1,161 @@
+"""scripts/aot_compile.py and rl/aot.py: the real RL programs compile for TPU topologies through
+libtpu (compile only, on this CPU), with per-chip figures read from the compiled program, and bad
+input fails with the numbers. Skipped where libtpu (the `tpu` extra) is not installed."""
+
+import json
+import os
+
+import pytest
+
+from meshrl import configs
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL = ["rl.prompts_per_step=4", "rl.group_size=2", "rl.num_minibatches=1", "rl.max_prompt_len=8",
+         "rl.max_new_tokens=8", "rl.sft_batch_size=4", "data.seq_len=16", "model.max_seq_len=16"]
+
+
+def _small(*overrides):
+  return configs.load("configs/tiny.py", SMALL + list(overrides))
+
+
+@pytest.fixture(scope="module")
+def aot():
+  pytest.importorskip("libtpu", reason="compiling for TPU topologies needs libtpu (the tpu extra)")
+  from meshrl.rl import aot as module  # pylint: disable=import-outside-toplevel
+  return module
+
+
+def _shard_bytes(tree):
+  """Bytes per chip of a pytree of ShapeDtypeStructs with shardings (the first device's shard)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import math  # pylint: disable=import-outside-toplevel
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.slow  # about 35 s on a quiet 2-core machine
+def test_update_compiles_for_v5e_2x2_expert_parallel(aot):
+  """The RL update on fsdp=2 x expert=2 of a v5e 2x2: the figures come from the compiled program."""
+  cfg = _small("mesh.fsdp=2", "mesh.expert=2")
+  devices = aot.topology_devices("v5e:2x2")
+  assert len(devices) == 4 and devices[0].platform == "tpu"
+  mesh = aot.topology_mesh(cfg, devices)
+  report = aot.compile_step("update", cfg, mesh, "v5e:2x2")
+  assert report.chips == 4 and report.mesh["expert"] == 2
+  assert report.hbm_per_chip == int(15.75 * 2 ** 30)  # v5e: 16 GiB chips, 15.75 GiB usable
+  assert report.fits is True and not report.diagnosis
+  per_chip = report.per_chip
+  assert per_chip["total"] == (per_chip["argument"] + per_chip["output"] + per_chip["temp"]
+                               + per_chip["code"] - per_chip["alias"])
+  # The compiled program's arguments are the state's and batch's shards (plus TPU tile padding, 18%
+  # for tiny's narrow arrays on fsdp=4): an input compiled replicated would overshoot.
+  program = aot.update_program(cfg, mesh)
+  sharded = _shard_bytes(program.args)
+  import jax  # pylint: disable=import-outside-toplevel
+  whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.args))
+  assert sharded <= per_chip["argument"] <= 1.3 * sharded < 0.6 * whole
+  assert report.flops > 0 and report.model_flops > 0
+  assert report.projected_step_s == pytest.approx(
+      report.model_flops / (4 * 197e12 * aot.ASSUMED_MFU))
+  assert report.collective_bytes.get("all-to-all", 0) > 0  # tokens travel to their experts
+  assert report.collective_bytes.get("all-reduce", 0) + report.collective_bytes.get("reduce-scatter", 0) > 0
+
+
+def test_decode_compiles_for_v5p_2x2x1_ring_and_experts(aot):
+  """One decode step, the KV cache on the `sequence` axis and the experts on `expert` (v5p 2x2x1)."""
+  cfg = _small("mesh.expert=2", "mesh.sequence=2", "attention.impl=ring")
+  report = aot.compile_steps(cfg, "v5p:2x2x1", ["decode"])[0]
+  assert report.step == "decode" and report.chips == 4 and report.mesh["sequence"] == 2
+  assert report.hbm_per_chip > 90 * 2 ** 30  # v5p: 95 GiB chips
+  assert report.fits is True and report.per_chip["total"] > 0
+  assert report.tokens == 4 * 2  # one token per row
+  assert report.per_chip["alias"] > 0  # the cache is donated and written in place
+  assert report.collective_bytes.get("all-to-all", 0) > 0  # expert parallelism moved the tokens
+
+
+def test_prefill_compiles_for_v5e_2x2(aot):
+  cfg = _small("mesh.fsdp=2", "mesh.expert=2")
+  report = aot.compile_steps(cfg, "v5e:2x2", ["prefill"])[0]
+  assert report.hbm_per_chip == int(15.75 * 2 ** 30)  # v5e: 16 GiB chips, 15.75 GiB usable
+  assert report.fits is True and report.tokens == 4 * 8 and report.flops > 0
+
+
+def test_measure_names_the_bytes_of_a_program_that_does_not_fit(aot):
+  """libtpu's out-of-memory becomes fits=False with the bytes required and available, not a crash."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+  mesh = aot.topology_mesh(_small("mesh.fsdp=4"), aot.topology_devices("v5e:2x2"))
+  big = jax.ShapeDtypeStruct((2 ** 33 // 4,), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+  program = aot.Program(jax.jit(lambda x: (jnp.sin(x), jnp.cos(x), jnp.exp(x))), (big,), 1, 1.0)
+  report = aot.measure("toy", program, mesh, "v5e:2x2")
+  assert report.fits is False and report.per_chip == {}
+  assert "step 'toy' does not fit" in report.diagnosis
+  assert "exceeds available HBM (15.75G)" in report.diagnosis and "8.00 GiB" in report.diagnosis
+
+
+@pytest.mark.slow
+def test_sft_compiles_for_v5e_2x2(aot):
+  report = aot.compile_steps(_small("mesh.fsdp=4"), "v5e:2x2", ["sft"])[0]
+  assert report.fits is True and report.flops > 0
+
+
+def test_bad_topology_and_mesh_name_the_numbers(aot):
+  with pytest.raises(ValueError, match=r"'v5x:2x2' is not a TPU topology"):
+    aot.topology_devices("v5x:2x2")
+  with pytest.raises(ValueError, match=r"v5p:3x3x3"):
+    aot.topology_devices("v5p:3x3x3")
+  devices = aot.topology_devices("v5e:2x2")
+  with pytest.raises(ValueError, match=r"topology's 4 chips.*multiply to 6"):
+    aot.topology_mesh(_small("mesh.fsdp=3", "mesh.expert=2"), devices)
+  with pytest.raises(ValueError, match=r"unknown step\(s\) \['train'\]"):
+    aot.compile_steps(_small(), "v5e:2x2", ["train"])
+
+
+def test_collective_bytes_and_largest_buffers_read_hlo(aot):
+  hlo = "\n".join([
+      "  %all-gather.1 = bf16[8,128]{1,0} all-gather(bf16[2,128]{1,0} %p), dimensions={0}",
+      "  %ags = (f32[4]{0}, f32[16]{0}) all-gather-start(f32[4]{0} %q), dimensions={0}",
+      "  %agd = f32[16]{0} all-gather-done((f32[4]{0}, f32[16]{0}) %ags)",
+      "  %cps = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(f32[8]{0} %k)",
+      "  %cpd = f32[8]{0} collective-permute-done((f32[8]{0}, f32[8]{0}, u32[], u32[]) %cps)",
+      "  %a2a = (f32[2,3]{1,0}, f32[2,3]{1,0}) all-to-all(f32[2,3]{1,0} %x, f32[2,3]{1,0} %y)",
+      "  ROOT %big = f32[1024,1024]{1,0} add(f32[1024,1024]{1,0} %u, f32[1024,1024]{1,0} %v)"])
+  assert aot.collective_bytes(hlo) == {"all-gather": 8 * 128 * 2 + 16 * 4, "all-to-all": 2 * 24,
+                                       "collective-permute": 8 * 4}
+  assert aot.largest_buffers(hlo, 1) == ["big f32[1024,1024] 0.00 GiB"]
+
+
+def _script(*args):
+  """Runs scripts/aot_compile.py's main in this process -> its exit status."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location("aot_compile_script", os.path.join(REPO, "scripts",
+                                                                                   "aot_compile.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.main(list(args))
+
+
+@pytest.mark.slow
+def test_script_exits_1_naming_a_step_that_does_not_fit(aot, tmp_path, capsys):
+  """A decode step whose 1024 x 131072-slot cache (34 GB per chip) cannot fit a 16 GiB chip: exit 1,
+  the step and the bytes named, the JSON written."""
+  out = tmp_path / "aot.json"
+  status = _script("--config=configs/tiny.py", "--config.mesh.fsdp=4", "--config.rl.prompts_per_step=128",
+                   "--config.rl.max_prompt_len=131064", "--config.model.max_seq_len=131072",
+                   "--topology=v5e:2x2", "--step=decode", f"--json={out}")
+  err = capsys.readouterr().err
+  assert status == 1, err[-2000:]
+  assert "step 'decode'" in err and "does not fit" in err and "15.75" in err
+  report = json.loads(out.read_text())[0]
+  assert report["step"] == "decode" and report["fits"] is False and report["diagnosis"]
+
+
+def test_script_rejects_unknown_topology_mismatched_mesh_and_step(aot, capsys):
+  """Exit 2 with the numbers, before anything compiles."""
+  assert _script("--config=configs/tiny.py", "--topology=v5e:3x3x3x3", "--step=update") == 2
+  assert "not a TPU topology" in capsys.readouterr().err
+  assert _script("--config=configs/tiny.py", "--config.mesh.fsdp=8", "--topology=v5e:2x2") == 2
+  err = capsys.readouterr().err
+  assert "4 chips" in err and "fsdp=8" in err
+  assert _script("--config=configs/tiny.py", "--topology=v5e:2x2", "--step=update,rollout") == 2
+  assert "['rollout']" in capsys.readouterr().err
