@@ -60,9 +60,17 @@ def _shift(tree, ring: _Ring):
   return jax.tree.map(lambda x: lax.ppermute(x, ring.axis, perm), tree)
 
 
-def _attention_fwd(q, k, v, q_ids, kv_ids, blocking: bw.Blocking, ring: _Ring | None):
-  """Forward pass; returns (out [B, T, N, J] in q's dtype, lse [B, K, G, T] float32)."""
-  queries, keys = bw.Queries(q, *q_ids), bw.Keys(k, v, *kv_ids)
+def _prepare(q, k, v, q_ids, kv_ids, blocking: bw.Blocking):
+  """The kernel's layouts (model/blockwise.py): scaled query rows, head-major keys and values."""
+  kv_heads = k.shape[2]
+  groups = q.shape[2] // kv_heads
+  queries = bw.Queries(bw.to_rows(q * jnp.asarray(blocking.scale, q.dtype), kv_heads),
+                       *(bw.row_ids(ids, groups) for ids in q_ids))
+  return queries, bw.Keys(bw.heads_major(k), bw.heads_major(v), *kv_ids)
+
+
+def _attention_fwd(queries: bw.Queries, keys: bw.Keys, blocking: bw.Blocking, ring: _Ring | None):
+  """Forward pass; returns (out [B, K, R, J] float32, lse [B, K, R] float32)."""
   stats = bw.init_stats(queries, keys)
   if ring is not None and ring.size > 1:
     def step(carry, _):
@@ -73,8 +81,7 @@ def _attention_fwd(q, k, v, q_ids, kv_ids, blocking: bw.Blocking, ring: _Ring | 
 
     (stats, keys), _ = lax.scan(step, (stats, keys), length=ring.size - 1)
   stats = bw.forward_sweep(queries, keys, stats, blocking)  # the last shard: nothing left to send
-  out, lse = bw.finalize(stats)  # [B, T, K, G, J], [B, K, G, T]
-  return out.reshape(q.shape[:3] + v.shape[-1:]).astype(q.dtype), lse
+  return bw.finalize(stats)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -84,43 +91,49 @@ def _attention(q, k, v, q_ids, kv_ids, blocking, ring):
 
   With `ring`, runs inside shard_map on per-device shards and rings the keys over `ring.axis`.
   """
-  return _attention_fwd(q, k, v, q_ids, kv_ids, blocking, ring)[0]
+  return _attention_vjp_fwd(q, k, v, q_ids, kv_ids, blocking, ring)[0]
 
 
 def _attention_vjp_fwd(q, k, v, q_ids, kv_ids, blocking, ring):
-  out, lse = _attention_fwd(q, k, v, q_ids, kv_ids, blocking, ring)
-  return out, (q, k, v, q_ids, kv_ids, out, lse)
+  queries, keys = _prepare(q, k, v, q_ids, kv_ids, blocking)
+  out, lse = _attention_fwd(queries, keys, blocking, ring)
+  out = bw.from_rows(out, q.shape[1]).astype(q.dtype)  # [B, T, N, J]
+  return out, (queries, keys, out, lse)
 
 
 def _attention_vjp_bwd(blocking, ring, residuals, d_out):
-  q, k, v, q_ids, kv_ids, out, lse = residuals
-  kv_heads = k.shape[2]
-  queries, keys = bw.Queries(q, *q_ids), bw.Keys(k, v, *kv_ids)
+  queries, keys, out, lse = residuals
+  b, t, n, _ = out.shape
+  kv_heads = keys.k.shape[1]
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, N]
-  delta = jnp.moveaxis(delta.reshape(delta.shape[:2] + (kv_heads, -1)), 1, 3)  # [B, K, G, T]
-  dq = bw.match_vma(jnp.zeros(q.shape, jnp.float32), q)
-  sweep = functools.partial(bw.backward_sweep, queries, d_out=d_out, lse=lse,
-                            delta=delta, blocking=blocking)
+  delta = jnp.swapaxes(delta.reshape(b, t, kv_heads, n // kv_heads), 1, 2).reshape(lse.shape)
+  dq_t = bw.match_vma(jnp.zeros(queries.q.shape[:2] + queries.q.shape[3:] + queries.q.shape[2:3],
+                                jnp.float32), queries.q)  # [B, K, H, R]
+  sweep = functools.partial(bw.backward_sweep, queries, d_out=bw.to_rows(d_out, kv_heads),
+                            lse=lse, delta=delta, blocking=blocking)
   if ring is None or ring.size == 1:
-    dq, dk, dv = sweep(keys, dq=dq)
+    dq_t, dk, dv = sweep(keys, dq_t=dq_t)
   else:
     # Step 0 on the home shard; then each step sends the keys on and the gradients of the shard
     # seen last step ("pending") to the device that now holds that shard, both before computing.
     with jax.named_scope("ring_send_kv"):
       next_keys = _shift(keys, ring)
-    dq, dk, dv = sweep(keys, dq=dq)
+    dq_t, dk, dv = sweep(keys, dq_t=dq_t)
 
     def step(carry, _):
-      keys, dq, pending = carry
+      keys, dq_t, pending = carry
       with jax.named_scope("ring_send_kv_grads"):
         next_keys, arrived = _shift(keys, ring), _shift(pending, ring)
-      dq, dk, dv = sweep(keys, dq=dq)
-      return (next_keys, dq, (arrived[0] + dk, arrived[1] + dv)), None
+      dq_t, dk, dv = sweep(keys, dq_t=dq_t)
+      return (next_keys, dq_t, (arrived[0] + dk, arrived[1] + dv)), None
 
-    (_, dq, pending), _ = lax.scan(step, (next_keys, dq, (dk, dv)), length=ring.size - 1)
+    (_, dq_t, pending), _ = lax.scan(step, (next_keys, dq_t, (dk, dv)), length=ring.size - 1)
     with jax.named_scope("ring_send_kv_grads"):
       dk, dv = _shift(pending, ring)  # the last shard's gradients go home
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+  dq = bw.from_rows(jnp.swapaxes(dq_t, 2, 3) * blocking.scale, t)  # [B, T, N, H]
+  dtype = queries.q.dtype
+  return (dq.astype(dtype), bw.heads_major(dk).astype(keys.k.dtype),
+          bw.heads_major(dv).astype(keys.v.dtype), None, None)
 
 
 _attention.defvjp(_attention_vjp_fwd, _attention_vjp_bwd)
@@ -139,6 +152,11 @@ def _pad(x, length, axis, value):
   return jnp.pad(x, widths, constant_values=value)
 
 
+# Blocks of at least this many (query row, key) pairs are computed one (batch row, kv head) stream
+# at a time (model/blockwise.py `Blocking.per_stream`); smaller ones (decode) all streams at once.
+_PER_STREAM_MIN_BLOCK = 128 * 128
+
+
 def _padded_inputs(q, k, v, ids, *, causal, segments, scale, block_q, block_kv):
   """Pads T and S up to whole blocks; returns (q, k, v, q_ids, kv_ids, Blocking).
 
@@ -153,7 +171,10 @@ def _padded_inputs(q, k, v, ids, *, causal, segments, scale, block_q, block_kv):
   k, v = _pad(k, s_pad, 1, 0), _pad(v, s_pad, 1, 0)
   q_ids = (_pad(q_pos, t_pad, 1, bw.PAD_Q_POSITION), _pad(q_seg, t_pad, 1, bw.PAD_Q_SEGMENT))
   kv_ids = (_pad(kv_pos, s_pad, 1, bw.PAD_KV_POSITION), _pad(kv_seg, s_pad, 1, bw.PAD_KV_SEGMENT))
-  return q, k, v, q_ids, kv_ids, bw.Blocking(causal, segments, scale, bq, bk)
+  rows = bq * (q.shape[2] // k.shape[2])  # query rows per block: tokens x heads per kv head
+  per_stream = rows * bk >= _PER_STREAM_MIN_BLOCK
+  return q, k, v, q_ids, kv_ids, bw.Blocking(causal, segments, scale, rows, bk,
+                                             per_stream=per_stream)
 
 
 def _local_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, causal, segments, scale,
@@ -383,11 +404,16 @@ def _decode_local(q_, k_, v_, q_pos_, kv_pos_, q_seg_, kv_seg_, *, causal, segme
   q_, k_, v_, q_ids_, kv_ids_, blocking = _padded_inputs(
       q_, k_, v_, (q_pos_, q_seg_, kv_pos_, kv_seg_), causal=causal, segments=segments,
       scale=scale, block_q=q_.shape[1], block_kv=block_kv)
-  queries_ = bw.Queries(q_, *q_ids_)
+  kv_heads = k_.shape[2]
+  groups = q_.shape[2] // kv_heads
+  blocking = dataclasses.replace(blocking, kv_token_major=True)  # the cache is never transposed
+  queries_ = bw.Queries(bw.to_rows(q_ * jnp.asarray(scale, q_.dtype), kv_heads),
+                        *(bw.row_ids(ids, groups) for ids in q_ids_))
   keys_ = bw.Keys(k_, v_, *kv_ids_)
   stats_ = bw.forward_sweep(queries_, keys_, bw.init_stats(queries_, keys_), blocking)
-  out_, lse_ = bw.finalize(stats_)  # [B, T, K, G, J], [B, K, G, T]
-  lse_ = jnp.moveaxis(lse_, 3, 1)  # [B, T, K, G]
+  out_, lse_ = bw.finalize(stats_)  # [B, K, R, J], [B, K, R]
+  out_ = bw.from_rows(out_, q_.shape[1])  # [B, T, N, J]
+  lse_ = bw.from_rows(lse_[..., None], q_.shape[1])[..., 0]  # [B, T, N]
   if axis is not None:
     with jax.named_scope("merge_partials"):
       top = lax.pmax(lse_, axis)
@@ -395,7 +421,7 @@ def _decode_local(q_, k_, v_, q_pos_, kv_pos_, q_seg_, kv_seg_, *, causal, segme
       summed = lax.psum(jnp.concatenate([out_ * weight_[..., None], weight_[..., None]], -1), axis)
       total = summed[..., -1:]
       out_ = summed[..., :-1] / jnp.where(total > 0, total, 1.0)
-  return out_.reshape(q_.shape[:3] + v_.shape[-1:]).astype(q_.dtype)
+  return out_.astype(q_.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,13 @@ Sections of the JSON (also printed as tables):
                --blocks (block_q = block_kv; 512 is the default). seconds = best of --repeats runs
                after a warm-up; peak_bytes = argument + output + temp - aliased bytes of the compiled
                program (the four 16 MiB inputs and outputs at 8192 are in both).
+  ring_speed   {impl, seq_len, devices, block, seconds, peak_bytes, temp_bytes}: causal ring attention
+               forward+backward on --ring-devices simulated CPU devices, B=1, 8 heads, head_dim 64,
+               fp32, blocks of --ring-block: meshrl's ring on the zigzag layout ("meshrl") side by
+               side with the Ring Attention authors' package (`pip install ringattention==0.1.2
+               einops`; its pure-JAX `ring_attention`, contiguous layout, chunks of the same size,
+               `float32_logits`, `nothing_saveable` remat as LWM runs it): "ringattention". Each
+               in a fresh process; peak_bytes per device.
   ring_memory  {devices, tokens_per_device, temp_bytes}: ring attention forward+backward compiled for
                2, 4, 8 simulated CPU devices at a fixed number of tokens per device.
   balance      {contiguous, zigzag}: max/min over 8 devices of the unmasked causal (q, k) pairs.
@@ -17,11 +24,13 @@ Sections of the JSON (also printed as tables):
                SwiGLU MLP + chunked loss, forward+backward) compiled with libtpu for a v5p topology,
                the 1M-token sequence on the ring. Needs libtpu (compile only, no TPU).
 
-Targets: blockwise >= 5x faster and >= 50x less peak memory than reference at 8192; ring temp flat
+Targets: blockwise >= 5x faster and >= 50x less peak memory than reference at 8192; ring at 16384
+tokens on 8 devices in <= 0.5x the package's time at no more memory; ring temp flat
 within 5%; zigzag balance 1.00; the 1M-token block fits a v5p chip with >= 10% HBM to spare.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -43,7 +52,7 @@ from meshrl.sharding import make_mesh  # noqa: E402
 from meshrl.train.chunked_loss import chunked_cross_entropy  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
-SECTIONS = ("speed", "ring_memory", "balance", "tpu_1m")
+SECTIONS = ("speed", "ring_speed", "ring_memory", "balance", "tpu_1m")
 
 
 def _peak_bytes(compiled):
@@ -101,6 +110,97 @@ def bench_speed(seq_lens, repeats, blocks):
       row = json.loads(result.stdout.strip().splitlines()[-1])
       print(f"  speed {impl:9s} block {block!s:>7} {seq_len:6d}: {row['seconds']:7.2f} s, "
             f"peak {row['peak_bytes'] / 2**20:8.1f} MiB", flush=True)
+      rows.append(row)
+  return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Ring speed, side by side with the Ring Attention authors' package.
+
+
+def _authors_ring_attention():
+  """The package's pure-JAX `ring_attention`, or None when it is not installed.
+
+  Its `__init__` reads `jax.lib.xla_bridge`, gone from current JAX, so the module file is loaded
+  directly (nothing of it is copied here).
+  """
+  spec = importlib.util.find_spec("ringattention")
+  if spec is None or not spec.submodule_search_locations:
+    return None
+  path = os.path.join(spec.submodule_search_locations[0], "ringattention_jax.py")
+  module_spec = importlib.util.spec_from_file_location("ringattention_jax", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.ring_attention
+
+
+class _HashableKwargs(dict):
+  """The package passes its block settings as a dict through a custom_vjp's nondiff argnums."""
+
+  def __hash__(self):
+    return hash(tuple(sorted((k, repr(v)) for k, v in self.items())))
+
+
+def _ring_fn(impl, mesh, seq_len, block):
+  """(q, k, v) -> out over the mesh's `sequence` axis, and the layout's positions."""
+  devices = mesh.shape["sequence"]
+  if impl == "meshrl":
+    positions = ra.zigzag(np.arange(seq_len, dtype=np.int32)[None], devices)
+    return lambda q, k, v: ra.attend(q, k, v, impl="ring", mesh=mesh, q_positions=positions,
+                                     kv_positions=positions, block_q=block, block_kv=block)
+  ring_attention = _authors_ring_attention()
+  if ring_attention is None:
+    raise RuntimeError("the ringattention package is not installed")
+  settings = _HashableKwargs(
+      causal_block_size=1, query_chunk_size=block, key_chunk_size=block, deterministic=True,
+      dropout_rng=None, attn_pdrop=0.0, dtype=jnp.float32,
+      policy=jax.checkpoint_policies.nothing_saveable, precision=None, prevent_cse=True)
+  # (q, k, v, attn_bias, segment_ids, cache_idx, axis_name, float32_logits, blockwise_kwargs)
+  local = lambda q, k, v: ring_attention(q, k, v, None, None, None, "sequence", True, settings)
+  spec = P(None, "sequence", None, None)
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+
+
+def ring_speed_case(impl, seq_len, devices, block, repeats):
+  """Times one ring configuration in this process; returns its row."""
+  mesh = make_mesh(dict(data=1, fsdp=1, expert=1, sequence=devices, tensor=1),
+                   devices=jax.devices()[:devices])
+  sharding = NamedSharding(mesh, P(None, "sequence"))
+  keys = jax.random.split(jax.random.key(0), 4)
+  args = [jax.device_put(jax.random.normal(key, (1, seq_len, HEADS, HEAD_DIM)), sharding)
+          for key in keys]
+  compiled = _fwd_bwd(_ring_fn(impl, mesh, seq_len, block)).lower(*args).compile()
+  jax.block_until_ready(compiled(*args))  # warm-up
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - start)
+  return dict(impl=impl, seq_len=seq_len, devices=devices, block=block, seconds=min(times),
+              peak_bytes=_peak_bytes(compiled),
+              temp_bytes=compiled.memory_analysis().temp_size_in_bytes)
+
+
+def bench_ring_speed(seq_lens, devices, block, repeats):
+  """meshrl and the package, each in a fresh process, alternating per sequence length."""
+  rows = []
+  have_package = importlib.util.find_spec("ringattention") is not None
+  for seq_len in seq_lens:
+    for impl in ("meshrl", "ringattention"):
+      if impl == "ringattention" and not have_package:
+        rows.append(dict(impl=impl, seq_len=seq_len, error="not installed: pip install "
+                         "ringattention==0.1.2 einops"))
+        continue
+      result = subprocess.run(
+          [sys.executable, os.path.abspath(__file__), "--json", os.devnull, "--ring-case",
+           f"{impl},{seq_len},{devices},{block},{repeats}"], capture_output=True, text=True,
+          check=False)
+      if result.returncode:
+        raise RuntimeError(f"ring case {impl} {seq_len} failed ({result.returncode}):\n"
+                           f"{result.stderr[-2000:]}")
+      row = json.loads(result.stdout.strip().splitlines()[-1])
+      print(f"  ring_speed {impl:13s} {seq_len:6d} tokens on {devices}: {row['seconds']:7.2f} s, "
+            f"peak {row['peak_bytes'] / 2**20:7.1f} MiB", flush=True)
       rows.append(row)
   return rows
 
@@ -292,6 +392,24 @@ def _print_report(report):
             f"{r['seconds'] / blk['seconds']:6.1f}x {mib(r['peak_bytes'])} {mib(blk['peak_bytes'])} "
             f"{r['peak_bytes'] / blk['peak_bytes']:9.1f}x {mib(r['temp_bytes'])} "
             f"{mib(blk['temp_bytes'])} {r['temp_bytes'] / blk['temp_bytes']:9.1f}x")
+  if "ring_speed" in report:
+    rows = report["ring_speed"]
+    print("\nring_speed: causal fwd+bwd, B=1, 8 heads, head_dim 64, fp32, simulated CPU devices; "
+          "peak per device")
+    print(f"{'seq_len':>7} {'devices':>7} {'block':>5} {'meshrl s':>9} {'package s':>9} "
+          f"{'time ratio':>10} {'meshrl peak':>13} {'package peak':>13}")
+    for ours in (r for r in rows if r["impl"] == "meshrl"):
+      theirs = next((r for r in rows if r["impl"] == "ringattention"
+                     and r["seq_len"] == ours["seq_len"]), {})
+      if "seconds" in theirs:
+        print(f"{ours['seq_len']:7d} {ours['devices']:7d} {ours['block']:5d} "
+              f"{ours['seconds']:9.2f} {theirs['seconds']:9.2f} "
+              f"{ours['seconds'] / theirs['seconds']:10.2f} {mib(ours['peak_bytes'])} "
+              f"{mib(theirs['peak_bytes'])}")
+      else:
+        print(f"{ours['seq_len']:7d} {ours['devices']:7d} {ours['block']:5d} "
+              f"{ours['seconds']:9.2f} {'-':>9} {'-':>10} {mib(ours['peak_bytes'])} "
+              f"package: {theirs.get('error', 'missing')}")
   if "ring_memory" in report:
     rows = report["ring_memory"]
     print(f"\nring_memory: fwd+bwd temp per device at {rows[0]['tokens_per_device']} tokens/device")
@@ -322,6 +440,10 @@ def main(argv=None):
   parser.add_argument("--blocks", default="512x256,512",
                       help="blockwise block sizes to time: Q or QxKV (query rows x key rows)")
   parser.add_argument("--speed-case", default="", help=argparse.SUPPRESS)  # impl,block,len,repeats
+  parser.add_argument("--ring-case", default="", help=argparse.SUPPRESS)  # impl,len,dev,block,rep
+  parser.add_argument("--ring-seq-lens", default="16384")
+  parser.add_argument("--ring-devices", type=int, default=8)
+  parser.add_argument("--ring-block", type=int, default=512)
   parser.add_argument("--ring-tokens-per-device", type=int, default=4096)
   parser.add_argument("--tpu-topology", default="v5p:4x4x4")
   parser.add_argument("--tpu-seq-len", type=int, default=1 << 20)
@@ -330,6 +452,10 @@ def main(argv=None):
   if args.speed_case:  # a child process of bench_speed
     impl, block, seq_len, repeats = args.speed_case.split(",")
     print(json.dumps(speed_case(impl, block, int(seq_len), int(repeats))))
+    return
+  if args.ring_case:  # a child process of bench_ring_speed
+    impl, seq_len, devices, block, repeats = args.ring_case.split(",")
+    print(json.dumps(ring_speed_case(impl, int(seq_len), int(devices), int(block), int(repeats))))
     return
   sections = [s for s in args.only.split(",") if s]
   unknown = set(sections) - set(SECTIONS)
@@ -340,6 +466,9 @@ def main(argv=None):
   if "speed" in sections:
     report["speed"] = bench_speed([int(s) for s in args.seq_lens.split(",")], args.repeats,
                                   [b for b in args.blocks.split(",") if b])
+  if "ring_speed" in sections:
+    report["ring_speed"] = bench_ring_speed([int(s) for s in args.ring_seq_lens.split(",")],
+                                            args.ring_devices, args.ring_block, args.repeats)
   if "balance" in sections:
     report["balance"] = bench_balance()
   if "ring_memory" in sections:
