@@ -1,14 +1,22 @@
-"""Checkpoints with orbax: the train state, the data iterator's state and the resolved config.
+"""Checkpoints with orbax: the train state, the data iterator's state, the resolved config and any
+extra run state (carried rollouts, a quarantine list).
 
   ckpt = Checkpointer(f"{workdir}/checkpoints", every=50, max_to_keep=2, async_save=True)
   restored = ckpt.restore(state)          # None on a fresh work directory
   ...
   if ckpt.should_save(step):
-    ckpt.save(step, state, data_state=data_iter.get_state(), config=cfg)
+    ckpt.save(step, state, data_state=data_iter.get_state(), config=cfg, extra_state={...})
   ckpt.close()                            # waits for the last background write
 
+  params = load_params("runs/tiny/checkpoints")   # the weights alone, onto one CPU device, no mesh
+
 Layout of one checkpoint `checkpoints/<step>/`: `state/` (orbax PyTree, OCDBT), `data/` (JSON: the
-data iterator's state) and `config/` (JSON: the resolved config).
+data iterator's state), `config/` (JSON: the resolved config) and `extra/` (JSON: `extra_state`;
+absent in checkpoints written before it existed).
+
+Bad input is a `CheckpointError` (a ValueError) naming the folder: a step folder without its parts
+(a partial copy), arrays whose shapes differ from the run's (another model), files orbax cannot
+read. Restoring only reads; nothing saved is changed by a failed restore.
 
 Restore takes a *target*: a state (or its `abstract_state`) built on the current mesh. Every array is
 read straight into the target's sharding, so a run saved on `fsdp=8` resumes on `fsdp=2, tensor=4`
@@ -19,16 +27,22 @@ and renames it (on GCS: writes a commit marker) only when every file is down. A 
 leaves the previous checkpoint untouched and the half-written one invisible to `restore`; with
 `async_save` the device-to-host copy still happens inside `save`, so the caller may donate or
 overwrite the state as soon as `save` returns. `max_to_keep` deletes old checkpoints only after the
-new one is committed.
+new one is committed (a kill during that deletion can leave an older step folder half-deleted, without
+its `_CHECKPOINT_METADATA`: never the latest, so never restored, and removed by a later save).
+tests/train/test_checkpoint.py kills a process (SIGKILL) during an async save
+and scripts/resume_check.py kills whole runs, many times, during saves and between them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import SingleDeviceSharding
 
 from meshrl.train.state import abstract_state
 
@@ -38,6 +52,95 @@ class Restored(NamedTuple):
   state: Any  # the state, laid out like the target (shardings of the current mesh)
   data_state: dict  # what `save` got as data_state ({} if none)
   config: dict  # the resolved config saved with it ({} if none)
+  extra_state: dict  # what `save` got as extra_state ({} if none)
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that cannot be restored here; the message names its folder and what is wrong."""
+
+
+_ITEMS = ("state", "data", "config")  # the parts every checkpoint has; "extra" is optional
+
+
+def committed_steps(folder: str) -> list[int]:
+  """The committed steps in `folder`: orbax names a step's folder by its number once the step is
+  finalized (an unfinished save is a `<step>.orbax-checkpoint-tmp-*` folder, never listed)."""
+  if not os.path.isdir(folder):
+    return []
+  return sorted(int(name) for name in os.listdir(folder) if name.isdigit()
+                and os.path.isdir(os.path.join(folder, name)))
+
+
+def check_complete(step_dir: str) -> None:
+  """CheckpointError unless `step_dir` holds every part of a checkpoint (state/, data/, config/)."""
+  if not os.path.isdir(step_dir):
+    raise CheckpointError(f"checkpoint {step_dir} does not exist.")
+  missing = [name for name in _ITEMS if not os.path.isdir(os.path.join(step_dir, name))]
+  if missing:
+    raise CheckpointError(f"checkpoint {step_dir} is incomplete (a partial copy?): it has no "
+                          f"{', '.join(m + '/' for m in missing)}; restore another step or delete it.")
+
+
+def saved_shapes(state_dir: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+  """{"params/embed/embedding": (shape, dtype), ...} of the arrays saved in `state_dir` (metadata
+  only, no array is read)."""
+  try:
+    meta = ocp.PyTreeCheckpointer().metadata(state_dir)
+  except Exception as e:  # pylint: disable=broad-except  (orbax raises many kinds)
+    raise CheckpointError(f"checkpoint {state_dir} cannot be read: {type(e).__name__}: {e}") from None
+  tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
+  if tree is None:
+    raise CheckpointError(f"checkpoint {state_dir} cannot be read: it has no array metadata (damaged, "
+                          "or a partial copy?).")
+  leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
+  return {"/".join(_key_name(k) for k in path): (tuple(leaf.shape), np.dtype(leaf.dtype))
+          for path, leaf in leaves}
+
+
+def _shape_errors(saved: dict, wanted: dict) -> list[str]:
+  """Readable differences between two {path: (shape, dtype)} maps (`wanted`: this run's)."""
+  order = sorted(wanted, key=lambda path: (not path.startswith("params/"), path))  # weights first
+  errors = [f"{path}: saved {saved[path][0]}, this run {wanted[path][0]}"
+            for path in order if path in saved and saved[path][0] != wanted[path][0]]
+  errors += [f"{path}: not in the checkpoint" for path in sorted(set(wanted) - set(saved))]
+  errors += [f"{path}: in the checkpoint, not in this run" for path in sorted(set(saved) - set(wanted))]
+  return errors
+
+
+def _shapes_of(nested: dict) -> dict:
+  return {"/".join(_key_name(k) for k in path): (tuple(leaf.shape), np.dtype(leaf.dtype))
+          for path, leaf in jax.tree_util.tree_leaves_with_path(nested)}
+
+
+def _architecture_diff(saved: dict, config: dict) -> list[str]:
+  """model.* / moe.* fields whose saved value differs from `config`'s (for error messages)."""
+  diffs = []
+  for section in ("model", "moe"):
+    mine, theirs = config.get(section) or {}, saved.get(section) or {}
+    diffs += [f"{section}.{k}={mine[k]!r} (checkpoint: {theirs[k]!r})" for k in sorted(mine)
+              if k in theirs and theirs[k] != mine[k]]
+  return diffs
+
+
+def _read_json(path: str) -> dict:
+  """A JSON item saved by orbax's JsonSave (`<item>/metadata`), {} when absent."""
+  file = os.path.join(path, "metadata")
+  if not os.path.isfile(file):
+    return {}
+  with open(file, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _json_ready(value: Any) -> Any:
+  """numpy / jax scalars and arrays -> Python numbers and lists, recursively (JSON items)."""
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    value = np.asarray(jax.device_get(value))
+    return value.item() if value.ndim == 0 else value.tolist()
+  if isinstance(value, dict):
+    return {str(k): _json_ready(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_json_ready(v) for v in value]
+  return value
 
 
 def _key_name(key) -> str:
@@ -101,7 +204,7 @@ class Checkpointer:
         save_interval_steps=every, max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_names=("state", "data", "config"))
+                                          item_names=_ITEMS + ("extra",))
 
   def latest_step(self) -> int | None:
     """The newest committed step, or None."""
@@ -115,14 +218,16 @@ class Checkpointer:
     return self._manager.should_save(step)
 
   def save(self, step: int, state: Any, *, data_state: dict | None = None, config: Any = None,
-           force: bool = False) -> bool:
-    """Saves `state` (any pytree of jax arrays), the data iterator state and the config.
+           extra_state: dict | None = None, force: bool = False) -> bool:
+    """Saves `state` (any pytree of jax arrays), the data iterator state, the config and extra state.
 
     Args:
       step: the step number naming the checkpoint.
       state: e.g. a TrainState; arrays may be sharded over any mesh.
       data_state: JSON-serialisable iterator state (grain `get_state()`), restored as is.
       config: the resolved ConfigDict (or a dict), stored as JSON.
+      extra_state: anything else a step depends on (carried rollouts, a quarantine list): a dict of
+        JSON values; numpy / jax arrays in it are stored as (nested) lists.
       force: save even when `step` is not a multiple of `every`.
 
     Returns:
@@ -130,9 +235,33 @@ class Checkpointer:
     """
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(to_nested_dict(state)),
-        data=ocp.args.JsonSave(dict(data_state or {})),
-        config=ocp.args.JsonSave(_config_dict(config)))
+        data=ocp.args.JsonSave(_json_ready(dict(data_state or {}))),
+        config=ocp.args.JsonSave(_config_dict(config)),
+        extra=ocp.args.JsonSave(_json_ready(dict(extra_state or {}))))
     return self._manager.save(step, args=args, force=force)
+
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def check_config(self, config: Any, *, step: int | None = None) -> None:
+    """CheckpointError when checkpoint `step` (default: the latest) was saved by a run of another
+    model (a model.* / moe.* field that gives the parameters another meaning differs), or is
+    incomplete.
+    Reads two small JSON files; call it before the run writes anything."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      return
+    check_complete(self.step_dir(step))
+    saved = _read_json(os.path.join(self.step_dir(step), "config"))
+    # The fields a checkpoint may differ in (how the model computes, not what its parameters mean),
+    # as for model.init_from; train/init_from.py imports this module, hence the late import.
+    from meshrl.train.init_from import _RUN_FIELDS  # pylint: disable=import-outside-toplevel
+    diffs = [d for d in _architecture_diff(saved, _config_dict(config))
+             if d.split("=")[0] not in _RUN_FIELDS]
+    if diffs:
+      raise CheckpointError(f"checkpoint {self.step_dir(step)} was saved by a run of another model: "
+                            f"{', '.join(diffs)}. Use another workdir (or checkpoint.restore=false "
+                            "to start afresh elsewhere); nothing was changed.")
 
   def restore(self, target: Any, *, step: int | None = None) -> Restored | None:
     """Reads a checkpoint into the layout and shardings of `target`.
@@ -143,17 +272,36 @@ class Checkpointer:
       step: the step to read; None = the latest.
 
     Returns:
-      `Restored(step, state, data_state, config)`, or None when there is no checkpoint.
+      `Restored(step, state, data_state, config, extra_state)`, or None when there is no checkpoint.
+
+    Raises:
+      CheckpointError naming the step folder: parts missing, array shapes that differ from the
+      target's (with the saved config's differing model fields), or files orbax cannot read.
     """
     step = self.latest_step() if step is None else step
     if step is None:
       return None
+    step_dir = self.step_dir(step)
+    check_complete(step_dir)
     abstract = to_nested_dict(abstract_state(target))
-    args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore(),
-                              config=ocp.args.JsonRestore())
-    out = self._manager.restore(step, args=args)
+    errors = _shape_errors(saved_shapes(os.path.join(step_dir, "state")), _shapes_of(abstract))
+    if errors:
+      more = f" ... ({len(errors) - 4} more)" if len(errors) > 4 else ""
+      raise CheckpointError(f"checkpoint {step_dir} does not fit this run's state (another model?): "
+                            f"{'; '.join(errors[:4])}{more}.")
+    has_extra = os.path.isdir(os.path.join(step_dir, "extra"))
+    items = dict(state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore(),
+                 config=ocp.args.JsonRestore())
+    if has_extra:
+      items["extra"] = ocp.args.JsonRestore()
+    try:
+      out = self._manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # pylint: disable=broad-except  (orbax/tensorstore raise many kinds)
+      raise CheckpointError(f"checkpoint {step_dir} cannot be read (damaged or partial?): "
+                            f"{type(e).__name__}: {str(e)[:500]}") from e
     return Restored(step=step, state=from_nested_dict(out["state"], target),
-                    data_state=dict(out["data"] or {}), config=dict(out["config"] or {}))
+                    data_state=dict(out["data"] or {}), config=dict(out["config"] or {}),
+                    extra_state=dict((out["extra"] if has_extra else None) or {}))
 
   def wait(self) -> None:
     """Blocks until background writes are committed."""
@@ -169,3 +317,62 @@ class Checkpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def find_step_dir(path: str, step: int | None = None) -> str:
+  """The step folder `path` names: a step folder itself (holding state/), or a folder of steps
+  (`checkpoints/`) or a work directory holding one, at `step` (default: its latest)."""
+  if os.path.isdir(os.path.join(path, "state")) and step is None:
+    return path
+  for folder in (path, os.path.join(path, "checkpoints")):
+    steps = committed_steps(folder)
+    if steps:
+      if step is not None and step not in steps:
+        raise CheckpointError(f"{folder} has no checkpoint of step {step} (it has {steps}).")
+      return os.path.join(folder, str(steps[-1] if step is None else step))
+  raise CheckpointError(f"{path} holds no checkpoint (neither <step>/state nor checkpoints/<step>/).")
+
+
+def load_params(path: str, *, step: int | None = None, device: jax.Device | None = None,
+                parts: tuple[str, ...] | None = ("params",)) -> dict:
+  """The saved arrays of `parts` of a TrainState checkpoint, on one device, without the training
+  mesh (no model code or config needed): for inspection, export or a single-device evaluation.
+
+  Args:
+    path: a step folder, a `checkpoints/` folder or a work directory (`find_step_dir`).
+    step: which step of a folder of steps (default: the latest).
+    device: where the arrays land (default: the first CPU device).
+    parts: top-level parts of the saved TrainState to read: "params", "extra" (router biases, when
+      the model has any), "opt_state", "step"; None = all. Only these are read from disk.
+
+  Returns:
+    {part: nested dict of jax.Arrays}, keyed like `to_nested_dict` of the saved state (e.g.
+    out["params"]["embed"]["embedding"]: [V, D]); every array on `device`, fully addressable.
+  """
+  step_dir = find_step_dir(path, step)
+  check_complete(step_dir)
+  state_dir = os.path.join(step_dir, "state")
+  device = device or jax.local_devices(backend="cpu")[0]
+  sharding = SingleDeviceSharding(device)
+  shapes = saved_shapes(state_dir)
+  parts = tuple(sorted({k.split("/")[0] for k in shapes})) if parts is None else tuple(parts)
+  unknown = [p for p in parts if not any(k == p or k.startswith(p + "/") for k in shapes)]
+  if unknown:
+    raise CheckpointError(f"checkpoint {step_dir} has no {unknown} (it has "
+                          f"{sorted({k.split('/')[0] for k in shapes})}).")
+  target: dict = {}
+  for key, (shape, dtype) in shapes.items():
+    names = key.split("/")
+    if names[0] not in parts:
+      continue
+    node = target
+    for name in names[:-1]:
+      node = node.setdefault(name, {})
+    node[names[-1]] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  try:
+    return ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True))
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(f"checkpoint {step_dir} cannot be read (damaged or partial?): "
+                          f"{type(e).__name__}: {str(e)[:500]}") from e

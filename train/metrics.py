@@ -17,8 +17,9 @@ import json
 import math
 import numbers
 import os
+import re
 import threading
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, NamedTuple
 
 import jax
 import numpy as np
@@ -76,7 +77,7 @@ class MetricsWriter:
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, "metrics.jsonl")
     if resume_step is not None:
-      _truncate_after(self.path, resume_step)
+      truncate_jsonl(self.path, resume_step)
     self._file = open(self.path, "a", encoding="utf-8")
     self._tb = None
     if tensorboard:
@@ -119,12 +120,17 @@ class MetricsWriter:
     self.close()
 
 
-def _truncate_after(path: str, step: int) -> None:
+def truncate_jsonl(path: str, step: int) -> None:
+  """Drops the records after `step` (and a torn last line) from a JSONL file of {"step", ...}
+  records, e.g. metrics.jsonl or eval.jsonl of a run resumed from the checkpoint of `step`. The file
+  is replaced atomically, so a crash here leaves either the old or the new file."""
   if not os.path.exists(path):
     return
   kept = [line for line in read_jsonl(path) if line.get("step", 0) <= step]
-  with open(path, "w", encoding="utf-8") as f:
+  tmp = f"{path}.tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
     f.writelines(json.dumps(line) + "\n" for line in kept)
+  os.replace(tmp, path)
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -266,3 +272,118 @@ class CompileCounter:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+# --- FLOPs of compiled programs ------------------------------------------------------------------
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\([^()]*\)|[^\s(]+)\s+([\w\-]+)\((.*)$")
+_ARRAY = re.compile(r"^[a-z]+\d*\[([\d,]*)\]")
+
+
+def _dims(type_text: str) -> tuple[int, ...] | None:
+  match = _ARRAY.match(type_text)
+  if match is None:
+    return None
+  return tuple(int(d) for d in match.group(1).split(",") if d)
+
+
+class ProgramFlops(NamedTuple):
+  """Matmul FLOPs of one run of a compiled program: `fixed + per_iteration * n`, where n is the
+  trip count of its loops whose count XLA does not know (a decode loop that stops early)."""
+  fixed: float
+  per_iteration: float
+
+  def at(self, iterations: float) -> float:
+    return self.fixed + self.per_iteration * iterations
+
+
+def program_flops(hlo_text: str) -> ProgramFlops:
+  """The dot (matmul) FLOPs of an optimised HLO module (`jitted.lower(...).compile().as_text()`),
+  with every while loop's body counted as often as it runs.
+
+  XLA's `cost_analysis()` counts a loop body once, so a scan over L layers or a T-step decode
+  loop is undercounted L or T times. Here a loop with `known_trip_count` (scans, fori_loops)
+  multiplies its body; a loop without one (lax.while_loop with a data-dependent stop) is returned
+  as `per_iteration`, to be multiplied by the trip count the caller observed. A dot costs
+  2 * prod(result dims) * prod(contracted dims), a convolution (TPU HLO writes matmuls as
+  convolutions) 2 * prod(result dims) * prod(kernel dims) / output features; elementwise work is not counted (MFU counts
+  matmuls, as `model_flops_per_token` does). Nested unknown loops are counted as one level.
+  """
+  computations: dict[str, list[str]] = {}
+  params: dict[str, dict[str, tuple]] = {}
+  current = None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header is not None:
+      current = header.group(1)
+      computations[current] = []
+      params[current] = {}
+      for part in re.finditer(r"([\w.\-]+):\s*([a-z]+\d*\[[\d,]*\])", header.group(2)):
+        params[current][part.group(1)] = _dims(part.group(2))
+      continue
+    if current is not None and line.strip() == "}":
+      current = None
+      continue
+    if current is not None:
+      computations[current].append(line)
+  memo: dict[str, ProgramFlops] = {}
+
+  def cost(name: str) -> ProgramFlops:
+    if name in memo:
+      return memo[name]
+    memo[name] = ProgramFlops(0.0, 0.0)  # guards against cycles
+    shapes = dict(params.get(name, {}))
+    fixed = per_iteration = 0.0
+    for line in computations.get(name, []):
+      match = _INSTRUCTION.match(line)
+      if match is None:
+        continue
+      result, type_text, opcode, rest = match.groups()
+      shapes[result] = _dims(type_text)
+      if opcode == "dot":
+        operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+        lhs = shapes.get(operands[0]) if operands else None
+        contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+        if lhs is not None and shapes[result] is not None and contracting is not None:
+          inner = int(np.prod([lhs[int(d)] for d in contracting.group(1).split(",") if d]))
+          fixed += 2.0 * float(np.prod(shapes[result])) * inner
+      elif opcode == "convolution":  # how TPU HLO writes most matmuls
+        operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+        rhs = shapes.get(operands[1]) if len(operands) > 1 else None
+        labels = re.search(r"dim_labels=\w+_(\w+)->\w+", rest)
+        if rhs is not None and shapes[result] is not None and labels is not None and "o" in labels.group(1):
+          # each output element sums kernel spatial x input features = prod(rhs) / output features
+          per_output = float(np.prod(rhs)) / rhs[labels.group(1).index("o")]
+          fixed += 2.0 * float(np.prod(shapes[result])) * per_output
+      elif opcode == "while":
+        body = re.search(r"body=%?([\w.\-]+)", rest)
+        condition = re.search(r"condition=%?([\w.\-]+)", rest)
+        inner = cost(body.group(1)) if body else ProgramFlops(0.0, 0.0)
+        if condition:
+          inner = ProgramFlops(inner.fixed + cost(condition.group(1)).fixed, inner.per_iteration)
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
+        if trips is not None:
+          fixed += int(trips.group(1)) * inner.fixed
+          per_iteration += int(trips.group(1)) * inner.per_iteration
+        else:
+          per_iteration += inner.fixed + inner.per_iteration
+      else:
+        called = re.findall(r"(?:calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)", rest)
+        branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+        if branches is not None:  # a conditional runs one branch: count the dearest
+          options = [cost(b.strip().lstrip("%")) for b in branches.group(1).split(",") if b.strip()]
+          if options:
+            dearest = max(options, key=lambda c: c.fixed)
+            fixed, per_iteration = fixed + dearest.fixed, per_iteration + dearest.per_iteration
+        for callee in called:
+          inner = cost(callee)
+          fixed, per_iteration = fixed + inner.fixed, per_iteration + inner.per_iteration
+    memo[name] = ProgramFlops(fixed, per_iteration)
+    return memo[name]
+
+  entry = next((re.match(r"^ENTRY\s+%?([\w.\-]+)", l).group(1) for l in hlo_text.splitlines()
+                if l.startswith("ENTRY")), None)
+  if entry is None:
+    raise ValueError("program_flops: the HLO text has no ENTRY computation.")
+  return cost(entry)

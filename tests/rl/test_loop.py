@@ -121,3 +121,120 @@ def test_short_run_raises_reward_and_held_out_accuracy(tmp_path):
                                "tokens_per_s", "time_s", "reward_mean/reverse",
                                "response_len/reverse"} <= set(json.loads(lines[0]))
   assert os.path.exists(tmp_path / "reward_curve.png") and os.path.exists(tmp_path / "config.json")
+
+
+# --- preemption and the order of record and checkpoint ----------------------------------------------
+
+
+class _FakeRun:
+  def __init__(self, cfg):
+    self.cfg, self.state = cfg, {"step": 0}
+
+
+def test_sigterm_checkpoints_the_current_step_and_stops(monkeypatch):
+  """SIGTERM during step 2 of 6: step 2 finishes, its record is written first, then it is saved at
+  once (stopping=True although checkpoint.every is large), and the loop returns after it."""
+  import os  # pylint: disable=import-outside-toplevel
+  import signal  # pylint: disable=import-outside-toplevel
+  from meshrl.train.preemption import Preemption  # pylint: disable=import-outside-toplevel
+  events = []
+
+  def fake_step(run, prompts, key):
+    step = len([e for e in events if e[0] == "step"]) + 1
+    events.append(("step", step))
+    if step == 2:
+      os.kill(os.getpid(), signal.SIGTERM)  # the handler only sets a flag; the step completes
+    return {"nonfinite_minibatches": 0.0, "reward_mean": float(step)}
+
+  class Writer:
+    def write(self, step, metrics):
+      events.append(("write", step))
+      return {"step": step, **metrics}
+
+  monkeypatch.setattr(loop, "rl_step", fake_step)
+  cfg = configs.load("configs/tiny.py", ["rl.num_steps=6"])
+  save = lambda step, run, metrics: events.append(("save", step, metrics["stopping"]))  # noqa: E731
+  with Preemption() as preemption:
+    records = loop.train_steps(_FakeRun(cfg), iter(()), writer=Writer(), checkpoint=save,
+                               preemption=preemption)
+    assert preemption.signal_name == "SIGTERM"
+  assert [r["step"] for r in records] == [1, 2]
+  assert events == [("step", 1), ("write", 1), ("save", 1, False), ("step", 2), ("write", 2),
+                    ("save", 2, True)]
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is removed after
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_script_saves_and_exits_zero(tmp_path):
+  """scripts/rl.py in a subprocess gets SIGTERM mid-run: it exits 0 with a message, and its last
+  checkpoint is the step of its last metrics record (checkpoint.every is far larger). 3 min here."""
+  import signal  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  from meshrl.train.checkpoint import committed_steps  # pylint: disable=import-outside-toplevel
+  workdir = tmp_path / "run"
+  small = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
+           "moe.expert_mlp_dim=32", "rl.max_prompt_len=8", "rl.max_new_tokens=6", "model.max_seq_len=16",
+           "rl.prompts_per_step=4", "rl.group_size=4", "rl.sft_steps=0", "log.progress_bar=false",
+           "log.tensorboard=false", "log.plot=false", "eval.every=0", "rl.num_steps=200",
+           "checkpoint.every=1000"]
+  proc = subprocess.Popen([sys.executable, "scripts/rl.py", "--config=configs/tiny.py",
+                           f"--workdir={workdir}"] + [f"--config.{o}" for o in small],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  metrics = workdir / "metrics.jsonl"
+  deadline = time.time() + 600
+  while (not metrics.exists() or not metrics.read_text().count("\n")) and time.time() < deadline:
+    assert proc.poll() is None, proc.stdout.read()[-3000:]
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=600)
+  assert proc.returncode == 0, out[-3000:]
+  last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+  assert f"SIGTERM: stopped after RL step {last} of 200, saved in the checkpoint of step {last}" in out
+  assert committed_steps(str(workdir / "checkpoints"))[-1] == last < 200
+  record = json.loads(metrics.read_text().splitlines()[-1])  # per-phase throughput (loop.PhaseCost)
+  assert record["gen_flops_per_s"] > 0 and record["update_flops_per_s"] > 0
+  assert record["gen_tokens_per_s"] > 0 and record["update_tokens_per_s"] > 0
+
+
+def test_phase_cost_divides_the_compiled_programs_flops_by_each_phase_time():
+  """Generation FLOPs = fixed + per decode step x the longest response of each rollout (the loop
+  stops early), update FLOPs from its program; each divided by its own phase time, MFU by the peak."""
+  import collections  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  n = 16
+  dot = 2 * n ** 3
+  Out = collections.namedtuple("Out", "tokens lengths")
+
+  @jax.jit
+  def rollout(w, lengths):  # one dot outside the loop, one per iteration of an early-stopping loop
+    h = jax.lax.while_loop(lambda s: s[1] < jnp.max(lengths), lambda s: (s[0] @ w, s[1] + 1), (w @ w, 0))[0]
+    return Out(h, lengths)
+
+  @jax.jit
+  def update(w, key):  # a scan of 3 dots
+    return jax.lax.scan(lambda c, _: (c @ w, None), w, None, length=3)[0], {}
+
+  cfg = configs.load("configs/tiny.py", ["rl.epochs=2"])
+  import types  # pylint: disable=import-outside-toplevel
+  run = types.SimpleNamespace(cfg=cfg, mesh=None, rollout=rollout, update=update)
+  cost = loop.PhaseCost(run, peak=1e9)
+  w = jnp.ones((n, n))
+  run.rollout(w, jnp.array([2, 5]))  # longest response 5
+  run.rollout(w, jnp.array([3, 1]))  # a second round (dynamic sampling): longest 3
+  run.update(w, jax.random.key(0))
+  out = cost({"rollout_s": 2.0, "update_s": 0.5, "generated_tokens": 11})
+  assert cost.rollout_flops.fixed == dot and cost.rollout_flops.per_iteration == dot
+  assert out["gen_flops_per_s"] == (dot + 5 * dot + dot + 3 * dot) / 2.0
+  assert out["update_flops_per_s"] == 3 * dot / 0.5
+  assert out["gen_tokens_per_s"] == 11 / 2.0
+  rl = cfg.rl
+  slots = rl.prompts_per_step * rl.group_size * (rl.max_prompt_len + rl.max_new_tokens) * 2
+  assert out["update_tokens_per_s"] == slots / 0.5
+  assert out["gen_mfu"] == out["gen_flops_per_s"] / 1e9
+  assert out["update_mfu"] == out["update_flops_per_s"] / 1e9
+  no_rollout = cost({"rollout_s": 1.0, "update_s": 1.0, "generated_tokens": 0})
+  assert no_rollout["gen_flops_per_s"] == 0

@@ -95,3 +95,164 @@ def test_max_to_keep_and_every(tmp_path):
     restored = ckpt.restore(state)
   assert restored.step == 8
   np.testing.assert_array_equal(restored.state["w"], np.arange(4.0) * 8)
+
+
+# --- crash safety, extra state, bad input, restore anywhere ----------------------------------------
+
+_KILL_DURING_SAVE = r"""
+import os, signal, sys
+from meshrl.configs.cli import simulate_cpu_devices
+simulate_cpu_devices(2)
+import jax, jax.numpy as jnp
+from meshrl.train.checkpoint import Checkpointer
+ckpt = Checkpointer(sys.argv[1], every=1, async_save=True)
+big = jnp.zeros((8, 1024, 1024), jnp.float32)  # 32 MB: the background write takes a while
+ckpt.save(1, {"w": big + 1.0}, data_state={"next_example": 10}, extra_state={"quarantine": ["a"]})
+ckpt.wait()
+ckpt.save(2, {"w": big + 2.0}, data_state={"next_example": 20})  # returns while files are written
+names = os.listdir(sys.argv[1])
+print("writing:", any("orbax-checkpoint-tmp" in n for n in names), "committed:", sorted(names), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_kill_during_async_save_leaves_the_previous_checkpoint(tmp_path):
+  """SIGKILL while step 2 is being written: step 1 stays the latest, restorable and whole, and the
+  next save after the restart commits (the torn temporary folder is cleaned up, never listed)."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  folder = tmp_path / "ckpt"
+  proc = subprocess.run([sys.executable, "-c", _KILL_DURING_SAVE, str(folder)], capture_output=True,
+                        text=True, timeout=300, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == -9, proc.stderr[-2000:]
+  assert "writing: True" in proc.stdout, proc.stdout  # the kill really fell inside the save
+  with Checkpointer(str(folder), async_save=False) as ckpt:
+    assert ckpt.latest_step() == 1 and ckpt.all_steps() == [1]
+    restored = ckpt.restore({"w": jnp.zeros((8, 1024, 1024), jnp.float32)})
+    assert restored.data_state == {"next_example": 10}
+    assert restored.extra_state == {"quarantine": ["a"]}
+    assert float(restored.state["w"].min()) == float(restored.state["w"].max()) == 1.0
+    ckpt.save(2, {"w": jnp.full((2,), 3.0)})
+  assert sorted(p.name for p in folder.iterdir()) == ["1", "2"]
+
+
+def test_extra_state_and_arrays_in_it_round_trip(tmp_path):
+  with Checkpointer(str(tmp_path), async_save=True) as ckpt:
+    ckpt.save(3, {"w": jnp.arange(3.0)}, extra_state={"carried": np.arange(6).reshape(2, 3),
+                                                      "quarantine": ["task-7"], "n": np.int32(4)})
+  with Checkpointer(str(tmp_path)) as ckpt:
+    restored = ckpt.restore({"w": jnp.zeros(3)})
+  assert restored.extra_state == {"carried": [[0, 1, 2], [3, 4, 5]], "quarantine": ["task-7"], "n": 4}
+
+
+def _tree_files(folder):
+  return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def saved_sharded(cfg, tmp_path_factory):
+  """(work directory, state): a TrainState-shaped pytree sharded over fsdp=4 x tensor=2, saved at
+  step 5 with `cfg` (no model is built: restoring reads arrays, whatever they are)."""
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+  mesh = _mesh(fsdp=4, tensor=2)
+  rng = np.random.default_rng(0)
+
+  def put(shape, *spec):
+    return jax.device_put(rng.standard_normal(shape).astype(np.float32),
+                          NamedSharding(mesh, PartitionSpec(*spec)))
+  params = {"embed": {"embedding": put((256, 64), "tensor", "fsdp")},
+            "blocks": {"mlp": {"kernel": put((2, 64, 128), None, "fsdp", "tensor")},
+                       "norm": {"scale": put((2, 64), None, None)}}}
+  state = {"step": jnp.int32(5), "params": params,
+           "opt_state": {"mu": jax.tree.map(lambda x: x * 0.5, params)},
+           "extra": {"router_bias": put((1, 4), None, None)}}
+  workdir = tmp_path_factory.mktemp("saved_sharded")
+  with Checkpointer(str(workdir / "checkpoints"), async_save=False) as ckpt:
+    ckpt.save(5, state, config=cfg)
+  return workdir, state
+
+
+def test_bad_checkpoints_are_named_and_left_untouched(cfg, saved_sharded, tmp_path):
+  """Another model's checkpoint, a partial copy and damaged files: a CheckpointError naming the
+  step folder (and the differing arrays or fields), and not a byte of the folder changed."""
+  from meshrl.train.checkpoint import CheckpointError  # pylint: disable=import-outside-toplevel
+  import shutil  # pylint: disable=import-outside-toplevel
+  workdir, saved = saved_sharded
+  shutil.copytree(workdir / "checkpoints", tmp_path / "ok")
+  before = _tree_files(tmp_path / "ok")
+  wider = load("configs/tiny.py", ["model.embed_dim=96", "model.mlp_dim=128", "moe.expert_mlp_dim=64",
+                                   "moe.aux_free_bias=true"])
+  other = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), saved)
+  other["params"]["embed"]["embedding"] = jax.ShapeDtypeStruct((256, 96), jnp.float32)
+  with Checkpointer(str(tmp_path / "ok")) as ckpt:
+    with pytest.raises(CheckpointError, match=r"ok/5 was saved by a run of another model: "
+                       r"model.embed_dim=96 \(checkpoint: 64\)"):
+      ckpt.check_config(wider)
+    ckpt.check_config(cfg)  # the same model passes
+    with pytest.raises(CheckpointError, match=r"ok/5 does not fit this run's state \(another model\?\): "
+                       r"params/embed/embedding: saved \(256, 64\), this run \(256, 96\)"):
+      ckpt.restore(other)
+  assert _tree_files(tmp_path / "ok") == before
+
+  shutil.copytree(tmp_path / "ok", tmp_path / "partial")
+  shutil.rmtree(tmp_path / "partial" / "5" / "data")
+  with Checkpointer(str(tmp_path / "partial")) as ckpt:
+    with pytest.raises(CheckpointError, match=r"partial/5 is incomplete .*no data/"):
+      ckpt.restore(saved)
+  shutil.copytree(tmp_path / "ok", tmp_path / "damaged")
+  for path in (tmp_path / "damaged" / "5" / "state").rglob("*"):
+    if path.is_file() and "manifest" not in path.name and "METADATA" not in path.name.upper():
+      path.write_bytes(b"\0" * 16)
+  with Checkpointer(str(tmp_path / "damaged")) as ckpt:
+    with pytest.raises(CheckpointError, match=r"damaged/5(/state)? cannot be read"):
+      ckpt.restore(saved)
+
+
+def test_load_params_onto_one_cpu_device_equals_the_saved_values(saved_sharded):
+  """A state sharded over 8 devices (fsdp=4, tensor=2) comes back on one CPU device, no mesh, no
+  model code: every parameter equal to the saved one; only the parts asked for are read."""
+  from meshrl.train.checkpoint import load_params  # pylint: disable=import-outside-toplevel
+  workdir, saved = saved_sharded
+  out = load_params(str(workdir))  # the work directory holding checkpoints/
+  assert set(out) == {"params"}
+  want = saved["params"]
+  got_leaves, want_leaves = jax.tree.leaves(out["params"]), jax.tree.leaves(want)
+  assert len(got_leaves) == len(want_leaves) == 3
+  device = jax.local_devices(backend="cpu")[0]
+  for got, w in zip(got_leaves, want_leaves, strict=True):
+    assert got.sharding.device_set == {device}
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
+  assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(saved["params"]))
+  both = load_params(str(workdir / "checkpoints" / "5"), parts=("params", "extra"))
+  _assert_equal_trees(both["extra"], saved["extra"])
+  assert set(both) == {"params", "extra"}
+
+
+def test_readme_restore_snippet_runs_in_a_fresh_process(saved_sharded, tmp_path):
+  """The README's "Restore a checkpoint" code, run as written (only the path replaced) in a new
+  process, reads exactly the saved parameters onto one CPU device."""
+  import re  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from pathlib import Path  # pylint: disable=import-outside-toplevel
+  readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+  section = readme[readme.index("### Restore a checkpoint"):]
+  code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  workdir, saved = saved_sharded
+  state_dir = workdir / "checkpoints" / "5" / "state"
+  code, count = re.subn(r'state_dir = "[^"]*"', f'state_dir = "{state_dir}"', code)
+  assert count == 1
+  out = tmp_path / "params.npz"
+  code += ("import numpy as np\n"
+           f"np.savez({str(out)!r}, **{{jax.tree_util.keystr(p): np.asarray(x) for p, x in "
+           "jax.tree_util.tree_leaves_with_path(params)})\n")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  want = {jax.tree_util.keystr(p): np.asarray(x)
+          for p, x in jax.tree_util.tree_leaves_with_path(saved["params"])}
+  got = dict(np.load(out))
+  assert f"{sum(x.size for x in want.values())} parameters" in proc.stdout
+  assert got.keys() == want.keys()
+  for key, value in want.items():
+    np.testing.assert_array_equal(got[key], value)
