@@ -95,7 +95,7 @@ def get_config(arg=None):
   config.attention.block_q = 512  # Blockwise/ring: query block length.
   config.attention.block_kv = 256  # Blockwise/ring: key/value block length (512x256 is fastest here).
   config.attention.zigzag = True  # Ring: lay the sequence out zigzag for causal load balance.
-  config.attention.logits_chunk = 0  # Chunked vocab projection + loss: tokens per chunk (0 = off).
+  config.attention.logits_chunk = 0  # Chunked vocab projection + loss (SFT, RL update): tokens per chunk (0 = off).
 
   # --- optim: the optimiser (train/optim.py).
   config.optim = ml_collections.ConfigDict()
@@ -124,6 +124,9 @@ def get_config(arg=None):
   config.rl.top_k = 0  # Top-k sampling (0 = off).
   config.rl.top_p = 1.0  # Nucleus sampling (1 = off).
   config.rl.stop_tokens = ""  # Extra stop token ids, comma separated (eos always stops).
+  config.rl.engine = "static"  # Rollout: "static" (one batch until its longest sample ends) or "continuous" (decode slots, rl/engine.py).
+  config.rl.decode_slots = 0  # Continuous engine: decode slots (0 = one per sample of the step's batch).
+  config.rl.rollout_token_budget = 0  # Continuous engine: tokens per RL step (decode_slots x steps); unfinished groups carry over (0 = off).
   config.rl.advantage = "grpo"  # "grpo", "dr_grpo", "rloo", "reinforce_pp" or "gae".
   config.rl.adv_eps = 1e-6  # Epsilon added to the group std.
   config.rl.policy_loss = "ppo"  # "ppo" (token-level ratio) or "gspo" (sequence-level ratio).
@@ -142,6 +145,12 @@ def get_config(arg=None):
   config.rl.epochs = 1  # Passes over each rollout batch (sample reuse).
   config.rl.replay_routing = True  # Update replays the experts the rollout chose (MoE stability).
   config.rl.num_minibatches = 1  # Minibatches per epoch.
+  config.rl.pack_updates = False  # Update on trajectories packed into rows with segment ids (rl/packing.py).
+  config.rl.packed_row_len = 0  # Packed update: tokens per row (0 = max_prompt_len + max_new_tokens).
+  config.rl.packed_rows = 0  # Packed update: rows per batch, static; must hold every step's tokens (0 = one per sample).
+  config.rl.tis_level = "none"  # Truncated importance weights vs the behaviour policy: "none", "token", "sequence".
+  config.rl.tis_cap = 2.0  # Truncation cap of the importance weights (>= 1).
+  config.rl.max_staleness = 0  # Asynchronous RL: rollouts generated up to this many updates ahead (0 = synchronous).
   config.rl.dynamic_sampling = True  # Drop groups whose rewards are all equal and refill (DAPO).
   config.rl.max_resample_rounds = 2  # Dynamic sampling: extra rollout rounds to refill a batch.
   config.rl.overlong_buffer = 0  # Overlong shaping: penalty ramps over the last N tokens (0 = off).
@@ -159,6 +168,9 @@ def get_config(arg=None):
   config.data.tasks = "arithmetic:1.0"  # Task families and mixture weights: "name:weight,...".
   config.data.difficulty = 1  # Difficulty level of generated tasks (1 = easiest).
   config.data.jsonl = ""  # Optional JSONL file of {"prompt", "answer", "domain"} rows.
+  config.data.array_record = ""  # Optional ArrayRecord file(s), comma-separated, of JSON rows like data.jsonl's.
+  config.data.domains = ""  # Domain registry (JSONL, rl/envs/registry.py); when set, replaces data.tasks and the file pools.
+  config.data.quarantine = ""  # Quarantine list (JSONL, scripts/env_qa.py): its task ids are never drawn; env failures add to it.
   config.data.skip_bad_rows = True  # Malformed JSONL rows: skip and count (else raise).
   config.data.eval_fraction = 0.2  # Share of the prompt space held out for evaluation (hash split).
   config.data.seq_len = 128  # SFT: packed sequence length.

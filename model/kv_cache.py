@@ -8,7 +8,10 @@ the scanned blocks read and write their slice):
   positions             [B, S] int32    position of each slot; EMPTY_POSITION where nothing was written,
                         so the causal test q_pos >= kv_pos masks empty slots out
   segment_ids           [B, S] int32    segment of each slot (-1 where empty)
-  index                 []     int32    next slot to write (the same for every row: prompts are left-padded)
+  index                 []     int32    next slot to write, the same for every row (left-padded prompts,
+                        static batch), or
+                        [B]    int32    each row's own next slot (continuous batching: rows are decode
+                        slots at different steps; `with_row_index` switches a cache to it)
 
 Axis legend: L layers, B batch, S cache length, K kv heads, H head dim, R latent rank.
 """
@@ -37,7 +40,7 @@ class KVCache:
   layers: dict  # {stack: {entry: [L, B, S, ...]}}
   positions: jax.Array  # [B, S] int32
   segment_ids: jax.Array  # [B, S] int32
-  index: jax.Array  # [] int32
+  index: jax.Array  # [] or [B] int32
 
   @property
   def max_len(self) -> int:
@@ -47,7 +50,7 @@ class KVCache:
 @struct.dataclass
 class CacheMeta:
   """What one layer call needs besides its own entries: slot index and every slot's position/segment."""
-  index: jax.Array  # [] int32
+  index: jax.Array  # [] or [B] int32
   positions: jax.Array  # [B, S]
   segment_ids: jax.Array  # [B, S]
 
@@ -70,9 +73,8 @@ def begin_write(cache: KVCache, positions: jax.Array, segment_ids: jax.Array):
   length = positions.shape[1]
   if length > cache.max_len:
     raise ValueError(f"writing {length} tokens into a KV cache of {cache.max_len} slots.")
-  start = (0, cache.index)
-  new_positions = jax.lax.dynamic_update_slice(cache.positions, positions.astype(jnp.int32), start)
-  new_segments = jax.lax.dynamic_update_slice(cache.segment_ids, segment_ids.astype(jnp.int32), start)
+  new_positions = _write_rows(cache.positions, positions.astype(jnp.int32), cache.index)
+  new_segments = _write_rows(cache.segment_ids, segment_ids.astype(jnp.int32), cache.index)
   meta = CacheMeta(index=cache.index, positions=new_positions, segment_ids=new_segments)
   return cache.replace(positions=new_positions, segment_ids=new_segments), meta
 
@@ -82,14 +84,56 @@ def end_write(cache: KVCache, layers: dict, length: int) -> KVCache:
   return cache.replace(layers=layers, index=cache.index + length)
 
 
+def _write_rows(target: jax.Array, value: jax.Array, index: jax.Array) -> jax.Array:
+  """target [B, S, ...] with value [B, T, ...] written at column `index` ([] for all rows, or [B]).
+
+  A write that would run past the end is moved back to end at S (dynamic_update_slice's clamping);
+  the engine only lets that happen to rows whose contents are dead (a finished slot awaiting refill).
+  """
+  value = value.astype(target.dtype)
+  if index.ndim == 0:
+    return jax.lax.dynamic_update_slice(target, value, (0, index) + (0,) * (target.ndim - 2))
+  if value.shape[1] == 1:  # decode: an elementwise select, which keeps the cache's sharding (no scatter)
+    hit = jnp.arange(target.shape[1]) == jnp.minimum(index, target.shape[1] - 1)[:, None]  # [B, S]
+    return jnp.where(hit.reshape(hit.shape + (1,) * (target.ndim - 2)), value, target)
+  row = lambda t, v, i: jax.lax.dynamic_update_slice(t, v, (i,) + (0,) * (t.ndim - 1))  # noqa: E731
+  return jax.vmap(row)(target, value, index)
+
+
 def write_layer(layer_cache: dict, new_entries: dict, index: jax.Array) -> dict:
-  """Writes new entries {name: [B, T, ...]} at slot `index` of one layer's cache {name: [B, S, ...]}."""
+  """Writes new entries {name: [B, T, ...]} at slot `index` ([] or per-row [B]) of one layer's cache
+  {name: [B, S, ...]}."""
   updated = dict(layer_cache)
   for name, value in new_entries.items():
-    target = layer_cache[name]
-    start = (0, index) + (0,) * (target.ndim - 2)
-    updated[name] = jax.lax.dynamic_update_slice(target, value.astype(target.dtype), start)
+    updated[name] = _write_rows(layer_cache[name], value, index)
   return updated
+
+
+def with_row_index(cache: KVCache) -> KVCache:
+  """The same cache with a per-row write index [B] (each row may then advance on its own)."""
+  batch = cache.positions.shape[0]
+  return cache.replace(index=jnp.broadcast_to(cache.index, (batch,)).astype(jnp.int32))
+
+
+def copy_rows(dst: KVCache, src: KVCache, src_rows: jax.Array, take: jax.Array) -> KVCache:
+  """dst with each row j where take[j] replaced, whole, by src row src_rows[j] (entries, positions,
+  segments and write index), so nothing of the row's previous occupant survives.
+
+  dst has a per-row index [B_dst] and the same length as src; src_rows/take are [B_dst].
+  """
+  if src.max_len != dst.max_len:
+    raise ValueError(f"copy_rows: source cache of {src.max_len} slots, destination {dst.max_len}.")
+  rows = jnp.clip(src_rows, 0, src.positions.shape[0] - 1)
+
+  def pick(d, s, axis):
+    chosen = jnp.take(s, rows, axis=axis)
+    mask = take.reshape((1,) * axis + (-1,) + (1,) * (d.ndim - axis - 1))
+    return jnp.where(mask, chosen.astype(d.dtype), d)
+  src_index = jnp.broadcast_to(src.index, (src.positions.shape[0],))
+  return dst.replace(layers=jax.tree.map(lambda d, s: pick(d, s, 1), dst.layers, src.layers),
+                     positions=pick(dst.positions, src.positions, 0),
+                     segment_ids=pick(dst.segment_ids, src.segment_ids, 0),
+                     index=pick(dst.index, src_index, 0))
 
 
 def repeat_rows(cache: KVCache, times: int) -> KVCache:

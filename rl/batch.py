@@ -79,12 +79,25 @@ def informative_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
   return grouped.max(axis=1) > grouped.min(axis=1)
 
 
+def empty_scored(arrays: dict) -> ScoredBatch:
+  """A ScoredBatch of no samples (arrays with 0 rows): a partial-rollout step in which no group ended."""
+  return ScoredBatch(arrays=arrays, rewards=np.zeros(0, np.float32), correct=np.zeros(0, np.float32),
+                     sample_valid=np.zeros(0, bool), domains=[], texts=[],
+                     info={"reward_errors": 0, "reward_timeouts": 0, "first_errors": []})
+
+
+# Fill of padding rows per RolloutBatch field (everything else 0 / False: no token is real).
+_PAD_FILL = {"policy_version": -1}
+
+
 def select_groups(rollouts: list[ScoredBatch], *, num_groups: int, group_size: int,
                   dynamic: bool) -> ScoredBatch:
   """Assembles a batch of exactly `num_groups` groups from one or more scored rollouts.
 
   With `dynamic`, informative groups come first (in order of arrival); if too few exist the batch is
-  topped up with uninformative ones, whose samples get `sample_valid = False` (no gradient).
+  topped up with uninformative ones, whose samples get `sample_valid = False` (no gradient). If the
+  rollouts hold fewer than `num_groups` groups in all (partial rollouts: only the groups that ended),
+  the rest are blank padding groups (no real token, reward 0, `sample_valid = False`).
   """
   pieces = []  # (rollout index, group index, informative)
   for r, rollout in enumerate(rollouts):
@@ -97,13 +110,19 @@ def select_groups(rollouts: list[ScoredBatch], *, num_groups: int, group_size: i
   def rows(r, g):
     return slice(g * group_size, (g + 1) * group_size)
 
-  def gather(get):
-    return np.concatenate([get(rollouts[r])[rows(r, g)] for r, g, _ in pieces])
+  blank = (num_groups - len(pieces)) * group_size
+
+  def padded(value, fill=0):
+    return np.concatenate([value, np.full((blank,) + value.shape[1:], fill, value.dtype)])
+
+  def gather(get, fill=0):
+    parts = [get(rollouts[r])[rows(r, g)] for r, g, _ in pieces]
+    return padded(np.concatenate(parts) if parts else get(rollouts[0])[:0], fill)
 
   def gather_list(get):
-    return [item for r, g, _ in pieces for item in get(rollouts[r])[rows(r, g)]]
-  arrays = {k: gather(lambda ro, k=k: ro.arrays[k]) for k in rollouts[0].arrays}
-  valid = np.repeat(np.array([u or not dynamic for _, _, u in pieces]), group_size)
+    return [item for r, g, _ in pieces for item in get(rollouts[r])[rows(r, g)]] + [""] * blank
+  arrays = {k: gather(lambda ro, k=k: ro.arrays[k], _PAD_FILL.get(k, 0)) for k in rollouts[0].arrays}
+  valid = padded(np.repeat(np.array([u or not dynamic for _, _, u in pieces], bool), group_size))
   return ScoredBatch(arrays=arrays, rewards=gather(lambda ro: ro.rewards),
                      correct=gather(lambda ro: ro.correct), sample_valid=valid,
                      domains=gather_list(lambda ro: ro.domains), texts=gather_list(lambda ro: ro.texts),

@@ -57,7 +57,13 @@ class UpdateBatch:
   Required: tokens, positions, segment_ids, targets [B, S] int32; loss_mask [B, S] bool;
   old_logprobs, advantages [B, S] float32.
   Optional (None when absent; `check` says which a LossSpec needs): ref_logprobs [B, S] (KL),
-  old_values and returns [B, S] (critic), routing [B, L, S, K] int32 (MoE routing replay).
+  old_values and returns [B, S] (critic), routing [B, L, S, K] int32 (MoE routing replay),
+  behaviour_logprobs [B, S] (truncated importance weights: the rollout's log-probs, while
+  old_logprobs are then the proximal policy's, recomputed before the update), sequence_ids [B, S]
+  int32 (packed rows, rl/packing.py: the sample of each token, -1 on padding).
+
+  `old_logprobs` is the proximal policy of the clipped ratio: the rollout's log-probs when no
+  importance correction is on.
   """
   tokens: Any
   positions: Any
@@ -70,6 +76,8 @@ class UpdateBatch:
   old_values: Any = None
   returns: Any = None
   routing: Any = None
+  behaviour_logprobs: Any = None
+  sequence_ids: Any = None
 
   def check(self, spec) -> "UpdateBatch":
     """Raises ValueError naming every field the loss terms of `spec` (losses.LossSpec) need but

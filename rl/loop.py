@@ -14,25 +14,33 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Iterator
+from typing import Callable
 
 import jax
+import numpy as np
+from jax.sharding import NamedSharding
 
 from meshrl.configs import save_config
 from meshrl.model.tokenizer import tokenizer_from_config
 from meshrl.rl import advantages as adv_lib
 from meshrl.rl import losses
-from meshrl.rl.envs import TaskMixture, load_jsonl
+from meshrl.rl.envs import TaskMixture
+from meshrl.rl.envs.quality import Quarantine
+from meshrl.rl.envs.registry import DomainMixture, check_single_turn, load_domains
+from meshrl.rl.engine import check_engine_config
 from meshrl.rl.evaluation import Evaluator, held_out_examples
+from meshrl.rl.prompts import ArrayRecordSource, JsonlSource, PromptStream
+from meshrl.rl.packing import update_shape
 from meshrl.rl.rewards import compose
 from meshrl.rl.rewards.shaping import overlong_penalty
 from meshrl.rl.sampling import Sampler
-from meshrl.rl.step import RLRun, build_run, rl_step
+from meshrl.rl.step import RLRun, build_run, in_flight_state, restore_in_flight, rl_step
 from meshrl.sharding import MESH_AXES, make_mesh, mesh_shape_for
 from meshrl.sharding.rules import data_parallel_size
 from meshrl.train.checkpoint import Checkpointer
 from meshrl.train.init_from import check_initial_model, initial_model
-from meshrl.train.metrics import CompileCounter, MetricsWriter, plot_curve
+from meshrl.train.metrics import CompileCounter, MetricsWriter, peak_flops, plot_curve, truncate_jsonl
+from meshrl.train.preemption import Preemption
 
 Hook = Callable[[int, RLRun, dict], None]
 
@@ -68,20 +76,47 @@ def check_config(cfg, num_devices: int | None = None) -> None:
     raise ValueError(f"rl.num_minibatches={rl.num_minibatches} must divide the batch of {batch} sequences "
                      f"(rl.prompts_per_step * rl.group_size).")
   total = rl.max_prompt_len + rl.max_new_tokens
+  rows, row_len = update_shape(cfg)
+  if rl.pack_updates:
+    if rl.packed_rows < 0 or rl.packed_row_len < 0:
+      raise ValueError(f"rl.packed_rows={rl.packed_rows} and rl.packed_row_len={rl.packed_row_len} must be "
+                       ">= 0 (0 = one row per sample, the prompt + response budget).")
+    if row_len < total or row_len > cfg.model.max_seq_len:
+      raise ValueError(f"rl.packed_row_len={row_len} must lie between rl.max_prompt_len + rl.max_new_tokens "
+                       f"= {total} (a trajectory fits in a row) and model.max_seq_len={cfg.model.max_seq_len}.")
+    if rows % rl.num_minibatches:
+      raise ValueError(f"rl.num_minibatches={rl.num_minibatches} must divide the rl.packed_rows={rows} "
+                       "packed rows of an update batch.")
   if total > cfg.model.max_seq_len:
     raise ValueError(f"rl.max_prompt_len={rl.max_prompt_len} + rl.max_new_tokens={rl.max_new_tokens} "
                      f"exceeds model.max_seq_len={cfg.model.max_seq_len}.")
   if rl.prompt_overflow not in ("truncate", "reject"):
     raise ValueError(f"rl.prompt_overflow={rl.prompt_overflow!r}; choose truncate or reject.")
   overlong_penalty([0], max_len=rl.max_new_tokens, buffer=rl.overlong_buffer, penalty=rl.overlong_penalty)
+  check_engine_config(rl)
+  if rl.max_staleness < 0:
+    raise ValueError(f"rl.max_staleness={rl.max_staleness} must be >= 0 (0 = synchronous RL).")
+  if rl.max_staleness and rl.tis_level == "none":
+    raise ValueError(f"rl.max_staleness={rl.max_staleness} trains on samples of older policies: set "
+                     "rl.tis_level to 'token' or 'sequence' so they are importance-corrected.")
+  if rl.max_staleness and rl.rollout_token_budget:
+    raise ValueError(f"rl.max_staleness={rl.max_staleness} and rl.rollout_token_budget="
+                     f"{rl.rollout_token_budget} cannot be combined yet: partial rollouts already carry "
+                     "off-policy segments; choose one.")
   compose(rl.rewards)
   _check_file("data.jsonl", cfg.data.jsonl)
+  for path in filter(None, cfg.data.array_record.split(",")):
+    _check_file("data.array_record", path)
   _check_file("eval.jsonl", cfg.eval.jsonl)
+  if cfg.data.domains:
+    _check_file("data.domains", cfg.data.domains)
+    check_single_turn(load_domains(cfg.data.domains))
   if cfg.data.tasks:
     TaskMixture(cfg.data.tasks, difficulty=cfg.data.difficulty, seed=cfg.seed,
                 pools={name: [{}] for name in _pool_names(cfg)})
-  elif not cfg.data.jsonl:
-    raise ValueError("data.tasks is empty and data.jsonl is not set: there are no prompts.")
+  elif not cfg.data.jsonl and not cfg.data.array_record:
+    raise ValueError("data.tasks is empty and neither data.jsonl nor data.array_record is set: there "
+                     "are no prompts.")
   if cfg.eval.every < 0 or cfg.eval.num_prompts < 1 or cfg.eval.batch_size < 1 or cfg.eval.pass_k < 0:
     raise ValueError(f"eval.every={cfg.eval.every} must be >= 0, eval.num_prompts={cfg.eval.num_prompts} "
                      f"and eval.batch_size={cfg.eval.batch_size} >= 1, eval.pass_k={cfg.eval.pass_k} >= 0.")
@@ -101,6 +136,10 @@ def check_config(cfg, num_devices: int | None = None) -> None:
   if batch % shards:
     raise ValueError(f"the rollout batch of {batch} sequences (rl.prompts_per_step * rl.group_size) is "
                      f"not divisible by the data-parallel axes data*fsdp*expert = {shards}.")
+  if rl.pack_updates and (rows // rl.num_minibatches) % shards:
+    raise ValueError(f"rl.packed_rows={rows} / rl.num_minibatches={rl.num_minibatches} packed rows per "
+                     f"minibatch are not divisible by the data-parallel axes data*fsdp*expert = {shards}.")
+  check_engine_config(rl, data_parallel=shards)
   if rl.sft_steps and rl.sft_batch_size % shards:
     raise ValueError(f"rl.sft_batch_size={rl.sft_batch_size} is not divisible by the data-parallel axes "
                      f"data*fsdp*expert = {shards}.")
@@ -108,6 +147,7 @@ def check_config(cfg, num_devices: int | None = None) -> None:
   if sequence > 1:
     multiple = 2 * sequence if cfg.attention.zigzag and cfg.attention.impl == "ring" else sequence
     for field, length in (("rl.max_prompt_len + rl.max_new_tokens", total),
+                          ("rl.packed_row_len", row_len),
                           ("data.seq_len", cfg.data.seq_len if rl.sft_steps else multiple)):
       if length % multiple:
         raise ValueError(f"{field} = {length} is not divisible by {multiple} (mesh.sequence={sequence}"
@@ -115,45 +155,63 @@ def check_config(cfg, num_devices: int | None = None) -> None:
 
 
 def _pool_names(cfg) -> list[str]:
-  return ["jsonl"] if cfg.data.jsonl else []
+  return [name for name, path in (("jsonl", cfg.data.jsonl), ("array_record", cfg.data.array_record))
+          if path]
 
 
 # --- prompts ------------------------------------------------------------------------------------
 
 
-class PromptStream:
-  """Training examples in order from the train side of the task mixture; `position` (the index of
-  the next example) is saved with checkpoints so a resumed run continues exactly there."""
-
-  def __init__(self, source, position: int = 0):
-    self.source, self.position = source, int(position)
-
-  def __iter__(self) -> Iterator[dict]:
-    return self
-
-  def __next__(self) -> dict:
-    self.position += 1
-    return self.source[self.position - 1]
-
-
-def train_source(cfg) -> TaskMixture:
-  """The training prompts: data.tasks (and data.jsonl as the pool "jsonl"), on the train side of the
-  held-out split (data.eval_fraction; every prompt when 0)."""
-  pools, spec = None, cfg.data.tasks
+def file_sources(cfg) -> dict:
+  """The pools of file rows (grain random-access sources, rl/prompts.py): data.jsonl as "jsonl",
+  data.array_record as "array_record"; malformed rows are skipped and listed in each `.bad`."""
+  pools = {}
   if cfg.data.jsonl:
-    loaded = load_jsonl(cfg.data.jsonl, skip_bad=cfg.data.skip_bad_rows)
-    if not loaded.examples:
-      raise ValueError(f"data.jsonl={cfg.data.jsonl!r} holds no valid rows ({loaded.num_bad} malformed).")
-    pools = {"jsonl": loaded.examples}
-    spec = "jsonl:1.0" if not spec else f"{spec},jsonl:1.0"
+    pools["jsonl"] = JsonlSource(cfg.data.jsonl, skip_bad=cfg.data.skip_bad_rows)
+  if cfg.data.array_record:
+    pools["array_record"] = ArrayRecordSource(cfg.data.array_record.split(","),
+                                              skip_bad=cfg.data.skip_bad_rows)
+  return pools
+
+
+def train_source(cfg) -> TaskMixture | DomainMixture:
+  """The training prompts: the domains of data.domains (batches composed by their quotas, the
+  quarantine list data.quarantine honoured), else data.tasks (and the file pools, weight 1 each), on
+  the train side of the held-out split (data.eval_fraction; every prompt when 0)."""
+  if cfg.data.domains:
+    if cfg.data.jsonl or cfg.data.get("array_record"):
+      raise ValueError("data.domains and data.jsonl/data.array_record are both set: declare the file "
+                       "as a domain (source jsonl:<path>) in data.domains.")
+    split = "train" if cfg.data.eval_fraction > 0 and not cfg.eval.jsonl else "all"
+    return DomainMixture(check_single_turn(load_domains(cfg.data.domains)), seed=cfg.seed, split=split,
+                         eval_fraction=cfg.data.eval_fraction, quarantine=Quarantine(cfg.data.quarantine),
+                         batch_size=cfg.rl.prompts_per_step)
+  pools, spec = file_sources(cfg) or None, cfg.data.tasks
+  for name in pools or ():
+    spec = f"{name}:1.0" if not spec else f"{spec},{name}:1.0"
   split = "train" if cfg.data.eval_fraction > 0 and not cfg.eval.jsonl else "all"
   return TaskMixture(spec, difficulty=cfg.data.difficulty, seed=cfg.seed, pools=pools, split=split,
                      eval_fraction=cfg.data.eval_fraction)
 
 
+def prompt_stream(source, position: int = 0) -> PromptStream:
+  """This host's stream of training examples (grain, rl/prompts.py): examples process_index,
+  process_index + process_count, ... of `source`."""
+  return PromptStream(source, position, shard=(jax.process_index(), jax.process_count()))
+
+
+def skipped_rows(source: TaskMixture) -> str:
+  """One line on the malformed file rows skipped (file:line: reason of the first few), or ""."""
+  bad = [row for pool in getattr(source, "pools", {}).values() for row in getattr(pool, "bad", ())]
+  if not bad:
+    return ""
+  shown = "; ".join(f"{b.file}:{b.line}: {b.reason}" for b in bad[:3])
+  return f"skipped {len(bad)} malformed data rows ({shown}{'; ...' if len(bad) > 3 else ''})"
+
+
 def train_prompts(source: TaskMixture) -> list[str]:
   """The prompts training may draw from fixed pools (JSONL), for the eval overlap check."""
-  return [e["prompt"] for pool in source.pools.values() for e in pool]
+  return [e["prompt"] for pool in source.pools.values() for e in pool]  # noqa (reads each file once)
 
 
 # --- building a run -----------------------------------------------------------------------------
@@ -166,7 +224,7 @@ def setup(cfg, *, mesh=None, model=None, tokenizer=None, position: int = 0) -> t
   tokenizer = tokenizer_from_config(cfg) if tokenizer is None else tokenizer
   if model is None:
     model = initial_model(cfg, mesh)
-  return build_run(cfg, mesh, model, tokenizer), PromptStream(train_source(cfg), position)
+  return build_run(cfg, mesh, model, tokenizer), prompt_stream(train_source(cfg), position)
 
 
 # --- hooks: metrics, evaluation, checkpoints ----------------------------------------------------
@@ -186,13 +244,115 @@ def eval_hook(evaluator: Evaluator, every: int, last_step: int, eval_path: str |
   return hook
 
 
-def checkpoint_hook(checkpointer: Checkpointer, prompts: PromptStream) -> Hook:
-  """Saves every checkpoint.every steps, and at once when the run is about to stop on non-finite
-  updates (metrics["stopping"])."""
+def checkpoint_hook(checkpointer: Checkpointer, prompts: PromptStream,
+                    extra_state: Callable[[], dict] | None = None) -> Hook:
+  """Saves every checkpoint.every steps, and at once when the run is about to stop (non-finite
+  updates or preemption: metrics["stopping"]). The checkpoint holds the train state (params,
+  optimizer, step, router biases), the prompt stream's position, the resolved config and
+  `extra_state()` (e.g. carried rollouts, a quarantine list; JSON values); the step's PRNG key is
+  derived from (seed, step), so nothing else is needed to continue exactly."""
   def hook(step: int, run: RLRun, metrics: dict) -> None:
-    checkpointer.save(step, run.state, data_state={"step": step, "next_example": prompts.position},
-                      config=run.cfg, force=bool(metrics.get("stopping")))
+    checkpointer.save(step, run.state, data_state={"step": step, **prompts.get_state()},
+                      config=run.cfg, extra_state=extra_state() if extra_state else None,
+                      force=bool(metrics.get("stopping")))
   return hook
+
+
+def carried_state(run: RLRun) -> dict:
+  """What a step carries to the next besides the train state (JSON): partial rollouts' groups and
+  asynchronous RL's rollouts in flight."""
+  state = {}
+  if run.partial is not None:
+    state["partial"] = run.partial.get_state()
+  if run.in_flight:
+    state["in_flight"] = in_flight_state(run)
+  return state
+
+
+def restore_carried_state(run: RLRun, state: dict) -> None:
+  """Continues from `carried_state`'s output."""
+  if run.partial is not None:
+    run.partial.set_state(state.get("partial", {}))
+  restore_in_flight(run, state.get("in_flight", []))
+
+
+def _abstract(tree):
+  """Arrays -> ShapeDtypeStructs; mesh shardings kept, single-device (uncommitted) ones dropped."""
+  def spec(x):
+    sharding = getattr(x, "sharding", None)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                sharding=sharding if isinstance(sharding, NamedSharding) else None)
+  return jax.tree.map(lambda x: spec(x) if isinstance(x, (jax.Array, np.ndarray)) else x, tree)
+
+
+class PhaseCost:
+  """Throughput and MFU of generation and update separately, from the FLOPs of the run's compiled
+  rollout and update programs.
+
+  Wraps `run.rollout` / `run.update` to see the first step's arguments; after that step the two
+  programs' optimised HLO is read once (`jitted.lower(...).compile()`, a cache hit, no new compile)
+  and counted by `train.metrics.program_flops`, which multiplies loop bodies by their trip counts
+  (XLA's cost_analysis counts a scanned layer or a decode step once). The decode loop stops when
+  every sequence has, so each rollout's FLOPs are fixed + per_step * (its longest response). Each
+  step then adds gen_flops_per_s, gen_tokens_per_s (generated tokens / rollout_s), update_flops_per_s,
+  update_tokens_per_s (update rows x row length x epochs / update_s) and, where the chips' peak is known
+  (train.metrics.peak_flops), gen_mfu and update_mfu. A compiled SPMD program is one device's share:
+  its count times the mesh size is what all chips execute, work a layout repeats on several
+  devices included (so MFU here is hardware FLOPs utilisation of the matmuls).
+  """
+
+  def __init__(self, run: RLRun, peak: float | None):
+    self.peak, self.cfg = peak, run.cfg
+    self.devices = run.mesh.size if run.mesh is not None else 1  # the programs are per device
+    self._rollout, self._update = run.rollout, run.update
+    self._rollout_args = self._update_args = None
+    self.rollout_flops = self.update_flops = None
+    self._decode_steps: list[int] = []
+    self.error: str | None = None
+    run.rollout, run.update = self._rollout_call, self._update_call
+
+  def _rollout_call(self, *args):
+    if self._rollout_args is None:
+      self._rollout_args = _abstract(args)
+    out = self._rollout(*args)
+    lengths = getattr(out, "lengths", None)
+    if lengths is not None:
+      self._decode_steps.append(int(np.max(jax.device_get(lengths))))
+    return out
+
+  def _update_call(self, *args):
+    if self._update_args is None:
+      self._update_args = _abstract(args)
+    return self._update(*args)
+
+  def _count(self) -> None:
+    from meshrl.train.metrics import program_flops  # pylint: disable=import-outside-toplevel
+    self.rollout_flops = program_flops(self._rollout.lower(*self._rollout_args).compile().as_text())
+    self.update_flops = program_flops(self._update.lower(*self._update_args).compile().as_text()).fixed
+
+  def __call__(self, metrics: dict) -> dict:
+    """The phase metrics of the step whose `metrics` (rl_step's) are given."""
+    steps, self._decode_steps = self._decode_steps, []
+    if self.error or self._rollout_args is None or self._update_args is None:
+      return {}
+    if self.rollout_flops is None:
+      try:
+        self._count()
+      except Exception as e:  # pylint: disable=broad-except  (a wrapped or replaced program)
+        self.error = f"{type(e).__name__}: {e}"
+        print(f"phase FLOPs not counted: {self.error[:200]}")
+        return {}
+    gen = self.devices * sum(self.rollout_flops.at(n) for n in steps)
+    rows, row_len = update_shape(self.cfg)
+    slots = rows * row_len * self.cfg.rl.epochs
+    rollout_s, update_s = max(metrics["rollout_s"], 1e-9), max(metrics["update_s"], 1e-9)
+    out = {"gen_flops_per_s": gen / rollout_s, "gen_tokens_per_s": metrics["generated_tokens"] / rollout_s,
+           "update_flops_per_s": self.devices * self.update_flops / update_s,
+           "update_tokens_per_s": slots / update_s}
+    if self.peak:
+      out["gen_mfu"] = out["gen_flops_per_s"] / self.peak
+      out["update_mfu"] = out["update_flops_per_s"] / self.peak
+    return out
 
 
 class NonFiniteError(RuntimeError):
@@ -200,30 +360,50 @@ class NonFiniteError(RuntimeError):
 
 
 def train_steps(run: RLRun, prompts: PromptStream, *, start_step: int = 0, num_steps: int | None = None,
-                hooks: tuple[Hook, ...] = (), writer: MetricsWriter | None = None) -> list[dict]:
+                hooks: tuple[Hook, ...] = (), writer: MetricsWriter | None = None,
+                checkpoint: Hook | None = None, preemption: Preemption | None = None,
+                phase_cost: PhaseCost | None = None) -> list[dict]:
   """RL steps start_step + 1 .. num_steps; returns their metric records. After each step the hooks
-  run in order (evaluation adds to the record), then the record is written. Step k's PRNG key is
-  derived from (seed, k), so a resumed run draws what the uninterrupted one would have."""
+  run in order (evaluation adds to the record), then the record is written, then `checkpoint` runs
+  (so a checkpoint never runs ahead of metrics.jsonl: a kill between the two redoes the step; the
+  last step is always saved). Step
+  k's PRNG key is derived from (seed, k), so a resumed run draws what the uninterrupted one would.
+
+  With `preemption` (train/preemption.py), a SIGTERM during a step ends the loop after that step:
+  the step is checkpointed at once (metrics["stopping"]) and the records so far are returned. With
+  `phase_cost`, each record gets generation and update throughput and MFU (`PhaseCost`)."""
   num_steps = run.cfg.rl.num_steps if num_steps is None else num_steps
   limit = int(run.cfg.rl.max_nonfinite_steps)
   key = jax.random.key(run.cfg.seed + 1)
   records, counter, streak = [], CompileCounter(), 0
+  run.version = start_step  # one policy update per RL step
   try:
     for step in range(start_step + 1, num_steps + 1):
       metrics = rl_step(run, prompts, jax.random.fold_in(key, step))
+      if phase_cost is not None:
+        metrics.update(phase_cost(metrics))
       metrics["compiles"] = counter.count()
       streak = streak + 1 if metrics["nonfinite_minibatches"] >= 1.0 else 0
       metrics["nonfinite_streak"] = streak
-      metrics["stopping"] = bool(limit and streak >= limit)
+      nonfinite = bool(limit and streak >= limit)
+      preempted = preemption is not None and preemption.requested() and step < num_steps
+      metrics["stopping"] = nonfinite or preempted
       for hook in hooks:
         hook(step, run, metrics)
       stopping = metrics.pop("stopping")
       records.append(writer.write(step, metrics) if writer is not None else {"step": step, **metrics})
-      if stopping:
+      if checkpoint is not None:
+        checkpoint(step, run, {**metrics, "stopping": stopping or step == num_steps})
+      if nonfinite:
         raise NonFiniteError(
             f"{streak} RL steps in a row (up to step {step}) had a non-finite loss or gradient in every "
             f"minibatch; none was applied, the parameters are those of step {step - streak}, saved "
             f"in the checkpoint of step {step} (rl.max_nonfinite_steps={limit}).")
+      if preempted:
+        saved = "saved in the checkpoint of step" if checkpoint is not None else "no checkpoint (disabled) at"
+        print(f"{preemption.signal_name}: stopped after RL step {step} of {num_steps}, {saved} {step}; "
+              "run the same command again to resume.", flush=True)
+        break
   finally:
     counter.close()
   return records
@@ -258,11 +438,20 @@ def run(cfg, workdir: str, *, mesh=None) -> list[dict]:
   config.json, metrics.jsonl, eval.jsonl, tb/, reward_curve.png, sft/ and checkpoints/."""
   mesh = make_mesh(cfg.mesh) if mesh is None else mesh
   check_config(cfg, mesh.size)
+  checkpointer, resuming = None, False
+  if cfg.checkpoint.enabled:
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint.every,
+                                max_to_keep=cfg.checkpoint.max_to_keep, async_save=cfg.checkpoint.async_save)
+    resuming = cfg.checkpoint.restore and checkpointer.latest_step() is not None
+    if resuming:  # a checkpoint of another model stops the run before anything is written
+      checkpointer.check_config(cfg)
   os.makedirs(workdir, exist_ok=True)
   save_config(cfg, workdir)
   print(dispatch_summary(cfg, mesh))
   tokenizer = tokenizer_from_config(cfg)
   source = train_source(cfg)
+  if skipped_rows(source):
+    print(skipped_rows(source))
   held_out = held_out_examples(cfg, train_prompts=train_prompts(source)) if cfg.eval.every else []
   model = initial_model(cfg, mesh)
   if cfg.rl.sft_steps:
@@ -270,16 +459,14 @@ def run(cfg, workdir: str, *, mesh=None) -> list[dict]:
     model = run_sft(cfg, os.path.join(workdir, "sft"), mesh=mesh, model=model, source=source,
                     tokenizer=tokenizer).model
   rl_run = build_run(cfg, mesh, model, tokenizer)
-  prompts = PromptStream(source)
-  hooks, checkpointer, start_step = [], None, 0
-  if cfg.checkpoint.enabled:
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint.every,
-                                max_to_keep=cfg.checkpoint.max_to_keep, async_save=cfg.checkpoint.async_save)
-    if cfg.checkpoint.restore and checkpointer.latest_step() is not None:
-      restored = checkpointer.restore(rl_run.state)
-      rl_run.state, start_step = restored.state, restored.step
-      prompts.position = int(restored.data_state.get("next_example", 0))
-      print(f"resumed from {checkpointer.directory} at step {start_step}")
+  prompts = prompt_stream(source)
+  hooks, start_step, restored = [], 0, None
+  if checkpointer is not None and resuming:
+    restored = checkpointer.restore(rl_run.state)
+    rl_run.state, start_step = restored.state, restored.step
+    prompts.set_state(restored.data_state)
+    restore_carried_state(rl_run, restored.extra_state)
+    print(f"resumed from {checkpointer.directory} at step {start_step}")
   evaluator = None
   if cfg.eval.every:
     evaluator = Evaluator(cfg, mesh, tokenizer, held_out)
@@ -290,14 +477,20 @@ def run(cfg, workdir: str, *, mesh=None) -> list[dict]:
         f.write(json.dumps({"step": 0, **initial}) + "\n")
       print(f"held-out greedy accuracy before RL: {initial['eval/accuracy']:.3f} "
             f"({initial['eval/num_prompts']} prompts)")
+    else:
+      truncate_jsonl(eval_path, start_step)  # evaluations after the checkpoint are redone
     hooks.append(eval_hook(evaluator, cfg.eval.every, cfg.rl.num_steps, eval_path))
+  save = None
   if checkpointer is not None:
-    hooks.append(checkpoint_hook(checkpointer, prompts))
+    save = checkpoint_hook(checkpointer, prompts, extra_state=lambda: carried_state(rl_run))
+  phase_cost = PhaseCost(rl_run, peak_flops(mesh.devices.flat))
   try:
     with MetricsWriter(workdir, tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar,
-                       total_steps=cfg.rl.num_steps, resume_step=start_step or None,
-                       bar_keys=("reward_mean", "kl", "entropy", "tokens_per_s")) as writer:
-      records = train_steps(rl_run, prompts, start_step=start_step, hooks=tuple(hooks), writer=writer)
+                       total_steps=cfg.rl.num_steps, resume_step=start_step,
+                       bar_keys=("reward_mean", "kl", "entropy", "tokens_per_s")) as writer, \
+        Preemption() as preemption:
+      records = train_steps(rl_run, prompts, start_step=start_step, hooks=tuple(hooks), writer=writer,
+                            checkpoint=save, preemption=preemption, phase_cost=phase_cost)
   finally:
     if checkpointer is not None:
       checkpointer.wait()
@@ -312,8 +505,9 @@ def run(cfg, workdir: str, *, mesh=None) -> list[dict]:
 
 
 def metrics_equal(a: list[dict], b: list[dict], *, ignore=lambda key: key.endswith("_s")
-                  or key in ("tokens_per_s", "time_s", "compiles")) -> bool:
-  """Whether two runs' metric records agree exactly, time fields aside (determinism checks).
+                  or key.endswith("_mfu") or key in ("mfu", "compiles")) -> bool:
+  """Whether two runs' metric records agree exactly, time fields (durations, rates, MFU) aside
+  (determinism checks).
 
   `compiles` is left out too: it counts backend compilations, which a persistent compilation cache
   turns into cache hits, so it describes the process, not the run."""

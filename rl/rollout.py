@@ -3,7 +3,9 @@ one jitted call returning a `RolloutBatch`.
 
 Each prompt is prefilled once; its KV cache (and last logits) are then repeated for the G samples of
 its group, so a group shares its prompt's prefix. Decoding is a `lax.while_loop` over one token per
-step that stops when every sequence has finished (EOS or a stop token) or the budget is spent.
+step that stops when every sequence has finished (EOS or a stop token, or its own `max_lengths`
+entry) or the budget is spent. Sample b (row b) draws its t-th token with the per-sample key
+(key, b, t) (rl/sampling.py), exactly as the continuous-batching engine (rl/engine.py) does.
 
 Rollouts run on the same mesh and take the same parameter arrays as the update: only the activation
 rules differ (ROLLOUT_RULES), so no parameter is copied or moved between the two (tests/rl/test_rollout.py).
@@ -24,7 +26,7 @@ from jax.sharding import Mesh
 
 from meshrl.model import kv_cache as kvc
 from meshrl.model.transformer import ModelConfig, Transformer
-from meshrl.rl.sampling import Sampler
+from meshrl.rl.sampling import Sampler, sample_keys, token_keys
 from meshrl.sharding.rules import rules_from_config
 
 
@@ -38,20 +40,22 @@ class RolloutBatch:
   response_mask: jax.Array  # [B, S] bool: generated tokens up to and including the stop token
   logprobs: jax.Array  # [B, S] float32: behaviour log-prob of each generated token (0 elsewhere)
   lengths: jax.Array  # [B] int32: response lengths
-  truncated: jax.Array  # [B] bool: hit the token budget without a stop token
+  truncated: jax.Array  # [B] bool: hit the token budget (or its max_lengths entry) without a stop token
+  policy_version: jax.Array  # [B, S] int32: version of the policy that generated each response token
+  #                            (-1 on prompt and padding); segments of a carried rollout differ
   routing: Any  # [L, B, S, K] int32 expert choices (None for a dense model)
 
 
 @struct.dataclass
 class _DecodeState:
   step: jax.Array  # [] int32
-  key: jax.Array  # PRNG key
   cache: kvc.KVCache
   logits: jax.Array  # [B, V] logits for the next token
   tokens: jax.Array  # [B, N] int32
   logprobs: jax.Array  # [B, N] float32
   valid: jax.Array  # [B, N] bool: token t was generated before the sequence ended
-  done: jax.Array  # [B] bool
+  done: jax.Array  # [B] bool: stopped or at its length limit
+  stopped: jax.Array  # [B] bool: generated a stop token
   routing: Any  # [L, B, N, K] int32 or None
 
 
@@ -92,8 +96,11 @@ def prompt_layout(prompt_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def generate(model: Transformer, spec: RolloutSpec, prompts: jax.Array, prompt_mask: jax.Array,
-             key: jax.Array) -> RolloutBatch:
-  """The rollout on a merged model (pure; jit it). prompts [P, Lp] left-padded, prompt_mask [P, Lp]."""
+             key: jax.Array, max_lengths: jax.Array | None = None, version: jax.Array | int = 0
+             ) -> RolloutBatch:
+  """The rollout on a merged model (pure; jit it). prompts [P, Lp] left-padded, prompt_mask [P, Lp];
+  max_lengths [B] int: each sample's own response limit (<= N; None: N); version: the policy version
+  stamped on every generated token."""
   num_prompts, prompt_len = prompts.shape
   group, budget = spec.group_size, spec.max_new_tokens
   batch, total = num_prompts * group, prompt_len + budget
@@ -111,19 +118,22 @@ def generate(model: Transformer, spec: RolloutSpec, prompts: jax.Array, prompt_m
     layers, _, _, k = prefill_routing.shape
     decode_routing = jnp.zeros((layers, batch, budget, k), jnp.int32)
 
+  limits = jnp.full((batch,), budget, jnp.int32) if max_lengths is None else jnp.minimum(
+      jnp.asarray(max_lengths, jnp.int32), budget)
+  keys = sample_keys(key, jnp.arange(batch))  # [B]: sample b's tokens use (key, b, t)
+
   state = _DecodeState(
-      step=jnp.zeros((), jnp.int32), key=key, cache=cache, logits=last_logits,
+      step=jnp.zeros((), jnp.int32), cache=cache, logits=last_logits,
       tokens=jnp.full((batch, budget), spec.pad_id, jnp.int32),
       logprobs=jnp.zeros((batch, budget), jnp.float32), valid=jnp.zeros((batch, budget), bool),
-      done=jnp.zeros((batch,), bool), routing=decode_routing)
+      done=limits < 1, stopped=jnp.zeros((batch,), bool), routing=decode_routing)
   stop_tokens = jnp.asarray(spec.stop_tokens, jnp.int32)
 
   def keep_going(s: _DecodeState):
     return (s.step < budget) & ~jnp.all(s.done)
 
   def decode_one(s: _DecodeState) -> _DecodeState:
-    key, sample_key = jax.random.split(s.key)
-    token = spec.sampler(s.logits, sample_key)  # [B]
+    token = spec.sampler.sample_rows(s.logits, token_keys(keys, s.step))  # [B]
     logprob = spec.sampler.log_probs(s.logits, token)
     live = ~s.done
     token = jnp.where(live, token, spec.pad_id)
@@ -131,14 +141,16 @@ def generate(model: Transformer, spec: RolloutSpec, prompts: jax.Array, prompt_m
     tokens = jax.lax.dynamic_update_slice(s.tokens, token[:, None], column)
     logprobs = jax.lax.dynamic_update_slice(s.logprobs, jnp.where(live, logprob, 0.0)[:, None], column)
     valid = jax.lax.dynamic_update_slice(s.valid, live[:, None], column)
-    done = s.done | jnp.isin(token, stop_tokens)
+    stopped = s.stopped | (live & jnp.isin(token, stop_tokens))
+    done = s.done | stopped | (s.step + 1 >= limits)
     out = model(token[:, None], positions=(prompt_lengths + s.step)[:, None],
                 segment_ids=jnp.ones((batch, 1), jnp.int32), cache=s.cache)
     routing = s.routing
     if routing is not None:
-      routing = jax.lax.dynamic_update_slice(routing, out.aux["routing"], (0, 0, s.step, 0))
-    return _DecodeState(step=s.step + 1, key=key, cache=out.cache, logits=out.logits[:, 0],
-                        tokens=tokens, logprobs=logprobs, valid=valid, done=done, routing=routing)
+      chosen = jnp.where(live[None, :, None, None], out.aux["routing"], 0)  # ended rows: 0
+      routing = jax.lax.dynamic_update_slice(routing, chosen, (0, 0, s.step, 0))
+    return _DecodeState(step=s.step + 1, cache=out.cache, logits=out.logits[:, 0], tokens=tokens,
+                        logprobs=logprobs, valid=valid, done=done, stopped=stopped, routing=routing)
 
   final = jax.lax.while_loop(keep_going, decode_one, state)
 
@@ -155,7 +167,10 @@ def generate(model: Transformer, spec: RolloutSpec, prompts: jax.Array, prompt_m
       prompt_mask=jnp.concatenate([rep(prompt_mask).astype(bool), jnp.zeros((batch, budget), bool)], 1),
       response_mask=jnp.concatenate([jnp.zeros((batch, prompt_len), bool), final.valid], axis=1),
       logprobs=jnp.concatenate([jnp.zeros((batch, prompt_len)), final.logprobs], axis=1),
-      lengths=lengths, truncated=~final.done, routing=routing)
+      lengths=lengths, truncated=~final.stopped,
+      policy_version=jnp.concatenate([jnp.full((batch, prompt_len), -1, jnp.int32), jnp.where(
+          final.valid, jnp.asarray(version, jnp.int32), -1)], axis=1),
+      routing=routing)
 
 
 def rollout_model_config(cfg, mesh: Mesh | None) -> ModelConfig:
@@ -165,7 +180,8 @@ def rollout_model_config(cfg, mesh: Mesh | None) -> ModelConfig:
 
 def make_rollout(cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...], pad_id: int,
                  group_size: int | None = None, temperature: float | None = None):
-  """Returns jitted `rollout(params, extra, prompts [P, Lp], prompt_mask [P, Lp], key) -> RolloutBatch`.
+  """Returns jitted `rollout(params, extra, prompts [P, Lp], prompt_mask [P, Lp], key, max_lengths=None,
+  version=0) -> RolloutBatch` (max_lengths [B] per-sample response limits; version stamped on tokens).
 
   `params`/`extra` are the train state's own arrays (train/state.py); they are read, never copied.
   `group_size` and `temperature` override cfg.rl's (evaluation uses 1 and 0: greedy).
@@ -178,7 +194,8 @@ def make_rollout(cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...], pad_id: i
     raise ValueError(f"rl.max_prompt_len={cfg.rl.max_prompt_len} + rl.max_new_tokens="
                      f"{spec.max_new_tokens} exceeds model.max_seq_len={mc.max_seq_len}.")
 
-  def rollout(params, extra, prompts, prompt_mask, key):
-    return generate(nnx.merge(graphdef, params, extra), spec, prompts, prompt_mask, key)
+  def rollout(params, extra, prompts, prompt_mask, key, max_lengths=None, version=0):
+    return generate(nnx.merge(graphdef, params, extra), spec, prompts, prompt_mask, key, max_lengths,
+                    version)
 
   return jax.jit(rollout)

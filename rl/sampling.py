@@ -1,5 +1,9 @@
 """Choosing the next token from logits: temperature, top-k, top-p (nucleus), greedy at temperature 0.
 
+Per-sample keys: a rollout sample's t-th token is drawn with `token_keys(sample_keys(key, ids), t)`,
+a key derived from (the rollout's base key, the sample's id, t) alone, so a sample's tokens do not
+depend on the row, decode slot or batch it ran in (static and continuous rollouts agree exactly).
+
 Axis legend: B batch, V vocab.
 """
 
@@ -40,6 +44,10 @@ class Sampler:
     log_p = jax.nn.log_softmax(self.scaled(logits), axis=-1)
     return jnp.take_along_axis(log_p, tokens[:, None], axis=-1)[:, 0]
 
+  def sample_rows(self, logits: jax.Array, keys: jax.Array) -> jax.Array:
+    """logits [B, V], one PRNG key per row [B] -> sampled token ids [B] int32 (row b uses keys[b])."""
+    return jax.vmap(lambda row, k: self(row[None], k)[0])(logits, keys)
+
   def __call__(self, logits: jax.Array, key: jax.Array) -> jax.Array:
     """logits [B, V] -> sampled token ids [B] int32."""
     if self.temperature == 0:
@@ -57,3 +65,14 @@ class Sampler:
       threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
       scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
     return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+
+
+def sample_keys(key: jax.Array, sample_ids: jax.Array) -> jax.Array:
+  """One key per sample [B] from a base key and the samples' ids [B] int (fold_in(key, id))."""
+  return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, sample_ids)
+
+
+def token_keys(keys: jax.Array, steps: jax.Array) -> jax.Array:
+  """The keys [B] of each sample's token number steps [B] (or [] for all): fold_in(keys[b], t)."""
+  steps = jnp.broadcast_to(steps, keys.shape)
+  return jax.vmap(jax.random.fold_in)(keys, steps)

@@ -17,6 +17,7 @@ rollout and the update read and replace the same `run.state.params` arrays on th
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Any, Iterator
@@ -26,13 +27,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from meshrl.model.ring_attention import unzigzag, zigzag
 from meshrl.model.tokenizer import Tokenizer
 from meshrl.rl import advantages as adv_lib
 from meshrl.rl import losses
-from meshrl.rl.batch import informative_groups, next_prompts, score_rollout, select_groups
+from meshrl.rl import packing
+from meshrl.rl.batch import empty_scored, informative_groups, next_prompts, score_rollout, select_groups
 from meshrl.rl.batches import (ScoredBatch, UpdateBatch, align_for_update, device_put_batch,
                                zigzag_batch)
 from meshrl.rl.rewards import compose
+from meshrl.rl.engine import PartialRollouts, make_engine
 from meshrl.rl.rollout import make_rollout
 from meshrl.rl.scoring import RewardPool
 from meshrl.rl.update import make_logprob_fn, make_update
@@ -60,6 +64,9 @@ class RLRun:
   pool: RewardPool
   batch_sharding: Any  # NamedSharding of [B, S] update arrays, or None without a mesh
   zigzag_shards: int  # > 1: update batches are laid out zigzag over the sequence axis
+  partial: Any = None  # rl/engine.PartialRollouts when rl.rollout_token_budget > 0 (groups carried over)
+  version: int = 0  # policy version: RL updates applied so far (restored with the checkpoint's step)
+  in_flight: collections.deque = dataclasses.field(default_factory=collections.deque)  # InFlight
 
   def close(self) -> None:
     self.pool.close()
@@ -72,22 +79,24 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
   spec = losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic)
   tx = make_optimizer(cfg.optim)
   graphdef, state = create_train_state(model, tx, mesh)
-  batch_size = cfg.rl.prompts_per_step * cfg.rl.group_size
   sharding = None
   if mesh is not None:
-    total = cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
     sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules_from_config(cfg.mesh), mesh,
-                                                   shape=(batch_size, total)))
+                                                   shape=packing.update_shape(cfg)))
   return RLRun(
       cfg=cfg, mesh=mesh, graphdef=graphdef, state=state,
       ref_params=jax.tree.map(jnp.copy, state.params) if spec.kl_metric else None,
       spec=spec, estimator=estimator,
-      rollout=make_rollout(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id),
-      update=make_update(spec, graphdef, tx, batch_size=batch_size,
+      rollout=(make_engine if cfg.rl.engine == "continuous" else make_rollout)(
+          cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id),
+      partial=PartialRollouts(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id)
+      if cfg.rl.rollout_token_budget else None,
+      update=make_update(spec, graphdef, tx, batch_size=packing.update_rows(cfg),
                          num_minibatches=cfg.rl.num_minibatches, epochs=cfg.rl.epochs,
                          aux_free_bias=cfg.moe.aux_free_bias, bias_update_rate=cfg.moe.bias_update_rate),
       logprob_fn=make_logprob_fn(graphdef, temperature=cfg.rl.temperature,
-                                 replay_routing=cfg.rl.replay_routing),
+                                 replay_routing=cfg.rl.replay_routing,
+                                 logits_chunk=spec.logits_chunk),
       advantages_fn=adv_lib.make_advantages(cfg), tokenizer=tokenizer,
       pool=RewardPool(compose(cfg.rl.rewards), num_workers=cfg.rl.reward_workers,
                       timeout_s=cfg.rl.reward_timeout_s),
@@ -111,30 +120,111 @@ def _per_domain(values: np.ndarray, domains: list[str], prefix: str) -> dict[str
   return {f"{prefix}/{d or 'none'}": float(np.mean(values[[x == d for x in domains]])) for d in names}
 
 
+@dataclasses.dataclass
+class InFlight:
+  """A rollout dispatched ahead of the step that consumes it (asynchronous RL, rl.max_staleness)."""
+  examples: list  # the P task examples of its groups
+  batch: Any  # RolloutBatch on the devices, possibly still being computed (host arrays once restored)
+  version: int  # policy version of the parameters that generated it
+
+  def arrays(self) -> dict[str, np.ndarray]:
+    """The rollout as host numpy arrays (waits for it)."""
+    return self.batch if isinstance(self.batch, dict) else _rollout_arrays(self.batch)
+
+
+def in_flight_state(run: RLRun) -> list[dict]:
+  """The rollouts in flight as JSON values, for the checkpoint (waits for them), so a resumed
+  asynchronous run trains on exactly the rollouts the uninterrupted one would have."""
+  def encode(a):
+    return {"dtype": str(a.dtype), "shape": list(a.shape), "data": a.reshape(-1).tolist()}
+  return [{"examples": item.examples, "version": item.version,
+           "arrays": {name: encode(value) for name, value in item.arrays().items()}}
+          for item in run.in_flight]
+
+
+def restore_in_flight(run: RLRun, state: list[dict]) -> None:
+  """Puts `in_flight_state`'s rollouts back in the queue (as host arrays)."""
+  def decode(v):
+    return np.asarray(v["data"], v["dtype"]).reshape(v["shape"])
+  run.in_flight = collections.deque(
+      InFlight(item["examples"], {name: decode(v) for name, v in item["arrays"].items()}, item["version"])
+      for item in state)
+
+
+def next_in_flight(run: RLRun, draw, key: jax.Array) -> InFlight:
+  """Asynchronous RL: tops the queue of dispatched rollouts up to rl.max_staleness + 1 and pops the
+  oldest.
+
+  New rollouts are dispatched with the current parameters and not waited for: JAX dispatch returns
+  at once, so the devices generate them while the host scores the popped one (and the update that
+  follows queues behind them). Each queued rollout waits max_staleness steps, so a rollout generated
+  at version v is trained on at version v + max_staleness at most (v + step - 1 in the first steps).
+  draw(count) -> (examples, tokens [count, Lp], mask) gives the prompts.
+  """
+  cfg = run.cfg.rl
+  while len(run.in_flight) < cfg.max_staleness + 1:
+    examples, tokens, mask = draw(cfg.prompts_per_step)
+    batch = run.rollout(run.state.params, run.state.extra, tokens, mask,
+                        jax.random.fold_in(key, 1000 + len(run.in_flight)), None, run.version)
+    run.in_flight.append(InFlight(examples, batch, run.version))
+  return run.in_flight.popleft()
+
+
+def _staleness(arrays: dict, version: int) -> dict[str, float]:
+  """Policy versions behind the current one, over the batch's generated tokens."""
+  versions = arrays["policy_version"][arrays["response_mask"]]
+  if versions.size == 0:
+    return {"staleness_mean": 0.0, "staleness_max": 0.0}
+  behind = version - versions
+  return {"staleness_mean": float(behind.mean()), "staleness_max": float(behind.max())}
+
+
 def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[ScoredBatch, dict]:
   """Rollout(s) and their scores for one step -> (ScoredBatch of exactly prompts_per_step groups,
   metrics). With rl.dynamic_sampling, up to rl.max_resample_rounds more rollouts refill the batch
-  with groups whose rewards differ (DAPO); groups kept only for the shape have no gradient."""
+  with groups whose rewards differ (DAPO); groups kept only for the shape have no gradient.
+  With partial rollouts (run.partial) the batch is the groups that ended in this step's token
+  budget, padded with sample_valid=False groups; unfinished groups carry over to the next step.
+  With rl.max_staleness > 0 (asynchronous RL) the first round is the oldest rollout in flight
+  (`next_in_flight`); refill rounds of dynamic sampling run at once with the current parameters.
+  Every token carries the policy version that generated it; metrics report the staleness."""
   cfg = run.cfg.rl
   rounds = 1 + (cfg.max_resample_rounds if cfg.dynamic_sampling else 0)
   scored_rounds, rejected, truncated = [], 0, 0
   rollout_s = reward_s = 0.0
   generated, reward_errors, reward_timeouts = 0, 0, 0
   first_errors = []
-  for round_index in range(rounds):
-    prompts = next_prompts(examples, run.tokenizer, count=cfg.prompts_per_step,
-                           max_len=cfg.max_prompt_len, overflow=cfg.prompt_overflow)
+  partial_info = {}
+
+  def draw(count):
+    nonlocal rejected, truncated
+    prompts = next_prompts(examples, run.tokenizer, count=count, max_len=cfg.max_prompt_len,
+                           overflow=cfg.prompt_overflow)
     rejected, truncated = rejected + prompts.rejected, truncated + prompts.truncated
+    return prompts.examples, prompts.tokens, prompts.mask
+
+  for round_index in range(rounds):
     t0 = time.perf_counter()
-    out = run.rollout(run.state.params, run.state.extra, prompts.tokens, prompts.mask,
-                      jax.random.fold_in(key, round_index))
-    arrays = _rollout_arrays(out)
+    if run.partial is not None:
+      arrays, round_examples, partial_info = run.partial.step(
+          run.state.params, run.state.extra, draw, jax.random.fold_in(key, round_index), run.version)
+    elif round_index == 0 and cfg.max_staleness > 0:
+      dispatched = next_in_flight(run, draw, key)
+      round_examples = dispatched.examples
+      t0 = time.perf_counter()  # the wait for a rollout dispatched earlier
+      arrays = dispatched.arrays()
+    else:
+      round_examples, tokens, mask = draw(cfg.prompts_per_step)
+      t0 = time.perf_counter()
+      arrays = _rollout_arrays(run.rollout(run.state.params, run.state.extra, tokens, mask,
+                                           jax.random.fold_in(key, round_index), None, run.version))
     rollout_s += time.perf_counter() - t0
     generated += int(arrays["lengths"].sum())
     t0 = time.perf_counter()
-    scored = score_rollout(arrays, prompts.examples, run.tokenizer, run.pool, group_size=cfg.group_size,
-                           max_new_tokens=cfg.max_new_tokens, overlong_buffer=cfg.overlong_buffer,
-                           overlong_penalty_value=cfg.overlong_penalty)
+    scored = empty_scored(arrays) if not round_examples else score_rollout(
+        arrays, round_examples, run.tokenizer, run.pool, group_size=cfg.group_size,
+        max_new_tokens=cfg.max_new_tokens, overlong_buffer=cfg.overlong_buffer,
+        overlong_penalty_value=cfg.overlong_penalty)
     reward_s += time.perf_counter() - t0
     reward_errors += scored.info["reward_errors"]
     reward_timeouts += scored.info["reward_timeouts"]
@@ -145,7 +235,10 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
       break
   batch = select_groups(scored_rounds, num_groups=cfg.prompts_per_step, group_size=cfg.group_size,
                         dynamic=cfg.dynamic_sampling)
+  partial_info.update(_staleness(batch.arrays, run.version))
   first = scored_rounds[0]  # the first round is an unbiased sample of the policy: report it
+  if not first.texts:  # partial rollouts: no group ended in this step
+    first = batch
   lengths = first.arrays["lengths"].astype(np.float32)
   metrics = {
       "reward_mean": float(first.correct.mean()), "reward_std": float(first.correct.std()),
@@ -166,28 +259,65 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
   }
   if first_errors:
     metrics["first_reward_error"] = first_errors[0][:200]
+  metrics.update(partial_info)
   return batch, metrics
 
 
+def _sample_layout(plan, zigzag_shards: int):
+  """(to_samples, from_samples) between the update batch's layout and one contiguous row per sample
+  (host numpy); from_samples is None when the layouts are the same."""
+  if plan is not None:
+    return (lambda x: None if x is None else plan.unpack(x, 0)), (lambda x: plan.pack(np.asarray(x), 0))
+  if zigzag_shards > 1:
+    return ((lambda x: None if x is None else unzigzag(np.asarray(x), zigzag_shards)),
+            (lambda x: zigzag(np.asarray(x), zigzag_shards)))
+  return (lambda x: x), None
+
+
 def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
-  """ScoredBatch -> UpdateBatch on the devices, with everything `run.spec` needs, checked."""
+  """ScoredBatch -> UpdateBatch on the devices, with everything `run.spec` needs, checked.
+
+  Padded: one row per sample (zigzag for ring attention). Packed (rl.pack_updates): the valid
+  samples' tokens packed into rl.packed_rows rows (rl/packing.py); advantages are computed per
+  sample and packed, reference log-probs and values are computed packed and unpacked for them.
+  With rl.tis_level the rollout's log-probs become `behaviour_logprobs` and `old_logprobs` are
+  recomputed under the current params (the proximal policy)."""
   aligned = align_for_update(scored)
   routing = aligned.pop("routing", None) if run.spec.replay_routing else None
   aligned.pop("routing", None)
   host = UpdateBatch(**aligned, advantages=np.zeros_like(aligned["old_logprobs"]), routing=routing)
-  batch = device_put_batch(zigzag_batch(host, run.zigzag_shards), run.batch_sharding)
+  plan, metrics = None, {}
+  if run.spec.packed:
+    plan = packing.plan_packing(host.segment_ids, scored.sample_valid,
+                                packing.PackingSpec.from_config(run.cfg, zigzag_shards=run.zigzag_shards))
+    host = packing.pack_batch(host, plan)
+    metrics.update(packing.packing_metrics(plan))
+  else:
+    host = zigzag_batch(host, run.zigzag_shards)
+  batch = device_put_batch(host, run.batch_sharding)
   ref_logprobs = values = None
   if run.ref_params is not None:
     ref_logprobs, _ = run.logprob_fn(run.ref_params, run.state.extra, batch)
-  if run.spec.critic:
-    _, values = run.logprob_fn(run.state.params, run.state.extra, batch)
+  if run.spec.critic or run.spec.tis_level != "none":
+    proximal, values = run.logprob_fn(run.state.params, run.state.extra, batch)
+    if run.spec.tis_level != "none":
+      batch = batch.replace(behaviour_logprobs=batch.old_logprobs, old_logprobs=proximal)
+  # Advantages per sample in contiguous order ([B, S], the estimators' layout: GAE scans columns in
+  # order), then in the batch's layout (packed, or zigzag for ring attention).
+  to_samples, from_samples = _sample_layout(plan, run.zigzag_shards)
   valid = jnp.asarray(scored.sample_valid)
-  advantages, returns, metrics = run.advantages_fn(jnp.asarray(scored.rewards), batch.loss_mask, valid,
-                                                   batch.old_logprobs, ref_logprobs, values)
+  advantages, returns, adv_metrics = run.advantages_fn(
+      jnp.asarray(scored.rewards), to_samples(batch.loss_mask), valid, to_samples(batch.old_logprobs),
+      to_samples(ref_logprobs), to_samples(values))
+  if from_samples is not None:
+    put = lambda x: jnp.asarray(x) if run.batch_sharding is None else jax.device_put(x, run.batch_sharding)  # noqa: E731
+    advantages = put(from_samples(advantages))
+    returns = None if returns is None else put(from_samples(returns))
   batch = batch.replace(advantages=advantages, ref_logprobs=ref_logprobs,
                         old_values=values if run.spec.critic else None,
                         returns=returns if run.spec.critic else None)
-  return batch.check(run.spec), {k: float(v) for k, v in jax.device_get(metrics).items()}
+  metrics.update({k: float(v) for k, v in jax.device_get(adv_metrics).items()})
+  return batch.check(run.spec), metrics
 
 
 def rl_step(run: RLRun, examples: Iterator[dict], key: jax.Array) -> dict:
@@ -200,6 +330,7 @@ def rl_step(run: RLRun, examples: Iterator[dict], key: jax.Array) -> dict:
   t_update = time.perf_counter()
   metrics["prepare_s"] = t_update - t_prepare
   run.state, update_metrics = run.update(run.state, batch, jax.random.fold_in(key, 1))
+  run.version += 1
   update_metrics = jax.device_get(update_metrics)
   metrics["update_s"] = time.perf_counter() - t_update
   update_metrics.pop("expert_load", None)

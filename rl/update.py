@@ -7,8 +7,15 @@ parameters at the sampling temperature, replaying the rollout's MoE routes when
 `spec.replay_routing`. Which loss terms are on is fixed by the frozen `losses.LossSpec`, and the batch
 is checked against it (`UpdateBatch.check`) before the first call.
 
-`make_logprob_fn` is the same forward without a gradient: reference log-probs and the critic's
-values at rollout time.
+With `spec.logits_chunk > 0` (attention.logits_chunk, the knob SFT uses for the same memory
+problem) the log-probs and entropies come chunk by chunk from the final hidden states
+(train/chunked_loss.py), so [B, S, V] logits never exist; the KL estimators need only the sampled
+tokens' log-probs. With `spec.packed` the batch is packed rows (rl/packing.py) and every
+per-sequence reduction goes by `batch.sequence_ids`; with `spec.tis_level` the policy loss is
+weighted by truncated importance ratios of the proximal (`old_logprobs`) to the behaviour policy.
+
+`make_logprob_fn` is the same forward without a gradient: reference log-probs, the critic's values
+at rollout time, and the proximal log-probs that importance correction recomputes.
 
 Axis legend: B sequences, S tokens (prediction-aligned: column s scores targets[:, s]), V vocab,
 L MoE layers, K experts per token.
@@ -25,6 +32,7 @@ from flax import nnx
 
 from meshrl.rl import losses
 from meshrl.rl.batches import UpdateBatch
+from meshrl.train import chunked_loss
 from meshrl.train.state import TrainState, update_router_bias
 
 
@@ -34,31 +42,52 @@ def target_logprobs(logits: jax.Array, targets: jax.Array, temperature: float) -
   return losses.logprobs_from_logits(logits.astype(jnp.float32) * scale, targets)
 
 
-def policy_forward(model, batch: UpdateBatch, *, temperature: float, replay_routing: bool):
-  """Forward over whole sequences -> (logp [B, S], ModelOutput)."""
+def policy_forward(model, batch: UpdateBatch, *, temperature: float, replay_routing: bool,
+                   logits_chunk: int = 0, entropy: bool = False):
+  """Forward over whole sequences -> (logp [B, S], entropy [B, S] or None, ModelOutput).
+
+  Both at the sampling temperature; with `logits_chunk > 0` chunk by chunk from the hidden states
+  (the ModelOutput then has no logits)."""
   routing = batch.routing if replay_routing else None
   if routing is not None:
     routing = jnp.swapaxes(routing, 0, 1)  # [L, B, S, K]
-  out = model(batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids, routing=routing)
-  return target_logprobs(out.logits, batch.targets, temperature), out
+  kw = dict(positions=batch.positions, segment_ids=batch.segment_ids, routing=routing)
+  scale = 1.0 if temperature == 0 else 1.0 / temperature
+  if logits_chunk:
+    out = model(batch.tokens, return_hidden=True, **kw)
+    logp, ent = chunked_loss.chunked_token_stats(out.hidden, model.output_projection(), batch.targets,
+                                                 chunk=logits_chunk, scale=scale, entropy=entropy)
+    return logp, ent, out
+  out = model(batch.tokens, **kw)
+  ent = losses.entropy_from_logits(out.logits.astype(jnp.float32) * scale) if entropy else None
+  return target_logprobs(out.logits, batch.targets, temperature), ent, out
 
 
 def rl_loss(params, extra, graphdef, batch: UpdateBatch, spec: losses.LossSpec):
   """The RL objective on one minibatch -> (loss, metrics). Each term below has a header."""
   model = nnx.merge(graphdef, params, extra)
-  logp, out = policy_forward(model, batch, temperature=spec.temperature,
-                             replay_routing=spec.replay_routing)
+  logp, token_entropy, out = policy_forward(model, batch, temperature=spec.temperature,
+                                            replay_routing=spec.replay_routing,
+                                            logits_chunk=spec.logits_chunk, entropy=True)
   mask = batch.loss_mask
-  agg = dict(loss_agg=spec.loss_agg, max_len=spec.max_len)
-  # Policy: clipped surrogate (token ratio for PPO/GRPO, sequence ratio for GSPO).
-  loss, metrics = losses.policy_loss(
+  sequences = spec.sequences(batch.sequence_ids)  # None unless packed rows
+  agg = dict(loss_agg=spec.loss_agg, max_len=spec.max_len, sequences=sequences)
+  # Truncated importance weights: proximal (old) vs behaviour (rollout) policy, constants.
+  is_weights, metrics = None, {}
+  if spec.tis_level != "none":
+    is_weights, metrics = losses.truncated_is_weights(
+        batch.old_logprobs, batch.behaviour_logprobs, mask, level=spec.tis_level, cap=spec.tis_cap,
+        sequences=sequences)
+  # Policy: clipped surrogate (token ratio for PPO/GRPO, sequence ratio for GSPO), TIS-weighted.
+  loss, policy_metrics = losses.policy_loss(
       logp, batch.old_logprobs, batch.advantages, mask, clip_low=spec.clip_low,
-      clip_high=spec.clip_high, dual_clip=spec.dual_clip, ratio=spec.ratio, **agg)
+      clip_high=spec.clip_high, dual_clip=spec.dual_clip, ratio=spec.ratio, is_weights=is_weights,
+      **agg)
+  metrics.update(policy_metrics)
   metrics["logprob_diff_max"] = jnp.max(jnp.where(mask, jnp.abs(jax.lax.stop_gradient(logp)
                                                                 - batch.old_logprobs), 0.0))
   # Entropy: a bonus when entropy_coef > 0, always a metric.
-  scaled = out.logits.astype(jnp.float32) / (spec.temperature or 1.0)
-  entropy, entropy_metrics = losses.entropy_loss(scaled, mask, **agg)
+  entropy, entropy_metrics = losses.entropy_term(token_entropy, mask, **agg)
   if spec.entropy_coef:
     loss = loss - spec.entropy_coef * entropy
   metrics.update(entropy_metrics)
@@ -149,11 +178,13 @@ def make_update(spec: losses.LossSpec, graphdef: nnx.GraphDef, tx: optax.Gradien
   return jax.jit(update, donate_argnums=(0,))
 
 
-def make_logprob_fn(graphdef: nnx.GraphDef, *, temperature: float, replay_routing: bool):
+def make_logprob_fn(graphdef: nnx.GraphDef, *, temperature: float, replay_routing: bool,
+                    logits_chunk: int = 0):
   """Jitted `(params, extra, batch: UpdateBatch) -> (logp [B, S], values [B, S] or None)`: reference
-  log-probs, and the critic's values at rollout time."""
+  log-probs, the critic's values at rollout time, proximal log-probs (chunked when logits_chunk)."""
   def logprob_fn(params, extra, batch: UpdateBatch):
     model = nnx.merge(graphdef, params, extra)
-    logp, out = policy_forward(model, batch, temperature=temperature, replay_routing=replay_routing)
+    logp, _, out = policy_forward(model, batch, temperature=temperature, replay_routing=replay_routing,
+                                  logits_chunk=logits_chunk)
     return logp, out.values
   return jax.jit(logprob_fn)

@@ -10,6 +10,10 @@ Chunks are interleaved (chunk c holds positions c, c + C, c + 2C, ... of every r
 so when the length axis is sharded over `sequence` every chunk is spread evenly over the devices and
 the scan never gathers a sharded axis.
 
+`chunked_cross_entropy` serves SFT; `chunked_token_stats` (log-probs of the sampled tokens at a
+temperature, and the entropy of each next-token distribution) serves the RL update, whose policy
+loss, KL (sampled-token estimators) and entropy need nothing else from the logits.
+
 Axis legend: B batch, T length, D model width, V vocabulary, C number of chunks.
 """
 
@@ -78,6 +82,50 @@ def chunked_logprobs(hidden, head, targets, *, chunk: int):
   with jax.named_scope("chunked_logprobs"):
     _, logprobs = jax.lax.scan(step, None, (_to_chunks(hidden, chunk), _to_chunks(targets, chunk)))
   return _from_chunks(logprobs, hidden.shape[1])
+
+
+def _token_stats(hidden_chunk, head, target_chunk, scale: float, with_entropy: bool):
+  """(log p(target), entropy) [B, chunk] float32 of one chunk's logits * scale, formed only here."""
+  logits = jnp.einsum("BTD,DV->BTV", hidden_chunk, head, preferred_element_type=jnp.float32) * scale
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  target_chunk = jnp.clip(target_chunk, 0, logits.shape[-1] - 1)
+  logp = jnp.take_along_axis(log_probs, target_chunk[..., None], axis=-1)[..., 0]
+  if not with_entropy:
+    return logp, jnp.zeros_like(logp)
+  probs = jnp.exp(log_probs)
+  return logp, -jnp.sum(jnp.where(probs > 0, probs * log_probs, 0.0), axis=-1)
+
+
+def chunked_token_stats(hidden, head, targets, *, chunk: int, scale: float = 1.0,
+                        entropy: bool = True):
+  """Per-token log-probs of the targets and entropies under softmax(logits * scale), chunk by chunk.
+
+  Equal to the dense `log_softmax(hidden @ head * scale)` computation, gradients included (the
+  backward recomputes one chunk's logits at a time).
+
+  Args:
+    hidden: [B, T, D] final hidden states (after the last norm).
+    head: [D, V] output projection (a tied embedding [V, D] goes in as `embedding.T`).
+    targets: [B, T] int token ids to score.
+    chunk: tokens per row per scan step; the peak logit buffer is [B, chunk, V] float32.
+    scale: multiplies the logits (1 / sampling temperature).
+    entropy: also compute the entropies (else None is returned for them).
+
+  Returns:
+    (logp [B, T] float32, entropy [B, T] float32 or None).
+  """
+  _check(hidden, head, targets, chunk)
+  chunk = min(chunk, hidden.shape[1])
+
+  @jax.checkpoint
+  def step(_, xs):
+    hidden_chunk, target_chunk = xs
+    return None, _token_stats(hidden_chunk, head, target_chunk, scale, entropy)
+
+  with jax.named_scope("chunked_token_stats"):
+    _, (logp, ent) = jax.lax.scan(step, None, (_to_chunks(hidden, chunk), _to_chunks(targets, chunk)))
+  t = hidden.shape[1]
+  return _from_chunks(logp, t), (_from_chunks(ent, t) if entropy else None)
 
 
 def chunked_cross_entropy(hidden, head, targets, mask, *, chunk: int):

@@ -128,7 +128,7 @@ def test_cheating_candidates_get_no_credit(partial):
 
 def test_a_hanging_sample_delays_only_itself(pool):
   reward = code.CodeReward(partial=True, pool=pool,
-                           limits=sandbox.Limits(timeout_s=2.5, cpu_s=5, memory_mb=256))
+                           limits=sandbox.Limits(timeout_s=6.0, cpu_s=12, memory_mb=256))
   hang = _fenced("def double(x):\n  if x == 3:\n    while True: pass\n  return 2 * x")
   good = _fenced("def double(x):\n  return 2 * x")
   finished = {}
@@ -145,7 +145,7 @@ def test_a_hanging_sample_delays_only_itself(pool):
                                         ("good3", good)]}
     values = {name: future.result() for name, future in futures.items()}
   assert values == {"hang": 0.5, "good1": 1.0, "good2": 1.0, "good3": 1.0}
-  assert finished["hang"] >= 1.5
+  assert finished["hang"] >= 5.0  # a wide margin: the good samples take ~0.1 s alone, ~2 s on a busy machine
   assert max(finished[k] for k in ("good1", "good2", "good3")) < finished["hang"]
 
 

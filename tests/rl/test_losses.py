@@ -221,3 +221,69 @@ def test_padding_with_inf_logps_keeps_gradients_finite(ratio):
   loss, grad = jax.value_and_grad(total)(jnp.asarray(logp))
   assert np.isfinite(loss) and np.all(np.isfinite(grad))
   assert np.all(np.asarray(grad)[~MASK] == 0)
+
+
+# --- packed rows: per-sample reductions ----------------------------------------------------------
+
+
+def _packed(x, fill=0.0):
+  """The B=3 rows of MASK's real tokens packed into 2 rows of 6: row 0 = sample 0 (4) + sample 1
+  (2), row 1 = sample 2 (3) + padding; returns (packed [2, 6], Sequences)."""
+  ids = np.array([[0, 0, 0, 0, 1, 1], [2, 2, 2, -1, -1, -1]])
+  cols = np.array([[0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 0, 0]])
+  out = np.where(ids >= 0, np.asarray(x)[np.maximum(ids, 0), cols], fill)
+  return out, losses.Sequences(jnp.asarray(ids, jnp.int32), 3, 3)
+
+
+@pytest.mark.parametrize("loss_agg", sorted(losses.AGGREGATIONS))
+@pytest.mark.parametrize("ratio", ["token", "sequence"])
+def test_packed_rows_reduce_per_sample(loss_agg, ratio):
+  """The policy loss and its gradient on packed rows equal those on one row per sample, for every
+  aggregation and both ratios; reducing a packed row as one sequence would not."""
+  packed_mask, seqs = _packed(MASK, False)
+  adv_tokens = np.broadcast_to(ADV[:, None], (B, T))
+  def padded_fn(lp):
+    return losses.policy_loss(lp, OLD, adv_tokens, MASK, ratio=ratio, loss_agg=loss_agg, max_len=T)[0]
+  def packed_fn(lp, sequences=seqs):
+    return losses.policy_loss(lp, _packed(OLD)[0], _packed(adv_tokens)[0], packed_mask, ratio=ratio,
+                              loss_agg=loss_agg, max_len=T, sequences=sequences)[0]
+  lp = jnp.asarray(LOGP)
+  want, want_grad = jax.value_and_grad(padded_fn)(lp)
+  got, got_grad = jax.value_and_grad(packed_fn)(jnp.asarray(_packed(LOGP)[0]))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  np.testing.assert_allclose(got_grad, _packed(want_grad)[0], rtol=1e-5, atol=1e-7)
+  if loss_agg != "token_mean" or ratio == "sequence":
+    rows_as_sequences = packed_fn(jnp.asarray(_packed(LOGP)[0]), None)
+    assert abs(float(rows_as_sequences) - float(want)) > 1e-4
+
+
+# --- truncated importance weights ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_truncated_is_weights_are_one_unchanged_and_the_capped_ratio_otherwise(level):
+  weights, metrics = losses.truncated_is_weights(OLD, OLD, MASK, level=level, cap=2.0)
+  np.testing.assert_array_equal(np.asarray(weights)[MASK], 1.0)  # exactly, not approximately
+  assert float(metrics["tis_weight_mean"]) == 1.0 and float(metrics["tis_truncated_frac"]) == 0.0
+  behaviour = OLD - RNG.normal(0.0, 0.5, size=(B, T)).astype(np.float32)
+  log_ratio = np.where(MASK, OLD - behaviour, 0.0)
+  if level == "sequence":  # the product of the token ratios of each sequence
+    log_ratio = np.broadcast_to(log_ratio.sum(1, keepdims=True), (B, T))
+  want = np.minimum(np.exp(log_ratio), 1.5)
+  weights, metrics = losses.truncated_is_weights(OLD, behaviour, MASK, level=level, cap=1.5)
+  np.testing.assert_allclose(np.asarray(weights)[MASK], want[MASK], rtol=1e-5)
+  assert 0.0 < float(metrics["tis_truncated_frac"]) < 1.0
+  np.testing.assert_allclose(float(metrics["tis_truncated_frac"]), (np.exp(log_ratio) > 1.5)[MASK].mean())
+  # Packed rows give each sample the same weights.
+  packed, seqs = _packed(OLD)
+  packed_w, _ = losses.truncated_is_weights(packed, _packed(behaviour)[0], _packed(MASK, False)[0],
+                                            level=level, cap=1.5, sequences=seqs)
+  np.testing.assert_allclose(np.asarray(packed_w), _packed(np.where(MASK, want, 0.0))[0], rtol=1e-5)
+  # The weights multiply each token's surrogate loss and carry no gradient themselves.
+  _, per_token = _np_ppo(LOGP, OLD, ADV, 0.2, 0.2)
+  loss, _ = losses.policy_loss(LOGP, OLD, ADV, MASK, clip_low=0.2, clip_high=0.2, is_weights=weights)
+  np.testing.assert_allclose(float(loss), (per_token * want)[MASK].mean(), rtol=1e-5)
+  with pytest.raises(ValueError, match="rl.tis_cap=0.9 must be >= 1"):
+    losses.truncated_is_weights(OLD, OLD, MASK, level=level, cap=0.9)
+  with pytest.raises(ValueError, match="rl.tis_level='seq'"):
+    losses.truncated_is_weights(OLD, OLD, MASK, level="seq", cap=2.0)

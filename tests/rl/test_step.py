@@ -64,8 +64,9 @@ def test_compiled_rollout_holds_less_than_one_parameter_copy(devices):
 
 
 @pytest.mark.parametrize("extra", [
-    ["rl.kl_coef=0.1"],
-    ["rl.kl_coef=0.05", "rl.kl_in_reward=true", "rl.advantage=rloo"],
+    # The KL-loss path also runs in the resume test; both below are slow-run only (suite budget).
+    pytest.param(["rl.kl_coef=0.1"], marks=pytest.mark.slow),
+    pytest.param(["rl.kl_coef=0.05", "rl.kl_in_reward=true", "rl.advantage=rloo"], marks=pytest.mark.slow),
     ["rl.advantage=gae", "model.value_head=true", "rl.kl_coef=0.05"],
 ])
 def test_three_step_loops_with_kl_and_critic(devices, extra):
@@ -90,10 +91,20 @@ def _lines(path):
 
 
 @pytest.mark.usefixtures("compile_cache")
-def test_resume_equals_uninterrupted_and_rerun_is_identical(tmp_path, devices):
+@pytest.mark.parametrize("carried", [
+    # The async run checks all the sync one does and more: the plain resume runs with the slow tests.
+    pytest.param([], marks=pytest.mark.slow),
+    ["rl.max_staleness=1", "rl.tis_level=token"],  # rollouts in flight are saved and restored
+    pytest.param(["rl.engine=continuous", "rl.rollout_token_budget=48", "rl.max_resample_rounds=0"],
+                 marks=pytest.mark.slow),  # partial rollouts (tests/rl/test_engine.py by default)
+], ids=["sync", "async", "partial"])
+def test_resume_equals_uninterrupted_and_rerun_is_identical(tmp_path, devices, carried):
   """Steps 1-4 straight vs steps 1-2, stop, resume 3-4: identical metrics (time aside); and the
-  first two steps of both runs (two runs of one config and seed) are identical too."""
-  common = ["checkpoint.every=2", "checkpoint.async_save=true", "rl.kl_coef=0.05", "eval.every=0"]
+  first two steps of both runs (two runs of one config and seed) are identical too. What a step
+  carries to the next (asynchronous RL's rollouts in flight, partial rollouts' unfinished groups)
+  goes through the checkpoint: a resume that dropped it would draw other samples."""
+  common = ["checkpoint.every=2", "checkpoint.async_save=true", "rl.kl_coef=0.05", "eval.every=0",
+            *carried]
   straight = loop.run(_cfg("rl.num_steps=4", *common), str(tmp_path / "straight"))
   first = loop.run(_cfg("rl.num_steps=2", *common), str(tmp_path / "split"))
   resumed = loop.run(_cfg("rl.num_steps=4", *common), str(tmp_path / "split"))
@@ -101,6 +112,8 @@ def test_resume_equals_uninterrupted_and_rerun_is_identical(tmp_path, devices):
   assert loop.metrics_equal(straight[:2], first)
   assert loop.metrics_equal(straight[2:], resumed)
   assert not loop.metrics_equal(straight[:2], straight[2:])  # the comparison can fail
+  if "rl.max_staleness=1" in carried:  # step 1 trains on version 0, then always one version behind
+    assert [r["staleness_max"] for r in straight] == [0.0, 1.0, 1.0, 1.0]
   written = _lines(tmp_path / "split" / "metrics.jsonl")
   assert [r["step"] for r in written] == [1, 2, 3, 4]
 

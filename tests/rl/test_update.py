@@ -167,3 +167,75 @@ def test_empty_and_non_finite_minibatches_leave_the_state_unchanged(devices):
   moved = [np.abs(np.asarray(g) - w).max() for w, g in zip(jax.tree.leaves(before[0]),
                                                            jax.tree.leaves(state.params))]
   assert max(moved) > 0
+
+
+# --- chunked log-probs and truncated importance weights, on one prepared batch --------------------
+
+TIS_CHUNK = ["rl.tis_level=token", "rl.tis_cap=2.0", "rl.entropy_coef=0.01", "rl.kl_coef=0.2",
+             "rl.temperature=0.7", "moe.aux_loss_coef=0", "moe.z_loss_coef=0"]
+
+
+@pytest.fixture(scope="module")
+def tis_case(devices):  # pylint: disable=unused-argument
+  """(run, scored, prepared batch, loss_and_grad(spec, batch)) with token-level TIS, KL and entropy."""
+  _, run = _run(TIS_CHUNK, mesh_overrides=())
+  scored = _scored(run)
+  batch, _ = prepare(run, scored)
+  compiled = {}
+
+  def loss_and_grad(spec, batch):
+    if spec not in compiled:
+      compiled[spec] = jax.jit(jax.value_and_grad(
+          lambda params, b: rl_loss(params, run.state.extra, run.graphdef, b, spec), has_aux=True))
+    return compiled[spec](run.state.params, batch)
+  return run, scored, batch, loss_and_grad
+
+
+@pytest.mark.slow  # chunked_token_stats against dense, gradients included: tests/train/test_chunked_loss.py
+def test_chunked_logprobs_entropy_kl_equal_dense_with_gradients(tis_case):
+  """attention.logits_chunk=5 (columns 16, so the last chunk is padded): the RL loss (TIS-weighted
+  policy, entropy bonus, KL k3 in the loss), its metrics and its gradient equal the dense path's."""
+  run, _, batch, loss_and_grad = tis_case
+  rng = np.random.RandomState(0)
+  batch = batch.replace(old_logprobs=batch.old_logprobs + jnp.asarray(rng.normal(0, 0.3, batch.tokens.shape),
+                                                                    jnp.float32),
+                        ref_logprobs=batch.ref_logprobs + 0.5)
+  (dense, dense_metrics), dense_grads = loss_and_grad(run.spec, batch)
+  (chunked, chunked_metrics), chunked_grads = loss_and_grad(dataclasses.replace(run.spec, logits_chunk=5), batch)
+  np.testing.assert_allclose(float(chunked), float(dense), rtol=1e-5)
+  for name in ("pg_loss", "entropy", "kl", "ratio_mean", "tis_weight_mean"):
+    np.testing.assert_allclose(float(chunked_metrics[name]), float(dense_metrics[name]), rtol=1e-5, err_msg=name)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(dense_grads))
+  for want, got in zip(jax.tree.leaves(dense_grads), jax.tree.leaves(chunked_grads)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4 * scale)
+
+
+def test_importance_weights_follow_the_behaviour_policy(tis_case):
+  """prepare keeps the rollout's log-probs as behaviour_logprobs and recomputes old_logprobs (equal
+  within numerics: the policy did not change); the policy loss is weighted by exactly 1 when old ==
+  behaviour, by the cap when old - behaviour = 1 (e > 2), by e^-1 when it is -1; the update reports
+  the mean weight and the truncated fraction."""
+  run, scored, batch, loss_and_grad = tis_case
+  from meshrl.rl.batches import align_for_update  # pylint: disable=import-outside-toplevel
+  np.testing.assert_array_equal(np.asarray(batch.behaviour_logprobs), align_for_update(scored)["old_logprobs"])
+  mask = np.asarray(batch.loss_mask)
+  assert np.abs(np.asarray(batch.old_logprobs) - np.asarray(batch.behaviour_logprobs))[mask].max() < 1e-4
+  with pytest.raises(ValueError, match=r"lacks \['behaviour_logprobs'\]"):
+    batch.replace(behaviour_logprobs=None).check(run.spec)
+  pg = {}
+  lifted = batch.replace(advantages=batch.advantages + jnp.where(batch.loss_mask, 1.0, 0.0))  # pg away from 0
+  for name, shift in (("same", 0.0), ("capped", -1.0), ("down", 1.0)):
+    (_, metrics), _ = loss_and_grad(run.spec, lifted.replace(behaviour_logprobs=batch.old_logprobs + shift))
+    pg[name] = float(metrics["pg_loss"])
+    if name == "same":
+      assert float(metrics["tis_weight_mean"]) == 1.0 and float(metrics["tis_truncated_frac"]) == 0.0
+    if name == "capped":
+      assert float(metrics["tis_weight_mean"]) == pytest.approx(2.0)
+      assert float(metrics["tis_truncated_frac"]) == 1.0
+  assert abs(pg["same"]) > 1e-3
+  assert pg["capped"] == pytest.approx(2.0 * pg["same"], rel=1e-5)
+  assert pg["down"] == pytest.approx(np.exp(-1.0) * pg["same"], rel=1e-5)
+  state, metrics = run.update(run.state, batch, jax.random.key(0))
+  run.state = state
+  assert float(metrics["tis_weight_mean"]) == pytest.approx(1.0, abs=1e-3)
+  assert float(metrics["tis_truncated_frac"]) == 0.0

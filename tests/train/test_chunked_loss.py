@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshrl.sharding import make_mesh
-from meshrl.train.chunked_loss import chunked_cross_entropy, chunked_logprobs
+from meshrl.train.chunked_loss import chunked_cross_entropy, chunked_logprobs, chunked_token_stats
 
 B, T, D, V = 2, 37, 16, 50  # T not a multiple of the chunk: padding is exercised
 
@@ -95,3 +95,29 @@ def test_sequence_sharded_hidden_is_never_gathered():
   hlo = jax.jit(grad).lower(split((1, 8192, 64), jnp.float32), head, split((1, 8192), jnp.int32),
                             split((1, 8192), jnp.bool_)).compile().as_text()
   assert not re.search(r"\s(all-gather|all-to-all|collective-permute)(-start)?\(", hlo)
+
+
+def _dense_stats(hidden, head, targets, scale):
+  logp_all = jax.nn.log_softmax(jnp.einsum("BTD,DV->BTV", hidden, head) * scale, axis=-1)
+  logp = jnp.take_along_axis(logp_all, jnp.clip(targets, 0, V - 1)[..., None], axis=-1)[..., 0]
+  return logp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+
+
+def test_chunked_token_stats_match_dense_with_gradients():
+  """Log-probs and entropies at temperature 0.7 (scale 1/0.7), values and gradients of a loss that
+  uses both; a dropped scale or an entropy of unscaled logits would fail."""
+  hidden, head, targets, _ = _inputs()
+  scale = 1 / 0.7
+  logp, ent = jax.jit(lambda h, w: chunked_token_stats(h, w, targets, chunk=8, scale=scale))(hidden, head)
+  want_logp, want_ent = _dense_stats(hidden, head, targets, scale)
+  assert float(jnp.max(jnp.abs(logp - want_logp))) <= 1e-5
+  assert float(jnp.max(jnp.abs(ent - want_ent))) <= 1e-5
+  assert chunked_token_stats(hidden, head, targets, chunk=8, entropy=False)[1] is None
+  w1, w2 = jax.random.normal(jax.random.key(1), (2, B, T))
+  def objective(stats_fn):
+    return lambda h, w: jnp.sum(stats_fn(h, w)[0] * w1) + jnp.sum(stats_fn(h, w)[1] * w2)
+  grads = jax.grad(objective(lambda h, w: chunked_token_stats(h, w, targets, chunk=8, scale=scale)),
+                   argnums=(0, 1))(hidden, head)
+  want_grads = jax.grad(objective(lambda h, w: _dense_stats(h, w, targets, scale)), argnums=(0, 1))(hidden, head)
+  for got, want in zip(grads, want_grads):
+    assert float(jnp.max(jnp.abs(got - want))) <= 1e-4

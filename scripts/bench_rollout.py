@@ -1,0 +1,340 @@
+"""Rollout-side benchmark of issue 12: one function per section, all numbers into one JSON file.
+
+Run:  JAX_PLATFORMS=cpu python scripts/bench_rollout.py --json runs/bench_rollout.json
+      (--sections rollout,update,step; --config=... and --config.a.b=... as in rl.py; the config is
+      configs/tiny.py, a 2-layer MoE, unless told otherwise)
+
+Sections (each a function `section_NAME(args, cfg) -> dict` of JSON keys, registered in SECTIONS):
+  rollout   generated tokens per second of the same samples produced three ways, side by side in one
+            process (keys `static`, `continuous`, `continuous_prefix`, plus details under
+            `rollout_detail`):
+              static             rl/rollout.py: one while_loop over the whole batch until its longest
+                                 sample ends
+              continuous         rl/engine.py with --slots decode slots, every sample prefilled on
+                                 its own (prompts repeated G times, group size 1)
+              continuous_prefix  rl/engine.py with --slots decode slots, a group's prompt prefilled
+                                 once and its cache rows copied to the group's slots
+            Response lengths are long-tailed: each sample's length is drawn up front from a
+            log-normal (median --median_len, sigma --sigma, clipped to [1, rl.max_new_tokens]) and
+            imposed through the rollouts' per-sample `max_lengths` (a sample ends, truncated, at its
+            length; stop tokens are switched off so the drawn lengths are exact). All three produce
+            the same tokens (per-sample PRNG keys); the script checks that and exits 1 otherwise.
+            Each variant is compiled by a warm-up call, then timed over --repeats calls (best).
+  update    (helper B) update_padded_s, update_packed_s
+  step      RL step time (rl_step) synchronous vs asynchronous (rl.max_staleness=1) when scoring
+            takes about as long as generation (keys `step_sync_s`, `step_async_s`; `step_detail`)
+"""
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+
+from meshrl.configs import cli
+
+
+def _flags(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--json", required=True, help="where to write the results")
+  parser.add_argument("--sections", default="rollout", help="comma-separated: " + ",".join(
+      ["rollout", "update", "step"]))
+  parser.add_argument("--prompts", type=int, default=32, help="rollout: distinct prompts")
+  parser.add_argument("--group_size", type=int, default=8, help="rollout: samples per prompt")
+  parser.add_argument("--slots", type=int, default=64, help="rollout: decode slots of the engine")
+  parser.add_argument("--max_new_tokens", type=int, default=128, help="rollout: response budget")
+  parser.add_argument("--median_len", type=float, default=8.0, help="rollout: median response length")
+  parser.add_argument("--sigma", type=float, default=1.1, help="rollout: log-normal sigma of lengths")
+  parser.add_argument("--step_steps", type=int, default=4, help="step: timed RL steps per mode")
+  parser.add_argument("--reward_workers", type=int, default=8, help="step: scoring threads")
+  parser.add_argument("--repeats", type=int, default=2, help="timed calls per variant (best is kept)")
+
+
+def long_tailed_lengths(count: int, *, median: float, sigma: float, max_len: int, seed: int = 0):
+  """[count] int32 response lengths: median * exp(sigma * z), z ~ N(0, 1), clipped to [1, max_len]."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  z = np.random.default_rng(seed).standard_normal(count)
+  return np.clip(np.round(median * np.exp(sigma * z)), 1, max_len).astype(np.int32)
+
+
+def _best_time(fn, repeats: int):
+  """(best seconds over `repeats` calls after one warm-up call, last result); results waited on."""
+  import jax  # pylint: disable=import-outside-toplevel
+  out = jax.block_until_ready(fn())
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - t0)
+  return best, out
+
+
+def section_rollout(args, cfg) -> dict:
+  """Tokens/s of static, continuous (no prefix sharing) and continuous_prefix on long-tailed lengths."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  import numpy as np
+
+  from meshrl.model.init import build_model
+  from meshrl.model.tokenizer import ByteTokenizer
+  from meshrl.model.transformer import ModelConfig
+  from meshrl.rl.engine import make_engine
+  from meshrl.rl.rollout import make_rollout
+  from meshrl.sharding import make_mesh
+  from meshrl.train.optim import make_optimizer
+  from meshrl.train.state import create_train_state
+  # pylint: enable=import-outside-toplevel
+  cfg = copy.deepcopy(cfg)  # the settings below are this section's own; other sections see the given cfg
+  tok = ByteTokenizer()
+  prompts, group = args.prompts, args.group_size
+  batch = prompts * group
+  cfg.rl.max_new_tokens = args.max_new_tokens
+  cfg.rl.group_size = group
+  cfg.rl.stop_tokens = ""
+  cfg.model.max_seq_len = max(cfg.model.max_seq_len, cfg.rl.max_prompt_len + args.max_new_tokens)
+  mesh = make_mesh(cfg.mesh)
+  model = build_model(ModelConfig.from_config(cfg, mesh), mesh)
+  _, state = create_train_state(model, make_optimizer(cfg.optim), mesh)
+  texts = [f"rev {chr(97 + i % 26)}{chr(97 + i // 26 % 26)}{chr(97 + i // 676 % 26)}=" for i in range(prompts)]
+  tokens, mask = tok.encode_batch(texts, length=cfg.rl.max_prompt_len, padding="left")
+  lengths = long_tailed_lengths(batch, median=args.median_len, sigma=args.sigma, max_len=args.max_new_tokens,
+                                seed=cfg.seed)
+  key = jax.random.key(cfg.seed)
+  no_stop = ()  # stop tokens off: the drawn lengths are exact
+
+  static = make_rollout(cfg, mesh, stop_ids=no_stop, pad_id=tok.pad_id)
+  shared = make_engine(cfg, mesh, stop_ids=no_stop, pad_id=tok.pad_id, slots=args.slots)
+  unshared = make_engine(cfg, mesh, stop_ids=no_stop, pad_id=tok.pad_id, slots=args.slots, group_size=1)
+  rep_tokens, rep_mask = np.repeat(tokens, group, 0), np.repeat(mask, group, 0)
+  variants = {
+      "static": lambda: static(state.params, state.extra, tokens, mask, key, max_lengths=lengths),
+      "continuous": lambda: unshared(state.params, state.extra, rep_tokens, rep_mask, key, max_lengths=lengths),
+      "continuous_prefix": lambda: shared(state.params, state.extra, tokens, mask, key, max_lengths=lengths),
+  }
+  report, outputs, detail = {}, {}, {}
+  for name, fn in variants.items():
+    seconds, out = _best_time(fn, args.repeats)
+    outputs[name] = out
+    generated = int(np.asarray(out.lengths).sum())
+    report[name] = generated / seconds
+    detail[name] = {"seconds": seconds, "generated_tokens": generated}
+    print(f"  {name:<18} {seconds:8.3f} s  {report[name]:10.0f} tokens/s", flush=True)
+  same = all(np.array_equal(np.asarray(outputs["static"].tokens), np.asarray(o.tokens))
+             for o in outputs.values())
+  detail.update(samples=batch, prompts=prompts, group_size=group, slots=args.slots,
+                max_new_tokens=args.max_new_tokens, p50_len=float(np.percentile(lengths, 50)),
+                p99_len=float(np.percentile(lengths, 99)), mean_len=float(lengths.mean()),
+                same_tokens=bool(same),
+                continuous_over_static=report["continuous"] / report["static"],
+                continuous_prefix_over_static=report["continuous_prefix"] / report["static"])
+  report["rollout_detail"] = detail
+  return report
+
+
+def _synthetic_scored(cfg, lengths, seed: int):
+  """A ScoredBatch of len(lengths) trajectories: "rev xyz=" prompts left-padded to rl.max_prompt_len,
+  random response tokens of the given lengths, random behaviour log-probs, rewards and MoE routes."""
+  # pylint: disable=import-outside-toplevel
+  import numpy as np
+
+  from meshrl.model.tokenizer import ByteTokenizer
+  from meshrl.rl.batches import ScoredBatch
+  # pylint: enable=import-outside-toplevel
+  tok, rng = ByteTokenizer(), np.random.default_rng(seed)
+  batch, lp, n = len(lengths), cfg.rl.max_prompt_len, cfg.rl.max_new_tokens
+  texts = [f"rev {chr(97 + i % 26)}{chr(97 + i // 26 % 26)}{chr(97 + i // 676 % 26)}=" for i in range(batch)]
+  prompt, prompt_mask = tok.encode_batch(texts, length=lp, padding="left")
+  response_mask = np.arange(n)[None, :] < lengths[:, None]
+  tokens = np.concatenate([prompt, np.where(response_mask, rng.integers(97, 123, (batch, n)), tok.pad_id)], 1)
+  real = np.concatenate([prompt_mask, response_mask], 1)
+  positions = np.where(real, np.cumsum(real, 1) - 1, 0)
+  moe_layers = cfg.model.num_layers - cfg.moe.first_k_dense if cfg.moe.num_experts else 0
+  arrays = {
+      "tokens": tokens.astype(np.int32), "positions": positions.astype(np.int32),
+      "segment_ids": real.astype(np.int32), "prompt_mask": np.concatenate([prompt_mask, np.zeros_like(response_mask)], 1),
+      "response_mask": np.concatenate([np.zeros_like(prompt_mask), response_mask], 1),
+      "logprobs": np.where(np.concatenate([np.zeros_like(prompt_mask), response_mask], 1),
+                           -rng.exponential(1.0, tokens.shape), 0.0).astype(np.float32),
+      "lengths": lengths.astype(np.int32), "truncated": lengths >= n,
+      "routing": (rng.integers(0, cfg.moe.num_experts, (batch, moe_layers, lp + n, cfg.moe.num_experts_per_tok))
+                  .astype(np.int32) if moe_layers else None)}
+  rewards = rng.random(batch).astype(np.float32)
+  return ScoredBatch(arrays=arrays, rewards=rewards, correct=rewards, sample_valid=np.ones(batch, bool),
+                     domains=[""] * batch, texts=[""] * batch)
+
+
+def section_update(args, cfg) -> dict:
+  """Update seconds of the same long-tailed trajectories, padded [B, S] vs packed [R, W] (rl/packing.py).
+
+  Trajectories: --prompts x --group_size samples, responses of log-normal lengths (--median_len,
+  --sigma, budget --max_new_tokens, as the rollout section). Both runs start from the same params
+  and take one jitted update (rl.epochs x rl.num_minibatches) per call: a warm-up call compiles,
+  then the best of --repeats calls counts. The packed run's rl.packed_rows is the fewest rows (a
+  multiple of minibatches x data-parallel shards) holding the step's tokens with 10% slack, rows of
+  S = prompt + response budget tokens. Host prepare time (packing included) is reported apart."""
+  # pylint: disable=import-outside-toplevel
+  import copy
+
+  import jax
+  import numpy as np
+
+  from meshrl.model.init import build_model
+  from meshrl.model.tokenizer import ByteTokenizer
+  from meshrl.model.transformer import ModelConfig
+  from meshrl.rl.step import build_run, prepare
+  from meshrl.sharding import make_mesh
+  from meshrl.sharding.rules import data_parallel_size
+  # pylint: enable=import-outside-toplevel
+  cfg.rl.max_new_tokens = args.max_new_tokens
+  cfg.rl.group_size = args.group_size
+  cfg.rl.prompts_per_step = args.prompts
+  total = cfg.rl.max_prompt_len + args.max_new_tokens
+  cfg.model.max_seq_len = max(cfg.model.max_seq_len, total)
+  batch = args.prompts * args.group_size
+  lengths = long_tailed_lengths(batch, median=args.median_len, sigma=args.sigma, max_len=args.max_new_tokens,
+                                seed=cfg.seed)
+  mesh = make_mesh(cfg.mesh)
+  scored = _synthetic_scored(cfg, lengths, cfg.seed)
+  real_tokens = int((scored.arrays["segment_ids"] != 0).sum())
+  unit = cfg.rl.num_minibatches * data_parallel_size(dict(mesh.shape))
+  rows = min(batch, -(-int(np.ceil(1.1 * real_tokens / total)) // unit) * unit)
+  report, detail = {}, {"samples": batch, "row_len": total, "packed_rows": rows, "real_tokens": real_tokens,
+                        "p50_len": float(np.percentile(lengths, 50)), "p99_len": float(np.percentile(lengths, 99))}
+  for name, packed in (("padded", False), ("packed", True)):
+    run_cfg = copy.deepcopy(cfg)
+    run_cfg.rl.pack_updates = packed
+    run_cfg.rl.packed_rows = rows if packed else 0
+    run = build_run(run_cfg, mesh, build_model(ModelConfig.from_config(run_cfg, mesh), mesh, seed=cfg.seed),
+                    ByteTokenizer())
+    t0 = time.perf_counter()
+    update_batch, prepare_metrics = prepare(run, scored)
+    jax.block_until_ready(update_batch)
+    prepare_s = time.perf_counter() - t0
+    first = {}
+    def call(run=run, update_batch=update_batch, first=first):
+      run.state, metrics = run.update(run.state, update_batch, jax.random.key(0))
+      first.setdefault("loss", metrics["loss"])
+      return metrics
+    seconds, _ = _best_time(call, args.repeats)
+    run.close()
+    report[f"update_{name}_s"] = seconds
+    detail[name] = {"update_s": seconds, "prepare_s": prepare_s, "shape": list(update_batch.tokens.shape),
+                    "first_loss": float(first["loss"]), **prepare_metrics}
+    print(f"  {name:<8} {seconds:8.3f} s update  {prepare_s:6.3f} s prepare  shape "
+          f"{list(update_batch.tokens.shape)}", flush=True)
+  detail["packed_speedup"] = report["update_padded_s"] / report["update_packed_s"]
+  report["update_detail"] = detail
+  return report
+
+
+# Sections by name; the lead adds "step" (step_sync_s, step_async_s).
+def section_step(args, cfg) -> dict:
+  """RL step time, synchronous (rl.max_staleness=0) vs asynchronous (rl.max_staleness=1), when scoring
+  takes about as long as generation: each sample's reward sleeps so that the batch's scoring on
+  --reward_workers threads lasts the synchronous run's measured generation time (a stand-in for
+  sandboxed tests or a remote judge). Both runs use token-level TIS (the async run needs it), so they
+  compute the same programs; each is compiled and warmed up by 2 steps, then --step_steps steps are
+  timed (median). Keys `step_sync_s`, `step_async_s`, details under `step_detail`."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  import numpy as np
+
+  from meshrl import configs
+  from meshrl.rl import loop
+  from meshrl.rl.rewards import compose
+  from meshrl.rl.scoring import RewardPool
+  from meshrl.rl.step import rl_step
+
+  base = list(args.overrides) + ["rl.sft_steps=0", "rl.dynamic_sampling=false", "rl.tis_level=token"]
+  workers = args.reward_workers
+  detail, delay = {}, None
+  for name, staleness in (("sync", 0), ("async", 1)):
+    run, prompts = loop.setup(configs.load(args.config, base + [f"rl.max_staleness={staleness}"]))
+    answer = compose(run.cfg.rl.rewards)
+    warm = [rl_step(run, prompts, jax.random.key(i)) for i in range(2)]
+    if delay is None:  # calibrated once, on the synchronous run's generation time
+      samples = run.cfg.rl.prompts_per_step * run.cfg.rl.group_size
+      generation_s = warm[-1]["rollout_s"]
+      delay = generation_s * workers / samples
+
+    def slow_reward(completion, example, answer=answer):
+      time.sleep(delay)
+      return answer(completion, example)
+    run.pool.close()
+    run.pool = RewardPool(slow_reward, num_workers=workers, timeout_s=max(30.0, 100 * delay))
+    times, rewards_s, rollouts_s = [], [], []
+    for i in range(args.step_steps):
+      metrics = rl_step(run, prompts, jax.random.key(100 + i))
+      times.append(metrics["time_s"])
+      rewards_s.append(metrics["reward_s"])
+      rollouts_s.append(metrics["rollout_s"])
+    run.close()
+    detail[name] = {"step_s": float(np.median(times)), "reward_s": float(np.median(rewards_s)),
+                    "rollout_wait_s": float(np.median(rollouts_s)), "times": times}
+  detail.update(generation_s=generation_s, reward_delay_s=delay, reward_workers=workers,
+                steps=args.step_steps, async_over_sync=detail["async"]["step_s"] / detail["sync"]["step_s"])
+  return {"step_sync_s": detail["sync"]["step_s"], "step_async_s": detail["async"]["step_s"],
+          "step_detail": detail}
+
+
+SECTIONS = {"rollout": section_rollout, "update": section_update, "step": section_step}
+
+
+def print_table(report: dict) -> None:
+  detail = report.get("rollout_detail")
+  if detail:
+    print(f"\nrollout: {detail['samples']} samples ({detail['prompts']} prompts x {detail['group_size']}), "
+          f"{detail['slots']} slots, lengths p50 {detail['p50_len']:.0f} p99 {detail['p99_len']:.0f} "
+          f"(p99/p50 {detail['p99_len'] / detail['p50_len']:.1f}), budget {detail['max_new_tokens']}")
+    print(f"{'variant':<18} {'seconds':>8} {'tokens/s':>10} {'x static':>9}")
+    for name in ("static", "continuous", "continuous_prefix"):
+      print(f"{name:<18} {detail[name]['seconds']:8.3f} {report[name]:10.0f} "
+            f"{report[name] / report['static']:9.2f}")
+    print(f"same tokens in all three: {detail['same_tokens']}")
+  detail = report.get("update_detail")
+  if detail:
+    print(f"\nupdate: {detail['samples']} trajectories, {detail['real_tokens']} real tokens, lengths p50 "
+          f"{detail['p50_len']:.0f} p99 {detail['p99_len']:.0f}; packed into {detail['packed_rows']} rows of "
+          f"{detail['row_len']}")
+    print(f"{'layout':<8} {'shape':>12} {'update s':>9} {'prepare s':>10} {'first loss':>11}")
+    for name in ("padded", "packed"):
+      d = detail[name]
+      print(f"{name:<8} {str(d['shape']):>12} {d['update_s']:9.3f} {d['prepare_s']:10.3f} {d['first_loss']:11.5f}")
+    print(f"packed speedup: {detail['packed_speedup']:.2f}x")
+  detail = report.get("step_detail")
+  if detail:
+    print(f"\nRL step: scoring sleeps {detail['reward_delay_s'] * 1e3:.1f} ms per sample on "
+          f"{detail['reward_workers']} workers (about the measured generation time, "
+          f"{detail['generation_s']:.2f} s); median of {detail['steps']} steps")
+    print(f"{'mode':<6} {'step s':>8} {'scoring s':>10} {'rollout wait s':>15}")
+    for name in ("sync", "async"):
+      d = detail[name]
+      print(f"{name:<6} {d['step_s']:8.3f} {d['reward_s']:10.3f} {d['rollout_wait_s']:15.3f}")
+    print(f"async / sync: {detail['async_over_sync']:.2f}")
+
+
+def main(argv):
+  args, cfg = cli.parse(argv, add_flags=_flags, description=__doc__)
+  names = [s.strip() for s in args.sections.split(",") if s.strip()]
+  unknown = [n for n in names if n not in SECTIONS]
+  if unknown or not names:
+    print(f"error: --sections={args.sections!r}: unknown or not yet implemented {unknown}; "
+          f"available: {','.join(SECTIONS)}", file=sys.stderr)
+    return 2
+  report = {"config": args.config, "overrides": list(args.overrides), "sections": names}
+  for name in names:
+    print(f"section {name}:", flush=True)
+    report.update(SECTIONS[name](args, cfg))
+  print_table(report)
+  os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+  with open(args.json, "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=2)
+  print(f"\nwrote {args.json}")
+  if "rollout_detail" in report and not report["rollout_detail"]["same_tokens"]:
+    print("error: the rollout variants produced different tokens", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

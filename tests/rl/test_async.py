@@ -1,0 +1,88 @@
+"""Asynchronous RL (rl.max_staleness): rollouts are dispatched before the host scores the previous
+batch, staleness never exceeds the bound, and bad settings are refused by name. The whole loop with
+max_staleness=1, resumed from a checkpoint, is in tests/rl/test_step.py (resume, "async")."""
+
+import itertools
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from meshrl import configs
+from meshrl.model.tokenizer import ByteTokenizer
+from meshrl.rl import loop
+from meshrl.rl.scoring import RewardPool
+from meshrl.rl.step import RLRun, collect
+
+SMALL = ["rl.max_prompt_len=8", "rl.max_new_tokens=4", "model.max_seq_len=16", "rl.prompts_per_step=2",
+         "rl.group_size=2", "rl.sft_steps=0", "rl.dynamic_sampling=false"]
+
+
+def _cfg(*extra):
+  return configs.load("configs/tiny.py", SMALL + list(extra))
+
+
+class _Rollout:
+  """Stands in for the jitted rollout: records each dispatch and returns host arrays whose
+  generated tokens carry the version it was called with."""
+
+  def __init__(self, cfg):
+    self.cfg, self.calls = cfg.rl, []
+
+  def __call__(self, params, extra, tokens, mask, key, max_lengths, version):
+    del params, extra, mask, max_lengths
+    rl = self.cfg
+    rows, prompt_len, budget = tokens.shape[0] * rl.group_size, rl.max_prompt_len, rl.max_new_tokens
+    self.calls.append((version, tuple(np.asarray(jax.random.key_data(key)).tolist())))
+    response = np.zeros((rows, prompt_len + budget), bool)
+    response[:, prompt_len:prompt_len + 2] = True
+    return {"tokens": np.full((rows, prompt_len + budget), 97, np.int32),
+            "positions": np.zeros((rows, prompt_len + budget), np.int32),
+            "segment_ids": np.ones((rows, prompt_len + budget), np.int32),
+            "prompt_mask": np.zeros((rows, prompt_len + budget), bool), "response_mask": response,
+            "logprobs": np.zeros((rows, prompt_len + budget), np.float32),
+            "lengths": np.full((rows,), 2, np.int32), "truncated": np.zeros((rows,), bool),
+            "policy_version": np.where(response, version, -1).astype(np.int32)}
+
+
+def test_staleness_is_bounded_and_next_rollouts_are_dispatched_before_scoring():
+  """max_staleness=2: step k trains on a rollout of version max(0, k - 3) (staleness 0, 1, 2, 2, ...),
+  and while the host scores a batch the next two rollouts are already dispatched (a driver that
+  scored first, or dispatched late, fails here); each dispatch has its own key."""
+  cfg = _cfg("rl.max_staleness=2", "rl.tis_level=token")
+  rollout = _Rollout(cfg)
+  in_flight_while_scoring = []
+  run = RLRun(cfg=cfg, mesh=None, graphdef=None, state=types.SimpleNamespace(params=None, extra=None),
+              ref_params=None, spec=None, estimator=None, rollout=rollout, update=None, logprob_fn=None,
+              advantages_fn=None, tokenizer=ByteTokenizer(), pool=None, batch_sharding=None,
+              zigzag_shards=1)
+
+  def reward(completion, example):
+    del completion, example
+    in_flight_while_scoring.append(len(run.in_flight))
+    return 1.0
+  run.pool = RewardPool(reward, num_workers=1)
+  examples = itertools.cycle([{"prompt": "rev abc=", "answer": "cba", "domain": "reverse"}])
+  staleness = []
+  for step in range(5):
+    batch, metrics = collect(run, examples, jax.random.key(step))
+    assert batch.arrays["tokens"].shape == (4, 12)
+    staleness.append(metrics["staleness_max"])
+    run.version += 1  # the update
+  run.close()
+  assert staleness == [0.0, 1.0, 2.0, 2.0, 2.0]
+  assert [version for version, _ in rollout.calls] == [0, 0, 0, 1, 2, 3, 4]
+  assert len({key for _, key in rollout.calls}) == len(rollout.calls)
+  assert set(in_flight_while_scoring) == {2}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rl.max_staleness=-1"], "rl.max_staleness=-1 must be >= 0"),
+    (["rl.max_staleness=1"], "rl.max_staleness=1 trains on samples of older policies: set rl.tis_level"),
+    (["rl.max_staleness=1", "rl.tis_level=token", "rl.engine=continuous", "rl.rollout_token_budget=64",
+      "rl.max_resample_rounds=0"], "rl.max_staleness=1 and rl.rollout_token_budget=64 cannot be combined"),
+])
+def test_bad_async_settings_are_refused_by_name(overrides, message):
+  with pytest.raises(ValueError, match=message):
+    loop.check_config(_cfg(*overrides))
