@@ -50,6 +50,7 @@ from meshrl.model import kv_cache as kvc
 from meshrl.model.transformer import Transformer
 from meshrl.rl.rollout import RolloutBatch, RolloutSpec, prompt_layout, rollout_model_config
 from meshrl.rl.sampling import sample_keys, token_keys
+from meshrl.train.checkpoint import array_from_json, array_to_json
 
 ENGINES = ("static", "continuous")
 
@@ -345,15 +346,14 @@ class PartialRollouts:
     if self.pool is None:
       return {}
     arrays = {f: getattr(self.pool, f) for f in self.pool.__dataclass_fields__}
-    return {"arrays": {name: {"dtype": str(np.asarray(value).dtype), "data": np.asarray(value).tolist()}
-                       for name, value in arrays.items() if value is not None},
+    return {"arrays": {name: array_to_json(value) for name, value in arrays.items() if value is not None},
             "examples": list(self.examples), "live": self.live.tolist(), "next_uid": self.next_uid}
 
   def set_state(self, state: dict) -> None:
     """Continues from `get_state()`'s output ({}: nothing carried)."""
     if not state:
       return
-    arrays = {name: jnp.asarray(np.asarray(v["data"], v["dtype"])) for name, v in state["arrays"].items()}
+    arrays = {name: jnp.asarray(array_from_json(v)) for name, v in state["arrays"].items()}
     fresh = new_pool(np.zeros((self.num_groups, self.prompt_len), np.int32),
                      np.zeros((self.num_groups, self.prompt_len), bool), sample_keys(jax.random.key(0), jnp.arange(
                          self.num_groups * self.spec.group_size)), group_size=self.spec.group_size,

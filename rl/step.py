@@ -41,6 +41,7 @@ from meshrl.rl.rollout import make_rollout
 from meshrl.rl.scoring import RewardPool
 from meshrl.rl.update import make_logprob_fn, make_update
 from meshrl.sharding.rules import logical_to_spec, rules_from_config
+from meshrl.train.checkpoint import array_from_json, array_to_json
 from meshrl.train.optim import make_optimizer
 from meshrl.train.sft import zigzag_shards
 from meshrl.train.state import TrainState, create_train_state
@@ -135,19 +136,16 @@ class InFlight:
 def in_flight_state(run: RLRun) -> list[dict]:
   """The rollouts in flight as JSON values, for the checkpoint (waits for them), so a resumed
   asynchronous run trains on exactly the rollouts the uninterrupted one would have."""
-  def encode(a):
-    return {"dtype": str(a.dtype), "shape": list(a.shape), "data": a.reshape(-1).tolist()}
   return [{"examples": item.examples, "version": item.version,
-           "arrays": {name: encode(value) for name, value in item.arrays().items()}}
+           "arrays": {name: array_to_json(value) for name, value in item.arrays().items()}}
           for item in run.in_flight]
 
 
 def restore_in_flight(run: RLRun, state: list[dict]) -> None:
   """Puts `in_flight_state`'s rollouts back in the queue (as host arrays)."""
-  def decode(v):
-    return np.asarray(v["data"], v["dtype"]).reshape(v["shape"])
   run.in_flight = collections.deque(
-      InFlight(item["examples"], {name: decode(v) for name, v in item["arrays"].items()}, item["version"])
+      InFlight(item["examples"], {name: array_from_json(v) for name, v in item["arrays"].items()},
+               item["version"])
       for item in state)
 
 

@@ -95,19 +95,23 @@ def speed_case(impl, block, seq_len, repeats):
               temp_bytes=compiled.memory_analysis().temp_size_in_bytes)
 
 
+def _run_case(flag, case):
+  """Runs one timed case (`--speed-case` / `--ring-case` of this script) in a fresh process, so one
+  case's memory does not pile onto the next; returns its JSON row."""
+  result = subprocess.run([sys.executable, os.path.abspath(__file__), "--json", os.devnull, flag, case],
+                          capture_output=True, text=True, check=False)
+  if result.returncode:
+    raise RuntimeError(f"{flag} {case} failed ({result.returncode}):\n{result.stderr[-2000:]}")
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def bench_speed(seq_lens, repeats, blocks):
   """Each configuration runs in a fresh process, so one program's memory (the reference at 8192
   holds ~13 GB resident) does not pile onto the next."""
   rows = []
   for seq_len in seq_lens:
     for impl, block in [("reference", "0")] + [("blockwise", b) for b in blocks]:
-      result = subprocess.run(
-          [sys.executable, os.path.abspath(__file__), "--json", os.devnull, "--speed-case",
-           f"{impl},{block},{seq_len},{repeats}"], capture_output=True, text=True, check=False)
-      if result.returncode:
-        raise RuntimeError(f"speed case {impl} {seq_len} failed ({result.returncode}):\n"
-                           f"{result.stderr[-2000:]}")
-      row = json.loads(result.stdout.strip().splitlines()[-1])
+      row = _run_case("--speed-case", f"{impl},{block},{seq_len},{repeats}")
       print(f"  speed {impl:9s} block {block!s:>7} {seq_len:6d}: {row['seconds']:7.2f} s, "
             f"peak {row['peak_bytes'] / 2**20:8.1f} MiB", flush=True)
       rows.append(row)
@@ -191,14 +195,7 @@ def bench_ring_speed(seq_lens, devices, block, repeats):
         rows.append(dict(impl=impl, seq_len=seq_len, error="not installed: pip install "
                          "ringattention==0.1.2 einops"))
         continue
-      result = subprocess.run(
-          [sys.executable, os.path.abspath(__file__), "--json", os.devnull, "--ring-case",
-           f"{impl},{seq_len},{devices},{block},{repeats}"], capture_output=True, text=True,
-          check=False)
-      if result.returncode:
-        raise RuntimeError(f"ring case {impl} {seq_len} failed ({result.returncode}):\n"
-                           f"{result.stderr[-2000:]}")
-      row = json.loads(result.stdout.strip().splitlines()[-1])
+      row = _run_case("--ring-case", f"{impl},{seq_len},{devices},{block},{repeats}")
       print(f"  ring_speed {impl:13s} {seq_len:6d} tokens on {devices}: {row['seconds']:7.2f} s, "
             f"peak {row['peak_bytes'] / 2**20:7.1f} MiB", flush=True)
       rows.append(row)

@@ -143,6 +143,18 @@ def _json_ready(value: Any) -> Any:
   return value
 
 
+def array_to_json(value) -> dict:
+  """One array as a JSON value that keeps its dtype and shape (for `extra_state`, whose JSON item
+  would otherwise turn arrays into dtype-less nested lists); `array_from_json` inverts it."""
+  value = np.asarray(jax.device_get(value))
+  return {"dtype": str(value.dtype), "shape": list(value.shape), "data": value.reshape(-1).tolist()}
+
+
+def array_from_json(value: dict) -> np.ndarray:
+  """The numpy array `array_to_json` wrote."""
+  return np.asarray(value["data"], value["dtype"]).reshape(value["shape"])
+
+
 def _key_name(key) -> str:
   for attr in ("key", "name", "idx"):
     if hasattr(key, attr):
