@@ -189,12 +189,15 @@ class PromptStream:
     return next(self._iterator)
 
   def get_state(self) -> dict:
-    """JSON: {"next_example": the next example's index in this host's shard, "shard": [i, n]}.
+    """JSON: {"next_example": this host's next index, "next_example_by_host": [every host's next
+    index], "shard": [i, n]}.
 
-    A checkpoint's JSON items are written by process 0, so a multi-host resume gives every host
-    host 0's position: exact when the hosts draw equally many examples per step (the step draws
-    rl.prompts_per_step; prompt rejection or dynamic sampling rounds can make hosts differ)."""
-    return {"next_example": self.position, "shard": list(self.shard)}
+    A checkpoint's JSON items are written by process 0, so every host's position is gathered into
+    them (one tiny all-gather, collective: every host calls this at the same save): a resume puts
+    each host back at its own position, even when the hosts drew different numbers of examples
+    (prompt rejection, dynamic sampling rounds)."""
+    by_host = _gather_positions(self.position, self.shard[1])
+    return {"next_example": self.position, "next_example_by_host": by_host, "shard": list(self.shard)}
 
   def set_state(self, state: dict) -> None:
     """Continues at `state` (from `get_state`, or a checkpoint's data state); ValueError when it
@@ -203,4 +206,21 @@ class PromptStream:
     if shard[1] != self.shard[1]:
       raise ValueError(f"the prompt stream was saved by {shard[1]} hosts and this run has "
                        f"{self.shard[1]}; an exact resume needs the same number of hosts.")
+    by_host = state.get("next_example_by_host")
+    if by_host is not None:
+      self._iterator.set_state({"next_index": int(by_host[self.shard[0]])})
+      return
     self._iterator.set_state({"next_index": int(state.get("next_example", 0))})
+
+
+def _gather_positions(position: int, hosts: int) -> list[int] | None:
+  """Every host's `position`, in host order (an all-gather over processes when there are several);
+  None when the shard count is not the process count (a simulated shard in one process)."""
+  if hosts == 1:
+    return [int(position)]
+  import jax  # pylint: disable=import-outside-toplevel
+  if jax.process_count() != hosts:
+    return None
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  gathered = multihost_utils.process_allgather(np.asarray(position, np.int64))
+  return [int(x) for x in np.asarray(gathered).reshape(-1)]

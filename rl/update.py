@@ -34,6 +34,7 @@ from meshrl.rl import losses
 from meshrl.rl.batches import UpdateBatch
 from meshrl.train import chunked_loss
 from meshrl.train.state import TrainState, update_router_bias
+from meshrl.train.stops import keep_unless, step_is_finite
 
 
 def target_logprobs(logits: jax.Array, targets: jax.Array, temperature: float) -> jax.Array:
@@ -147,11 +148,9 @@ def make_update(spec: losses.LossSpec, graphdef: nnx.GraphDef, tx: optax.Gradien
     # - one whose loss or gradient is not finite (NaN guard): applying it would poison the weights.
     has_tokens = jnp.any(minibatch.loss_mask)
     grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-    apply = has_tokens & finite
-    keep = lambda new, old: jnp.where(apply, new, old)  # noqa: E731
-    params = jax.tree.map(keep, params, state.params)
-    opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+    finite = step_is_finite(metrics["loss"], grad_norm)
+    params, opt_state = keep_unless(has_tokens & finite, (params, opt_state),
+                                    (state.params, state.opt_state))
     metrics["grad_norm"] = jnp.where(finite, grad_norm, 0.0)
     metrics["skipped_minibatches"] = 1.0 - has_tokens.astype(jnp.float32)
     metrics["nonfinite_minibatches"] = 1.0 - finite.astype(jnp.float32)

@@ -21,6 +21,7 @@ def main(argv):
   from meshrl.rl.loop import train_source  # pylint: disable=import-outside-toplevel
   from meshrl.sharding import make_mesh  # pylint: disable=import-outside-toplevel
   from meshrl.train.init_from import check_initial_model  # pylint: disable=import-outside-toplevel
+  from meshrl.train.preemption import Preemption  # pylint: disable=import-outside-toplevel
   from meshrl.train.sft import check_shapes, run_sft  # pylint: disable=import-outside-toplevel
 
   workdir = cfg.workdir.format(name=cfg.name)
@@ -35,7 +36,10 @@ def main(argv):
     return 2
   print(f"config: {save_config(cfg, workdir)}")
   # Builds the model sharded on the mesh, or on a resume reads the checkpoint straight into it.
-  result = run_sft(cfg, workdir, mesh, source=source, tokenizer=tokenizer, num_steps=args.steps)
+  # SIGTERM (preemption) finishes the step in flight, saves it and exits 0; run again to resume.
+  with Preemption() as preemption:
+    result = run_sft(cfg, workdir, mesh, source=source, tokenizer=tokenizer, num_steps=args.steps,
+                     preemption=preemption)
   if result.history:
     last = result.history[-1]
     print(f"step {last['step']}: loss {last['loss']:.4f}, ce {last['ce']:.4f}, "

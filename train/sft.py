@@ -42,8 +42,10 @@ from meshrl.train.data import make_sft_data
 from meshrl.train.metrics import (CompileCounter, MetricsWriter, mfu, model_flops_per_token, peak_flops,
                                   plot_curve)
 from meshrl.train.optim import make_optimizer, make_schedule
+from meshrl.train.preemption import Preemption
 from meshrl.train.state import (TrainState, abstract_train_state, create_train_state, merge_model,
                                 shardings_of, update_router_bias)
+from meshrl.train.stops import NonFiniteStreak, keep_unless, step_is_finite
 
 
 MODEL_FIELDS = ("tokens", "positions", "segment_ids", "targets", "weights")
@@ -140,8 +142,9 @@ def make_sft_step(model_graphdef: nnx.GraphDef, mesh: Mesh | None, cfg, tx: opta
       compiles once. Batch arrays are laid out by `batch_sharding`.
     schedule: the optimizer's learning-rate schedule, to report "lr".
 
-  Metrics (scalars unless noted): loss, ce, loss_tokens, grad_norm, lr, and for MoE models
-  moe_aux_loss, moe_z_loss, moe_max_load (largest expert share), expert_load [L, E].
+  Metrics (scalars unless noted): loss, ce, loss_tokens, grad_norm, lr, nonfinite (1.0 when the step
+  was skipped by the NaN guard), and for MoE models moe_aux_loss, moe_z_loss, moe_max_load (largest
+  expert share), expert_load [L, E].
   """
   grad_fn = jax.grad(functools.partial(sft_loss, graphdef=model_graphdef, moe_cfg=cfg.moe,
                                        logits_chunk=int(cfg.attention.logits_chunk)), has_aux=True)
@@ -151,12 +154,19 @@ def make_sft_step(model_graphdef: nnx.GraphDef, mesh: Mesh | None, cfg, tx: opta
     grads, metrics = grad_fn(state.params, state.extra, batch=batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics["grad_norm"] = optax.tree.norm(grads)
+    grad_norm = optax.tree.norm(grads)
+    # NaN guard (train/stops.py): a non-finite loss or gradient leaves params and optimiser state as
+    # they were; the router bias is not moved by its loads either.
+    finite = step_is_finite(metrics["loss"], grad_norm)
+    params, opt_state = keep_unless(finite, (params, opt_state), (state.params, state.opt_state))
+    metrics["grad_norm"] = grad_norm
+    metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
     if schedule is not None:
       metrics["lr"] = schedule(state.step // accum)
     extra = state.extra
     if cfg.moe.aux_free_bias and "expert_load" in metrics:
-      extra = update_router_bias(extra, metrics["expert_load"], cfg.moe.bias_update_rate)
+      extra = keep_unless(finite, update_router_bias(extra, metrics["expert_load"], cfg.moe.bias_update_rate),
+                          extra)
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state, extra=extra), metrics
 
   if mesh is None or state_shardings is None:
@@ -172,6 +182,7 @@ class SFTResult(NamedTuple):
   state: TrainState
   graphdef: nnx.GraphDef
   history: list[dict]  # the metrics records written
+  preempted: bool = False  # stopped early by a preemption request, saved at its last step
 
 
 def check_shapes(cfg, mesh: Mesh | None) -> None:
@@ -205,7 +216,8 @@ def _initial_state(cfg, mesh: Mesh | None, model: nnx.Module | None, tx, resumin
 
 
 def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | None = None, *,
-            source: Any, tokenizer=None, num_steps: int | None = None, bad_rows: int = 0) -> SFTResult:
+            source: Any, tokenizer=None, num_steps: int | None = None, bad_rows: int = 0,
+            preemption: Preemption | None = None) -> SFTResult:
   """Trains `rl.sft_steps` steps of SFT, writing metrics and checkpoints to `workdir`.
 
   Args:
@@ -217,10 +229,16 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
       mixture) or a finite list, as `train.data.example_source` takes.
     tokenizer: defaults to the byte tokenizer.
     num_steps: overrides rl.sft_steps.
+    preemption: a `Preemption` (train/preemption.py) entered by the caller: once it is requested
+      (SIGTERM), the step in flight finishes, is saved, and the run returns with preempted=True.
 
   Returns:
-    SFTResult(model, state, graphdef, history). With checkpoint.restore, a run finds its latest
-    checkpoint in workdir/checkpoints and continues from it (state, data position, metrics file).
+    SFTResult(model, state, graphdef, history, preempted). With checkpoint.restore, a run finds its
+    latest checkpoint in workdir/checkpoints and continues from it (state, data position, metrics file).
+
+  Raises:
+    NonFiniteError (train/stops.py) after rl.max_nonfinite_steps skipped steps in a row, once the
+    last of them is saved (the parameters in it are those before the streak).
   """
   num_steps = cfg.rl.sft_steps if num_steps is None else num_steps
   check_shapes(cfg, mesh)
@@ -249,24 +267,38 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
   writer = MetricsWriter(workdir, tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar,
                          total_steps=num_steps, resume_step=start)
   history, counter = [], CompileCounter()
-  tokens, last_time = 0, time.perf_counter()
+  streak = NonFiniteStreak(cfg.rl.max_nonfinite_steps, what="SFT", field="rl.max_nonfinite_steps")
+  tokens, last_time, skipped, preempted = 0, time.perf_counter(), 0, False
   try:
     for step in range(start + 1, num_steps + 1):
       host_batch = next(data)
       tokens += int(np.sum(host_batch["segment_ids"] > 0))
       with jax.transfer_guard("disallow"):
         state, metrics = step_fn(state, put_batch(host_batch, row_sharding, zigzag_over))
-      if step % cfg.log.every == 0 or step == num_steps:
+      # One scalar read per step: the streak must be known before the next step is dispatched.
+      nonfinite = bool(jax.device_get(metrics["nonfinite"]))
+      skipped += nonfinite
+      stop_nonfinite = streak.update(nonfinite)
+      preempted = preemption is not None and preemption.requested() and step < num_steps
+      stopping = stop_nonfinite or preempted or step == num_steps
+      if step % cfg.log.every == 0 or stopping:
         metrics = {k: v for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
         elapsed, last_time = time.perf_counter() - last_time, time.perf_counter()
         metrics.update(tokens_per_s=tokens / elapsed, compiles=counter.count("sft_step"),
-                       **data.stats)
+                       nonfinite_steps=skipped, **data.stats)
         if peak:
           metrics["mfu"] = mfu(metrics["tokens_per_s"], flops_per_token, peak)
         tokens = 0
         history.append(writer.write(step, metrics))
-      if ckpt is not None and (ckpt.should_save(step) or step == num_steps):
+      if ckpt is not None and (ckpt.should_save(step) or stopping):
         ckpt.save(step, state, data_state=data.get_state(), config=cfg, force=True)
+      if stop_nonfinite:
+        raise streak.error(step, saved=ckpt is not None)
+      if preempted:
+        saved = "saved in the checkpoint of step" if ckpt is not None else "no checkpoint (disabled) at"
+        print(f"{preemption.signal_name}: stopped after SFT step {step} of {num_steps}, {saved} {step}; "
+              "run the same command again to resume.", flush=True)
+        break
   finally:
     counter.close()
     writer.close()
@@ -274,4 +306,5 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
       ckpt.close()
   if cfg.log.plot and history:
     plot_curve(writer.path, "loss", os.path.join(workdir, "loss_curve.png"), title="SFT loss")
-  return SFTResult(model=merge_model(graphdef, state), state=state, graphdef=graphdef, history=history)
+  return SFTResult(model=merge_model(graphdef, state), state=state, graphdef=graphdef, history=history,
+                   preempted=preempted)

@@ -25,7 +25,7 @@ def test_stream_is_the_mixture_in_order_and_resumes_at_the_next_example():
   first = [next(stream) for _ in range(7)]
   assert first == mixture.take(7)  # one host: the mixture in index order, as before grain
   state = stream.get_state()
-  assert state == {"next_example": 7, "shard": [0, 1]}
+  assert state == {"next_example": 7, "next_example_by_host": [7], "shard": [0, 1]}
   following = [next(stream) for _ in range(3)]
   resumed = PromptStream(_mixture())
   resumed.set_state(json.loads(json.dumps(state)))  # through JSON, as in a checkpoint
@@ -42,6 +42,49 @@ def test_hosts_read_disjoint_shards_and_resume_their_own():
   assert next(resumed) == mixture[10]
   with pytest.raises(ValueError, match="saved by 3 hosts and this run has 2"):
     PromptStream(mixture, shard=(0, 2)).set_state(host.get_state())
+
+
+_TWO_HOSTS = r"""
+import json, sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+from meshrl.rl.envs import TaskMixture
+from meshrl.rl.prompts import PromptStream
+mixture = TaskMixture("reverse:1.0,arithmetic:1.0", seed=3, split="train", eval_fraction=0.2)
+host = jax.process_index()
+stream = PromptStream(mixture, shard=(host, 2), prefetch=0)
+for _ in range(3 + 2 * host):  # the hosts draw different numbers of examples (e.g. rejected prompts)
+  next(stream)
+state = stream.get_state()  # collective: both hosts save together
+print("STATE", json.dumps(state), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+def test_two_processes_save_every_hosts_position(tmp_path):
+  """Two real jax processes (gloo collectives on CPU): the state a checkpoint keeps (process 0's) holds
+  both hosts' positions, so host 1 resumes at its own next example, not host 0's."""
+  import socket  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  script = tmp_path / "two_hosts.py"
+  script.write_text(_TWO_HOSTS)
+  env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
+  procs = [subprocess.Popen([sys.executable, str(script), f"127.0.0.1:{port}", str(i)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=240)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), outs
+  states = [json.loads(next(l for l in out.splitlines() if l.startswith("STATE"))[6:]) for out in outs]
+  saved = states[0]  # what process 0 writes into the checkpoint
+  assert saved["next_example_by_host"] == [3, 5]
+  mixture = _mixture()
+  resumed = PromptStream(mixture, shard=(1, 2), prefetch=0)
+  resumed.set_state(saved)
+  assert next(resumed) == mixture[1 + 2 * 5]  # host 1's sixth example
 
 
 def _write_array_record(path, rows):

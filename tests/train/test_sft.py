@@ -130,3 +130,70 @@ def test_mismatched_shapes_fail_before_compiling(tmp_path):
   cfg = _mesh_cfg(tmp_path, **{"rl.sft_batch_size": 6})
   with pytest.raises(ValueError, match="rl.sft_batch_size=6 is not divisible"):
     run_sft(cfg, str(tmp_path), make_mesh(cfg.mesh), source=_source(cfg))
+
+
+def _poisoned(rows_fn):
+  """model_rows whose loss weights are NaN: every step's loss and gradient are non-finite."""
+  def rows(batch, zigzag_shards=1):
+    out = rows_fn(batch, zigzag_shards)
+    return {**out, "weights": np.full_like(out["weights"], np.nan)}
+  return rows
+
+
+def test_a_nonfinite_step_leaves_params_and_optimizer_bit_identical():
+  cfg = load("configs/tiny.py", ["data.seq_len=32", "rl.sft_batch_size=4", "model.num_layers=1",
+                                 "model.embed_dim=32", "moe.aux_free_bias=true",
+                                 "moe.score_func=sigmoid"])
+  tx = make_optimizer(cfg.optim, learning_rate=1e-2)
+  graphdef, state = create_train_state(build_model(ModelConfig.from_config(cfg), seed=0), tx)
+  good = put_batch(next(make_sft_data(cfg, source=TaskMixture(cfg.data.tasks, seed=0))), None)
+  bad = {**good, "weights": good["weights"].at[0, 3].set(jnp.nan)}  # one planted NaN
+  step = make_sft_step(graphdef, None, cfg, tx)
+  before = jax.device_get((state.params, state.opt_state, state.extra))
+  state, metrics = step(state, bad)
+  assert float(metrics["nonfinite"]) == 1.0
+  after = jax.device_get((state.params, state.opt_state, state.extra))
+  for got, want in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
+    np.testing.assert_array_equal(got, want)  # bit-identical: a select, not a zero update
+  state, metrics = step(state, good)  # a finite batch is applied
+  assert float(metrics["nonfinite"]) == 0.0
+  moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(state.params)),
+                                                      jax.tree.leaves(before[0]))]
+  assert any(moved)
+
+
+@pytest.mark.usefixtures("compile_cache")
+def test_sft_stops_on_a_nonfinite_streak_and_on_preemption_with_a_checkpoint(tmp_path, monkeypatch):
+  from meshrl.train import sft  # pylint: disable=import-outside-toplevel
+  from meshrl.train.preemption import Preemption  # pylint: disable=import-outside-toplevel
+  from meshrl.train.stops import NonFiniteError  # pylint: disable=import-outside-toplevel
+  small = {"model.num_layers": 1, "model.embed_dim": 32, "mesh.fsdp": 1, "mesh.tensor": 1,
+           "checkpoint.async_save": False, "checkpoint.every": 100, "log.tensorboard": False,
+           "log.plot": False, "rl.max_nonfinite_steps": 2, "rl.sft_steps": 5}
+  # Preemption requested during step 1: it finishes, is saved, and the run returns; a rerun resumes.
+  cfg = _mesh_cfg(tmp_path / "pre", **small)
+  preemption = Preemption()
+  preemption.request("SIGTERM")
+  stopped = run_sft(cfg, str(tmp_path / "pre"), source=_source(cfg), preemption=preemption)
+  assert stopped.preempted and [r["step"] for r in stopped.history] == [1]
+  with Checkpointer(str(tmp_path / "pre" / "checkpoints")) as ckpt:
+    assert ckpt.all_steps() == [1]
+  resumed = run_sft(cfg, str(tmp_path / "pre"), source=_source(cfg))
+  assert not resumed.preempted and int(resumed.state.step) == 5
+
+  # Every step non-finite: after 2 in a row the run saves and stops, parameters untouched.
+  cfg = _mesh_cfg(tmp_path / "nan", **small)
+  monkeypatch.setattr(sft, "model_rows", _poisoned(sft.model_rows))
+  initial = jax.device_get(build_model(ModelConfig.from_config(cfg), seed=cfg.seed))
+  with pytest.raises(NonFiniteError, match=r"2 SFT steps in a row \(up to step 2\).*checkpoint of step 2"):
+    run_sft(cfg, str(tmp_path / "nan"), source=_source(cfg))
+  with Checkpointer(str(tmp_path / "nan" / "checkpoints")) as ckpt:
+    assert ckpt.latest_step() == 2
+  assert [r["nonfinite_steps"] for r in read_jsonl(str(tmp_path / "nan" / "metrics.jsonl"))][-1] == 2
+  monkeypatch.undo()
+  restored = run_sft(cfg, str(tmp_path / "nan"), source=_source(cfg), num_steps=2)  # restores only
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  want = jax.tree.leaves(nnx.state(initial, nnx.Param))
+  got = jax.tree.leaves(jax.device_get(restored.state.params))
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_array_equal(g, w)
