@@ -9,7 +9,7 @@ import os
 
 import setuptools
 
-_SUBPACKAGE_DIRS = ("configs", "sharding", "model", "train", "rl")
+_SUBPACKAGE_DIRS = ("configs", "sharding", "model", "train", "rl", "serve")
 
 
 def _find_subpackages():
@@ -52,7 +52,11 @@ setuptools.setup(
         # pytest-xdist: the suite runs on 2 worker processes (most tests are single-threaded XLA
         # compiles, so 2 processes use the 2 cores a CI machine has).
         # nbclient + ipykernel: .ci/run executes notebooks/quickstart.ipynb top to bottom.
-        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "nbclient>=0.10", "ipykernel>=6.29"],
+        # starlette + uvicorn: the server's ASGI stack (serve/app.py); httpx + openai: tests/serve drives
+        # the server with the official client and a concurrent load test (serve/loadtest.py).
+        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "nbclient>=0.10", "ipykernel>=6.29",
+                 "starlette>=0.40", "uvicorn>=0.30", "httpx>=0.27", "openai>=1.40"],
+        "serve": ["starlette>=0.40", "uvicorn>=0.30", "httpx>=0.27"],
         "tpu": ["jax[tpu]>=0.10.2"],
         "hf": ["transformers>=4.57", "safetensors>=0.4", "tokenizers>=0.21", "torch==2.13.0"],
     },

@@ -127,6 +127,14 @@ def get_config(arg=None):
   config.rl.engine = "static"  # Rollout: "static" (one batch until its longest sample ends) or "continuous" (decode slots, rl/engine.py).
   config.rl.decode_slots = 0  # Continuous engine: decode slots (0 = one per sample of the step's batch).
   config.rl.rollout_token_budget = 0  # Continuous engine: tokens per RL step (decode_slots x steps); unfinished groups carry over (0 = off).
+  config.rl.speculative = "none"  # Speculative decoding in the static rollout: "none", "draft" (a small model) or "ngram" (prompt lookup).
+  config.rl.speculative_k = 4  # Speculative decoding: tokens proposed per target forward (>= 1).
+  config.rl.ngram_n = 3  # N-gram speculation: length of the suffix looked up in the row's context.
+  config.rl.draft_config = ""  # Draft model for rl.speculative="draft": "path[:arg];a.b=value;..." (same vocab as the target).
+  config.rl.draft_checkpoint = ""  # Draft params: a meshrl checkpoint / work dir of rl.draft_config's model (scripts/distill_draft.py writes one).
+  config.rl.kv_cache_dtype = "model"  # Generation KV cache: "model" (model.dtype) or "int8" (per-token, per-head scales; model/quant.py).
+  config.rl.generation_weights = "full"  # Generation matmul weights: "full" or "int8" (per-channel; needs rl.tis_level != "none").
+  config.rl.generation_layout = "train"  # Generation weight layout: "train" (the update's arrays, FSDP-gathered at every decode step) or "gathered" (resharded once per rollout to tensor/expert only; sharding/rules.generation_shardings).
   config.rl.advantage = "grpo"  # "grpo", "dr_grpo", "rloo", "reinforce_pp" or "gae".
   config.rl.adv_eps = 1e-6  # Epsilon added to the group std.
   config.rl.policy_loss = "ppo"  # "ppo" (token-level ratio) or "gspo" (sequence-level ratio).
@@ -162,6 +170,12 @@ def get_config(arg=None):
   config.rl.sft_steps = 200  # Supervised warm-start steps before RL (0 = none).
   config.rl.sft_learning_rate = 1e-3  # Warm-start learning rate.
   config.rl.sft_batch_size = 16  # Warm-start sequences per step.
+  config.rl.multi_turn = False  # Multi-turn tool episodes (rl/multiturn.py): turn, env step, observation into the KV cache; rl.max_new_tokens is the episode's budget after the prompt.
+  config.rl.max_turns = 4  # Multi-turn: policy turns per episode (an example's own max_turns may be lower).
+  config.rl.max_turn_tokens = 32  # Multi-turn: tokens of one policy turn.
+  config.rl.max_obs_tokens = 64  # Multi-turn: observation tokens appended per turn (longer keep their head); also the KV cache's slack.
+  config.rl.env_workers = 8  # Multi-turn: threads stepping the episodes' environments.
+  config.rl.env_timeout_s = 30.0  # Multi-turn: seconds one environment call may take (past it: an env failure).
 
   # --- data: prompts and tasks (rl/envs, train/data.py).
   config.data = ml_collections.ConfigDict()
@@ -198,4 +212,13 @@ def get_config(arg=None):
   config.log.tensorboard = True  # Write TensorBoard event files.
   config.log.progress_bar = True  # Show a progress bar on the console.
   config.log.plot = True  # Write reward_curve.png at the end.
+
+  # --- serve: the OpenAI-compatible server (serve/, scripts/serve.py).
+  config.serve = ml_collections.ConfigDict()
+  config.serve.slots = 8  # Decode slots: requests decoded together (more wait in a queue).
+  config.serve.max_len = 0  # Context length in tokens, prompt + completion (0 = model.max_seq_len).
+  config.serve.decode_chunk = 8  # Decode steps per jitted chunk; new requests are admitted between chunks.
+  config.serve.prefix_block = 16  # Tokens per prefix-cache block (blocks hashed as a chain).
+  config.serve.prefix_cache_mb = 256.0  # Prefix-cache budget in MiB of saved KV (0 = off).
+  config.serve.model_name = ""  # Model id clients send and /v1/models lists ("" = the config's name).
   return config

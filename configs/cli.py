@@ -43,6 +43,13 @@ def parse(argv: Sequence[str], add_flags: Callable[[argparse.ArgumentParser], No
                       help="preset file, optionally with an argument: configs/tiny.py[:ARG]")
   parser.add_argument("--cpu_devices", type=int, default=0,
                       help="simulate N CPU devices (set before jax is imported); 0 = leave as is")
+  parser.add_argument("--coordinator", default="",
+                      help="host:port of process 0 when this is one of several processes of a job "
+                           "(or MESHRL_COORDINATOR); a Cloud TPU pod slice needs nothing")
+  parser.add_argument("--num_processes", type=int, default=0,
+                      help="processes in the job (with --coordinator; or MESHRL_NUM_PROCESSES)")
+  parser.add_argument("--process_id", type=int, default=-1,
+                      help="this process's index, 0..num_processes-1 (or MESHRL_PROCESS_ID)")
   if add_flags is not None:
     add_flags(parser)
   overrides = [a[2:] for a in argv if a.startswith("--config.")]
@@ -57,3 +64,15 @@ def parse(argv: Sequence[str], add_flags: Callable[[argparse.ArgumentParser], No
     simulate_cpu_devices(args.cpu_devices)
   args.overrides = overrides
   return args, config
+
+
+def join_job(args) -> None:
+  """Joins the multi-process job that --coordinator / --num_processes / --process_id (or the
+  MESHRL_* environment, or a Cloud TPU pod slice) describe; nothing for a single process. Call it
+  right after `parse`, before anything touches a device. A bad description exits with status 2."""
+  from meshrl.sharding import hosts  # pylint: disable=import-outside-toplevel  (imports jax)
+  try:
+    hosts.initialize(args.coordinator, args.num_processes, args.process_id)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None

@@ -96,7 +96,7 @@ class GQAttention(nnx.Module):
     kv_positions, seg = positions, segment_ids
     if cache is not None:
       cache = kv_cache.write_layer(cache, {"k": k, "v": v}, cache_meta.index)
-      k, v = cache["k"].astype(self.dtype), cache["v"].astype(self.dtype)
+      k, v = kv_cache.read_entry(cache, "k", self.dtype), kv_cache.read_entry(cache, "v", self.dtype)
       kv_positions = cache_meta.positions
       seg = (segment_ids, cache_meta.segment_ids)
     out = self.kernel(q, k, v, q_positions=positions, kv_positions=kv_positions, segment_ids=seg,
@@ -159,7 +159,8 @@ class MLAttention(nnx.Module):
     if cache is not None:
       cache = kv_cache.write_layer(cache, {"latent": latent, "k_rope": k_rope[:, :, 0]},
                                    cache_meta.index)
-      latent, k_rope = cache["latent"].astype(self.dtype), cache["k_rope"][:, :, None].astype(self.dtype)
+      latent = kv_cache.read_entry(cache, "latent", self.dtype)  # [B, S, R]
+      k_rope = kv_cache.read_entry(cache, "k_rope", self.dtype)[:, :, None]  # [B, S, 1, Hr]
       kv_positions = cache_meta.positions
       seg = (segment_ids, cache_meta.segment_ids)
     kv_len = latent.shape[1]

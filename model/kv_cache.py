@@ -5,6 +5,11 @@ the scanned blocks read and write their slice):
   layers[stack][name]   [L, B, S, ...]  per-token entries ("k"/"v" for GQA [.., K, H]; "latent" [.., R]
                         and "k_rope" [.., H_rope] for MLA), logical axes
                         (layers, batch, cache_length, kv_heads, head_dim)
+  layers[stack][name + "_scale"]  [L, B, S, ...]  only in an int8 cache (`init_cache(dtype="int8")`):
+                        the entry is int8 and this its bfloat16 scale per token and kv head ([.., K]
+                        for "k"/"v"; one per token, [L, B, S], for MLA's entries): value ~= int8 * scale
+                        (model/quant.py). `write_layer` quantises, `read_entry` dequantises; copying,
+                        repeating and re-indexing rows treat scales as entries.
   positions             [B, S] int32    position of each slot; EMPTY_POSITION where nothing was written,
                         so the causal test q_pos >= kv_pos masks empty slots out
   segment_ids           [B, S] int32    segment of each slot (-1 where empty)
@@ -24,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from meshrl.model import quant
+
 EMPTY_POSITION = 2 ** 30
 EMPTY_SEGMENT = -1
 
@@ -32,7 +39,13 @@ CACHE_AXES = {
     "v": ("layers", "batch", "cache_length", "kv_heads", "head_dim"),
     "latent": ("layers", "batch", "cache_length", None),
     "k_rope": ("layers", "batch", "cache_length", None),
+    "k_scale": ("layers", "batch", "cache_length", "kv_heads"),
+    "v_scale": ("layers", "batch", "cache_length", "kv_heads"),
+    "latent_scale": ("layers", "batch", "cache_length"),
+    "k_rope_scale": ("layers", "batch", "cache_length"),
 }
+SCALE_SUFFIX = "_scale"
+SCALE_DTYPE = jnp.bfloat16
 
 
 @struct.dataclass
@@ -57,11 +70,20 @@ class CacheMeta:
 
 def init_cache(entry_shapes: dict[str, dict[str, tuple[int, ...]]], batch: int, max_len: int,
                dtype=jnp.float32) -> KVCache:
-  """An empty cache. entry_shapes: {stack: {entry: (num_layers, *per-token feature shape)}}."""
-  layers = {
-      stack: {name: jnp.zeros((shape[0], batch, max_len) + tuple(shape[1:]), dtype)
-              for name, shape in entries.items()}
-      for stack, entries in entry_shapes.items()}
+  """An empty cache. entry_shapes: {stack: {entry: (num_layers, *per-token feature shape)}}.
+
+  dtype: the entries' dtype, or "int8": int8 entries with a SCALE_DTYPE scale per token over the
+  last feature axis (per kv head for "k"/"v"), stored as entry name + SCALE_SUFFIX.
+  """
+  int8 = isinstance(dtype, str) and dtype == "int8"
+  layers = {}
+  for stack, entries in entry_shapes.items():
+    layers[stack] = {}
+    for name, shape in entries.items():
+      full = (shape[0], batch, max_len) + tuple(shape[1:])
+      layers[stack][name] = jnp.zeros(full, jnp.int8 if int8 else dtype)
+      if int8:
+        layers[stack][name + SCALE_SUFFIX] = jnp.zeros(full[:-1], SCALE_DTYPE)
   return KVCache(layers=layers,
                  positions=jnp.full((batch, max_len), EMPTY_POSITION, jnp.int32),
                  segment_ids=jnp.full((batch, max_len), EMPTY_SEGMENT, jnp.int32),
@@ -102,11 +124,24 @@ def _write_rows(target: jax.Array, value: jax.Array, index: jax.Array) -> jax.Ar
 
 def write_layer(layer_cache: dict, new_entries: dict, index: jax.Array) -> dict:
   """Writes new entries {name: [B, T, ...]} at slot `index` ([] or per-row [B]) of one layer's cache
-  {name: [B, S, ...]}."""
+  {name: [B, S, ...]}; an int8 entry (one with a scale) is quantised per token over its last axis."""
   updated = dict(layer_cache)
   for name, value in new_entries.items():
+    scale_name = name + SCALE_SUFFIX
+    if scale_name in layer_cache:
+      q = quant.absmax_quantize(value, axis=-1, scale_dtype=layer_cache[scale_name].dtype)
+      updated[scale_name] = _write_rows(layer_cache[scale_name], q.scale[..., 0], index)
+      value = q.values
     updated[name] = _write_rows(layer_cache[name], value, index)
   return updated
+
+
+def read_entry(layer_cache: dict, name: str, dtype) -> jax.Array:
+  """One layer's entry [B, S, ...] in `dtype`, dequantised when the cache is int8."""
+  scale_name = name + SCALE_SUFFIX
+  if scale_name not in layer_cache:
+    return layer_cache[name].astype(dtype)
+  return quant.dequantize(quant.QuantizedArray(layer_cache[name], layer_cache[scale_name][..., None]), dtype)
 
 
 def with_row_index(cache: KVCache) -> KVCache:

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from meshrl.model import kv_cache as kvc
 from meshrl.model.attention import GQAttention, KernelConfig, MLAttention
 from meshrl.model.layers import Dense, Embed, RMSNorm, RopeConfig, SwiGLU
-from meshrl.model import moe_dispatch
+from meshrl.model import moe_dispatch, quant
 from meshrl.model.moe import MoE
 from meshrl.sharding.rules import rules_from_config
 
@@ -78,6 +78,7 @@ class ModelConfig:
   dispatch: str = "auto"
   capacity_factor: float = 1.25
   aux_free_bias: bool = False
+  kv_cache_dtype: str = "model"  # KV cache entries: "model" (dtype) or "int8" (model/quant.py)
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -92,6 +93,9 @@ class ModelConfig:
                        f"moe.num_experts={self.num_experts}.")
     if self.num_experts:
       moe_dispatch.check_dispatch(self.dispatch, self.capacity_factor)
+    if self.kv_cache_dtype not in quant.KV_CACHE_DTYPES:
+      raise ValueError(f"rl.kv_cache_dtype={self.kv_cache_dtype!r}; choose one of "
+                       f"{', '.join(quant.KV_CACHE_DTYPES)}.")
     if self.num_experts and not 0 <= self.first_k_dense <= self.num_layers:
       raise ValueError(f"moe.first_k_dense={self.first_k_dense} must be in [0, {self.num_layers}].")
 
@@ -246,6 +250,8 @@ class Transformer(nnx.Module):
 
     def body(carry, layer):
       layer_state, layer_cache_, layer_routing = layer
+      # int8 generation weights (model/quant.py) become full precision here, one layer at a time.
+      layer_state, carry = quant.dequantize_layer(layer_state, carry, mc.param_dtype)
       block = nnx.merge(graphdef, layer_state)
       out, aux, new_cache = block(carry, positions, segment_ids, layer_cache_, meta, layer_routing,
                                   phase)
@@ -318,4 +324,5 @@ class Transformer(nnx.Module):
   def init_cache(self, batch: int, max_len: int | None = None) -> kvc.KVCache:
     mc = self.config
     max_len = mc.max_seq_len if max_len is None else max_len
-    return kvc.init_cache(mc.cache_entry_shapes(), batch, max_len, mc.dtype)
+    return kvc.init_cache(mc.cache_entry_shapes(), batch, max_len,
+                          "int8" if mc.kv_cache_dtype == "int8" else mc.dtype)

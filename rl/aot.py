@@ -12,6 +12,9 @@ and XLA compiles the same jitted programs a run executes:
   decode   one decode step of `generate` against a full-length cache: sample, forward one token per
            row of the batch, write it into the cache (ROLLOUT rules; the cache is donated).
   sft      train/sft.py `make_sft_step` on rl.sft_batch_size rows of data.seq_len tokens.
+  reshard  the one-off cost of rl.generation_layout = "gathered": the train-layout weights resharded
+           into the generation layout (split over tensor/expert only) once per rollout; "decode" then
+           reads its weights in that layout (no per-token all-gather over fsdp).
 
 A step's report (`StepReport`) is read off the compiled program: `memory_analysis()` gives the bytes
 per chip (arguments, outputs, temporaries, generated code; total = argument + output + temp + code -
@@ -54,13 +57,13 @@ from meshrl.rl.batches import UpdateBatch
 from meshrl.rl.rollout import RolloutSpec, prompt_layout, rollout_model_config
 from meshrl.rl.update import make_update
 from meshrl.sharding.mesh import make_mesh, mesh_shape_for
-from meshrl.sharding.rules import logical_to_spec, rules_from_config
+from meshrl.sharding.rules import generation_shardings, logical_to_spec, rules_from_config
 from meshrl.train.metrics import model_flops_per_token, peak_flops
 from meshrl.train.optim import make_optimizer
 from meshrl.train.sft import MODEL_FIELDS, make_sft_step
 from meshrl.train.state import abstract_train_state, shardings_of
 
-STEPS = ("update", "prefill", "decode", "sft")
+STEPS = ("update", "prefill", "decode", "sft", "reshard")  # reshard: rl.generation_layout's one-off cost
 HBM_FRACTION = 0.9  # a step "fits" when its bytes per chip are at most this share of HBM
 ASSUMED_MFU = 0.4  # model FLOPs utilisation the projected step time assumes
 TOPOLOGY_FORMAT = re.compile(r"^(v4|v5e|v5p|v6e|tpu7x):\d+(x\d+){1,2}$")
@@ -159,11 +162,13 @@ def abstract_update_batch(cfg, mesh: Mesh, spec: losses.LossSpec, mc: ModelConfi
 
 
 def abstract_cache(mc: ModelConfig, mesh: Mesh, rules, batch: int, length: int) -> kvc.KVCache:
-  """A full KV cache of `length` slots for `batch` rows, each entry laid out by kv_cache.CACHE_AXES."""
-  layers = {stack: {name: _struct(mesh, rules, (shape[0], batch, length) + tuple(shape[1:]), mc.dtype,
-                                  kvc.CACHE_AXES[name])
-                    for name, shape in entries.items()}
-            for stack, entries in mc.cache_entry_shapes().items()}
+  """A full KV cache of `length` slots for `batch` rows, each entry (int8 values and their scales
+  with mc.kv_cache_dtype = "int8") laid out by kv_cache.CACHE_AXES."""
+  dtype = "int8" if mc.kv_cache_dtype == "int8" else mc.dtype
+  shapes = jax.eval_shape(lambda: kvc.init_cache(mc.cache_entry_shapes(), batch, length, dtype))
+  layers = {stack: {name: _struct(mesh, rules, x.shape, x.dtype, kvc.CACHE_AXES[name])
+                    for name, x in entries.items()}
+            for stack, entries in shapes.layers.items()}
   ids = lambda: _struct(mesh, rules, (batch, length), jnp.int32, ("batch", "cache_length"))  # noqa: E731
   return kvc.KVCache(layers=layers, positions=ids(), segment_ids=ids(),
                      index=jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec())))
@@ -207,13 +212,31 @@ def update_program(cfg, mesh: Mesh) -> Program:
                  tokens * model_flops_per_token(mc, seq_len=length, training=True))
 
 
-def _rollout_state(cfg, mesh: Mesh):
+def _rollout_state(cfg, mesh: Mesh, *, layout: str | None = None):
   """(ModelConfig, graphdef, params, extra) of the rollout: parameters in the TRAIN layout (the
-  same arrays the update trains), activations by the ROLLOUT rules."""
+  same arrays the update trains) or, with rl.generation_layout = "gathered", in the generation
+  layout (sharding/rules.generation_shardings); activations by the ROLLOUT rules."""
   mc = rollout_model_config(cfg, mesh)
   graphdef, state = abstract_train_state(lambda: Transformer(mc, rngs=nnx.Rngs(cfg.seed)),
                                          make_optimizer(cfg.optim), mesh, rules_from_config(cfg.mesh))
-  return mc, graphdef, state.params, state.extra
+  params = state.params
+  if (layout or cfg.rl.generation_layout) == "gathered":
+    params = _relaid(params)
+  return mc, graphdef, params, state.extra
+
+
+def _relaid(params):
+  """Abstract params -> the same shapes in the generation layout."""
+  shardings = generation_shardings(jax.tree.map(lambda x: x.sharding, params))
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+
+
+def reshard_program(cfg, mesh: Mesh) -> Program:
+  """The one-off cost of rl.generation_layout = "gathered": the train-layout parameters resharded
+  into the generation layout (once per rollout), as a jitted identity with the new out_shardings."""
+  _, _, params, _ = _rollout_state(cfg, mesh, layout="train")
+  out = jax.tree.map(lambda x: x.sharding, _relaid(params))
+  return Program(jax.jit(lambda p: p, out_shardings=out), (params,), 0, 0.0)
 
 
 def prefill_program(cfg, mesh: Mesh) -> Program:
@@ -278,13 +301,18 @@ def sft_program(cfg, mesh: Mesh) -> Program:
                  tokens * model_flops_per_token(mc, seq_len=cfg.data.seq_len, training=True))
 
 
+def default_steps(cfg) -> tuple[str, ...]:
+  """The steps `--step=all` compiles: reshard only when the config uses the generation layout."""
+  return STEPS if cfg.rl.generation_layout == "gathered" else tuple(s for s in STEPS if s != "reshard")
+
+
 def parameter_counts_of(cfg) -> dict[str, int]:
   """{"total", "active_per_token", "embedding"} of the config's model, from shapes (model/init.py)."""
   return parameter_counts(ModelConfig.from_config(cfg))
 
 
 PROGRAMS = {"update": update_program, "prefill": prefill_program, "decode": decode_program,
-            "sft": sft_program}
+            "sft": sft_program, "reshard": reshard_program}
 
 
 # ---------------------------------------------------------------------------------------------

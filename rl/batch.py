@@ -127,3 +127,31 @@ def select_groups(rollouts: list[ScoredBatch], *, num_groups: int, group_size: i
                      correct=gather(lambda ro: ro.correct), sample_valid=valid,
                      domains=gather_list(lambda ro: ro.domains), texts=gather_list(lambda ro: ro.texts),
                      info={})
+
+
+def per_domain(values: np.ndarray, domains: list[str], prefix: str) -> dict[str, float]:
+  """{"<prefix>/<domain>": mean of `values` [B] over that domain's samples}; {} without domains."""
+  names = sorted(set(domains))
+  if not names or names == [""]:
+    return {}
+  return {f"{prefix}/{d or 'none'}": float(np.mean(values[[x == d for x in domains]])) for d in names}
+
+
+def batch_metrics(first: ScoredBatch, batch: ScoredBatch, lengths: np.ndarray, group_size: int) -> dict:
+  """The reward and length metrics of a step's collect: of its `first` rollout round (an unbiased
+  sample of the policy; `lengths` [B] its response lengths) and of the assembled `batch` (after
+  dynamic sampling), overall and per domain."""
+  lengths = np.asarray(lengths, np.float32)
+  valid = batch.sample_valid
+  return {
+      "reward_mean": float(first.correct.mean()), "reward_std": float(first.correct.std()),
+      "shaped_reward_mean": float(first.rewards.mean()),
+      "batch_reward_mean": float(batch.correct[valid].mean()) if valid.any() else 0.0,
+      "response_len_mean": float(lengths.mean()),
+      "truncated_frac": float(first.arrays["truncated"].mean()),
+      "groups_kept": int(valid.reshape(-1, group_size)[:, 0].sum()),
+      "empty_responses": int((lengths <= 1).sum()),
+      "sample_text": first.texts[0][:40],
+      **per_domain(first.correct, first.domains, "reward_mean"),
+      **per_domain(lengths, first.domains, "response_len"),
+  }

@@ -48,7 +48,8 @@ from jax.sharding import Mesh
 
 from meshrl.model import kv_cache as kvc
 from meshrl.model.transformer import Transformer
-from meshrl.rl.rollout import RolloutBatch, RolloutSpec, prompt_layout, rollout_model_config
+from meshrl.rl.rollout import (RolloutBatch, RolloutSpec, prompt_layout, rollout_model_config,
+                               with_generation_weights)
 from meshrl.rl.sampling import sample_keys, token_keys
 from meshrl.train.checkpoint import array_from_json, array_to_json
 
@@ -276,7 +277,7 @@ def make_engine(cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...], pad_id: in
     pool, prompt_routing = run_pool(model, spec, pool, slots=resolve_slots(requested, num), version=version)
     return to_rollout_batch(pool, prompt_routing, pad_id)
 
-  return jax.jit(engine)
+  return with_generation_weights(cfg, mesh, mc, engine)
 
 
 class PartialRollouts:
@@ -312,7 +313,7 @@ class PartialRollouts:
       pool, prompt_routing = run_pool(model, spec, pool, slots=self.slots, max_steps=self.max_steps,
                                       version=version)
       return pool, to_rollout_batch(pool, prompt_routing, pad_id)
-    self._decode = jax.jit(decode)
+    self._decode = with_generation_weights(cfg, mesh, mc, decode)
 
   def _admit(self, draw: Callable[[int], tuple[list, np.ndarray, np.ndarray]], key) -> int:
     """Fills the free group slots with new groups from `draw(count) -> (examples, tokens, mask)`."""

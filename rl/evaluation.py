@@ -25,6 +25,7 @@ from meshrl.rl.envs import TaskMixture, distinct_examples, load_jsonl
 from meshrl.rl.rewards import answer_reward
 from meshrl.rl.rollout import make_rollout
 from meshrl.rl.scoring import RewardPool
+from meshrl.sharding import hosts
 from meshrl.sharding.rules import data_parallel_size
 
 
@@ -86,13 +87,13 @@ class Evaluator:
       prompts = next_prompts(iter(padded), self.tokenizer, count=self.batch,
                              max_len=self.cfg.rl.max_prompt_len, overflow="truncate")
       out = rollout(params, extra, prompts.tokens, prompts.mask, jax.random.fold_in(key, start))
-      tokens, mask = np.asarray(out.tokens), np.asarray(out.response_mask)
+      tokens, mask = hosts.to_host(out.tokens), hosts.to_host(out.response_mask)
       response = np.where(mask, tokens, self.tokenizer.pad_id)[:, -self.cfg.rl.max_new_tokens:]
       texts = self.tokenizer.decode_batch(response)
       scores, _ = self.pool.score(texts, [e for e in padded for _ in range(group)])
       n = len(chunk) * group
       correct.append(scores[:n].reshape(len(chunk), group))
-      lengths.append(np.asarray(out.lengths)[:n].reshape(len(chunk), group))
+      lengths.append(hosts.to_host(out.lengths)[:n].reshape(len(chunk), group))
     return np.concatenate(correct), np.concatenate(lengths)
 
   def __call__(self, params, extra, key: jax.Array | None = None) -> dict[str, float]:

@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from meshrl.configs import save_config
+from meshrl.model import quant
 from meshrl.model.tokenizer import tokenizer_from_config
 from meshrl.rl import advantages as adv_lib
 from meshrl.rl import losses
@@ -29,8 +30,12 @@ from meshrl.rl.envs.quality import Quarantine
 from meshrl.rl.envs.registry import DomainMixture, check_single_turn, load_domains
 from meshrl.rl.engine import check_engine_config
 from meshrl.rl.evaluation import Evaluator, held_out_examples
+from meshrl.rl.multiturn import (EPISODE_FAMILIES, Demonstrations, MultiTurnEvaluator,
+                                 check_multiturn_config, episode_pools, wants_multi_turn)
+from meshrl.rl.multiturn import held_out as multiturn_held_out
 from meshrl.rl.prompts import ArrayRecordSource, JsonlSource, PromptStream
 from meshrl.rl.packing import update_shape
+from meshrl.rl.rollout import check_generation_layout
 from meshrl.rl.rewards import compose
 from meshrl.rl.rewards.shaping import overlong_penalty
 from meshrl.rl.sampling import Sampler
@@ -40,7 +45,9 @@ from meshrl.sharding.rules import data_parallel_size
 from meshrl.train.checkpoint import Checkpointer
 from meshrl.train.init_from import check_initial_model, initial_model
 from meshrl.train.metrics import CompileCounter, MetricsWriter, peak_flops, plot_curve, truncate_jsonl
+from meshrl.sharding import hosts
 from meshrl.train.preemption import Preemption
+from meshrl.train.stops import NonFiniteError, NonFiniteStreak  # noqa: F401 (NonFiniteError: loop API)
 
 Hook = Callable[[int, RLRun, dict], None]
 
@@ -65,6 +72,10 @@ def check_config(cfg, num_devices: int | None = None) -> None:
     raise ValueError("rl.advantage='gae' needs a critic: set model.value_head=true.")
   losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic)
   Sampler(rl.temperature, rl.top_k, rl.top_p)
+  if rl.speculative != "none":  # rl/speculative.py: method, k, engine and sampler checks
+    from meshrl.rl import speculative  # pylint: disable=import-outside-toplevel
+    speculative.SpecConfig.from_config(cfg)
+    speculative.check_sampler(Sampler(rl.temperature, rl.top_k, rl.top_p))
   for field in ("prompts_per_step", "group_size", "max_prompt_len", "max_new_tokens", "epochs",
                 "reward_workers"):
     if rl[field] < 1:
@@ -94,6 +105,10 @@ def check_config(cfg, num_devices: int | None = None) -> None:
     raise ValueError(f"rl.prompt_overflow={rl.prompt_overflow!r}; choose truncate or reject.")
   overlong_penalty([0], max_len=rl.max_new_tokens, buffer=rl.overlong_buffer, penalty=rl.overlong_penalty)
   check_engine_config(rl)
+  quant.check_generation_options(kv_cache_dtype=rl.kv_cache_dtype, generation_weights=rl.generation_weights,
+                                 tis_level=rl.tis_level)
+  check_generation_layout(rl.generation_layout)
+  check_multiturn_config(cfg)
   if rl.max_staleness < 0:
     raise ValueError(f"rl.max_staleness={rl.max_staleness} must be >= 0 (0 = synchronous RL).")
   if rl.max_staleness and rl.tis_level == "none":
@@ -110,10 +125,10 @@ def check_config(cfg, num_devices: int | None = None) -> None:
   _check_file("eval.jsonl", cfg.eval.jsonl)
   if cfg.data.domains:
     _check_file("data.domains", cfg.data.domains)
-    check_single_turn(load_domains(cfg.data.domains))
+    _domain_specs(cfg)
   if cfg.data.tasks:
     TaskMixture(cfg.data.tasks, difficulty=cfg.data.difficulty, seed=cfg.seed,
-                pools={name: [{}] for name in _pool_names(cfg)})
+                pools={**{name: [{}] for name in _pool_names(cfg)}, **episode_pools(cfg)})
   elif not cfg.data.jsonl and not cfg.data.array_record:
     raise ValueError("data.tasks is empty and neither data.jsonl nor data.array_record is set: there "
                      "are no prompts.")
@@ -152,6 +167,36 @@ def check_config(cfg, num_devices: int | None = None) -> None:
       if length % multiple:
         raise ValueError(f"{field} = {length} is not divisible by {multiple} (mesh.sequence={sequence}"
                          f"{', x2 for attention.zigzag' if multiple != sequence else ''}).")
+  check_hosts_config(cfg, jax.process_count())
+
+
+def check_hosts_config(cfg, processes: int) -> None:
+  """With several host processes (sharding/hosts.py): each draws and scores an equal block of the
+  step's prompts; what keeps per-process host state across steps is refused by name."""
+  if processes == 1:
+    return
+  rl = cfg.rl
+  if rl.prompts_per_step % processes:
+    raise ValueError(f"rl.prompts_per_step={rl.prompts_per_step} does not split over the {processes} "
+                     "host processes (each draws and scores an equal block of prompts).")
+  for field, value, what in (("rl.max_staleness", rl.max_staleness, "asynchronous RL"),
+                             ("rl.rollout_token_budget", rl.rollout_token_budget, "partial rollouts")):
+    if value:
+      raise ValueError(f"{field}={value} ({what}) is not supported with {processes} host processes yet: "
+                       "its carried rollouts are host state of one process; set it to 0.")
+  if wants_multi_turn(cfg):
+    raise ValueError(f"multi-turn episodes are not supported with {processes} host processes yet.")
+
+
+def _domain_specs(cfg):
+  """data.domains' specs; terminal (multi-turn) domains only when the run is multi-turn."""
+  specs = load_domains(cfg.data.domains)
+  if wants_multi_turn(cfg):
+    return specs
+  try:
+    return check_single_turn(specs)
+  except ValueError as error:
+    raise ValueError(f"{error} Set rl.multi_turn=true to run them as multi-turn episodes.") from None
 
 
 def _pool_names(cfg) -> list[str]:
@@ -183,21 +228,24 @@ def train_source(cfg) -> TaskMixture | DomainMixture:
       raise ValueError("data.domains and data.jsonl/data.array_record are both set: declare the file "
                        "as a domain (source jsonl:<path>) in data.domains.")
     split = "train" if cfg.data.eval_fraction > 0 and not cfg.eval.jsonl else "all"
-    return DomainMixture(check_single_turn(load_domains(cfg.data.domains)), seed=cfg.seed, split=split,
+    return DomainMixture(_domain_specs(cfg), seed=cfg.seed, split=split,
                          eval_fraction=cfg.data.eval_fraction, quarantine=Quarantine(cfg.data.quarantine),
                          batch_size=cfg.rl.prompts_per_step)
   pools, spec = file_sources(cfg) or None, cfg.data.tasks
   for name in pools or ():
     spec = f"{name}:1.0" if not spec else f"{spec},{name}:1.0"
+  pools = {**(pools or {}), **episode_pools(cfg)} or None  # multi-turn families named in data.tasks
   split = "train" if cfg.data.eval_fraction > 0 and not cfg.eval.jsonl else "all"
   return TaskMixture(spec, difficulty=cfg.data.difficulty, seed=cfg.seed, pools=pools, split=split,
                      eval_fraction=cfg.data.eval_fraction)
 
 
-def prompt_stream(source, position: int = 0) -> PromptStream:
-  """This host's stream of training examples (grain, rl/prompts.py): examples process_index,
-  process_index + process_count, ... of `source`."""
-  return PromptStream(source, position, shard=(jax.process_index(), jax.process_count()))
+def prompt_stream(source, position: int = 0, *, per_step: int = 1) -> PromptStream:
+  """This host's stream of training examples (grain, rl/prompts.py): its blocks of
+  per_step / process_count examples of `source`, so the hosts' blocks side by side are the
+  `per_step` prompts one process would draw."""
+  hosts = jax.process_count()
+  return PromptStream(source, position, shard=(jax.process_index(), hosts), block=max(per_step // hosts, 1))
 
 
 def skipped_rows(source: TaskMixture) -> str:
@@ -211,7 +259,8 @@ def skipped_rows(source: TaskMixture) -> str:
 
 def train_prompts(source: TaskMixture) -> list[str]:
   """The prompts training may draw from fixed pools (JSONL), for the eval overlap check."""
-  return [e["prompt"] for pool in source.pools.values() for e in pool]  # noqa (reads each file once)
+  return [e["prompt"] for name, pool in source.pools.items() if name not in EPISODE_FAMILIES
+          for e in pool]  # noqa (reads each file once; generated episode pools are endless)
 
 
 # --- building a run -----------------------------------------------------------------------------
@@ -224,7 +273,8 @@ def setup(cfg, *, mesh=None, model=None, tokenizer=None, position: int = 0) -> t
   tokenizer = tokenizer_from_config(cfg) if tokenizer is None else tokenizer
   if model is None:
     model = initial_model(cfg, mesh)
-  return build_run(cfg, mesh, model, tokenizer), prompt_stream(train_source(cfg), position)
+  return build_run(cfg, mesh, model, tokenizer), prompt_stream(train_source(cfg), position,
+                                                               per_step=cfg.rl.prompts_per_step)
 
 
 # --- hooks: metrics, evaluation, checkpoints ----------------------------------------------------
@@ -317,7 +367,7 @@ class PhaseCost:
     out = self._rollout(*args)
     lengths = getattr(out, "lengths", None)
     if lengths is not None:
-      self._decode_steps.append(int(np.max(jax.device_get(lengths))))
+      self._decode_steps.append(int(np.max(hosts.to_host(lengths))))
     return out
 
   def _update_call(self, *args):
@@ -355,10 +405,6 @@ class PhaseCost:
     return out
 
 
-class NonFiniteError(RuntimeError):
-  """Raised when rl.max_nonfinite_steps steps in a row had only non-finite updates."""
-
-
 def train_steps(run: RLRun, prompts: PromptStream, *, start_step: int = 0, num_steps: int | None = None,
                 hooks: tuple[Hook, ...] = (), writer: MetricsWriter | None = None,
                 checkpoint: Hook | None = None, preemption: Preemption | None = None,
@@ -373,9 +419,9 @@ def train_steps(run: RLRun, prompts: PromptStream, *, start_step: int = 0, num_s
   the step is checkpointed at once (metrics["stopping"]) and the records so far are returned. With
   `phase_cost`, each record gets generation and update throughput and MFU (`PhaseCost`)."""
   num_steps = run.cfg.rl.num_steps if num_steps is None else num_steps
-  limit = int(run.cfg.rl.max_nonfinite_steps)
+  streak = NonFiniteStreak(run.cfg.rl.max_nonfinite_steps, what="RL", field="rl.max_nonfinite_steps")
   key = jax.random.key(run.cfg.seed + 1)
-  records, counter, streak = [], CompileCounter(), 0
+  records, counter = [], CompileCounter()
   run.version = start_step  # one policy update per RL step
   try:
     for step in range(start_step + 1, num_steps + 1):
@@ -383,9 +429,8 @@ def train_steps(run: RLRun, prompts: PromptStream, *, start_step: int = 0, num_s
       if phase_cost is not None:
         metrics.update(phase_cost(metrics))
       metrics["compiles"] = counter.count()
-      streak = streak + 1 if metrics["nonfinite_minibatches"] >= 1.0 else 0
-      metrics["nonfinite_streak"] = streak
-      nonfinite = bool(limit and streak >= limit)
+      nonfinite = streak.update(metrics["nonfinite_minibatches"] >= 1.0)  # every minibatch skipped
+      metrics["nonfinite_streak"] = streak.streak
       preempted = preemption is not None and preemption.requested() and step < num_steps
       metrics["stopping"] = nonfinite or preempted
       for hook in hooks:
@@ -395,14 +440,9 @@ def train_steps(run: RLRun, prompts: PromptStream, *, start_step: int = 0, num_s
       if checkpoint is not None:
         checkpoint(step, run, {**metrics, "stopping": stopping or step == num_steps})
       if nonfinite:
-        raise NonFiniteError(
-            f"{streak} RL steps in a row (up to step {step}) had a non-finite loss or gradient in every "
-            f"minibatch; none was applied, the parameters are those of step {step - streak}, saved "
-            f"in the checkpoint of step {step} (rl.max_nonfinite_steps={limit}).")
+        raise streak.error(step, saved=checkpoint is not None)
       if preempted:
-        saved = "saved in the checkpoint of step" if checkpoint is not None else "no checkpoint (disabled) at"
-        print(f"{preemption.signal_name}: stopped after RL step {step} of {num_steps}, {saved} {step}; "
-              "run the same command again to resume.", flush=True)
+        print(preemption.stopped_message("RL", step, num_steps, saved=checkpoint is not None), flush=True)
         break
   finally:
     counter.close()
@@ -435,7 +475,15 @@ def dispatch_summary(cfg, mesh) -> str:
 
 def run(cfg, workdir: str, *, mesh=None) -> list[dict]:
   """Warm start (SFT) if configured, then RL with evaluation and checkpoints; writes into `workdir`:
-  config.json, metrics.jsonl, eval.jsonl, tb/, reward_curve.png, sft/ and checkpoints/."""
+  config.json, metrics.jsonl, eval.jsonl, tb/, reward_curve.png, sft/ and checkpoints/.
+
+  A SIGTERM at any point (warm start or RL) finishes the step in flight, saves it and returns (the
+  records so far; none when it came during the warm start): running the same command resumes."""
+  with Preemption() as preemption:
+    return _run(cfg, workdir, mesh, preemption)
+
+
+def _run(cfg, workdir: str, mesh, preemption: Preemption) -> list[dict]:
   mesh = make_mesh(cfg.mesh) if mesh is None else mesh
   check_config(cfg, mesh.size)
   checkpointer, resuming = None, False
@@ -445,21 +493,31 @@ def run(cfg, workdir: str, *, mesh=None) -> list[dict]:
     resuming = cfg.checkpoint.restore and checkpointer.latest_step() is not None
     if resuming:  # a checkpoint of another model stops the run before anything is written
       checkpointer.check_config(cfg)
+  primary = hosts.is_primary()  # process 0 writes the run's files; every process checkpoints
   os.makedirs(workdir, exist_ok=True)
-  save_config(cfg, workdir)
+  if primary:
+    save_config(cfg, workdir)
   print(dispatch_summary(cfg, mesh))
   tokenizer = tokenizer_from_config(cfg)
   source = train_source(cfg)
   if skipped_rows(source):
     print(skipped_rows(source))
-  held_out = held_out_examples(cfg, train_prompts=train_prompts(source)) if cfg.eval.every else []
+  multi_turn = wants_multi_turn(cfg)
+  held_out = ((multiturn_held_out if multi_turn else held_out_examples)(
+      cfg, train_prompts=train_prompts(source)) if cfg.eval.every else [])
   model = initial_model(cfg, mesh)
   if cfg.rl.sft_steps:
     from meshrl.train.sft import run_sft  # pylint: disable=import-outside-toplevel
-    model = run_sft(cfg, os.path.join(workdir, "sft"), mesh=mesh, model=model, source=source,
-                    tokenizer=tokenizer).model
+    warm = run_sft(cfg, os.path.join(workdir, "sft"), mesh=mesh, model=model,
+                   source=Demonstrations(source) if multi_turn else source,
+                   tokenizer=tokenizer, preemption=preemption)
+    if warm.preempted:
+      if checkpointer is not None:
+        checkpointer.close()
+      return []
+    model = warm.model
   rl_run = build_run(cfg, mesh, model, tokenizer)
-  prompts = prompt_stream(source)
+  prompts = prompt_stream(source, per_step=cfg.rl.prompts_per_step)
   hooks, start_step, restored = [], 0, None
   if checkpointer is not None and resuming:
     restored = checkpointer.restore(rl_run.state)
@@ -469,15 +527,16 @@ def run(cfg, workdir: str, *, mesh=None) -> list[dict]:
     print(f"resumed from {checkpointer.directory} at step {start_step}")
   evaluator = None
   if cfg.eval.every:
-    evaluator = Evaluator(cfg, mesh, tokenizer, held_out)
-    eval_path = os.path.join(workdir, "eval.jsonl")
+    evaluator = (MultiTurnEvaluator if multi_turn else Evaluator)(cfg, mesh, tokenizer, held_out)
+    eval_path = os.path.join(workdir, "eval.jsonl") if primary else None
     if start_step == 0:
       initial = evaluator(rl_run.state.params, rl_run.state.extra)
-      with open(eval_path, "w", encoding="utf-8") as f:
-        f.write(json.dumps({"step": 0, **initial}) + "\n")
+      if eval_path:
+        with open(eval_path, "w", encoding="utf-8") as f:
+          f.write(json.dumps({"step": 0, **initial}) + "\n")
       print(f"held-out greedy accuracy before RL: {initial['eval/accuracy']:.3f} "
             f"({initial['eval/num_prompts']} prompts)")
-    else:
+    elif eval_path:
       truncate_jsonl(eval_path, start_step)  # evaluations after the checkpoint are redone
     hooks.append(eval_hook(evaluator, cfg.eval.every, cfg.rl.num_steps, eval_path))
   save = None
@@ -487,8 +546,7 @@ def run(cfg, workdir: str, *, mesh=None) -> list[dict]:
   try:
     with MetricsWriter(workdir, tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar,
                        total_steps=cfg.rl.num_steps, resume_step=start_step,
-                       bar_keys=("reward_mean", "kl", "entropy", "tokens_per_s")) as writer, \
-        Preemption() as preemption:
+                       bar_keys=("reward_mean", "kl", "entropy", "tokens_per_s")) as writer:
       records = train_steps(rl_run, prompts, start_step=start_step, hooks=tuple(hooks), writer=writer,
                             checkpoint=save, preemption=preemption, phase_cost=phase_cost)
   finally:
@@ -498,7 +556,7 @@ def run(cfg, workdir: str, *, mesh=None) -> list[dict]:
     rl_run.close()
     if evaluator is not None:
       evaluator.close()
-  if cfg.log.plot:
+  if cfg.log.plot and primary:
     plot_curve(os.path.join(workdir, "metrics.jsonl"), "reward_mean",
                os.path.join(workdir, "reward_curve.png"))
   return records

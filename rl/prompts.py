@@ -9,9 +9,12 @@ MapDataset, and a deterministic, checkpointable, per-host prompt stream.
   PromptStream(mixture).set_state(state)               # continues at exactly the next example
 
 Example i of a TaskMixture depends only on (spec, difficulty, seed, i) (rl/envs/mixture.py), so the
-mixture is a map-style grain source; host h of n reads examples h, h + n, h + 2n, ... (grain's
-`dataset[h::n]`), and the iterator's state is the index of its next example. With one host the
-stream is the mixture in index order, the sequence the demo has always trained on.
+mixture is a map-style grain source. Host h of n reads it in blocks of `block` examples (the prompts
+it draws per step): examples [h*block, (h+1)*block), then [(n+h)*block, ...), and so on, so when
+every host draws `block` prompts a step, the hosts' blocks side by side are the batch one process
+would draw (block 1 is grain's `dataset[h::n]`). The iterator's state is the index of its next
+example. With one host the stream is the mixture in index order, the sequence the demo has always
+trained on.
 
 File sources are scanned once when opened: each row is parsed and checked like rl/envs/jsonl.py's
 `load_jsonl`; malformed rows are skipped and listed in `bad` as (file, line or record, reason), and
@@ -141,17 +144,20 @@ class ArrayRecordSource:
     return (self[i] for i in range(len(self)))
 
 
-class _Endless:
-  """A random-access source of (practically) unbounded length over an endless `source[i]`."""
+class _HostBlocks:
+  """Host `index` of `count`'s share of an endless `source[i]`, in blocks of `block` examples:
+  item k is source[(k // block) * count * block + index * block + k % block]."""
 
-  def __init__(self, source):
-    self.source = source
+  def __init__(self, source, index: int, count: int, block: int):
+    self.source, self.index, self.count, self.block = source, index, count, block
 
   def __len__(self) -> int:
-    return 2 ** 62
+    return 2 ** 60
 
-  def __getitem__(self, index: int):
-    return self.source[int(index)]
+  def __getitem__(self, k: int):
+    k = int(k)
+    return self.source[(k // self.block) * self.count * self.block + self.index * self.block
+                       + k % self.block]
 
 
 class PromptStream:
@@ -162,16 +168,19 @@ class PromptStream:
     source: `source[i]` for every i >= 0 (deterministic in i).
     position: index (within this host's shard) of the first example to yield.
     shard: (index, count) of this host among the hosts (jax.process_index(), jax.process_count()).
+    block: examples per host block (the prompts this host draws per step; see the module docstring).
     prefetch: examples read ahead by a grain reader thread (0: read on demand).
   """
 
-  def __init__(self, source: Any, position: int = 0, *, shard: tuple[int, int] = (0, 1),
+  def __init__(self, source: Any, position: int = 0, *, shard: tuple[int, int] = (0, 1), block: int = 1,
                prefetch: int = 64):
     index, count = (int(x) for x in shard)
     if not 0 <= index < count:
       raise ValueError(f"shard={shard}: the host index must lie in 0..count-1.")
-    self.source, self.shard = source, (index, count)
-    dataset = grain.MapDataset.source(_Endless(source))[index::count]
+    if block < 1:
+      raise ValueError(f"block={block} must be at least 1.")
+    self.source, self.shard, self.block = source, (index, count), int(block)
+    dataset = grain.MapDataset.source(_HostBlocks(source, index, count, self.block))
     options = grain.ReadOptions(num_threads=1 if prefetch else 0, prefetch_buffer_size=max(prefetch, 1))
     self._iterator = iter(dataset.to_iter_dataset(options))
     if position:
@@ -197,7 +206,8 @@ class PromptStream:
     each host back at its own position, even when the hosts drew different numbers of examples
     (prompt rejection, dynamic sampling rounds)."""
     by_host = _gather_positions(self.position, self.shard[1])
-    return {"next_example": self.position, "next_example_by_host": by_host, "shard": list(self.shard)}
+    return {"next_example": self.position, "next_example_by_host": by_host, "shard": list(self.shard),
+            "block": self.block}
 
   def set_state(self, state: dict) -> None:
     """Continues at `state` (from `get_state`, or a checkpoint's data state); ValueError when it
@@ -206,6 +216,10 @@ class PromptStream:
     if shard[1] != self.shard[1]:
       raise ValueError(f"the prompt stream was saved by {shard[1]} hosts and this run has "
                        f"{self.shard[1]}; an exact resume needs the same number of hosts.")
+    if shard[1] > 1 and int(state.get("block", self.block)) != self.block:
+      raise ValueError(f"the prompt stream was saved with blocks of {state['block']} prompts per host "
+                       f"and this run draws {self.block}; an exact resume needs the same "
+                       "rl.prompts_per_step per host.")
     by_host = state.get("next_example_by_host")
     if by_host is not None:
       self._iterator.set_state({"next_index": int(by_host[self.shard[0]])})

@@ -25,9 +25,10 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from meshrl.model import kv_cache as kvc
+from meshrl.model import quant
 from meshrl.model.transformer import ModelConfig, Transformer
 from meshrl.rl.sampling import Sampler, sample_keys, token_keys
-from meshrl.sharding.rules import rules_from_config
+from meshrl.sharding.rules import generation_shardings, rules_from_config
 
 
 @struct.dataclass
@@ -174,8 +175,66 @@ def generate(model: Transformer, spec: RolloutSpec, prompts: jax.Array, prompt_m
 
 
 def rollout_model_config(cfg, mesh: Mesh | None) -> ModelConfig:
-  """The model numbers with the rollout activation rules (parameters are laid out as in training)."""
-  return ModelConfig.from_config(cfg, mesh, rules=rules_from_config(cfg.mesh, "rollout"))
+  """The model numbers with the rollout activation rules (parameters are laid out as in training)
+  and the KV cache of rl.kv_cache_dtype; checks rl.kv_cache_dtype / rl.generation_weights."""
+  quant.check_generation_options(kv_cache_dtype=cfg.rl.kv_cache_dtype,
+                                 generation_weights=cfg.rl.generation_weights, tis_level=cfg.rl.tis_level)
+  check_generation_layout(cfg.rl.generation_layout)
+  mc = ModelConfig.from_config(cfg, mesh, rules=rules_from_config(cfg.mesh, "rollout"))
+  return dataclasses.replace(mc, kv_cache_dtype=cfg.rl.kv_cache_dtype)
+
+
+GENERATION_LAYOUTS = ("train", "gathered")
+
+
+def check_generation_layout(layout: str) -> None:
+  """ValueError naming rl.generation_layout unless it is one of GENERATION_LAYOUTS."""
+  if layout not in GENERATION_LAYOUTS:
+    raise ValueError(f"rl.generation_layout={layout!r}; choose one of {', '.join(GENERATION_LAYOUTS)}.")
+
+
+def with_generation_weights(cfg, mesh: Mesh | None, mc: ModelConfig, fn):
+  """jit(fn) for `fn(params, ...)`, the params first made into the generation weights when asked:
+
+  - rl.generation_weights = "int8": int8 weights + scales made from the (full-precision, train-layout)
+    params by a jitted quantiser (model/quant.py);
+  - rl.generation_layout = "gathered": the weights resharded to split over tensor/expert only
+    (sharding/rules.generation_shardings), so the decode steps read them locally instead of
+    all-gathering them over fsdp at every token; one reshard per call (per rollout), a copy of the
+    weights less split than the train state's (scripts/aot_compile.py --step=reshard measures both).
+
+  Both at once quantise first (less to move) and land the int8 weights in the generation layout.
+  The returned function has `.jitted` (the generation program itself) and `.prepare` (params ->
+  generation weights) when either option is on."""
+  jitted = jax.jit(fn)
+  check_generation_layout(cfg.rl.generation_layout)
+  int8 = cfg.rl.generation_weights == "int8"
+  gathered = cfg.rl.generation_layout == "gathered" and mesh is not None
+  if not int8 and not gathered:
+    return jitted
+  quantize = None
+  if int8:
+    _, abstract_params, _ = nnx.split(nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    quantize = quant.make_weight_quantizer(abstract_params, mesh, rules_from_config(cfg.mesh))
+  relayouts = {}
+
+  def relayout(params):
+    """The params in the generation layout (a jitted identity with new out_shardings, built once)."""
+    if "fn" not in relayouts:
+      shardings = generation_shardings(jax.tree.map(lambda x: x.sharding, params))
+      relayouts["fn"] = jax.jit(lambda p: p, out_shardings=shardings)
+    return relayouts["fn"](params)
+
+  def prepare(params):
+    params = quantize(params) if quantize is not None else params
+    return relayout(params) if gathered else params
+
+  def call(params, *args, **kwargs):
+    return jitted(prepare(params), *args, **kwargs)
+  call.jitted = jitted  # the generation program itself (takes the generation weights)
+  call.prepare = prepare
+  call.quantize = quantize
+  return call
 
 
 def make_rollout(cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...], pad_id: int,
@@ -185,7 +244,13 @@ def make_rollout(cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...], pad_id: i
 
   `params`/`extra` are the train state's own arrays (train/state.py); they are read, never copied.
   `group_size` and `temperature` override cfg.rl's (evaluation uses 1 and 0: greedy).
+  rl.kv_cache_dtype / rl.generation_weights = "int8" quantise the cache / the weights (model/quant.py).
+  rl.speculative != "none" returns rl/speculative.py's rollout (same call, same output).
   """
+  if cfg.rl.speculative != "none":
+    from meshrl.rl.speculative import make_speculative_rollout  # pylint: disable=import-outside-toplevel
+    return make_speculative_rollout(cfg, mesh, stop_ids=stop_ids, pad_id=pad_id, group_size=group_size,
+                                    temperature=temperature)
   mc = rollout_model_config(cfg, mesh)
   graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(0))), nnx.Param, ...)
   spec = RolloutSpec.from_config(cfg, stop_ids=stop_ids, pad_id=pad_id, group_size=group_size,
@@ -198,4 +263,4 @@ def make_rollout(cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...], pad_id: i
     return generate(nnx.merge(graphdef, params, extra), spec, prompts, prompt_mask, key, max_lengths,
                     version)
 
-  return jax.jit(rollout)
+  return with_generation_weights(cfg, mesh, mc, rollout)

@@ -32,14 +32,17 @@ from meshrl.model.tokenizer import Tokenizer
 from meshrl.rl import advantages as adv_lib
 from meshrl.rl import losses
 from meshrl.rl import packing
-from meshrl.rl.batch import empty_scored, informative_groups, next_prompts, score_rollout, select_groups
+from meshrl.rl.batch import (batch_metrics, empty_scored, informative_groups, next_prompts, score_rollout,
+                            select_groups)
 from meshrl.rl.batches import (ScoredBatch, UpdateBatch, align_for_update, device_put_batch,
                                zigzag_batch)
 from meshrl.rl.rewards import compose
 from meshrl.rl.engine import PartialRollouts, make_engine
+from meshrl.rl.multiturn import collect_multiturn, make_multiturn, wants_multi_turn
 from meshrl.rl.rollout import make_rollout
 from meshrl.rl.scoring import RewardPool
 from meshrl.rl.update import make_logprob_fn, make_update
+from meshrl.sharding import hosts
 from meshrl.sharding.rules import logical_to_spec, rules_from_config
 from meshrl.train.checkpoint import array_from_json, array_to_json
 from meshrl.train.optim import make_optimizer
@@ -68,9 +71,13 @@ class RLRun:
   partial: Any = None  # rl/engine.PartialRollouts when rl.rollout_token_budget > 0 (groups carried over)
   version: int = 0  # policy version: RL updates applied so far (restored with the checkpoint's step)
   in_flight: collections.deque = dataclasses.field(default_factory=collections.deque)  # InFlight
+  multiturn: Any = None  # rl/multiturn.MultiTurnPrograms when episodes are multi-turn (else None)
+  speculative: Any = None  # the speculative rollout (rl/speculative.py), whose `.metrics` the step reports
 
   def close(self) -> None:
     self.pool.close()
+    if self.multiturn is not None:
+      self.multiturn.close()
 
 
 def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
@@ -84,12 +91,13 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
   if mesh is not None:
     sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules_from_config(cfg.mesh), mesh,
                                                    shape=packing.update_shape(cfg)))
+  rollout = (make_engine if cfg.rl.engine == "continuous" else make_rollout)(
+      cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id)
   return RLRun(
       cfg=cfg, mesh=mesh, graphdef=graphdef, state=state,
       ref_params=jax.tree.map(jnp.copy, state.params) if spec.kl_metric else None,
       spec=spec, estimator=estimator,
-      rollout=(make_engine if cfg.rl.engine == "continuous" else make_rollout)(
-          cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id),
+      rollout=rollout, speculative=rollout if cfg.rl.speculative != "none" else None,
       partial=PartialRollouts(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id)
       if cfg.rl.rollout_token_budget else None,
       update=make_update(spec, graphdef, tx, batch_size=packing.update_rows(cfg),
@@ -101,24 +109,18 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
       advantages_fn=adv_lib.make_advantages(cfg), tokenizer=tokenizer,
       pool=RewardPool(compose(cfg.rl.rewards), num_workers=cfg.rl.reward_workers,
                       timeout_s=cfg.rl.reward_timeout_s),
-      batch_sharding=sharding, zigzag_shards=zigzag_shards(cfg, mesh))
+      batch_sharding=sharding, zigzag_shards=zigzag_shards(cfg, mesh),
+      multiturn=make_multiturn(cfg, mesh, tokenizer) if wants_multi_turn(cfg) else None)
 
 
 def _rollout_arrays(batch) -> dict[str, np.ndarray]:
   """RolloutBatch (device) -> host numpy dict; routing moved to [B, L, S, K] or dropped."""
   arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
   routing = arrays.pop("routing")
-  arrays = jax.tree.map(np.asarray, arrays)
+  arrays = jax.tree.map(hosts.to_host, arrays)  # the whole batch on every host process
   if routing is not None:
-    arrays["routing"] = np.swapaxes(np.asarray(routing), 0, 1)
+    arrays["routing"] = np.swapaxes(hosts.to_host(routing), 0, 1)
   return arrays
-
-
-def _per_domain(values: np.ndarray, domains: list[str], prefix: str) -> dict[str, float]:
-  names = sorted(set(domains))
-  if len(names) < 1 or names == [""]:
-    return {}
-  return {f"{prefix}/{d or 'none'}": float(np.mean(values[[x == d for x in domains]])) for d in names}
 
 
 @dataclasses.dataclass
@@ -177,6 +179,26 @@ def _staleness(arrays: dict, version: int) -> dict[str, float]:
   return {"staleness_mean": float(behind.mean()), "staleness_max": float(behind.max())}
 
 
+def score_own_block(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool: RewardPool,
+                    **kw) -> ScoredBatch:
+  """`score_rollout` of the whole batch `arrays` ([B, ...] numpy, every host's groups side by side),
+  where this host scores only its own block of groups (`examples`, its own prompts) and the scores
+  are gathered from every host (sharding/hosts.py); with one process, plain `score_rollout`."""
+  if not hosts.is_multihost():
+    return score_rollout(arrays, examples, tokenizer, pool, **kw)
+  block = hosts.own_block(arrays["tokens"].shape[0])
+  own = score_rollout({k: v[block] for k, v in arrays.items()}, examples, tokenizer, pool, **kw)
+  infos = hosts.gather_objects([own.info])
+  info = {"reward_errors": sum(i["reward_errors"] for i in infos),
+          "reward_timeouts": sum(i["reward_timeouts"] for i in infos),
+          "first_errors": [e for i in infos for e in i["first_errors"]]}
+  return ScoredBatch(arrays=arrays, rewards=hosts.gather_rows(own.rewards),
+                     correct=hosts.gather_rows(own.correct),
+                     sample_valid=hosts.gather_rows(own.sample_valid),
+                     domains=hosts.gather_objects(own.domains), texts=hosts.gather_objects(own.texts),
+                     info=info)
+
+
 def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[ScoredBatch, dict]:
   """Rollout(s) and their scores for one step -> (ScoredBatch of exactly prompts_per_step groups,
   metrics). With rl.dynamic_sampling, up to rl.max_resample_rounds more rollouts refill the batch
@@ -186,6 +208,8 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
   With rl.max_staleness > 0 (asynchronous RL) the first round is the oldest rollout in flight
   (`next_in_flight`); refill rounds of dynamic sampling run at once with the current parameters.
   Every token carries the policy version that generated it; metrics report the staleness."""
+  if run.multiturn is not None:  # tool episodes: generate, step the environments, extend the cache
+    return collect_multiturn(run, examples, key)
   cfg = run.cfg.rl
   rounds = 1 + (cfg.max_resample_rounds if cfg.dynamic_sampling else 0)
   scored_rounds, rejected, truncated = [], 0, 0
@@ -195,11 +219,13 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
   partial_info = {}
 
   def draw(count):
+    """This host's block of `count` prompts (its examples), and every host's tokens side by side."""
     nonlocal rejected, truncated
-    prompts = next_prompts(examples, run.tokenizer, count=count, max_len=cfg.max_prompt_len,
-                           overflow=cfg.prompt_overflow)
-    rejected, truncated = rejected + prompts.rejected, truncated + prompts.truncated
-    return prompts.examples, prompts.tokens, prompts.mask
+    prompts = next_prompts(examples, run.tokenizer, count=count // jax.process_count(),
+                           max_len=cfg.max_prompt_len, overflow=cfg.prompt_overflow)
+    counts = hosts.gather_rows(np.asarray([[prompts.rejected, prompts.truncated]]))
+    rejected, truncated = rejected + int(counts[:, 0].sum()), truncated + int(counts[:, 1].sum())
+    return prompts.examples, hosts.gather_rows(prompts.tokens), hosts.gather_rows(prompts.mask)
 
   for round_index in range(rounds):
     t0 = time.perf_counter()
@@ -219,7 +245,7 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
     rollout_s += time.perf_counter() - t0
     generated += int(arrays["lengths"].sum())
     t0 = time.perf_counter()
-    scored = empty_scored(arrays) if not round_examples else score_rollout(
+    scored = empty_scored(arrays) if not round_examples else score_own_block(
         arrays, round_examples, run.tokenizer, run.pool, group_size=cfg.group_size,
         max_new_tokens=cfg.max_new_tokens, overlong_buffer=cfg.overlong_buffer,
         overlong_penalty_value=cfg.overlong_penalty)
@@ -234,26 +260,18 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
   batch = select_groups(scored_rounds, num_groups=cfg.prompts_per_step, group_size=cfg.group_size,
                         dynamic=cfg.dynamic_sampling)
   partial_info.update(_staleness(batch.arrays, run.version))
+  if run.speculative is not None and run.speculative.metrics is not None:  # the last rollout's
+    spec = jax.device_get(run.speculative.metrics)
+    partial_info.update(spec_acceptance_rate=float(spec.acceptance_rate),
+                        spec_tokens_per_forward=float(spec.tokens_per_forward))
   first = scored_rounds[0]  # the first round is an unbiased sample of the policy: report it
   if not first.texts:  # partial rollouts: no group ended in this step
     first = batch
-  lengths = first.arrays["lengths"].astype(np.float32)
   metrics = {
-      "reward_mean": float(first.correct.mean()), "reward_std": float(first.correct.std()),
-      "shaped_reward_mean": float(first.rewards.mean()),
-      "batch_reward_mean": float(batch.correct[batch.sample_valid].mean()) if batch.sample_valid.any()
-      else 0.0,
-      "response_len_mean": float(lengths.mean()),
-      "truncated_frac": float(first.arrays["truncated"].mean()),
+      **batch_metrics(first, batch, first.arrays["lengths"], cfg.group_size),
       "reward_errors": reward_errors, "reward_timeouts": reward_timeouts,
-      "rollout_rounds": len(scored_rounds),
-      "groups_kept": int(batch.sample_valid.reshape(-1, cfg.group_size)[:, 0].sum()),
-      "prompts_rejected": rejected, "prompts_truncated": truncated,
-      "empty_responses": int((first.arrays["lengths"] <= 1).sum()),
+      "rollout_rounds": len(scored_rounds), "prompts_rejected": rejected, "prompts_truncated": truncated,
       "rollout_s": rollout_s, "reward_s": reward_s, "generated_tokens": generated,
-      "sample_text": first.texts[0][:40],
-      **_per_domain(first.correct, first.domains, "reward_mean"),
-      **_per_domain(lengths, first.domains, "response_len"),
   }
   if first_errors:
     metrics["first_reward_error"] = first_errors[0][:200]
@@ -265,10 +283,11 @@ def _sample_layout(plan, zigzag_shards: int):
   """(to_samples, from_samples) between the update batch's layout and one contiguous row per sample
   (host numpy); from_samples is None when the layouts are the same."""
   if plan is not None:
-    return (lambda x: None if x is None else plan.unpack(x, 0)), (lambda x: plan.pack(np.asarray(x), 0))
+    return ((lambda x: None if x is None else plan.unpack(hosts.to_host(x), 0)),
+            (lambda x: plan.pack(hosts.to_host(x), 0)))
   if zigzag_shards > 1:
-    return ((lambda x: None if x is None else unzigzag(np.asarray(x), zigzag_shards)),
-            (lambda x: zigzag(np.asarray(x), zigzag_shards)))
+    return ((lambda x: None if x is None else unzigzag(hosts.to_host(x), zigzag_shards)),
+            (lambda x: zigzag(hosts.to_host(x), zigzag_shards)))
   return (lambda x: x), None
 
 

@@ -3,6 +3,8 @@
   python scripts/rl.py --config=configs/tiny.py                  # the CPU demo (minutes)
   python scripts/rl.py --config=configs/tiny.py --cpu_devices=8 --config.mesh.fsdp=4 \
       --config.mesh.expert=2                                     # the same program, 8 simulated chips
+  python scripts/rl.py --config=configs/tiny.py --cpu_devices=2 --coordinator=localhost:7777 \
+      --num_processes=2 --process_id=0 & ... --process_id=1       # two host processes, one mesh
 
 Writes into the work directory (cfg.workdir, or --workdir): config.json, metrics.jsonl (one record
 per RL step), eval.jsonl (held-out evaluations, with eval.every > 0), TensorBoard events (tb/),
@@ -21,6 +23,7 @@ def main(argv):
   def flags(parser):
     parser.add_argument("--workdir", default=None, help="output folder (default: cfg.workdir)")
   args, cfg = cli.parse(argv, add_flags=flags, description=__doc__)
+  cli.join_job(args)  # several processes (a pod): join the job before jax touches a device
   import jax  # pylint: disable=import-outside-toplevel  (after --cpu_devices)
   from meshrl.rl import loop  # pylint: disable=import-outside-toplevel
   workdir = args.workdir or cfg.workdir.format(name=cfg.name)

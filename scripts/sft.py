@@ -16,6 +16,7 @@ from meshrl.configs import cli, save_config
 def main(argv):
   args, cfg = cli.parse(argv, description=__doc__, add_flags=lambda p: p.add_argument(
       "--steps", type=int, default=None, help="SFT steps (default: rl.sft_steps)"))
+  cli.join_job(args)  # several processes (a pod): join the job before jax touches a device
   # jax only now, after --cpu_devices.
   from meshrl.model.tokenizer import tokenizer_from_config  # pylint: disable=import-outside-toplevel
   from meshrl.rl.loop import train_source  # pylint: disable=import-outside-toplevel

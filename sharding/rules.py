@@ -138,3 +138,26 @@ def constrain(x: jax.Array, names: Sequence[str | None], mesh: Mesh | None,
   spec = logical_to_spec(names, rules, mesh, shape=x.shape)
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
+
+
+GENERATION_KEEP_AXES = ("tensor", "expert")
+
+
+def regather_spec(spec: PartitionSpec, keep: Sequence[str] = GENERATION_KEEP_AXES) -> PartitionSpec:
+  """`spec` with every mesh axis not in `keep` dropped: those dimensions become replicated over the
+  dropped axes (e.g. a weight split over fsdp x tensor -> split over tensor only)."""
+  def entry(e):
+    if e is None:
+      return None
+    axes = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a in keep)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+  return PartitionSpec(*(entry(e) for e in spec))
+
+
+def generation_shardings(shardings: Any, keep: Sequence[str] = GENERATION_KEEP_AXES) -> Any:
+  """The generation layout of a pytree of parameter NamedShardings: each weight kept split over
+  `keep` (tensor, expert) and replicated over the other axes (data, fsdp, sequence), so a decode step
+  reads its weights locally instead of all-gathering them over fsdp at every token. Costs one
+  reshard per RL step (an all-gather of the weights) and the memory of the less split copy."""
+  return jax.tree.map(lambda s: NamedSharding(s.mesh, regather_spec(s.spec, keep)), shardings,
+                      is_leaf=lambda s: isinstance(s, NamedSharding))

@@ -69,30 +69,36 @@ class MetricsWriter:
     bar_keys: metrics shown on the bar, when present.
     resume_step: on a resumed run, drop records after this step from metrics.jsonl so the file
       holds each step once (the steps after the checkpoint are trained again).
+    primary: whether this process writes (files, bar); default: process 0 of a multi-process job
+      only. The others' `write` returns the record and writes nothing.
   """
 
   def __init__(self, workdir: str, *, tensorboard: bool = True, progress_bar: bool = True,
                total_steps: int | None = None, bar_keys: Iterable[str] = BAR_KEYS,
-               resume_step: int | None = None):
-    os.makedirs(workdir, exist_ok=True)
+               resume_step: int | None = None, primary: bool | None = None):
     self.path = os.path.join(workdir, "metrics.jsonl")
+    self.primary = jax.process_index() == 0 if primary is None else bool(primary)
+    self._file = self._tb = self._bar = None
+    self._bar_keys = tuple(bar_keys)
+    self._last_step = resume_step or 0
+    if not self.primary:
+      return
+    os.makedirs(workdir, exist_ok=True)
     if resume_step is not None:
       truncate_jsonl(self.path, resume_step)
     self._file = open(self.path, "a", encoding="utf-8")
-    self._tb = None
     if tensorboard:
       from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
       self._tb = SummaryWriter(os.path.join(workdir, "tb"))
-    self._bar = None
     if progress_bar:
       from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
       self._bar = tqdm(total=total_steps, initial=resume_step or 0, dynamic_ncols=True)
-    self._bar_keys = tuple(bar_keys)
-    self._last_step = resume_step or 0
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
     """Records `metrics` for `step`; returns the record as written (plain Python values)."""
     record = {"step": int(step), **to_python(dict(metrics))}
+    if self._file is None:  # not the primary process
+      return record
     self._file.write(json.dumps({k: _json_safe(v) for k, v in record.items()}) + "\n")
     self._file.flush()
     if self._tb is not None:
@@ -107,7 +113,8 @@ class MetricsWriter:
     return record
 
   def close(self) -> None:
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
     if self._tb is not None:
       self._tb.close()
     if self._bar is not None:

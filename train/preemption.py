@@ -54,6 +54,13 @@ class Preemption:
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     return bool(np.any(multihost_utils.process_allgather(np.asarray(local))))
 
+  def stopped_message(self, what: str, step: int, num_steps: int, saved: bool) -> str:
+    """The line a loop prints when it stops early for this request, e.g. "SIGTERM: stopped after RL
+    step 3 of 100, saved in the checkpoint of step 3; run the same command again to resume."."""
+    where = "saved in the checkpoint of step" if saved else "no checkpoint (disabled) at"
+    return (f"{self.signal_name}: stopped after {what} step {step} of {num_steps}, {where} {step}; "
+            "run the same command again to resume.")
+
   def __enter__(self) -> "Preemption":
     if threading.current_thread() is threading.main_thread():  # signal handlers live there only
       for signum in self.signals:

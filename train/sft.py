@@ -295,16 +295,14 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
       if stop_nonfinite:
         raise streak.error(step, saved=ckpt is not None)
       if preempted:
-        saved = "saved in the checkpoint of step" if ckpt is not None else "no checkpoint (disabled) at"
-        print(f"{preemption.signal_name}: stopped after SFT step {step} of {num_steps}, {saved} {step}; "
-              "run the same command again to resume.", flush=True)
+        print(preemption.stopped_message("SFT", step, num_steps, saved=ckpt is not None), flush=True)
         break
   finally:
     counter.close()
     writer.close()
     if ckpt is not None:
       ckpt.close()
-  if cfg.log.plot and history:
+  if cfg.log.plot and history and writer.primary:
     plot_curve(writer.path, "loss", os.path.join(workdir, "loss_curve.png"), title="SFT loss")
   return SFTResult(model=merge_model(graphdef, state), state=state, graphdef=graphdef, history=history,
                    preempted=preempted)

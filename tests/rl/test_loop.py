@@ -238,3 +238,22 @@ def test_phase_cost_divides_the_compiled_programs_flops_by_each_phase_time():
   assert out["update_mfu"] == out["update_flops_per_s"] / 1e9
   no_rollout = cost({"rollout_s": 1.0, "update_s": 1.0, "generated_tokens": 0})
   assert no_rollout["gen_flops_per_s"] == 0
+
+
+def test_a_preempted_warm_start_ends_the_run_before_rl(tmp_path, monkeypatch):
+  """run() hands its SIGTERM flag to the warm start; a warm start that stopped early (saved) ends the
+  job there: no RL step runs on a half-trained model."""
+  import signal  # pylint: disable=import-outside-toplevel
+  from meshrl.train import sft  # pylint: disable=import-outside-toplevel
+  seen = {}
+
+  def fake_run_sft(cfg, workdir, *, preemption, **kw):
+    seen["preemption"] = preemption
+    return sft.SFTResult(model=None, state=None, graphdef=None, history=[], preempted=True)
+
+  monkeypatch.setattr(sft, "run_sft", fake_run_sft)
+  monkeypatch.setattr(loop, "build_run", lambda *a, **k: pytest.fail("RL started after a preempted warm start"))
+  cfg = configs.load("configs/tiny.py", ["rl.sft_steps=3", "eval.every=0", f"workdir={tmp_path}"])
+  assert loop.run(cfg, str(tmp_path)) == []
+  assert seen["preemption"] is not None  # the run's flag, installed for SIGTERM
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # and removed again

@@ -25,7 +25,7 @@ def test_stream_is_the_mixture_in_order_and_resumes_at_the_next_example():
   first = [next(stream) for _ in range(7)]
   assert first == mixture.take(7)  # one host: the mixture in index order, as before grain
   state = stream.get_state()
-  assert state == {"next_example": 7, "next_example_by_host": [7], "shard": [0, 1]}
+  assert state == {"next_example": 7, "next_example_by_host": [7], "shard": [0, 1], "block": 1}
   following = [next(stream) for _ in range(3)]
   resumed = PromptStream(_mixture())
   resumed.set_state(json.loads(json.dumps(state)))  # through JSON, as in a checkpoint
@@ -85,6 +85,19 @@ def test_two_processes_save_every_hosts_position(tmp_path):
   resumed = PromptStream(mixture, shard=(1, 2), prefetch=0)
   resumed.set_state(saved)
   assert next(resumed) == mixture[1 + 2 * 5]  # host 1's sixth example
+
+
+def test_host_blocks_side_by_side_are_the_one_process_batches():
+  """Hosts drawing `block` prompts a step: their blocks, in host order, are the batch one process
+  drawing 2 * block would get, step after step (so two processes train on what one would)."""
+  mixture = _mixture()
+  one = PromptStream(mixture, prefetch=0)
+  two = [PromptStream(mixture, shard=(h, 2), block=3, prefetch=0) for h in range(2)]
+  for _ in range(3):
+    together = [next(two[h]) for h in range(2) for _ in range(3)]
+    assert together == [next(one) for _ in range(6)]
+  with pytest.raises(ValueError, match="blocks of 3 prompts per host and this run draws 2"):
+    PromptStream(mixture, shard=(0, 2), block=2).set_state(two[0].get_state())
 
 
 def _write_array_record(path, rows):

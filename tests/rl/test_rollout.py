@@ -111,3 +111,32 @@ def test_rollout_reads_the_train_state_arrays_without_copy(devices):
   assert pointers_of(state.params) == pointers
   assert any(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
              for x in jax.tree.leaves(state.params))
+
+
+def test_gathered_generation_layout_splits_weights_over_tensor_and_expert_only(devices):
+  """rl.generation_layout=gathered: the rollout's program takes a copy of the weights split over
+  tensor/expert only (none over fsdp), made once per call; the train state's arrays are untouched and
+  the greedy rollout is the train-layout one."""
+  over = ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2"]
+  cfg, mesh, _, state = _setup("rl.group_size=1", "rl.prompts_per_step=4", "rl.temperature=0.0",
+                               mesh_overrides=over)
+  tokens, mask = _prompts(["1+2=", "3+4=", "5+6=", "7+8="])
+  plain = make_rollout(cfg, mesh, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id)
+  gathered_cfg = configs.load("configs/tiny.py", SMALL + ["rl.group_size=1", "rl.prompts_per_step=4",
+                                                          "rl.temperature=0.0", "rl.generation_layout=gathered"]
+                              + over)
+  gathered = make_rollout(gathered_cfg, mesh, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id)
+  weights = gathered.prepare(state.params)
+  axes = lambda s: {a for e in s.spec if e for a in (e if isinstance(e, tuple) else (e,))}  # noqa: E731
+  train_axes = set().union(*(axes(x.sharding) for x in jax.tree.leaves(state.params)))
+  gen_axes = set().union(*(axes(x.sharding) for x in jax.tree.leaves(weights)))
+  assert "fsdp" in train_axes and "fsdp" not in gen_axes and gen_axes <= {"tensor", "expert"}
+  assert gen_axes  # still split over tensor/expert, not replicated everywhere
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(weights), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # a relayout, not a change
+  want = plain(state.params, state.extra, tokens, mask, jax.random.key(0))
+  got = gathered(state.params, state.extra, tokens, mask, jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+  with pytest.raises(ValueError, match="rl.generation_layout='spread'; choose one of train, gathered"):
+    make_rollout(configs.load("configs/tiny.py", SMALL + ["rl.generation_layout=spread"]), mesh,
+                 stop_ids=TOK.stop_ids, pad_id=TOK.pad_id)

@@ -159,3 +159,20 @@ def test_script_rejects_unknown_topology_mismatched_mesh_and_step(aot, capsys):
   assert "4 chips" in err and "fsdp=8" in err
   assert _script("--config=configs/tiny.py", "--topology=v5e:2x2", "--step=update,rollout") == 2
   assert "['rollout']" in capsys.readouterr().err
+
+
+def test_generation_layout_trades_a_reshard_for_gather_free_decode_steps(aot):
+  """Decode with the weights in the training layout all-gathers them over fsdp at every step; with
+  rl.generation_layout=gathered it reads them locally (more argument bytes per chip), and the one-off
+  reshard program is where the all-gather went."""
+  cfg = _small("mesh.fsdp=4", "model.num_layers=1")
+  mesh = aot.topology_mesh(cfg, aot.topology_devices("v5e:2x2"))
+  train = aot.compile_step("decode", cfg, mesh, "v5e:2x2")
+  gathered_cfg = _small("mesh.fsdp=4", "model.num_layers=1", "rl.generation_layout=gathered")
+  gathered = aot.compile_step("decode", gathered_cfg, mesh, "v5e:2x2")
+  reshard = aot.compile_step("reshard", gathered_cfg, mesh, "v5e:2x2")
+  assert train.collective_bytes.get("all-gather", 0) > 0
+  assert gathered.collective_bytes.get("all-gather", 0) < train.collective_bytes["all-gather"] / 4
+  assert gathered.per_chip["argument"] > train.per_chip["argument"]  # the less split copy
+  assert reshard.collective_bytes.get("all-gather", 0) > 0
+  assert aot.default_steps(gathered_cfg)[-1] == "reshard" and "reshard" not in aot.default_steps(cfg)

@@ -1,0 +1,61 @@
+"""The agent demo: a tiny dense model learns a two-step tool episode by GRPO on multi-turn rollouts.
+
+Run it:  python scripts/rl.py --config=configs/tiny_agent.py
+Expect (measured once, 2 shared cores, README "Multi-turn episodes and the agent demo"): held-out greedy
+multi-turn success 12.5% after the warm start -> 51.6% after 80 GRPO steps; 3.5-4.5 minutes in all.
+Task (rl/envs/file_tasks.py, "files_copy"): "copy q.txt to f.txt:" with one of 16 words in q.txt that
+the prompt does not show; solved by <cmd>cat q.txt</cmd> -> "owl", <cmd>echo owl > f.txt</cmd>, <done>.
+The observation must be read and copied, so the episode is really multi-turn. Held-out prompts are the
+file-name pairs training never sees (data.eval_fraction of the 650, by hash).
+
+Recipe: a short warm start (SFT, rl.sft_steps) on oracle episodes cut at each policy turn
+(rl/multiturn.Demonstrations) leaves the greedy policy solving part of the held-out episodes; GRPO on
+multi-turn episodes (rl/multiturn.py: turn, environment step, observation into the KV cache; loss on the
+policy's own tokens) then raises held-out success.
+Options: `configs/tiny_agent.py:quick` runs 10 RL steps (a smoke run).
+"""
+
+from meshrl.configs.loader import load_preset
+from meshrl.rl.envs import file_tasks
+
+
+def get_config(arg=None):
+  config = load_preset("base")
+  config.name = "tiny_agent" if not arg else f"tiny_agent_{arg}"
+  config.model.num_layers = 2
+  config.model.embed_dim = 128
+  config.model.num_heads = 4
+  config.model.num_kv_heads = 2
+  config.model.head_dim = 32
+  config.model.mlp_dim = 256
+  config.model.max_seq_len = 136  # prompt 24 + episode 96 + observation slack 16
+  config.moe.num_experts = 0
+  config.attention.impl = "reference"
+  config.optim.learning_rate = 1e-4  # 3e-4 rose faster, then collapsed at step 40 (measured)
+  config.rl.multi_turn = True
+  config.rl.max_turns = 4
+  config.rl.max_turn_tokens = 32
+  config.rl.max_obs_tokens = 16
+  config.rl.env_workers = 2
+  config.rl.env_timeout_s = 10.0
+  config.rl.num_steps = 80
+  config.rl.prompts_per_step = 8
+  config.rl.group_size = 8
+  config.rl.num_minibatches = 2
+  config.rl.max_prompt_len = 24
+  config.rl.max_new_tokens = 96
+  config.rl.temperature = 0.7
+  config.rl.max_resample_rounds = 0
+  config.rl.sft_steps = 200
+  config.rl.sft_batch_size = 16
+  config.data.seq_len = 128
+  config.data.tasks = f"{file_tasks.FAMILY}:1.0"
+  config.eval.every = 10
+  config.eval.num_prompts = 64
+  config.eval.batch_size = 64
+  config.checkpoint.every = 50
+  if arg == "quick":
+    config.rl.num_steps = 10
+  elif arg:
+    raise ValueError(f"configs/tiny_agent.py takes no option {arg!r}; options: quick.")
+  return config

@@ -1,0 +1,695 @@
+"""Multi-turn tool episodes in the rollout: generate a turn, step the environment, extend the KV cache.
+
+  programs = make_multiturn(cfg, mesh, tokenizer)               # jitted prefill / decode_turn / extend
+  out = programs.rollout(params, extra, examples, key)          # B = P * G episodes -> MultiTurnRollout
+  scored, metrics = collect_multiturn(run, examples, key)       # the RL step's collect (rl/step.py)
+
+An episode is one row of a batch. Each row has its own environment (rl/envs: SingleTurnEnv, TerminalEnv
+with its own sandbox work directory, FileTaskEnv, ...). Per turn:
+  1. `decode_turn` (jit): every active row samples tokens until its turn ends: the EOS / stop ids, a stop
+     STRING of rl/envs/base.py (`</cmd>`, `<done>`; several tokens each, matched against the row's last
+     tokens inside the loop), or the row's token limit for this turn (turn, episode and context budgets);
+  2. the host decodes each turn, steps the environments in threads under a per-call timeout, and
+     tokenises the observations (wrapped as `<out>...</out>`);
+  3. `extend` (jit): prefills ONLY the observation tokens into each row's KV cache at that row's own write
+     index (kv_cache `with_row_index`), padded to a few bucket lengths (powers of two up to
+     rl.max_obs_tokens) so at most a handful of shapes compile.
+The cache of earlier turns is kept and extended, never rebuilt: `MultiTurnRollout.counts` reports the
+prompt tokens prefilled once and the observation tokens extended, and tests/rl/test_multiturn.py checks
+that the logits after an extension equal a full re-prefill of the conversation.
+
+Budgets follow rl/envs/episode.py: at most `max_turns` policy turns, `max_turn_tokens` per turn,
+`max_episode_tokens` policy tokens, `env_timeout_s` per environment call; when one runs out the
+environment gets `<done>`, so the episode is still graded. A malformed tool call is the environment's
+error observation, never an exception; an environment that raises or times out ends its episode as an
+environment failure (sample_valid False: no gradient, counted apart from wrong answers).
+
+Output: a RolloutBatch layout of host arrays [B, S], S = Lp + N (rl.max_prompt_len + rl.max_new_tokens):
+the prompt left-padded, then the whole episode (policy turns and observations) right-padded;
+`response_mask` is True ONLY on the policy's own tokens (so rl/batches.py's loss_mask and the update's
+log-probs and loss cover only them), `logprobs` the behaviour log-probs there; the reward is the
+episode's. The cache has `max_obs_tokens` slots of slack past S so a padded extension never wraps.
+
+The stop strings are matched as token sequences: exact for the byte-level tokenizer; a BPE tokenizer
+that merges `</cmd>` with neighbouring text may miss one (the turn then ends at its token limit).
+
+Axis legend: P prompts, G group size, B = P * G episodes, Lp prompt length, N episode tokens after the
+prompt, S = Lp + N, C = S + max_obs_tokens cache slots, Nt tokens per turn, T observation bucket, V vocab.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from meshrl.model import kv_cache as kvc
+from meshrl.model.tokenizer import Tokenizer
+from meshrl.model.transformer import Transformer
+from meshrl.rl.batch import batch_metrics, informative_groups, per_domain, select_groups
+from meshrl.rl.batches import ScoredBatch
+from meshrl.rl.envs import file_tasks
+from meshrl.rl.envs.base import DONE, STOP_STRINGS, as_text
+from meshrl.rl.rollout import prompt_layout, rollout_model_config
+from meshrl.rl.sampling import Sampler, sample_keys, token_keys
+
+OBS_OPEN, OBS_CLOSE = "<out>", "</out>"
+ENDS = ("done", "max_turns", "token_budget", "context", "env_failure")
+
+
+def render_observation(text: str) -> str:
+  """How an observation is shown to the policy, between its turns."""
+  return f"{OBS_OPEN}{text}{OBS_CLOSE}"
+
+
+def buckets(max_obs_tokens: int) -> tuple[int, ...]:
+  """Observation chunk lengths: powers of two from 8, and max_obs_tokens itself."""
+  sizes, size = [], 8
+  while size < max_obs_tokens:
+    sizes.append(size)
+    size *= 2
+  return tuple(sizes) + (max_obs_tokens,)
+
+
+EPISODE_FAMILIES = {file_tasks.FAMILY: file_tasks.TaskPool}  # data.tasks names served as pools
+
+
+def episode_pools(cfg) -> dict:
+  """{name: pool} of the multi-turn families data.tasks names (for TaskMixture's `pools`)."""
+  names = [part.split(":")[0].strip() for part in str(cfg.data.tasks).split(",")]
+  return {name: EPISODE_FAMILIES[name](cfg.data.difficulty, cfg.seed) for name in names
+          if name in EPISODE_FAMILIES}
+
+
+def default_env(example: dict):
+  """The environment an example names: FileTaskEnv ("files"), TerminalEnv ("terminal"), else a
+  SingleTurnEnv scored by rl.rewards.answer_reward."""
+  from meshrl.rl.envs.driver import env_for  # pylint: disable=import-outside-toplevel
+  if example.get("verifier") == file_tasks.VERIFIER:
+    return file_tasks.FileTaskEnv()
+  return env_for(example)
+
+
+# --- configuration ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnSpec:
+  group_size: int
+  prompt_len: int  # Lp
+  episode_len: int  # N: tokens after the prompt (policy turns and observations)
+  max_turns: int
+  max_turn_tokens: int  # Nt
+  max_episode_tokens: int  # policy tokens of one episode
+  max_obs_tokens: int  # observation tokens per turn (longer ones keep their head)
+  sampler: Sampler
+  stop_ids: tuple[int, ...]
+  stop_sequences: tuple[tuple[int, ...], ...]
+  pad_id: int
+  env_workers: int
+  env_timeout_s: float
+
+  @property
+  def cache_len(self) -> int:
+    return self.prompt_len + self.episode_len + self.max_obs_tokens
+
+  @classmethod
+  def from_config(cls, cfg, tokenizer: Tokenizer, *, group_size: int | None = None,
+                  temperature: float | None = None) -> "MultiTurnSpec":
+    """The multi-turn rollout of cfg.rl (validated, `check_multiturn_config`); `group_size` /
+    `temperature` override it (evaluation: 1 and 0)."""
+    check_multiturn_config(cfg)
+    rl = cfg.rl
+    sequences = tuple(tuple(tokenizer.encode(s, add_bos=False)) for s in STOP_STRINGS)
+    return cls(group_size=rl.group_size if group_size is None else group_size,
+               prompt_len=rl.max_prompt_len, episode_len=rl.max_new_tokens, max_turns=rl.max_turns,
+               max_turn_tokens=min(rl.max_turn_tokens, rl.max_new_tokens),
+               max_episode_tokens=rl.max_new_tokens, max_obs_tokens=rl.max_obs_tokens,
+               sampler=Sampler(rl.temperature if temperature is None else temperature, rl.top_k, rl.top_p),
+               stop_ids=tuple(tokenizer.stop_ids), stop_sequences=sequences, pad_id=tokenizer.pad_id,
+               env_workers=rl.env_workers, env_timeout_s=float(rl.env_timeout_s))
+
+
+def check_multiturn_config(cfg) -> None:
+  """Raises ValueError naming the field for a multi-turn setting it cannot serve."""
+  rl = cfg.rl
+  for field in ("max_turns", "max_turn_tokens", "max_obs_tokens", "env_workers"):
+    if isinstance(rl[field], bool) or not isinstance(rl[field], int) or rl[field] < 1:
+      raise ValueError(f"rl.{field}={rl[field]!r} must be an integer >= 1.")
+  if not rl.env_timeout_s > 0:
+    raise ValueError(f"rl.env_timeout_s={rl.env_timeout_s!r} must be positive.")
+  if not wants_multi_turn(cfg):
+    if episode_pools(cfg):
+      raise ValueError(f"data.tasks={cfg.data.tasks!r} names multi-turn families "
+                       f"{sorted(episode_pools(cfg))}: set rl.multi_turn=true.")
+    return
+  unsupported = [(rl.engine != "static", f"rl.engine={rl.engine!r} (use 'static')"),
+                 (rl.rollout_token_budget > 0, f"rl.rollout_token_budget={rl.rollout_token_budget}"),
+                 (rl.max_staleness > 0, f"rl.max_staleness={rl.max_staleness} (asynchronous RL)"),
+                 (rl.pack_updates, "rl.pack_updates=True"),
+                 (cfg.moe.num_experts > 0 and rl.replay_routing,
+                  "rl.replay_routing=True with MoE layers (the episode's routing is not recorded)")]
+  for field, plain in (("speculative", "none"), ("kv_cache_dtype", "model"), ("generation_weights", "full"),
+                       ("generation_layout", "train")):  # generation options of the static rollout
+    unsupported.append((rl.get(field, plain) != plain, f"rl.{field}={rl.get(field, plain)!r}"))
+  bad = [text for flag, text in unsupported if flag]
+  if bad:
+    raise ValueError(f"rl.multi_turn=True cannot be combined with {'; '.join(bad)}: the multi-turn "
+                     "rollout (rl/multiturn.py) runs synchronously on the static engine.")
+  cache = rl.max_prompt_len + rl.max_new_tokens + rl.max_obs_tokens
+  if cache > cfg.model.max_seq_len:
+    raise ValueError(f"rl.multi_turn: rl.max_prompt_len={rl.max_prompt_len} + rl.max_new_tokens="
+                     f"{rl.max_new_tokens} + rl.max_obs_tokens={rl.max_obs_tokens} (the KV cache's slack "
+                     f"for a padded observation) = {cache} exceeds model.max_seq_len="
+                     f"{cfg.model.max_seq_len}.")
+
+
+def wants_multi_turn(cfg) -> bool:
+  """Whether the run's episodes are multi-turn: rl.multi_turn. (A data.domains registry with terminal
+  task domains, or data.tasks naming a multi-turn family, is refused without it, naming the flag.)"""
+  return bool(cfg.rl.multi_turn)
+
+
+# --- the jitted programs ------------------------------------------------------------------------
+
+
+@struct.dataclass
+class _TurnState:
+  step: jax.Array  # [] int32
+  cache: kvc.KVCache  # per-row index [B]
+  logits: jax.Array  # [B, V] logits of each row's next token
+  positions: jax.Array  # [B] int32 position of each row's next token
+  tokens: jax.Array  # [B, Nt] int32
+  logprobs: jax.Array  # [B, Nt] float32
+  done: jax.Array  # [B] bool
+  stopped: jax.Array  # [B] bool: ended by a stop id or stop string (not by its limit)
+  window: jax.Array  # [B, W] int32: the row's last W tokens of this turn (-1 before the first)
+
+
+def _stop_table(sequences: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+  """(ids [M, W] right-aligned, -1 padded; mask [M, W]) of M stop sequences, W the longest."""
+  width = max(len(s) for s in sequences)
+  ids = np.full((len(sequences), width), -1, np.int32)
+  for i, s in enumerate(sequences):
+    ids[i, width - len(s):] = s
+  return ids, ids >= 0
+
+
+def prefill(model: Transformer, spec: MultiTurnSpec, prompts, prompt_mask):
+  """prompts [P, Lp] left-padded -> (cache with per-row index [B], logits [B, V], positions [B]):
+  each prompt prefilled once and shared by its G rows."""
+  positions, segment_ids = prompt_layout(prompt_mask)
+  out = model(prompts, positions=positions, segment_ids=segment_ids,
+              cache=model.init_cache(prompts.shape[0], spec.cache_len))
+  group = spec.group_size
+  cache = kvc.with_row_index(kvc.repeat_rows(out.cache, group))
+  lengths = jnp.repeat(jnp.sum(prompt_mask, axis=1), group).astype(jnp.int32)
+  return cache, jnp.repeat(out.logits[:, -1], group, axis=0), lengths
+
+
+def decode_turn(model: Transformer, spec: MultiTurnSpec, cache, logits, positions, limits, key):
+  """One turn of every row with limits[b] > 0 (others are left as they are).
+
+  cache: per-row index; logits [B, V]; positions [B] of each row's next token; limits [B] int32 the
+  row's token limit this turn (<= Nt). Row b's t-th token of the turn uses key (key, b, t).
+  Returns (cache, logits, positions, tokens [B, Nt], logprobs [B, Nt], lengths [B], stopped [B])."""
+  batch, width = logits.shape[0], spec.max_turn_tokens
+  stop_ids = jnp.asarray(spec.stop_ids, jnp.int32)
+  table, table_mask = (jnp.asarray(a) for a in _stop_table(spec.stop_sequences))
+  keys = sample_keys(key, jnp.arange(batch))
+
+  def keep_going(s: _TurnState):
+    return (s.step < width) & ~jnp.all(s.done)
+
+  def one(s: _TurnState) -> _TurnState:
+    token = spec.sampler.sample_rows(s.logits, token_keys(keys, s.step))
+    logprob = spec.sampler.log_probs(s.logits, token)
+    live = ~s.done
+    token = jnp.where(live, token, spec.pad_id)
+    column = (0, s.step)
+    tokens = jax.lax.dynamic_update_slice(s.tokens, token[:, None], column)
+    logprobs = jax.lax.dynamic_update_slice(s.logprobs, jnp.where(live, logprob, 0.0)[:, None], column)
+    window = jnp.where(live[:, None], jnp.concatenate([s.window[:, 1:], token[:, None]], axis=1), s.window)
+    matched = jnp.any(jnp.all((window[:, None, :] == table[None]) | ~table_mask[None], axis=2), axis=1)
+    stopped = s.stopped | (live & (jnp.isin(token, stop_ids) | matched))
+    done = s.done | stopped | (s.step + 1 >= limits)
+    # Every row runs the model; a row that is not live writes an empty slot (EMPTY position, segment
+    # 0: masked for everyone) at its index and does not advance, so its next real token overwrites it.
+    index = s.cache.index
+    out = model(token[:, None], positions=jnp.where(live, s.positions, kvc.EMPTY_POSITION)[:, None],
+                segment_ids=live.astype(jnp.int32)[:, None], cache=s.cache)
+    step_live = live.astype(jnp.int32)
+    return _TurnState(step=s.step + 1, cache=out.cache.replace(index=index + step_live),
+                      logits=jnp.where(live[:, None], out.logits[:, 0], s.logits),
+                      positions=s.positions + step_live, tokens=tokens, logprobs=logprobs, done=done,
+                      stopped=stopped, window=window)
+
+  state = _TurnState(step=jnp.zeros((), jnp.int32), cache=cache, logits=logits, positions=positions,
+                     tokens=jnp.full((batch, width), spec.pad_id, jnp.int32),
+                     logprobs=jnp.zeros((batch, width), jnp.float32), done=limits < 1,
+                     stopped=jnp.zeros((batch,), bool),
+                     window=jnp.full((batch, table.shape[1]), -1, jnp.int32))
+  final = jax.lax.while_loop(keep_going, one, state)
+  lengths = (final.positions - positions).astype(jnp.int32)
+  return (final.cache, final.logits, final.positions, final.tokens, final.logprobs, lengths,
+          final.stopped)
+
+
+def extend(model: Transformer, cache, logits, positions, observations, lengths):
+  """Prefills observations [B, T] (right-padded; row b's first lengths[b] are real) at each row's own
+  write index; rows with length 0 keep their cache contents, logits and position.
+  Returns (cache, logits [B, V] after each row's last observation token, positions [B])."""
+  span = observations.shape[1]
+  real = jnp.arange(span)[None, :] < lengths[:, None]  # [B, T]
+  index = cache.index
+  obs_positions = jnp.where(real, positions[:, None] + jnp.arange(span), kvc.EMPTY_POSITION)  # [B, T]
+  out = model(observations, positions=obs_positions, segment_ids=real.astype(jnp.int32), cache=cache)
+  last = jnp.take_along_axis(out.logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+  return (out.cache.replace(index=index + lengths), jnp.where((lengths > 0)[:, None], last, logits),
+          positions + lengths)
+
+
+# --- the host loop ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class EpisodeStats:
+  reward: float = 0.0
+  end: str = ""  # one of ENDS
+  turns: int = 0
+  policy_tokens: int = 0
+  obs_tokens: int = 0
+  malformed_calls: int = 0
+  env_failure: str | None = None
+
+
+@dataclasses.dataclass
+class MultiTurnRollout:
+  arrays: dict[str, np.ndarray]  # the RolloutBatch fields (host numpy, [B, S] / [B]), routing absent
+  episodes: list[EpisodeStats]  # [B]
+  texts: list[str]  # [B] the episode after the prompt, as text
+  counts: dict[str, int]  # prefill_tokens (prompts, once), extend_tokens (observations), extend_calls, ...
+
+
+class _Row:
+  """Host record of one episode: its environment and its token segments."""
+
+  def __init__(self, env, prompt_len: int):
+    self.env, self.prompt_len = env, prompt_len
+    self.tokens: list[int] = []
+    self.policy: list[bool] = []
+    self.logprobs: list[float] = []
+    self.stats = EpisodeStats()
+    self.active = True
+    self.max_turns = 1  # the budget's, or the example's own when lower
+
+  def add(self, tokens, *, policy: bool, logprobs=None):
+    self.tokens += [int(t) for t in tokens]
+    self.policy += [policy] * len(tokens)
+    self.logprobs += [float(x) for x in logprobs] if logprobs is not None else [0.0] * len(tokens)
+
+  def finish(self, result, end: str):
+    self.active = False
+    self.stats.reward, self.stats.end = float(result.reward), end
+    if result.info.get("env_failure"):
+      self.stats.env_failure, self.stats.end = str(result.info["env_failure"]), "env_failure"
+
+  def fail(self, reason: str):
+    self.active = False
+    self.stats.env_failure, self.stats.end, self.stats.reward = reason, "env_failure", 0.0
+
+
+class _Failed:
+  """An environment call that raised or timed out, shaped like a StepResult."""
+
+  def __init__(self, reason: str):
+    self.observation, self.reward, self.done, self.info = "", 0.0, True, {"env_failure": reason}
+
+
+class MultiTurnPrograms:
+  """The jitted programs of the multi-turn rollout and the host loop around them (see the module
+  docstring). Built once per run (`make_multiturn`); `rollout` compiles on first use."""
+
+  def __init__(self, cfg, mesh, tokenizer: Tokenizer, *, group_size: int | None = None,
+               temperature: float | None = None, make_env: Callable[[dict], Any] = default_env):
+    self.spec = spec = MultiTurnSpec.from_config(cfg, tokenizer, group_size=group_size,
+                                                 temperature=temperature)
+    self.tokenizer, self.make_env = tokenizer, make_env
+    mc = rollout_model_config(cfg, mesh)
+    graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    merge = lambda params, extra: nnx.merge(graphdef, params, extra)  # noqa: E731
+    self.buckets = buckets(spec.max_obs_tokens)
+    self.prefill = jax.jit(lambda params, extra, prompts, mask: prefill(merge(params, extra), spec,
+                                                                         prompts, mask))
+    self.decode_turn = jax.jit(lambda params, extra, *args: decode_turn(merge(params, extra), spec, *args))
+    self.extend = jax.jit(lambda params, extra, *args: extend(merge(params, extra), *args))
+    self._pool = concurrent.futures.ThreadPoolExecutor(spec.env_workers, thread_name_prefix="env")
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=False, cancel_futures=True)
+
+  # host helpers
+
+  def _encode_prompts(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, int]:
+    """Left-padded prompt tokens [P, Lp] and mask; over-long prompts keep their last Lp tokens."""
+    tok = self.tokenizer
+    truncated = sum(len(tok.encode(tok.render_prompt(t))) > self.spec.prompt_len for t in texts)
+    ids, mask = tok.encode_batch([tok.render_prompt(t) for t in texts], length=self.spec.prompt_len,
+                                 padding="left", overflow="truncate")
+    return np.asarray(ids, np.int32), np.asarray(mask, bool), int(truncated)
+
+  def _call_envs(self, calls: list[tuple[int, Callable[[], Any]]]) -> dict[int, Any]:
+    """Runs the environment calls in threads; one that raises or passes env_timeout_s is _Failed."""
+    started: dict[int, float] = {}  # a call's clock starts when a worker picks it up, not when queued
+
+    def timed(row, fn):
+      started[row] = time.monotonic()
+      return fn()
+    pending = {row: self._pool.submit(timed, row, fn) for row, fn in calls}
+    results = {}
+    while pending:
+      concurrent.futures.wait(list(pending.values()), timeout=0.05,
+                              return_when=concurrent.futures.FIRST_COMPLETED)
+      now = time.monotonic()
+      for row, future in list(pending.items()):
+        if future.done():
+          error = future.exception()
+          results[row] = future.result() if error is None else _Failed(f"{type(error).__name__}: {error}")
+        elif row in started and now - started[row] > self.spec.env_timeout_s:
+          # The thread cannot be killed; it finishes on its own (sandboxed commands have their own
+          # limits) and its episode is over.
+          results[row] = _Failed(f"environment call timed out after {self.spec.env_timeout_s:g} s")
+        else:
+          continue
+        del pending[row]
+    return results
+
+  def _observation_ids(self, text: str, limit: int) -> list[int] | None:
+    """The rendered observation in at most `limit` tokens: its head, then always the closing tag
+    (None when not even the tags and one token fit)."""
+    tok = self.tokenizer
+    close = tok.encode(OBS_CLOSE, add_bos=False)
+    head = tok.encode(OBS_OPEN + text, add_bos=False)
+    if limit - len(close) <= len(tok.encode(OBS_OPEN, add_bos=False)):
+      return None
+    return head[:limit - len(close)] + close
+
+  def _bucket(self, length: int) -> int:
+    return next(b for b in self.buckets if b >= length)
+
+  def rollout(self, params, extra, examples: Sequence[dict], key: jax.Array,
+              version: int = 0) -> MultiTurnRollout:
+    """B = len(examples) * G episodes, example p's on rows p*G .. p*G+G-1."""
+    spec, tok = self.spec, self.tokenizer
+    group, batch = spec.group_size, len(examples) * spec.group_size
+    per_row = [e for e in examples for _ in range(group)]
+    rows: list[_Row] = []
+    resets = self._call_envs([(b, (lambda e=e: self._reset(e))) for b, e in enumerate(per_row)])
+    prompts_text = []
+    for b, example in enumerate(per_row):
+      env, first = resets[b] if not isinstance(resets[b], _Failed) else (None, None)
+      rows.append(_Row(env, 0))
+      rows[b].max_turns = max(1, min(spec.max_turns, int(example.get("max_turns", spec.max_turns))))
+      if env is None:
+        rows[b].fail(resets[b].info["env_failure"])
+      if b % group == 0:
+        prompts_text.append(first if first is not None else str(example.get("prompt", "")))
+    prompts, mask, truncated = self._encode_prompts(prompts_text)
+    prompt_lens = np.repeat(mask.sum(axis=1), group)
+    for row, length in zip(rows, prompt_lens):
+      row.prompt_len = int(length)
+    counts = {"prefill_tokens": int(mask.sum()), "extend_tokens": 0, "extend_slots": 0, "extend_calls": 0,
+              "decode_calls": 0, "prompts_truncated": truncated}
+
+    cache, logits, positions = self.prefill(params, extra, prompts, mask)
+    for turn in range(spec.max_turns):
+      limits = np.zeros(batch, np.int32)
+      for b, row in enumerate(rows):
+        if row.active:
+          room = spec.episode_len - len(row.tokens)
+          limits[b] = max(0, min(spec.max_turn_tokens, spec.max_episode_tokens - row.stats.policy_tokens,
+                                 room))
+      self._end(rows, {b: "context" for b, r in enumerate(rows) if r.active and limits[b] < 1})
+      if not limits.any():
+        break
+      counts["decode_calls"] += 1
+      cache, logits, positions, tokens, logprobs, lengths, _ = self.decode_turn(
+          params, extra, cache, logits, positions, jnp.asarray(limits), jax.random.fold_in(key, turn))
+      tokens, logprobs, lengths = (np.asarray(x) for x in (tokens, logprobs, lengths))
+      calls = []
+      for b in np.flatnonzero(limits > 0):
+        row, n = rows[b], int(lengths[b])
+        row.add(tokens[b, :n], policy=True, logprobs=logprobs[b, :n])
+        row.stats.turns += 1
+        row.stats.policy_tokens += n
+        text, _ = as_text(tok.decode(tokens[b, :n]))
+        calls.append((int(b), (lambda env=row.env, text=text: env.step(text))))
+      results = self._call_envs(calls)
+      observations, ending = {}, {}
+      for b, result in results.items():
+        row = rows[b]
+        row.stats.malformed_calls += "error" in result.info
+        if result.done or result.info.get("env_failure"):
+          row.finish(result, "done")
+          continue
+        if row.stats.turns >= row.max_turns:
+          ending[b] = "max_turns"
+        elif row.stats.policy_tokens >= spec.max_episode_tokens:
+          ending[b] = "token_budget"
+        else:
+          room = spec.episode_len - len(row.tokens) - 1  # leave room for one more policy token
+          ids = self._observation_ids(result.observation, min(room, spec.max_obs_tokens))
+          if ids is None:
+            ending[b] = "context"
+          else:
+            observations[b] = ids
+      self._end(rows, ending)
+      if observations:
+        span = self._bucket(max(len(ids) for ids in observations.values()))
+        obs = np.full((batch, span), spec.pad_id, np.int32)
+        obs_len = np.zeros(batch, np.int32)
+        for b, ids in observations.items():
+          obs[b, :len(ids)], obs_len[b] = ids, len(ids)
+          rows[b].add(ids, policy=False)
+          rows[b].stats.obs_tokens += len(ids)
+        cache, logits, positions = self.extend(params, extra, cache, logits, positions, jnp.asarray(obs),
+                                               jnp.asarray(obs_len))
+        counts["extend_tokens"] += int(obs_len.sum())
+        counts["extend_slots"] += batch * span
+        counts["extend_calls"] += 1
+    self._end(rows, {b: "max_turns" for b, r in enumerate(rows) if r.active})
+    return self._assemble(rows, prompts, mask, version, counts)
+
+  def _reset(self, example: dict):
+    env = self.make_env(example)
+    return env, env.reset(example)
+
+  def _end(self, rows: list[_Row], ending: dict[int, str]) -> None:
+    """Sends `<done>` to the environments of `ending` {row: end reason} so their episodes are graded."""
+    if not ending:
+      return
+    results = self._call_envs([(b, (lambda env=rows[b].env: env.step(DONE))) for b in ending])
+    for b, end in ending.items():
+      rows[b].finish(results[b], end)
+
+  def _assemble(self, rows: list[_Row], prompts, mask, version: int, counts: dict) -> MultiTurnRollout:
+    spec = self.spec
+    group, batch = spec.group_size, len(rows)
+    prompt_len, n = spec.prompt_len, spec.episode_len
+    rep = lambda a: np.repeat(a, group, axis=0)  # noqa: E731
+    positions, segments = (np.asarray(a) for a in prompt_layout(jnp.asarray(mask)))
+    tokens = np.full((batch, n), spec.pad_id, np.int32)
+    policy = np.zeros((batch, n), bool)
+    logprobs = np.zeros((batch, n), np.float32)
+    real = np.zeros((batch, n), bool)
+    for b, row in enumerate(rows):
+      length = len(row.tokens)
+      tokens[b, :length], policy[b, :length] = row.tokens, row.policy
+      logprobs[b, :length], real[b, :length] = row.logprobs, True
+    episode_positions = np.asarray([r.prompt_len for r in rows])[:, None] + np.arange(n)
+    arrays = {
+        "tokens": np.concatenate([rep(prompts), tokens], axis=1),
+        "positions": np.concatenate([rep(positions), np.where(real, episode_positions, 0)], axis=1),
+        "segment_ids": np.concatenate([rep(segments), real.astype(np.int32)], axis=1),
+        "prompt_mask": np.concatenate([rep(mask), np.zeros((batch, n), bool)], axis=1),
+        "response_mask": np.concatenate([np.zeros((batch, prompt_len), bool), policy], axis=1),
+        "logprobs": np.concatenate([np.zeros((batch, prompt_len), np.float32), logprobs], axis=1),
+        "lengths": real.sum(axis=1).astype(np.int32),
+        "truncated": np.asarray([r.stats.end != "done" for r in rows]),
+        "policy_version": np.concatenate([np.full((batch, prompt_len), -1, np.int32),
+                                          np.where(policy, version, -1).astype(np.int32)], axis=1),
+    }
+    texts = [self.tokenizer.decode(t[:len(r.tokens)], stop_at_eos=False) for t, r in zip(tokens, rows)]
+    return MultiTurnRollout(arrays=arrays, episodes=[r.stats for r in rows], texts=texts, counts=counts)
+
+
+def make_multiturn(cfg, mesh, tokenizer: Tokenizer, **kwargs) -> MultiTurnPrograms:
+  return MultiTurnPrograms(cfg, mesh, tokenizer, **kwargs)
+
+
+# --- the RL step's collect and the held-out evaluation -------------------------------------------
+
+
+def episode_metrics(episodes: Sequence[EpisodeStats], prefix: str = "") -> dict[str, float]:
+  """Means over episodes: turns, malformed calls, policy / observation tokens, share of each end."""
+  if not episodes:
+    return {}
+  mean = lambda get: float(np.mean([get(e) for e in episodes]))  # noqa: E731
+  out = {f"{prefix}turns_mean": mean(lambda e: e.turns),
+         f"{prefix}malformed_calls_mean": mean(lambda e: e.malformed_calls),
+         f"{prefix}policy_tokens_mean": mean(lambda e: e.policy_tokens),
+         f"{prefix}obs_tokens_mean": mean(lambda e: e.obs_tokens),
+         f"{prefix}env_failures": float(sum(e.env_failure is not None for e in episodes))}
+  out.update({f"{prefix}end_{end}": mean(lambda e, end=end: e.end == end) for end in ENDS})
+  return out
+
+
+def scored_batch(out: MultiTurnRollout, examples: Sequence[dict], group_size: int) -> ScoredBatch:
+  """The rollout as a ScoredBatch: rewards from the episodes' ends; env failures are not valid."""
+  rewards = np.asarray([e.reward for e in out.episodes], np.float32)
+  valid = np.asarray([e.env_failure is None for e in out.episodes], bool)
+  domains = [str(e.get("domain", "")) for e in examples for _ in range(group_size)]
+  failures = [e.env_failure for e in out.episodes if e.env_failure]
+  return ScoredBatch(arrays=out.arrays, rewards=rewards, correct=rewards.copy(), sample_valid=valid,
+                     domains=domains, texts=out.texts,
+                     info={"reward_errors": len(failures), "reward_timeouts": 0,
+                           "first_errors": failures[:1]})
+
+
+def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]:
+  """rl/step.py's `collect` for multi-turn episodes (run.multiturn): one rollout round, plus up to
+  rl.max_resample_rounds more with dynamic sampling (DAPO) until prompts_per_step groups differ."""
+  cfg = run.cfg.rl
+  rounds = 1 + (cfg.max_resample_rounds if cfg.dynamic_sampling else 0)
+  scored_rounds, outs, rollout_s = [], [], 0.0
+  for round_index in range(rounds):
+    drawn = [next(examples) for _ in range(cfg.prompts_per_step)]
+    t0 = time.perf_counter()
+    out = run.multiturn.rollout(run.state.params, run.state.extra, drawn,
+                                jax.random.fold_in(key, round_index), run.version)
+    rollout_s += time.perf_counter() - t0
+    outs.append(out)
+    scored = scored_batch(out, drawn, cfg.group_size)
+    scored.arrays = {**scored.arrays, "env_ok": scored.sample_valid}
+    scored_rounds.append(scored)
+    useful = sum(int(informative_groups(r.rewards, cfg.group_size).sum()) for r in scored_rounds)
+    if not cfg.dynamic_sampling or useful >= cfg.prompts_per_step:
+      break
+  batch = select_groups(scored_rounds, num_groups=cfg.prompts_per_step, group_size=cfg.group_size,
+                        dynamic=cfg.dynamic_sampling)
+  batch.sample_valid &= batch.arrays.pop("env_ok")  # select_groups keeps groups, not samples' validity
+  first, first_out = scored_rounds[0], outs[0]
+  policy_tokens = np.asarray([e.policy_tokens for e in first_out.episodes], np.float32)
+  metrics = {
+      **batch_metrics(first, batch, policy_tokens, cfg.group_size),
+      "reward_errors": sum(r.info["reward_errors"] for r in scored_rounds), "reward_timeouts": 0,
+      "rollout_rounds": len(scored_rounds),
+      "prompts_rejected": 0, "prompts_truncated": sum(o.counts["prompts_truncated"] for o in outs),
+      "rollout_s": rollout_s, "reward_s": 0.0,
+      "generated_tokens": int(sum(sum(e.policy_tokens for e in o.episodes) for o in outs)),
+      "extend_tokens": sum(o.counts["extend_tokens"] for o in outs),
+      "staleness_mean": 0.0, "staleness_max": 0.0,
+      **episode_metrics(first_out.episodes),
+  }
+  failures = [f for r in scored_rounds for f in r.info["first_errors"]]
+  if failures:
+    metrics["first_reward_error"] = failures[0][:200]
+  return batch, metrics
+
+
+class MultiTurnEvaluator:
+  """Greedy multi-turn evaluation of held-out examples: eval/accuracy is the share of episodes solved
+  (reward > 0), also per domain, plus eval/turns_mean and the end reasons. Same interface as
+  rl/evaluation.Evaluator."""
+
+  def __init__(self, cfg, mesh, tokenizer: Tokenizer, examples: list[dict], *,
+               make_env: Callable[[dict], Any] = default_env):
+    if not examples:
+      raise ValueError("no held-out examples to evaluate (eval.num_prompts, data.eval_fraction).")
+    self.examples, self.batch_size = list(examples), min(cfg.eval.batch_size, len(examples))
+    self.programs = MultiTurnPrograms(cfg, mesh, tokenizer, group_size=1, temperature=0.0,
+                                      make_env=make_env)
+
+  def __call__(self, params, extra, key: jax.Array | None = None) -> dict[str, float]:
+    key = jax.random.key(0) if key is None else key
+    rewards, episodes = [], []
+    for start in range(0, len(self.examples), self.batch_size):
+      chunk = self.examples[start:start + self.batch_size]
+      padded = chunk + [chunk[-1]] * (self.batch_size - len(chunk))  # one compiled batch shape
+      out = self.programs.rollout(params, extra, padded, key)
+      episodes += out.episodes[:len(chunk)]
+      rewards += [e.reward > 0 for e in out.episodes[:len(chunk)]]
+    solved = np.asarray(rewards, np.float32)
+    domains = [str(e.get("domain", "")) for e in self.examples]
+    return {"eval/accuracy": float(solved.mean()), "eval/num_prompts": len(self.examples),
+            **per_domain(solved, domains, "eval/accuracy"), **episode_metrics(episodes, "eval/")}
+
+  def close(self) -> None:
+    self.programs.close()
+
+
+# --- warm start and held-out examples ------------------------------------------------------------
+
+
+def oracle_turns(example: dict) -> list[str] | None:
+  """The reference policy turns of an example, when its family has them (else None): the files family's
+  oracle; a terminal task's oracle.sh as one command, then `<done>`."""
+  if example.get("verifier") == "terminal" and example.get("task_dir"):
+    from meshrl.rl.envs.terminal import load_task  # pylint: disable=import-outside-toplevel
+    lines = load_task(example["task_dir"]).oracle.strip().splitlines()
+    body = "\n".join(line for line in lines if not line.startswith("#!"))
+    return [f"<cmd>{body}</cmd>", DONE]
+  if example.get("verifier") == file_tasks.VERIFIER:
+    return file_tasks.oracle_turns(example)
+  return None
+
+
+class Demonstrations:
+  """SFT rows from oracle episodes (the warm start of a multi-turn run), random access like the task
+  source it wraps: row i is example i's oracle episode, run in its environment, cut at one policy
+  turn (turn i mod turns): {"prompt": the task, earlier turns and observations as the rollout renders
+  them, "answer": that turn}. So the warm start trains only on policy turns, in the rollout's own
+  layout. Examples without oracle turns are single-turn rows as they are (prompt -> answer)."""
+
+  def __init__(self, source, make_env: Callable[[dict], Any] = default_env):
+    self.source, self.make_env = source, make_env
+
+  def __getitem__(self, index: int) -> dict:
+    example = self.source[index]
+    turns = oracle_turns(example)
+    if turns is None:
+      return example
+    env = self.make_env(example)
+    text = env.reset(example)
+    cut = index % len(turns)
+    for turn in turns[:cut]:
+      result = env.step(turn)
+      text += turn + ("" if result.done else render_observation(result.observation))
+    return {**example, "prompt": text, "answer": turns[cut]}
+
+
+def held_out(cfg, *, train_prompts: Sequence[str] = ()) -> list[dict]:
+  """Held-out examples for a multi-turn run: a data.domains registry's held-out side (terminal
+  domains included, quarantine honoured), the eval side of data.tasks with its multi-turn families
+  (`episode_pools`), else rl/evaluation.held_out_examples."""
+  from meshrl.rl.evaluation import held_out_examples  # pylint: disable=import-outside-toplevel
+  if cfg.data.domains and not cfg.eval.jsonl:
+    from meshrl.rl.envs.quality import Quarantine  # pylint: disable=import-outside-toplevel
+    from meshrl.rl.envs.registry import DomainMixture, load_domains  # pylint: disable=import-outside-toplevel
+    mixture = DomainMixture(load_domains(cfg.data.domains), seed=cfg.seed + 7919, split="eval",
+                            eval_fraction=cfg.data.eval_fraction, quarantine=Quarantine(cfg.data.quarantine))
+    return mixture.held_out(max(1, cfg.eval.num_prompts // len(mixture.names)))
+  pools = episode_pools(cfg)
+  if pools and not cfg.eval.jsonl:
+    from meshrl.rl.envs.mixture import (TaskMixture,  # pylint: disable=import-outside-toplevel
+                                        distinct_examples)
+    return distinct_examples(TaskMixture(cfg.data.tasks, difficulty=cfg.data.difficulty, seed=cfg.seed + 7919,
+                                         pools=pools, split="eval", eval_fraction=cfg.data.eval_fraction),
+                             cfg.eval.num_prompts)
+  return held_out_examples(cfg, train_prompts=train_prompts)

@@ -1,0 +1,75 @@
+"""Distils a speculative-decoding draft from a target policy on the target's own completions of the
+run's training prompts (train/distill.py), and saves it as a checkpoint rl.draft_checkpoint reads.
+
+  python scripts/distill_draft.py --config=configs/tiny.py --config.model.init_from=runs/tiny \\
+      --draft_config="configs/tiny.py:dense;model.num_layers=1;model.embed_dim=64" --out=runs/tiny_draft
+  python scripts/rl.py --config=configs/tiny.py --config.rl.speculative=draft \\
+      --config.rl.draft_config="configs/tiny.py:dense;model.num_layers=1;model.embed_dim=64" \
+      --config.rl.draft_checkpoint=runs/tiny_draft
+
+The target is the config's model (model.init_from); the draft is --draft_config ("preset[:arg]" then
+";"-separated overrides, the syntax of rl.draft_config), randomly initialised. The completions are sampled at rl.temperature (greedy at 0), --group_size per prompt.
+"""
+
+import os
+import sys
+
+from meshrl.configs import cli
+
+
+def _flags(parser):
+  parser.add_argument("--draft_config", required=True, help='the draft: "path[:arg];a.b=value;..."')
+  parser.add_argument("--out", required=True, help="folder of the draft checkpoint")
+  parser.add_argument("--prompts", type=int, default=256, help="training prompts completed by the target")
+  parser.add_argument("--group_size", type=int, default=1)
+  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--batch_size", type=int, default=32)
+  parser.add_argument("--learning_rate", type=float, default=3e-3)
+  parser.add_argument("--loss", default="kl", help="kl (to the target's distribution) or ce (on its tokens)")
+
+
+def main(argv):
+  args, cfg = cli.parse(argv, add_flags=_flags, description=__doc__)
+  # pylint: disable=import-outside-toplevel  (jax only after --cpu_devices)
+  import jax
+
+  from meshrl.model.tokenizer import tokenizer_from_config
+  from meshrl.rl.loop import prompt_stream, train_source
+  from meshrl.rl.rollout import RolloutSpec
+  from meshrl.rl.speculative import check_compatible, draft_run_config
+  from meshrl.sharding import make_mesh
+  from meshrl.train.checkpoint import Checkpointer
+  from meshrl.train.distill import DistillConfig, distill, teacher_data
+  from meshrl.train.init_from import initial_model
+  from meshrl.train.state import split_model
+  # pylint: enable=import-outside-toplevel
+  try:
+    draft_cfg = draft_run_config(args.draft_config)
+    dc = DistillConfig(steps=args.steps, learning_rate=args.learning_rate, loss=args.loss,
+                       batch_size=args.batch_size)
+    mesh = make_mesh(cfg.mesh)
+    target, draft = initial_model(cfg, mesh), initial_model(draft_cfg, mesh)
+    check_compatible(target.config, draft.config)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  tokenizer = tokenizer_from_config(cfg)
+  stream = prompt_stream(train_source(cfg))
+  texts = [tokenizer.render_prompt(next(stream)["prompt"]) for _ in range(args.prompts)]
+  prompts, mask = tokenizer.encode_batch(texts, length=cfg.rl.max_prompt_len, padding="left")
+  spec = RolloutSpec.from_config(cfg, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
+                                 group_size=args.group_size)
+  batch = teacher_data(target, spec, prompts, mask, jax.random.key(cfg.seed))
+  history = distill(target, draft, batch, jax.random.key(cfg.seed + 1), dc)
+  for i in sorted({0, len(history) // 2, len(history) - 1}):
+    print(f"step {i:>5}  loss {history[i]['loss']:.4f}  greedy agreement {history[i]['greedy_agreement']:.3f}")
+  _, params, _ = split_model(draft)
+  saver = Checkpointer(os.path.abspath(args.out), max_to_keep=1)
+  saver.save(dc.steps, {"params": params}, config=draft_cfg, force=True)
+  saver.close()
+  print(f"draft saved to {args.out} (rl.draft_config={args.draft_config}, rl.draft_checkpoint={args.out})")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,1 @@
+"""Serving: a request-level generation engine with a prefix cache, and an OpenAI-compatible HTTP API."""

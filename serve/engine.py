@@ -1,0 +1,369 @@
+"""The request-level generation engine behind the server: decode slots that requests join and leave
+at any time, a prefix cache, and one background thread that owns the device.
+
+  engine = Engine(model, EngineSpec.from_config(cfg), stop_ids=tok.stop_ids, pad_id=tok.pad_id)
+  engine.start()
+  rid = engine.submit(Request(prompt=ids, max_tokens=32, emit=on_event))   # from any thread
+  engine.cancel(rid)                                                       # from any thread
+  engine.close()
+
+The thread loops: take new requests and cancellations from a thread-safe queue; admit waiting
+requests into free slots (reuse the longest cached prompt prefix, prefill the rest, serve/decode.py
+`prefill_slot`); run one jitted decode chunk (`decode_chunk`, up to serve.decode_chunk tokens for
+every live slot); hand each request its new tokens through its `emit` callback; free the slots whose
+requests ended (stop id, max_tokens) or were cancelled. A request that ends leaves the blocks of its
+prompt + reply in the prefix cache, so the next turn of a chat (whose prompt continues the reply)
+reuses them. A slot is held only between its request's admission and its end or cancellation, so
+no request can leak one (`metrics()["active"]`).
+
+Admission between chunks is the host-side version of the in-loop refills of rl/engine.py: requests
+come from clients, not from a pool known when the loop starts. Prefill lengths are rounded up to a
+few buckets (powers of two, and the context length), so at most that many prefill programs compile.
+
+Greedy output does not depend on the other slots: each slot's row attends only to its own cache row
+(tests/serve/test_engine.py compares it with rl/rollout.py `generate`).
+
+Axis legend: C decode slots, S context length (cache columns), P prefix block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from meshrl.model import kv_cache as kvc
+from meshrl.model.transformer import Transformer
+from meshrl.serve import decode
+from meshrl.serve.prefix_cache import PrefixCache, block_hashes
+
+MAX_STOP_IDS = 8  # stop ids per slot: the tokenizer's and the request's
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+  """The numbers of one engine (from cfg.serve by `from_config`)."""
+  slots: int
+  max_len: int
+  chunk: int = 8
+  prefix_block: int = 16
+  prefix_cache_bytes: int = 256 << 20
+
+  def __post_init__(self):
+    if self.slots < 1:
+      raise ValueError(f"serve.slots={self.slots} must be at least 1.")
+    if self.max_len < 2:
+      raise ValueError(f"serve.max_len={self.max_len} must be at least 2 (a prompt token and a new one).")
+    if self.chunk < 1:
+      raise ValueError(f"serve.decode_chunk={self.chunk} must be at least 1.")
+    if self.prefix_block < 1:
+      raise ValueError(f"serve.prefix_block={self.prefix_block} must be at least 1.")
+    if self.prefix_cache_bytes < 0:
+      raise ValueError(f"serve.prefix_cache_mb={self.prefix_cache_bytes / 2**20} must be >= 0 (0 = off).")
+
+  @classmethod
+  def from_config(cls, cfg) -> "EngineSpec":
+    s = cfg.serve
+    max_len = s.max_len or cfg.model.max_seq_len
+    if max_len > cfg.model.max_seq_len:
+      raise ValueError(f"serve.max_len={s.max_len} exceeds model.max_seq_len={cfg.model.max_seq_len}.")
+    return cls(slots=s.slots, max_len=max_len, chunk=s.decode_chunk, prefix_block=s.prefix_block,
+               prefix_cache_bytes=int(s.prefix_cache_mb * 2**20))
+
+  @property
+  def buckets(self) -> tuple[int, ...]:
+    """Prefill lengths: powers of two from 16 below the context length, then the context length."""
+    sizes, b = [], 16
+    while b < self.max_len:
+      sizes.append(b)
+      b *= 2
+    return tuple(sizes) + (self.max_len,)
+
+
+class Event(NamedTuple):
+  """What the engine tells a request: new tokens, or its end (finish_reason: "stop" (a stop id),
+  "length" (max_tokens), "cancelled", or "error" with `error` set)."""
+  tokens: tuple[int, ...] = ()
+  finish_reason: str | None = None
+  error: str | None = None
+
+
+@dataclasses.dataclass
+class Request:
+  """One generation request. `emit(Event)` is called from the engine thread; it must not block."""
+  prompt: Sequence[int]
+  max_tokens: int
+  emit: Callable[[Event], None]
+  temperature: float = 0.0
+  top_p: float = 1.0
+  seed: int | None = None
+  stop_ids: tuple[int, ...] = ()  # ids that end this request besides the tokenizer's stop ids
+  id: int = -1  # set by submit
+  reused: int = 0  # prompt tokens taken from the prefix cache (set at admission)
+  generated: list[int] = dataclasses.field(default_factory=list)  # tokens so far (engine thread)
+
+
+class Engine:
+  """Decode slots over one KV cache, run by one background thread (see the module docstring)."""
+
+  def __init__(self, model: Transformer, spec: EngineSpec, *, stop_ids: Sequence[int], pad_id: int):
+    mc = model.config
+    if spec.max_len > mc.max_seq_len:
+      raise ValueError(f"serve.max_len={spec.max_len} exceeds model.max_seq_len={mc.max_seq_len}.")
+    if len(stop_ids) > MAX_STOP_IDS:
+      raise ValueError(f"{len(stop_ids)} stop ids; at most {MAX_STOP_IDS}.")
+    self.spec, self.pad_id, self.stop_ids = spec, pad_id, tuple(int(i) for i in stop_ids)
+    self.vocab_size = mc.vocab_size
+    graphdef, self._params, self._extra = nnx.split(model, nnx.Param, ...)
+    # The model's own cache layout (an int8 cache when model.kv_cache_dtype asks for one).
+    self._new_cache = lambda: kvc.with_row_index(model.init_cache(spec.slots, spec.max_len))
+    self._cache = self._new_cache()
+    self._empty_scratch = model.init_cache(1, spec.max_len)
+    self._slots = decode.empty_slots(spec.slots, mc.vocab_size, MAX_STOP_IDS)
+    self.prefix = PrefixCache(spec.prefix_block, spec.prefix_cache_bytes)
+
+    def prefill(params, extra, cache, slots, scratch, tokens, start, length, slot, row):
+      return decode.prefill_slot(nnx.merge(graphdef, params, extra), cache, slots, scratch, tokens, start,
+                                 length, slot, row)
+
+    def chunk(params, extra, cache, slots):
+      return decode.decode_chunk(nnx.merge(graphdef, params, extra), cache, slots, spec.chunk)
+    self._prefill = jax.jit(prefill, donate_argnums=(2, 3))
+    self._decode = jax.jit(chunk, donate_argnums=(2, 3))
+    self._free = jax.jit(decode.free_slot, donate_argnums=(0,))
+    self._read = jax.jit(decode.read_block, static_argnums=(3,))
+    self._place = jax.jit(decode.place_block)
+
+    self._inbox: queue.Queue = queue.Queue()
+    self._waiting: list[Request] = []
+    self._slot_req: list[Request | None] = [None] * spec.slots
+    self._next_id = 0
+    self._id_lock = threading.Lock()
+    self._thread: threading.Thread | None = None
+    self._stop = threading.Event()
+    self._rng = np.random.default_rng()
+    self._stats = dict(requests=0, finished=0, cancelled=0, errors=0, prompt_tokens=0, reused_tokens=0,
+                       generated_tokens=0, decode_chunks=0, prefills=0)
+
+  # --- any thread -------------------------------------------------------------------------------
+
+  def check(self, request: Request) -> None:
+    """Raises ValueError naming what is wrong with `request` (the server turns it into a 400)."""
+    n = len(request.prompt)
+    if n < 1:
+      raise ValueError("the prompt is empty (0 tokens).")
+    if any(not 0 <= int(t) < self.vocab_size for t in request.prompt):
+      raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}).")
+    if request.max_tokens < 1:
+      raise ValueError(f"max_tokens={request.max_tokens} must be at least 1.")
+    if n + request.max_tokens > self.spec.max_len:
+      raise ValueError(f"the prompt ({n} tokens) plus max_tokens ({request.max_tokens}) exceeds the "
+                       f"context length of {self.spec.max_len} tokens.")
+    if not 0.0 <= request.temperature:
+      raise ValueError(f"temperature={request.temperature} must be >= 0.")
+    if not 0.0 < request.top_p <= 1.0:
+      raise ValueError(f"top_p={request.top_p} must be in (0, 1].")
+    if len(set(self.stop_ids) | set(request.stop_ids)) > MAX_STOP_IDS:
+      raise ValueError(f"at most {MAX_STOP_IDS - len(self.stop_ids)} extra stop ids per request.")
+
+  def submit(self, request: Request) -> int:
+    """Queues `request` (checked first: ValueError) and returns its id."""
+    self.check(request)
+    with self._id_lock:
+      request.id = self._next_id
+      self._next_id += 1
+    self._inbox.put(("submit", request))
+    return request.id
+
+  def cancel(self, request_id: int, finish_reason: str = "cancelled") -> None:
+    """Ends a request (waiting or decoding); its slot is free before the next decode chunk.
+    finish_reason: what its last event says ("stop" when the caller found a stop string)."""
+    self._inbox.put(("cancel", (request_id, finish_reason)))
+
+  def start(self) -> "Engine":
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._run, name="meshrl-serve-engine", daemon=True)
+      self._thread.start()
+    return self
+
+  def is_alive(self) -> bool:
+    return self._thread is not None and self._thread.is_alive()
+
+  def close(self) -> None:
+    self._stop.set()
+    self._inbox.put(("wake", None))
+    if self._thread is not None:
+      self._thread.join(timeout=30)
+      self._thread = None
+
+  def metrics(self) -> dict:
+    """Counters, slot occupancy and the prefix cache's hit rate (reused / prompt tokens)."""
+    stats = dict(self._stats)
+    stats.update(slots=self.spec.slots, active=sum(r is not None for r in self._slot_req),
+                 waiting=len(self._waiting) + self._inbox.qsize(),
+                 prefix_hit_rate=stats["reused_tokens"] / max(stats["prompt_tokens"], 1),
+                 prefix_cache_blocks=len(self.prefix), prefix_cache_bytes=self.prefix.bytes)
+    return stats
+
+  def generate(self, prompt: Sequence[int], max_tokens: int, timeout: float = 120.0, **kw) -> tuple[
+      list[int], str]:
+    """Blocking convenience (tests, scripts): (generated ids, finish_reason)."""
+    events: queue.Queue = queue.Queue()
+    self.submit(Request(prompt=list(prompt), max_tokens=max_tokens, emit=events.put, **kw))
+    tokens = []
+    while True:
+      event = events.get(timeout=timeout)
+      tokens.extend(event.tokens)
+      if event.finish_reason is not None:
+        if event.error:
+          raise RuntimeError(event.error)
+        return tokens, event.finish_reason
+
+  # --- engine thread ----------------------------------------------------------------------------
+
+  def _run(self) -> None:
+    while not self._stop.is_set():
+      idle = not self._waiting and all(r is None for r in self._slot_req)
+      self._drain(block=idle)
+      self._admit()
+      if any(r is not None for r in self._slot_req):
+        try:
+          self._step()
+        except Exception as e:  # pylint: disable=broad-except  (fail the requests, keep serving)
+          self._fail_all(f"decode failed: {type(e).__name__}: {e}")
+    self._drain(block=False)
+    for request in self._waiting:  # closed: nobody waits forever
+      self._finish(request, Event(finish_reason="error", error="the engine was closed."))
+    self._waiting = []
+    self._fail_all("the engine was closed.", reset=False)
+
+  def _drain(self, block: bool) -> None:
+    try:
+      item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+    except queue.Empty:
+      return
+    while True:
+      kind, value = item
+      if kind == "submit":
+        self._stats["requests"] += 1
+        self._waiting.append(value)
+      elif kind == "cancel":
+        self._cancel(*value)
+      try:
+        item = self._inbox.get_nowait()
+      except queue.Empty:
+        return
+
+  def _cancel(self, request_id: int, finish_reason: str) -> None:
+    for i, r in enumerate(self._waiting):
+      if r.id == request_id:
+        del self._waiting[i]
+        self._finish(r, Event(finish_reason=finish_reason))
+        return
+    for slot, r in enumerate(self._slot_req):
+      if r is not None and r.id == request_id:
+        self._slots = self._free(self._slots, jnp.int32(slot))
+        self._slot_req[slot] = None
+        self._finish(r, Event(finish_reason=finish_reason))
+        return
+
+  def _finish(self, request: Request, event: Event) -> None:
+    key = {"cancelled": "cancelled", "error": "errors"}.get(event.finish_reason, "finished")
+    self._stats[key] += 1
+    _emit(request, event)
+
+  def _admit(self) -> None:
+    while self._waiting and None in self._slot_req:
+      request = self._waiting.pop(0)
+      slot = self._slot_req.index(None)
+      try:
+        self._prefill_into(request, slot)
+      except Exception as e:  # pylint: disable=broad-except
+        self._finish(request, Event(finish_reason="error", error=f"prefill failed: {type(e).__name__}: {e}"))
+        continue
+      self._slot_req[slot] = request
+
+  def _prefill_into(self, request: Request, slot: int) -> None:
+    """Reuses the longest cached prefix, prefills the rest into `slot`, saves the prompt's new blocks."""
+    prompt = [int(t) for t in request.prompt]
+    size, block = len(prompt), self.spec.prefix_block
+    saved, names = self.prefix.lookup(prompt, size - 1)  # at least one token left to prefill
+    start = len(saved) * block
+    bucket = next(b for b in self.spec.buckets if b >= size - start)
+    start = min(start, self.spec.max_len - bucket)  # the bucket must fit after the reused prefix
+    scratch = self._empty_scratch
+    for b, entry in enumerate(saved[:-(-start // block)]):  # blocks holding columns < start
+      scratch = self._place(scratch, entry, jnp.int32(b * block))
+    rest = prompt[start:]
+    tokens = np.full((1, bucket), self.pad_id, np.int32)
+    tokens[0, :len(rest)] = rest
+    seed = request.seed if request.seed is not None else int(self._rng.integers(0, 2**31 - 1))
+    stops = list(dict.fromkeys(self.stop_ids + tuple(request.stop_ids)))
+    row = decode.SlotRow(limit=jnp.int32(request.max_tokens), key=jax.random.PRNGKey(seed),
+                         temperature=jnp.float32(request.temperature), top_p=jnp.float32(request.top_p),
+                         stops=jnp.asarray(stops + [-1] * (MAX_STOP_IDS - len(stops)), jnp.int32))
+    self._cache, self._slots = self._prefill(self._params, self._extra, self._cache, self._slots, scratch,
+                                             jnp.asarray(tokens), jnp.int32(start), jnp.int32(len(rest)),
+                                             jnp.int32(slot), row)
+    self._save_blocks(slot, names)
+    request.reused = start
+    request.generated = []
+    self._stats["prefills"] += 1
+    self._stats["prompt_tokens"] += size
+    self._stats["reused_tokens"] += start
+
+  def _save_blocks(self, slot: int, names: list[bytes]) -> None:
+    """Puts the blocks `names` (of the tokens in `slot`'s cache row) that the prefix cache lacks."""
+    if not self.prefix.enabled:
+      return
+    block = self.spec.prefix_block
+    self.prefix.insert_chain([(names[b], self._read(self._cache, jnp.int32(slot), jnp.int32(b * block), block))
+                              for b in range(len(names)) if not self.prefix.contains(names[b])])
+
+  def _step(self) -> None:
+    self._cache, self._slots, tokens, valid = self._decode(self._params, self._extra, self._cache,
+                                                           self._slots)
+    tokens, valid, live = jax.device_get((tokens, valid, self._slots.live))
+    self._stats["decode_chunks"] += 1
+    stops = set(self.stop_ids)
+    for slot, request in enumerate(self._slot_req):
+      if request is None:
+        continue
+      new = tuple(int(t) for t in tokens[slot][valid[slot]])
+      self._stats["generated_tokens"] += len(new)
+      if live[slot]:
+        request.generated.extend(new)
+        if new:
+          _emit(request, Event(tokens=new))
+        continue
+      self._slot_req[slot] = None
+      # The row holds the KV of the prompt and every generated token: the next turn of a chat, whose
+      # prompt continues with this reply, reuses its blocks too.
+      request.generated.extend(new)
+      self._save_blocks(slot, block_hashes(list(request.prompt) + request.generated, self.spec.prefix_block))
+      ended_on_stop = bool(new) and (new[-1] in stops or new[-1] in request.stop_ids)
+      self._finish(request, Event(tokens=new, finish_reason="stop" if ended_on_stop else "length"))
+
+  def _fail_all(self, message: str, reset: bool = True) -> None:
+    """Every decoding request ends with an error; with `reset` (after a failed decode, whose donated
+    buffers may be gone) the slots and the cache start empty."""
+    for slot, request in enumerate(self._slot_req):
+      if request is not None:
+        self._slot_req[slot] = None
+        self._finish(request, Event(finish_reason="error", error=message))
+    if reset:
+      self._slots = decode.empty_slots(self.spec.slots, self.vocab_size, MAX_STOP_IDS)
+      self._cache = self._new_cache()
+
+
+def _emit(request: Request, event: Event) -> None:
+  try:
+    request.emit(event)
+  except Exception:  # pylint: disable=broad-except  (a client's callback must not stop the engine)
+    pass

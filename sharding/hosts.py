@@ -1,0 +1,134 @@
+"""Several host processes, one program: joining the job, and moving host data between processes.
+
+A pod runs one process per host (TPU VM worker); every process runs the same Python program and
+the jitted steps span all devices of all processes. How meshrl's RL loop splits the host work:
+
+  prompts   each host draws its own block of the step's prompts from its own shard of the data
+            (rl/prompts.py), and the blocks are gathered in host order (`gather_rows`), so every
+            host holds the same global prompt batch for the rollout's jit (`jax.device_put` of a
+            numpy array that is equal on every host places each device's slice);
+  rollout   the global [B, S] outputs are brought to every host (`to_host`);
+  scoring   each host scores only its own block of groups (`own_block`) with its own examples and
+            reward workers; rewards, texts and domains are gathered (`gather_rows`,
+            `gather_objects`), so every host then makes the same decisions (dynamic sampling, packing)
+            on the same global batch and the update's inputs are equal everywhere;
+  outputs   metrics files, evaluations and the config are written by process 0 only
+            (`is_primary`); orbax checkpoints are written by all processes together.
+
+With one process every function here is the identity (or a plain `np.asarray`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+COORDINATOR_ENV = "MESHRL_COORDINATOR"  # host:port of process 0's coordinator
+NUM_PROCESSES_ENV = "MESHRL_NUM_PROCESSES"
+PROCESS_ID_ENV = "MESHRL_PROCESS_ID"
+TPU_POD_ENV = "MESHRL_TPU_POD"  # "1": a Cloud TPU pod slice (scripts/launch_tpu_pod.sh sets it)
+
+
+def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = -1) -> bool:
+  """Joins a multi-process job (`jax.distributed.initialize`) when one is described; returns whether
+  it did. Call it before anything touches a device.
+
+  The job is described by the arguments, else by the environment (MESHRL_COORDINATOR,
+  MESHRL_NUM_PROCESSES, MESHRL_PROCESS_ID); on a Cloud TPU pod slice (MESHRL_TPU_POD=1, as
+  scripts/launch_tpu_pod.sh sets) jax finds all three itself. (TPU_WORKER_HOSTNAMES is no signal:
+  libtpu fills it with a warning text on machines that are not TPU VMs.) CPU processes talk through
+  gloo.
+
+  Raises:
+    ValueError: a coordinator without the process count and id (or ids out of range).
+  """
+  coordinator = coordinator or os.environ.get(COORDINATOR_ENV, "")
+  num_processes = num_processes or int(os.environ.get(NUM_PROCESSES_ENV, "0") or 0)
+  if process_id < 0:
+    process_id = int(os.environ.get(PROCESS_ID_ENV, "-1") or -1)
+  if coordinator:
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+      raise ValueError(f"a multi-process job at coordinator {coordinator!r} needs the number of "
+                       f"processes (>= 1, got {num_processes}) and this process's id in "
+                       f"0..{max(num_processes - 1, 0)} (got {process_id}).")
+    if num_processes == 1:
+      return False
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only; TPUs use ICI/DCN
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                               process_id=process_id)
+    return True
+  if os.environ.get(TPU_POD_ENV) == "1":
+    jax.distributed.initialize()  # a TPU pod slice: coordinator and ids come from the TPU metadata
+    return True
+  return False
+
+
+def is_multihost() -> bool:
+  return jax.process_count() > 1
+
+
+def is_primary() -> bool:
+  """Whether this process writes the run's files (metrics, evaluations, config): process 0."""
+  return jax.process_index() == 0
+
+
+def to_host(x: Any) -> np.ndarray | None:
+  """A jax array's whole value as numpy on this host (None stays None).
+
+  An array sharded over several processes is all-gathered; one that lives on this process's devices
+  (or is replicated) is read directly."""
+  if x is None or isinstance(x, np.ndarray):
+    return x
+  if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
+def own_block(total: int) -> slice:
+  """This process's block of `total` rows (equal blocks in process order).
+
+  Raises ValueError when `total` does not split evenly over the processes."""
+  count, index = jax.process_count(), jax.process_index()
+  if total % count:
+    raise ValueError(f"{total} rows do not split evenly over {count} host processes.")
+  size = total // count
+  return slice(index * size, (index + 1) * size)
+
+
+def gather_rows(local: np.ndarray) -> np.ndarray:
+  """Every process's `local` rows ([n, ...], the same shape on every host) concatenated in process
+  order -> [processes * n, ...]; the identity with one process."""
+  local = np.asarray(local)
+  if not is_multihost():
+    return local
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  if local.dtype == np.bool_:
+    return gather_rows(local.astype(np.uint8)).astype(bool)
+  return np.asarray(multihost_utils.process_allgather(local, tiled=True))
+
+
+def gather_objects(local: Sequence[Any]) -> list:
+  """Every process's list of JSON values (texts, domains, counts), concatenated in process order."""
+  if not is_multihost():
+    return list(local)
+  payload = np.frombuffer(json.dumps(list(local), default=_plain).encode("utf-8"), np.uint8)
+  sizes = gather_rows(np.asarray([payload.size], np.int64))
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:payload.size] = payload
+  rows = gather_rows(padded[None])
+  out = []
+  for row, size in zip(rows, sizes):
+    out += json.loads(bytes(row[:int(size)]).decode("utf-8"))
+  return out
+
+
+def _plain(value: Any):
+  """JSON for numpy values (scalars and arrays) inside gathered objects."""
+  if hasattr(value, "tolist"):
+    return value.tolist()
+  raise TypeError(f"cannot send a {type(value).__name__} between host processes (not JSON).")

@@ -1,0 +1,268 @@
+"""Multi-turn rollout (rl/multiturn.py): stop strings, observation masking, cache extension = full
+re-prefill, budgets, malformed calls, and an update loss blind to observation tokens."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshrl import configs
+from meshrl.model import kv_cache as kvc
+from meshrl.model.init import build_model
+from meshrl.model.tokenizer import ByteTokenizer
+from meshrl.model.transformer import ModelConfig
+from meshrl.rl import losses
+from meshrl.rl import multiturn as mt
+from meshrl.rl.batches import UpdateBatch, align_for_update
+from meshrl.rl.envs.base import StepResult
+from meshrl.rl.envs.file_tasks import FileTaskEnv, copy_task, oracle_turns
+from meshrl.rl.sampling import Sampler
+from meshrl.rl.update import rl_loss
+from meshrl.train.optim import make_optimizer
+from meshrl.train.state import create_train_state
+
+TOK = ByteTokenizer()
+SMALL = ["model.num_layers=1", "model.embed_dim=32", "model.num_heads=2", "model.num_kv_heads=1",
+         "model.head_dim=16", "model.mlp_dim=64", "moe.num_experts=0", "rl.max_prompt_len=24",
+         "rl.max_new_tokens=72", "model.max_seq_len=112", "rl.max_obs_tokens=16", "model.init_std=0.3",
+         "rl.multi_turn=true", "rl.max_turn_tokens=12", "rl.max_turns=3", "rl.group_size=2",
+         "rl.prompts_per_step=2", "rl.env_workers=2"]
+
+
+class ScriptedEnv:
+  """Fixed observations, one per turn; reward 1 when the policy says <done>."""
+
+  def __init__(self, observations=("obs-one", "second observation", "x")):
+    self.observations, self.turn = list(observations), 0
+
+  def reset(self, task):
+    self.turn = 0
+    return task["prompt"]
+
+  def step(self, action):
+    if "<done>" in action:
+      return StepResult("", 1.0, True, {})
+    self.turn += 1
+    return StepResult(self.observations[(self.turn - 1) % len(self.observations)], 0.0, False, {})
+
+
+def _setup(*extra):
+  cfg = configs.load("configs/tiny.py", SMALL + list(extra))
+  model = build_model(ModelConfig.from_config(cfg, None), None)
+  graphdef, state = create_train_state(model, make_optimizer(cfg.optim), None)
+  return cfg, graphdef, state
+
+
+@pytest.fixture(scope="module")
+def scripted():
+  """One rollout of 2 prompts x 2 samples against ScriptedEnv with a random tiny model (shared)."""
+  cfg, graphdef, state = _setup()
+  programs = mt.MultiTurnPrograms(cfg, None, TOK, make_env=lambda e: ScriptedEnv())
+  examples = [{"prompt": "do the thing:", "domain": "a"}, {"prompt": "another task!", "domain": "b"}]
+  out = programs.rollout(state.params, state.extra, examples, jax.random.key(1), version=3)
+  yield cfg, graphdef, state, programs, out
+  programs.close()
+
+
+def test_response_mask_covers_policy_tokens_only(scripted):
+  cfg, _, _, _, out = scripted
+  a, lp = out.arrays, cfg.rl.max_prompt_len
+  keep = cfg.rl.max_obs_tokens - len("<out></out>")  # long observations keep their head and the tags
+  rendered = [mt.render_observation(o[:keep]) for o in ScriptedEnv().observations]
+  for b, episode in enumerate(out.episodes):
+    real = a["segment_ids"][b, lp:] > 0
+    policy = a["response_mask"][b, lp:]
+    assert not (policy & ~real).any()
+    assert policy.sum() == episode.policy_tokens > 0
+    observed = TOK.decode(a["tokens"][b, lp:][real & ~policy], stop_at_eos=False)
+    assert episode.end in ("max_turns", "done")  # (72 tokens hold 3 turns and 2 observations)
+    assert observed == "".join(rendered[i % 3] for i in range(episode.turns - 1))
+    assert episode.obs_tokens == int((real & ~policy).sum())
+    assert (a["policy_version"][b][a["response_mask"][b]] == 3).all()
+    assert (a["logprobs"][b][~a["response_mask"][b]] == 0).all()
+  # The cache was extended by the observations only: the prompts were prefilled once.
+  assert out.counts["prefill_tokens"] == int(a["prompt_mask"][::2].sum())
+  assert out.counts["extend_tokens"] == sum(e.obs_tokens for e in out.episodes)
+
+
+def test_cache_extension_equals_full_reprefill(scripted):
+  """The behaviour log-probs of every policy token (turns after observations included) equal those of
+  one forward pass over the whole conversation, so the extended cache is the conversation's."""
+  cfg, graphdef, state, _, out = scripted
+  model = nnx.merge(graphdef, state.params, state.extra)
+  a = out.arrays
+  logits = jax.jit(lambda t, p, s: model(t, positions=p, segment_ids=s).logits)(
+      jnp.asarray(a["tokens"]), jnp.asarray(a["positions"]), jnp.asarray(a["segment_ids"]))
+  full = jax.nn.log_softmax(np.asarray(logits)[:, :-1] / cfg.rl.temperature, axis=-1)
+  full = np.take_along_axis(full, a["tokens"][:, 1:, None], axis=-1)[..., 0]
+  mask = a["response_mask"][:, 1:]
+  np.testing.assert_allclose(a["logprobs"][:, 1:][mask], full[mask], atol=2e-4)
+  second_turns = sum(e.turns >= 2 for e in out.episodes)
+  assert second_turns > 0  # the comparison covered tokens generated after an extension
+
+
+def test_turn_budget_ends_episodes(scripted):
+  cfg, _, _, _, out = scripted
+  for episode in out.episodes:
+    assert episode.turns <= cfg.rl.max_turns
+    assert episode.end in mt.ENDS
+    assert episode.end != "max_turns" or episode.turns == cfg.rl.max_turns
+
+
+@dataclasses.dataclass
+class _FakeOut:
+  logits: jax.Array
+  cache: kvc.KVCache
+
+
+class _ScriptModel:
+  """Emits script[b, i] as row b's i-th token (one-hot logits), i counted by the cache's row index."""
+
+  def __init__(self, script):
+    self.script = jnp.asarray(script)
+
+  def __call__(self, tokens, *, positions, segment_ids, cache):
+    nxt = jnp.take_along_axis(self.script, jnp.minimum(cache.index + 1, self.script.shape[1] - 1)[:, None],
+                              1)[:, 0]
+    return _FakeOut(jax.nn.one_hot(nxt, TOK.vocab_size)[:, None] * 50.0,
+                    cache.replace(index=cache.index + 1))
+
+
+def test_stop_strings_and_limits_end_a_turn():
+  rows = ["ab</cmd>zzz", "<done>xxxxx", "abc", "</cm>zz</cmd", "abcdefghijkl"]
+  script = np.full((len(rows), 16), ord("q"), np.int32)
+  for b, text in enumerate(rows):
+    ids = TOK.encode(text, add_bos=False)
+    script[b, :len(ids)] = ids
+  script[2, 3] = TOK.eos_id
+  spec = mt.MultiTurnSpec(
+      group_size=1, prompt_len=4, episode_len=16, max_turns=2, max_turn_tokens=12, max_episode_tokens=16,
+      max_obs_tokens=8, sampler=Sampler(0.0), stop_ids=TOK.stop_ids,
+      stop_sequences=tuple(tuple(TOK.encode(s, add_bos=False)) for s in ("</cmd>", "<done>")),
+      pad_id=TOK.pad_id, env_workers=1, env_timeout_s=1.0)
+  batch = len(rows)
+  cache = kvc.KVCache(layers={}, positions=jnp.zeros((batch, 8), jnp.int32),
+                      segment_ids=jnp.zeros((batch, 8), jnp.int32), index=jnp.zeros((batch,), jnp.int32))
+  logits = jax.nn.one_hot(jnp.asarray(script[:, 0]), TOK.vocab_size) * 50.0
+  limits = jnp.asarray([12, 12, 12, 12, 5])
+  _, _, positions, tokens, _, lengths, stopped = jax.jit(
+      lambda *a: mt.decode_turn(_ScriptModel(script), spec, *a))(
+          cache, logits, jnp.zeros((batch,), jnp.int32), limits, jax.random.key(0))
+  assert np.asarray(lengths).tolist() == [8, 6, 4, 12, 5]
+  assert np.asarray(stopped).tolist() == [True, True, True, False, False]
+  assert TOK.decode(np.asarray(tokens[0, :8])) == "ab</cmd>"
+  assert np.asarray(positions).tolist() == [8, 6, 4, 12, 5]
+
+
+def test_file_task_episodes_malformed_calls_budgets_and_env_failures():
+  """A random policy's turns are malformed: each becomes an error observation, the episodes run to
+  the turn budget; a smaller episode budget ends them by tokens or context instead; an environment
+  that hangs past rl.env_timeout_s or raises ends its episode as an env failure (no gradient)."""
+  cfg, _, state = _setup()
+  examples = [copy_task(np.random.default_rng(i), 1) for i in range(2)]
+  for e in examples:
+    e["verifier"] = "files"
+  programs = mt.MultiTurnPrograms(cfg, None, TOK)
+  out = programs.rollout(state.params, state.extra, examples, jax.random.key(2))
+  programs.close()
+  lp = cfg.rl.max_prompt_len
+  for b, episode in enumerate(out.episodes):
+    assert episode.malformed_calls >= episode.turns - 1 >= 1
+    observed = TOK.decode(out.arrays["tokens"][b, lp:][(out.arrays["segment_ids"][b, lp:] > 0)
+                                                       & ~out.arrays["response_mask"][b, lp:]])
+    assert observed.startswith("<out>error")
+    assert episode.reward == 0.0 and episode.env_failure is None
+  cfg2, _, state2 = _setup("rl.max_new_tokens=20", "rl.max_turns=8", "rl.env_timeout_s=0.5")
+  programs = mt.MultiTurnPrograms(cfg2, None, TOK, make_env=lambda e: _BrokenEnv(e["prompt"]))
+  examples = [{"prompt": "go:"}, {"prompt": "slow"}, {"prompt": "boom"}]
+  out = programs.rollout(state2.params, state2.extra, examples, jax.random.key(3))
+  programs.close()
+  for episode in out.episodes[:2]:
+    assert episode.end in ("token_budget", "context", "done")
+    assert episode.policy_tokens + episode.obs_tokens <= 20
+  for episode, reason in zip(out.episodes[2:], ["timed out", "timed out", "RuntimeError", "RuntimeError"]):
+    assert episode.end == "env_failure" and reason in episode.env_failure
+  scored = mt.scored_batch(out, examples, 2)
+  assert scored.sample_valid.tolist() == [True, True, False, False, False, False]
+
+
+class _BrokenEnv(ScriptedEnv):
+  """ScriptedEnv whose steps hang ("slow") or raise ("boom")."""
+
+  def __init__(self, kind):
+    super().__init__()
+    self.kind = kind
+
+  def step(self, action):
+    if self.kind == "slow":
+      import time  # pylint: disable=import-outside-toplevel
+      time.sleep(1.0)
+    if self.kind == "boom":
+      raise RuntimeError("checker crashed")
+    return super().step(action)
+
+
+def test_oracle_demonstration_solves_file_task():
+  example = {**copy_task(np.random.default_rng(0), 1), "verifier": "files"}
+  env = FileTaskEnv()
+  env.reset(example)
+  results = [env.step(turn) for turn in oracle_turns(example)]
+  assert results[0].observation == example["answer"] + "\n"
+  assert results[-1].done and results[-1].reward == 1.0
+  row = mt.Demonstrations([example] * 3)[1]
+  assert row["prompt"].endswith(mt.render_observation(example["answer"] + "\n"))
+  assert row["answer"] == oracle_turns(example)[1]
+
+
+def test_update_loss_ignores_observation_tokens(scripted):
+  cfg, graphdef, state, _, out = scripted
+  scored = mt.scored_batch(out, [{"domain": "a"}, {"domain": "b"}], cfg.rl.group_size)
+  aligned = align_for_update(scored)
+  observation_targets = np.roll((scored.arrays["segment_ids"] > 0) & ~scored.arrays["response_mask"]
+                                & ~scored.arrays["prompt_mask"], -1, axis=1)
+  observation_targets[:, -1] = False
+  assert observation_targets.any() and not (aligned["loss_mask"] & observation_targets).any()
+  spec = losses.LossSpec.from_config(cfg, needs_critic=False)
+  advantages = np.where(aligned["loss_mask"], np.linspace(-1, 1, 4)[:, None], 0).astype(np.float32)
+  loss = jax.jit(lambda b: rl_loss(state.params, state.extra, graphdef, b, spec)[0])
+
+  def value(old):
+    return float(loss(UpdateBatch(**{**aligned, "old_logprobs": old}, advantages=advantages)))
+  base = aligned["old_logprobs"]
+  assert value(np.where(observation_targets, base - 3.0, base)) == pytest.approx(value(base), abs=1e-6)
+  assert value(np.where(aligned["loss_mask"], base - 0.5, base)) != pytest.approx(value(base), abs=1e-4)
+
+
+def test_config_rejects_what_it_cannot_serve():
+  cfg = configs.load("configs/tiny.py", SMALL + ["rl.engine=continuous"])
+  with pytest.raises(ValueError, match="rl.engine"):
+    mt.check_multiturn_config(cfg)
+  cfg = configs.load("configs/tiny.py", SMALL + ["rl.kv_cache_dtype=int8"])
+  with pytest.raises(ValueError, match="rl.kv_cache_dtype='int8'"):
+    mt.check_multiturn_config(cfg)
+  cfg = configs.load("configs/tiny.py", SMALL + ["rl.max_obs_tokens=64"])
+  with pytest.raises(ValueError, match="model.max_seq_len"):
+    mt.check_multiturn_config(cfg)
+  cfg = configs.load("configs/tiny.py", SMALL + ["rl.max_turns=0"])
+  with pytest.raises(ValueError, match="rl.max_turns"):
+    mt.check_multiturn_config(cfg)
+
+
+@pytest.mark.slow
+def test_agent_demo_runs_rl_steps_end_to_end(tmp_path):
+  """configs/tiny_agent.py shrunk: warm start on demonstrations, two GRPO steps on multi-turn episodes
+  through rl/step.py (collect -> prepare -> update), multi-turn evaluation (about a minute)."""
+  from meshrl.rl import loop  # pylint: disable=import-outside-toplevel
+  cfg = configs.load("configs/tiny_agent.py", [
+      "rl.sft_steps=4", "rl.num_steps=2", "eval.every=1", "eval.num_prompts=8", "eval.batch_size=8",
+      "rl.prompts_per_step=2", "rl.group_size=4", "log.progress_bar=false", "log.tensorboard=false",
+      "log.plot=false", "checkpoint.enabled=false"])
+  records = loop.run(cfg, str(tmp_path))
+  assert [r["step"] for r in records] == [1, 2]
+  for record in records:
+    assert np.isfinite(record["loss"]) and record["turns_mean"] >= 1
+    assert "reward_mean/files_copy" in record and "eval/accuracy/files_copy" in record
+    assert record["generated_tokens"] > 0 and record["extend_tokens"] > 0

@@ -1,0 +1,149 @@
+"""Several host processes (sharding/hosts.py), with real jax processes on this machine talking over
+gloo: data gathered in process order, each host scoring only its own block of groups and getting the
+one-process scores, and scripts/rl.py on two processes giving the one-process metrics (slow)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from meshrl.sharding import hosts
+
+_WORKER = r"""
+import json, sys
+import numpy as np
+from meshrl.sharding import hosts
+hosts.initialize(sys.argv[1], 2, int(sys.argv[2]))
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from meshrl.model.tokenizer import ByteTokenizer
+from meshrl.rl.rewards import compose
+from meshrl.rl.scoring import RewardPool
+from meshrl.rl.step import score_own_block
+me = jax.process_index()
+out = {"rows": hosts.gather_rows(np.full((2, 3), me, np.int32)).tolist(),
+       "flags": hosts.gather_rows(np.array([me == 0, True])).tolist(),
+       "objects": hosts.gather_objects([f"host{me}", {"n": np.int64(me)}])}
+block = hosts.own_block(8)
+mesh = Mesh(np.array(jax.devices()), ("x",))
+spread = jax.device_put(np.arange(8.0), NamedSharding(mesh, PartitionSpec("x")))  # over both hosts
+out["to_host"] = hosts.to_host(spread).tolist()
+batch = json.loads(sys.argv[3])
+arrays = {k: np.asarray(v) for k, v in batch["arrays"].items()}
+examples = batch["examples"][hosts.own_block(len(batch["examples"]))]  # this host's own 2 prompts
+tokenizer = ByteTokenizer()
+pool = RewardPool(compose("answer:1.0"), num_workers=1, timeout_s=10)
+scored = score_own_block(arrays, examples, tokenizer, pool, group_size=2, max_new_tokens=4,
+                         overlong_buffer=0, overlong_penalty_value=0.0)
+pool.close()
+out["scored"] = {"rewards": scored.rewards.tolist(), "texts": scored.texts, "domains": scored.domains,
+                 "valid": scored.sample_valid.tolist(), "errors": scored.info["reward_errors"]}
+print("BLOCK " + json.dumps([block.start, block.stop]), flush=True)
+print("RESULT " + json.dumps(out), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+def _free_port() -> int:
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    return sock.getsockname()[1]
+
+
+def _batch():
+  """4 prompts x 2 samples of reversing words, responses some right and some wrong."""
+  from meshrl.model.tokenizer import ByteTokenizer  # pylint: disable=import-outside-toplevel
+  tok = ByteTokenizer()
+  words = ["abc", "dog", "sun", "map"]
+  examples = [{"prompt": f"rev {w}=", "answer": w[::-1], "domain": f"d{i % 2}"} for i, w in enumerate(words)]
+  answers = [w[::-1] if j == 0 else w for w in words for j in range(2)]  # first sample of each right
+  prompt = np.zeros((8, 4), np.int32)
+  response = np.stack([np.asarray(list(a.encode()) + [tok.eos_id], np.int32) for a in answers])  # bytes
+  tokens = np.concatenate([prompt, response], axis=1)
+  mask = np.concatenate([np.zeros((8, 4), bool), np.ones((8, 4), bool)], axis=1)
+  arrays = {"tokens": tokens, "response_mask": mask, "lengths": np.full(8, 4, np.int32)}
+  return examples, arrays
+
+
+def test_bad_job_descriptions_are_refused_by_name():
+  with pytest.raises(ValueError, match=r"needs the number of processes \(>= 1, got 0\)"):
+    hosts.initialize("127.0.0.1:1234", 0, 0)
+  with pytest.raises(ValueError, match=r"this process's id in 0..1 \(got 5\)"):
+    hosts.initialize("127.0.0.1:1234", 2, 5)
+  assert not hosts.initialize("", 0, -1)  # no job described: one process, nothing joined
+
+
+def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
+  examples, arrays = _batch()
+  script = tmp_path / "worker.py"
+  script.write_text(_WORKER)
+  payload = json.dumps({"examples": examples, "arrays": {k: v.tolist() for k, v in arrays.items()}})
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  port = _free_port()
+  procs = [subprocess.Popen([sys.executable, str(script), f"127.0.0.1:{port}", str(i), payload], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=240)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), [o[-2000:] for o in outs]
+  results = [json.loads(next(l for l in o.splitlines() if l.startswith("RESULT "))[7:]) for o in outs]
+  assert results[0] == results[1]  # every host ends with the same global values
+  got = results[0]
+  assert got["rows"] == [[0, 0, 0]] * 2 + [[1, 1, 1]] * 2  # process order
+  assert got["flags"] == [True, True, False, True]
+  assert got["objects"] == ["host0", {"n": 0}, "host1", {"n": 1}]
+  assert got["to_host"] == list(range(8))
+  blocks = [json.loads(next(l for l in o.splitlines() if l.startswith("BLOCK "))[6:]) for o in outs]
+  assert blocks == [[0, 4], [4, 8]]
+
+  # The one-process reference: the whole batch scored at once.
+  from meshrl.model.tokenizer import ByteTokenizer  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.batch import score_rollout  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.rewards import compose  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.scoring import RewardPool  # pylint: disable=import-outside-toplevel
+  pool = RewardPool(compose("answer:1.0"), num_workers=1, timeout_s=10)
+  want = score_rollout(arrays, examples, ByteTokenizer(), pool, group_size=2, max_new_tokens=4,
+                       overlong_buffer=0, overlong_penalty_value=0.0)
+  pool.close()
+  assert got["scored"]["rewards"] == want.rewards.tolist() == [1.0, 0.0] * 4
+  assert got["scored"]["texts"] == want.texts
+  assert got["scored"]["domains"] == want.domains == ["d0", "d0", "d1", "d1"] * 2
+  assert got["scored"]["valid"] == [True] * 8 and got["scored"]["errors"] == 0
+
+
+@pytest.mark.slow
+def test_rl_on_two_processes_matches_one_process(tmp_path):
+  """scripts/rl.py: 3 RL steps with evaluations and checkpoints, once as one process with 4 CPU
+  devices and once as two processes with 2 each (the same 4-device mesh): the same metrics (floats to
+  reduction-order noise), files written once, checkpoints from both processes together. ~2 min."""
+  small = ["model.num_layers=2", "model.embed_dim=32", "model.head_dim=8", "model.mlp_dim=32",
+           "moe.expert_mlp_dim=16", "rl.max_prompt_len=8", "rl.max_new_tokens=4", "model.max_seq_len=16",
+           "rl.prompts_per_step=4", "rl.group_size=2", "rl.sft_steps=0", "log.progress_bar=false",
+           "log.tensorboard=false", "log.plot=false", "eval.every=2", "eval.num_prompts=8",
+           "eval.batch_size=4", "rl.num_steps=3", "checkpoint.every=2", "mesh.fsdp=4"]
+  base = [sys.executable, "scripts/rl.py", "--config=configs/tiny.py"] + [f"--config.{o}" for o in small]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  port = _free_port()
+  runs = [subprocess.Popen(base + ["--cpu_devices=4", f"--workdir={tmp_path / 'one'}"], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+  runs += [subprocess.Popen(base + ["--cpu_devices=2", f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
+                                    f"--process_id={i}", f"--workdir={tmp_path / 'two'}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=900)[0] for p in runs]
+  assert all(p.returncode == 0 for p in runs), [o[-3000:] for o in outs]
+  read = lambda path: [json.loads(line) for line in path.read_text().splitlines()]  # noqa: E731
+  one, two = read(tmp_path / "one" / "metrics.jsonl"), read(tmp_path / "two" / "metrics.jsonl")
+  assert [r["step"] for r in two] == [1, 2, 3]  # written once, by process 0
+  timing = lambda k: k.endswith("_s") or "mfu" in k or k == "compiles"  # noqa: E731
+  for a, b in zip(one, two, strict=True):
+    assert set(a) == set(b)
+    for key in (k for k in a if not timing(k)):
+      if isinstance(a[key], float):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+      else:
+        assert b[key] == a[key], key
+  assert read(tmp_path / "two" / "eval.jsonl") == read(tmp_path / "one" / "eval.jsonl")
+  assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["2", "3"]
