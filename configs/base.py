@@ -84,6 +84,10 @@ def get_config(arg=None):
   # ragged_dot), "buffered", "blocks", "dense", "gather" (all exact) or "capacity" (drops overflow).
   config.moe.capacity_factor = 1.25  # Rows per expert = factor * tokens * k / experts: the capacity
   # buffer (overflow dropped) and the buffered fast path (overflow falls back to blocks, not dropped).
+  config.moe.ep_exchange = "auto"  # Expert-parallel token exchange: "all_to_all" (fixed buffers), "ragged"
+  # (ragged_all_to_all, TPU only; an error on CPU) or "auto" (ragged on TPU, all_to_all elsewhere).
+  config.moe.ep_weights = "sharded"  # Expert parallelism: "sharded" (expert weights never gathered; activations
+  # move, fsdp x larger) or "gathered" (each layer gathers its experts' D over fsdp, as FSDP does).
   config.moe.aux_loss_coef = 0.01  # Switch-style load-balancing loss weight.
   config.moe.z_loss_coef = 0.001  # Router z-loss weight.
   config.moe.aux_free_bias = False  # DeepSeek-V3 aux-loss-free balancing bias (state, not a param).
@@ -127,7 +131,7 @@ def get_config(arg=None):
   config.rl.engine = "static"  # Rollout: "static" (one batch until its longest sample ends) or "continuous" (decode slots, rl/engine.py).
   config.rl.decode_slots = 0  # Continuous engine: decode slots (0 = one per sample of the step's batch).
   config.rl.rollout_token_budget = 0  # Continuous engine: tokens per RL step (decode_slots x steps); unfinished groups carry over (0 = off).
-  config.rl.speculative = "none"  # Speculative decoding in the static rollout: "none", "draft" (a small model) or "ngram" (prompt lookup).
+  config.rl.speculative = "none"  # Speculative decoding (static rollout or continuous engine): "none", "draft" (a small model) or "ngram" (prompt lookup).
   config.rl.speculative_k = 4  # Speculative decoding: tokens proposed per target forward (>= 1).
   config.rl.ngram_n = 3  # N-gram speculation: length of the suffix looked up in the row's context.
   config.rl.draft_config = ""  # Draft model for rl.speculative="draft": "path[:arg];a.b=value;..." (same vocab as the target).

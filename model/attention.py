@@ -3,7 +3,9 @@
 Both project the residual stream to queries, keys and values, rotate them by position, and call
 one kernel function, `attend(q, k, v, *, impl, ...)`, chosen by `cfg.attention.impl`
 ("reference", "blockwise", "ring"; see ring_attention.py). With a KV cache the new keys/values are
-written into it first and the queries attend to the whole cache.
+written into it first and the queries attend to the whole cache; with impl="ring" a call whose
+queries fill the whole cache (the ring prefill of rl/rollout.py `prefill_prompts`) runs ring
+attention over the sequence-split prompt. Every cache write is pinned to kv_cache.CACHE_AXES.
 
 Axis legend: B batch, T query length, S key length (cache), D embed, N heads, K kv heads,
 H head dim, R latent rank (MLA).
@@ -46,8 +48,15 @@ class KernelConfig:
     """q [B, T, N, H] against k/v [B, S, K, .]; `cached`: k/v are a KV cache (generation).
 
     With impl="ring" a cached call uses the sequence-sharded decode (each shard attends to its
-    slice of the cache, merged by log-sum-exp): the cache never travels around the ring.
+    slice of the cache, merged by log-sum-exp): the cache never travels around the ring. A cached
+    call whose queries fill the whole cache (T == S: the ring prefill of rl/rollout.py, which pads
+    the prompt to the cache length) is ordinary ring attention instead: queries, keys and values
+    all split over `sequence` exactly as the cache is, so nothing is gathered.
     """
+    if cached and self.impl == "ring" and q.shape[1] > 1 and q.shape[1] == k.shape[1]:
+      return attend(q, k, v, impl="ring", mesh=self.mesh, causal=True, q_positions=q_positions,
+                    kv_positions=kv_positions, segment_ids=segment_ids, scale=scale,
+                    block_q=self.block_q, block_kv=self.block_kv)
     if cached and self.impl == "ring":
       return decode_attend(q, k, v, mesh=self.mesh, q_positions=q_positions, kv_positions=kv_positions,
                            segment_ids=segment_ids, scale=scale, block_kv=self.block_kv)
@@ -57,7 +66,18 @@ class KernelConfig:
       kwargs.update(block_q=self.block_q, block_kv=self.block_kv)
     return attend(q, k, v, **kwargs)
 
+  def pin_cache(self, layer_cache: dict) -> dict:
+    """One layer's cache entries {name: [B, S, ...]} constrained to kv_cache.CACHE_AXES by the
+    rules (`cache_length` -> `sequence`), so the compiler never picks another layout for them."""
+    return {name: self.constrain(x, kv_cache.CACHE_AXES[name][1:]) for name, x in layer_cache.items()}
 
+
+def _write_index(cache_meta, new_len: int, layer_cache: dict):
+  """The slot the new entries go to: 0 when they fill the whole cache (a ring prefill), which is
+  where dynamic_update_slice's clamping puts them anyway; a static 0 lets the compiler see the
+  write is a plain replacement and keep the entries' sharding."""
+  cache_len = next(iter(layer_cache.values())).shape[1]
+  return jnp.zeros((), jnp.int32) if new_len == cache_len else cache_meta.index
 
 
 class GQAttention(nnx.Module):
@@ -95,7 +115,10 @@ class GQAttention(nnx.Module):
     q = self.kernel.constrain(q, ("batch", "length", "heads", "head_dim"))
     kv_positions, seg = positions, segment_ids
     if cache is not None:
-      cache = kv_cache.write_layer(cache, {"k": k, "v": v}, cache_meta.index)
+      k = self.kernel.constrain(k, ("batch", "length", "kv_heads", "head_dim"))
+      v = self.kernel.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+      cache = self.kernel.pin_cache(kv_cache.write_layer(
+          cache, {"k": k, "v": v}, _write_index(cache_meta, length, cache)))
       k, v = kv_cache.read_entry(cache, "k", self.dtype), kv_cache.read_entry(cache, "v", self.dtype)
       kv_positions = cache_meta.positions
       seg = (segment_ids, cache_meta.segment_ids)
@@ -157,8 +180,9 @@ class MLAttention(nnx.Module):
     k_rope = apply_rope(compressed[..., None, self.kv_lora_rank:], positions, self.rope)  # [B, T, 1, Hr]
     kv_positions, seg = positions, segment_ids
     if cache is not None:
-      cache = kv_cache.write_layer(cache, {"latent": latent, "k_rope": k_rope[:, :, 0]},
-                                   cache_meta.index)
+      cache = self.kernel.pin_cache(kv_cache.write_layer(
+          cache, {"latent": latent, "k_rope": k_rope[:, :, 0]},
+          _write_index(cache_meta, length, cache)))
       latent = kv_cache.read_entry(cache, "latent", self.dtype)  # [B, S, R]
       k_rope = kv_cache.read_entry(cache, "k_rope", self.dtype)[:, :, None]  # [B, S, 1, Hr]
       kv_positions = cache_meta.positions

@@ -168,8 +168,11 @@ class MoE(nnx.Module):
   under jit each device routes its own tokens; only the expert computation differs by mode: one of
   moe_dispatch.IMPLEMENTATIONS, picked per call by `moe_dispatch.choose` ("auto": the fastest exact
   one for the backend, the phase and the token count), or, when mesh.shape['expert'] > 1,
-  moe_dispatch.expert_parallel inside shard_map (no slot ever dropped unless dispatch="capacity":
-  then a budget of ceil(capacity_factor * n * K / P) slots per destination device, not per expert).
+  moe_dispatch.expert_parallel inside shard_map: expert weights stay sharded over 'expert', 'fsdp'
+  and 'tensor', tokens move by all_to_all or ragged_all_to_all (`ep_exchange`), any token count is
+  padded to the token shards, and no slot is ever dropped unless dispatch="capacity": then buffers
+  of ceil(capacity_factor * n * K / P) rows per destination device (all_to_all) or
+  ceil(capacity_factor * n * K) rows per receiving device (ragged), not per expert.
 
   Parameters (logical axes):
     router [D, E] ('embed', None); gate, up [E, D, F] ('experts', 'embed', 'expert_mlp');
@@ -183,7 +186,9 @@ class MoE(nnx.Module):
                shared_expert_mlp_dim: int = 0, score_func: str = "softmax",
                norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, n_group: int = 1,
                topk_group: int = 1, dispatch: str = "auto", capacity_factor: float = 1.25,
-               aux_free_bias: bool = False, mesh: Mesh | None = None, dtype=jnp.float32,
+               aux_free_bias: bool = False, ep_exchange: str = "auto", ep_weights: str = "sharded",
+               mesh: Mesh | None = None,
+               dtype=jnp.float32,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
     """Validates the numbers and creates the weights.
 
@@ -201,6 +206,8 @@ class MoE(nnx.Module):
       capacity_factor: rows per expert = ceil(capacity_factor * N * K / E) of the "capacity" buffer
         (overflow dropped) and of the "buffered" fast path (overflow sends the batch to "blocks").
       aux_free_bias: keep a RouterBias for aux-loss-free balancing (DeepSeek-V3).
+      ep_exchange: how expert parallelism moves tokens: "all_to_all", "ragged" (TPU only) or "auto".
+      ep_weights: "sharded" (expert weights never gathered) or "gathered" (D gathered over fsdp).
       mesh: with mesh.shape['expert'] > 1 the experts run expert-parallel inside shard_map.
       dtype: compute dtype of the experts (routing is always float32).
       param_dtype: storage dtype of the weights.
@@ -223,6 +230,8 @@ class MoE(nnx.Module):
     self.n_group, self.topk_group = n_group, topk_group
     self.dispatch, self.capacity_factor = dispatch, capacity_factor
     self.mesh, self.dtype = mesh, dtype
+    self.ep_exchange, self.ep_weights = ep_exchange, ep_weights
+    moe_dispatch.check_exchange(ep_exchange, self.backend(), ep_weights)
 
     def make(shape, axes):
       return param(rngs.params(), shape, axes, dtype=param_dtype)
@@ -304,8 +313,10 @@ class MoE(nnx.Module):
     implementation = self.implementation(phase, batch * length)
     if implementation == "expert_parallel":
       capacity_factor = self.capacity_factor if self.dispatch == "capacity" else None
+      exchange = moe_dispatch.resolve_exchange(self.ep_exchange, self.backend())
       ys, dropped = moe_dispatch.expert_parallel(xs, indices, weights, experts, mesh=self.mesh,
-                                                 capacity_factor=capacity_factor)
+                                                 capacity_factor=capacity_factor, exchange=exchange,
+                                                 weights=self.ep_weights)
     else:
       ys, dropped = moe_dispatch.run(implementation, xs, indices, weights, experts,
                                      capacity_factor=self.capacity_factor)

@@ -78,6 +78,8 @@ class ModelConfig:
   dispatch: str = "auto"
   capacity_factor: float = 1.25
   aux_free_bias: bool = False
+  ep_exchange: str = "auto"
+  ep_weights: str = "sharded"
   kv_cache_dtype: str = "model"  # KV cache entries: "model" (dtype) or "int8" (model/quant.py)
 
   def __post_init__(self):
@@ -93,6 +95,9 @@ class ModelConfig:
                        f"moe.num_experts={self.num_experts}.")
     if self.num_experts:
       moe_dispatch.check_dispatch(self.dispatch, self.capacity_factor)
+      mesh = self.kernel.mesh
+      moe_dispatch.check_exchange(self.ep_exchange, mesh.devices.flat[0].platform if mesh is not None
+                                  else jax.default_backend(), self.ep_weights)
     if self.kv_cache_dtype not in quant.KV_CACHE_DTYPES:
       raise ValueError(f"rl.kv_cache_dtype={self.kv_cache_dtype!r}; choose one of "
                        f"{', '.join(quant.KV_CACHE_DTYPES)}.")
@@ -131,7 +136,8 @@ class ModelConfig:
         num_shared_experts=moe.num_shared_experts, shared_expert_mlp_dim=moe.shared_expert_mlp_dim,
         first_k_dense=moe.first_k_dense, score_func=moe.score_func, norm_topk_prob=moe.norm_topk_prob,
         routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.n_group, topk_group=moe.topk_group,
-        dispatch=moe.dispatch, capacity_factor=moe.capacity_factor, aux_free_bias=moe.aux_free_bias)
+        dispatch=moe.dispatch, capacity_factor=moe.capacity_factor, aux_free_bias=moe.aux_free_bias,
+        ep_exchange=moe.get("ep_exchange", "auto"), ep_weights=moe.get("ep_weights", "sharded"))
 
   def cache_entry_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
     """{stack: {entry: (layers, *per-token shape)}} for kv_cache.init_cache."""
@@ -174,7 +180,8 @@ class Block(nnx.Module):
           score_func=mc.score_func, norm_topk_prob=mc.norm_topk_prob,
           routed_scaling_factor=mc.routed_scaling_factor, n_group=mc.n_group, topk_group=mc.topk_group,
           dispatch=mc.dispatch, capacity_factor=mc.capacity_factor, aux_free_bias=mc.aux_free_bias,
-          mesh=mc.kernel.mesh, dtype=mc.dtype, param_dtype=mc.param_dtype, rngs=rngs)
+          ep_exchange=mc.ep_exchange, ep_weights=mc.ep_weights, mesh=mc.kernel.mesh, dtype=mc.dtype,
+          param_dtype=mc.param_dtype, rngs=rngs)
     else:
       self.mlp = SwiGLU(mc.embed_dim, mc.mlp_dim, **kw)
     self.is_moe = moe

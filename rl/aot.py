@@ -8,7 +8,9 @@ and XLA compiles the same jitted programs a run executes:
            optimizer step, on an UpdateBatch of rl.prompts_per_step * rl.group_size rows of
            rl.max_prompt_len + rl.max_new_tokens tokens (TRAIN rules).
   prefill  the prefill of rl/rollout.py `generate`: rl.prompts_per_step prompts of rl.max_prompt_len
-           tokens written into an empty KV cache of the full length, last logits kept (ROLLOUT rules).
+           tokens written into an empty KV cache of the full length, last logits kept (ROLLOUT rules;
+           with attention.impl="ring" and mesh.sequence > 1 the ring prefill, `length` split over
+           `sequence` like the cache).
   decode   one decode step of `generate` against a full-length cache: sample, forward one token per
            row of the batch, write it into the cache (ROLLOUT rules; the cache is donated).
   sft      train/sft.py `make_sft_step` on rl.sft_batch_size rows of data.seq_len tokens.
@@ -54,7 +56,7 @@ from meshrl.model.transformer import ModelConfig, Transformer
 from meshrl.rl import advantages as adv_lib
 from meshrl.rl import losses
 from meshrl.rl.batches import UpdateBatch
-from meshrl.rl.rollout import RolloutSpec, prompt_layout, rollout_model_config
+from meshrl.rl.rollout import RolloutSpec, prefill_prompts, rollout_model_config
 from meshrl.rl.update import make_update
 from meshrl.sharding.mesh import make_mesh, mesh_shape_for
 from meshrl.sharding.rules import generation_shardings, logical_to_spec, rules_from_config
@@ -240,7 +242,9 @@ def reshard_program(cfg, mesh: Mesh) -> Program:
 
 
 def prefill_program(cfg, mesh: Mesh) -> Program:
-  """The prefill of rl/rollout.py `generate`: P prompts of Lp tokens into an empty full-length cache."""
+  """The prefill of rl/rollout.py `generate` (`prefill_prompts`): P prompts of Lp tokens into an empty
+  full-length cache; with attention.impl="ring" and mesh.sequence > 1 the ring prefill into the
+  sequence-sharded cache."""
   mc, graphdef, params, extra = _rollout_state(cfg, mesh)
   rules = rules_from_config(cfg.mesh, "rollout")
   prompts_n, prompt_len = cfg.rl.prompts_per_step, cfg.rl.max_prompt_len
@@ -248,10 +252,8 @@ def prefill_program(cfg, mesh: Mesh) -> Program:
 
   def prefill(params, extra, prompts, prompt_mask):
     model = nnx.merge(graphdef, params, extra)
-    positions, segment_ids = prompt_layout(prompt_mask)
-    out = model(prompts, positions=positions, segment_ids=segment_ids,
-                cache=model.init_cache(prompts_n, total))
-    return out.cache, out.logits[:, -1]
+    cache, logits, _ = prefill_prompts(model, prompts, prompt_mask, total)
+    return cache, logits
 
   prompts = _struct(mesh, rules, (prompts_n, prompt_len), jnp.int32, ("batch", "length"))
   mask = _struct(mesh, rules, (prompts_n, prompt_len), jnp.bool_, ("batch", "length"))

@@ -23,6 +23,15 @@ How a call runs (`run_pool`, one jitted program):
   tokens do not depend on its slot or on the other samples: with the same keys the engine and the
   static rollout (rl/rollout.py) give the same samples (tests/rl/test_engine.py).
 
+Speculative decoding (rl.speculative = "draft" / "ngram", `run_pool_speculative`): the same slots and
+refills, but each iteration every live slot proposes k tokens (the draft model from its own cache
+rows, refilled and re-prefilled with the slot's; or n-gram lookup over the sample's prompt + tokens),
+the target verifies them all in ONE forward of k + 1 tokens per slot, each slot commits its accepted
+run plus one token (cut at a stop token or its limit), and both caches roll back the rejected slots.
+The pieces (`verify`, `rollback`, `ngram_propose`, `draft_propose`) are rl/speculative.py's; so are the
+per-token keys, so at temperature > 0 a sample draws what the static speculative rollout draws for it.
+With rl.rollout_token_budget the budget counts verification forwards (up to k + 1 tokens per slot).
+
 Partial rollouts (`PartialRollouts`, rl.rollout_token_budget > 0): each RL step decodes at most
 budget // slots iterations; groups whose samples have all ended form the step's batch, the others
 stay in the pool and continue at the next step under the new parameters (re-prefilled, as above).
@@ -51,6 +60,8 @@ from meshrl.model.transformer import Transformer
 from meshrl.rl.rollout import (RolloutBatch, RolloutSpec, prompt_layout, rollout_model_config,
                                with_generation_weights)
 from meshrl.rl.sampling import sample_keys, token_keys
+from meshrl.rl.speculative import (SpecConfig, SpecMetrics, draft_propose, ngram_propose, rollback,
+                                   speculative_call, speculative_setup, verify)
 from meshrl.train.checkpoint import array_from_json, array_to_json
 
 ENGINES = ("static", "continuous")
@@ -130,6 +141,49 @@ def _resume_prefill(model: Transformer, pool: Pool, ids: jax.Array, total: int):
   return out.cache.replace(index=(prompt_len + count).astype(jnp.int32)), logits
 
 
+def _prefill_prompts(model: Transformer, pool: Pool, total: int):
+  """Every prompt prefilled once into a cache of `total` columns -> (cache [P rows, per-row index Lp],
+  next-token logits [P, V], the prefill's aux)."""
+  positions, segments = prompt_layout(pool.prompt_mask)
+  prefill = model(pool.prompts, positions=positions, segment_ids=segments,
+                  cache=model.init_cache(pool.prompts.shape[0], total))
+  return kvc.with_row_index(prefill.cache), prefill.logits[:, -1], prefill.aux
+
+
+def _slot_start(model: Transformer, pool: Pool, slots: int, total: int, vocab: int, dtype):
+  """The slots at the start of a call: samples carried mid-sequence (count > 0, not ended; at most
+  `slots`) re-prefilled into them -> (sample ids [C] (B = empty), cache, next-token logits [C, V])."""
+  num = pool.num_samples
+  resuming = (pool.count > 0) & ~pool.done
+  resume_ids = jnp.nonzero(resuming, size=slots, fill_value=num)[0].astype(jnp.int32)  # [C]
+
+  def empty_slots(_):
+    return kvc.with_row_index(model.init_cache(slots, total)), jnp.zeros((slots, vocab), dtype)
+
+  cache, logits = jax.lax.cond(jnp.any(resuming),
+                               lambda _: _resume_prefill(model, pool, resume_ids, total), empty_slots, None)
+  return resume_ids, cache, logits
+
+
+def _admission_order(pool: Pool):
+  """Waiting samples (count == 0, not ended) by priority -> (order [B], how many wait [])."""
+  waiting = (pool.count == 0) & ~pool.done
+  big = jnp.iinfo(jnp.int32).max
+  order = jnp.argsort(jnp.where(waiting, pool.priority, big), stable=True).astype(jnp.int32)  # [B]
+  return order, jnp.sum(waiting)
+
+
+def _admit(sid: jax.Array, next_pos: jax.Array, order: jax.Array, num_waiting: jax.Array, num: int):
+  """Free slots (sid == B) take the next waiting samples -> (new sid [C], taken [C] bool, their
+  prompt rows are the caller's to copy, next position in `order`)."""
+  free = sid >= num
+  rank = jnp.cumsum(free) - 1
+  slot_pos = next_pos + rank
+  new = jnp.where(free & (slot_pos < num_waiting), order[jnp.clip(slot_pos, 0, num - 1)], num)
+  take = new < num
+  return jnp.where(take, new, sid), take, next_pos + jnp.sum(take).astype(jnp.int32)
+
+
 def run_pool(model: Transformer, spec: RolloutSpec, pool: Pool, *, slots: int, max_steps: int = 0,
              version: jax.Array | int = 0) -> tuple[Pool, Any]:
   """Decodes the pool's samples on `slots` decode slots (pure; jit it) -> (pool, prompt routing).
@@ -142,40 +196,20 @@ def run_pool(model: Transformer, spec: RolloutSpec, pool: Pool, *, slots: int, m
   num, budget = pool.num_samples, pool.tokens.shape[1]
   prompt_len = pool.prompts.shape[1]
   total = prompt_len + budget
-  positions, segments = prompt_layout(pool.prompt_mask)
-  prefill = model(pool.prompts, positions=positions, segment_ids=segments,
-                  cache=model.init_cache(pool.prompts.shape[0], total))
-  prompt_cache = kvc.with_row_index(prefill.cache)
-  prompt_logits = prefill.logits[:, -1]  # [P, V]
+  prompt_cache, prompt_logits, prefill_aux = _prefill_prompts(model, pool, total)
   prompt_lengths = jnp.sum(pool.prompt_mask, axis=1).astype(jnp.int32)  # [P]
   keys = jax.random.wrap_key_data(pool.keys)  # [B]
   stop_tokens = jnp.asarray(spec.stop_tokens, jnp.int32)
   version = jnp.asarray(version, jnp.int32)
-
-  resuming = (pool.count > 0) & ~pool.done
-  resume_ids = jnp.nonzero(resuming, size=slots, fill_value=num)[0].astype(jnp.int32)  # [C]
-
-  def empty_slots(_):
-    cache = kvc.with_row_index(model.init_cache(slots, total))
-    return cache, jnp.zeros((slots, prompt_logits.shape[-1]), prompt_logits.dtype)
-
-  cache, logits = jax.lax.cond(jnp.any(resuming),
-                               lambda _: _resume_prefill(model, pool, resume_ids, total), empty_slots, None)
-  waiting = (pool.count == 0) & ~pool.done
-  big = jnp.iinfo(jnp.int32).max
-  order = jnp.argsort(jnp.where(waiting, pool.priority, big), stable=True).astype(jnp.int32)  # [B]
-  num_waiting = jnp.sum(waiting)
+  resume_ids, cache, logits = _slot_start(model, pool, slots, total, prompt_logits.shape[-1],
+                                          prompt_logits.dtype)
+  order, num_waiting = _admission_order(pool)
 
   def refill(s: _Loop) -> _Loop:
-    free = s.sid >= num
-    rank = jnp.cumsum(free) - 1
-    slot_pos = s.next + rank
-    new = jnp.where(free & (slot_pos < num_waiting), order[jnp.clip(slot_pos, 0, num - 1)], num)
-    take = new < num
-    group = pool.group_of[jnp.clip(new, 0, num - 1)]
+    sid, take, next_pos = _admit(s.sid, s.next, order, num_waiting, num)
+    group = pool.group_of[jnp.clip(sid, 0, num - 1)]
     return s.replace(cache=kvc.copy_rows(s.cache, prompt_cache, group, take),
-                     logits=jnp.where(take[:, None], prompt_logits[group], s.logits),
-                     sid=jnp.where(take, new, s.sid), next=s.next + jnp.sum(take).astype(jnp.int32))
+                     logits=jnp.where(take[:, None], prompt_logits[group], s.logits), sid=sid, next=next_pos)
 
   def keep_going(s: _Loop):
     going = jnp.any(s.sid < num)
@@ -209,7 +243,155 @@ def run_pool(model: Transformer, spec: RolloutSpec, pool: Pool, *, slots: int, m
   start = refill(_Loop(step=jnp.zeros((), jnp.int32), next=jnp.zeros((), jnp.int32), cache=cache,
                        logits=logits, sid=resume_ids, pool=pool))
   final = jax.lax.while_loop(keep_going, decode_one, start)
-  return final.pool, prefill.aux.get("routing")
+  return final.pool, prefill_aux.get("routing")
+
+
+@struct.dataclass
+class _SpecLoop:
+  step: jax.Array  # [] int32: verification forwards so far in this call
+  next: jax.Array  # [] int32: position in `order` of the next waiting sample
+  cache: kvc.KVCache  # C rows, per-row write index; every committed token but `cur`
+  draft_cache: Any  # the draft's C rows, the same slots (None for ngram)
+  logits: jax.Array  # [C, V] next-token logits where `fresh` (the prefill's, after a refill or resume)
+  fresh: jax.Array  # [C] bool: the slot's next token is drawn from `logits` (not yet drawn)
+  cur: jax.Array  # [C] int32: last committed token (not yet in either cache) where not fresh
+  sid: jax.Array  # [C] int32: the sample in each slot (B = empty)
+  pool: Pool
+  accepted: jax.Array  # [] int32 accepted proposals
+  proposed: jax.Array  # [] int32 proposals made to speculating slots
+  row_forwards: jax.Array  # [] int32 speculating slots summed over verification forwards
+  committed: jax.Array  # [] int32 tokens committed by verification (the drawn first tokens not counted)
+  row_accepted: jax.Array  # [B] int32 accepted proposals per sample
+
+
+def run_pool_speculative(model: Transformer, draft: Transformer | None, spec: RolloutSpec, sc, pool: Pool, *,
+                         slots: int, max_steps: int = 0, version: jax.Array | int = 0):
+  """`run_pool` with speculative decoding (pure; jit it) -> (pool, prompt routing, SpecMetrics).
+
+  Each iteration every live slot proposes sc.k tokens (the draft from its own cache rows, or n-gram
+  lookup over the sample's prompt + generated tokens), the target verifies them in ONE forward of k+1
+  tokens, each slot commits its accepted run plus one token, and both caches roll back the rejected
+  slots (rl/speculative.py: `verify`, `rollback`, `ngram_propose`, `draft_propose`). A slot that was just
+  refilled (or resumed) first draws its next token from the prefill's logits exactly as plain decoding
+  does, then speculates in the same iteration. Ended samples free their slot, refilled as in `run_pool`
+  (the draft's rows from the draft's own prompt prefill). Token t of a sample draws from the keys of
+  (sample id, t), as in rl/speculative.py, so greedy output equals `run_pool`'s token for token.
+
+  Caches hold S = Lp + N + k + 1 columns (the verified slots may run past a sample's end).
+  """
+  num, budget = pool.num_samples, pool.tokens.shape[1]
+  prompt_len, k = pool.prompts.shape[1], sc.k
+  total = prompt_len + budget + k + 1
+  sampler = spec.sampler
+  prompt_cache, prompt_logits, prefill_aux = _prefill_prompts(model, pool, total)
+  vocab, dtype = prompt_logits.shape[-1], prompt_logits.dtype
+  resume_ids, cache, logits = _slot_start(model, pool, slots, total, vocab, dtype)
+  draft_prompt_cache = draft_cache = None
+  if sc.method == "draft":
+    draft_prompt_cache = _prefill_prompts(draft, pool, total)[0]
+    draft_cache = _slot_start(draft, pool, slots, total, draft.config.vocab_size, dtype)[1]
+  prompt_lengths = jnp.sum(pool.prompt_mask, axis=1).astype(jnp.int32)  # [P]
+  history_prompts = jnp.where(pool.prompt_mask, pool.prompts, -1)  # [P, Lp] (-1: padding)
+  keys = jax.random.wrap_key_data(pool.keys)  # [B]
+  stop_tokens = jnp.asarray(spec.stop_tokens, jnp.int32)
+  version = jnp.asarray(version, jnp.int32)
+  order, num_waiting = _admission_order(pool)
+  k1 = jnp.arange(k + 1)[None, :]  # [1, K1]
+
+  def refill(s: _SpecLoop) -> _SpecLoop:
+    sid, take, next_pos = _admit(s.sid, s.next, order, num_waiting, num)
+    group = pool.group_of[jnp.clip(sid, 0, num - 1)]
+    return s.replace(cache=kvc.copy_rows(s.cache, prompt_cache, group, take),
+                     draft_cache=None if s.draft_cache is None else kvc.copy_rows(
+                         s.draft_cache, draft_prompt_cache, group, take),
+                     logits=jnp.where(take[:, None], prompt_logits[group], s.logits),
+                     fresh=s.fresh | take, sid=sid, next=next_pos)
+
+  def keep_going(s: _SpecLoop):
+    going = jnp.any(s.sid < num)
+    return going & (s.step < max_steps) if max_steps else going
+
+  def iterate(s: _SpecLoop) -> _SpecLoop:
+    p = s.pool
+    live = s.sid < num
+    rows = jnp.clip(s.sid, 0, num - 1)
+    group = p.group_of[rows]
+    limit = p.max_lengths[rows]
+    # 1. Fresh slots draw their next token from the prefill's logits, as plain decoding does.
+    t0 = p.count[rows]
+    draw = live & s.fresh
+    token = sampler.sample_rows(s.logits, token_keys(keys[rows], t0))
+    at = (jnp.where(draw, s.sid, num), t0)
+    p = p.replace(tokens=p.tokens.at[at].set(token, mode="drop"),
+                  logprobs=p.logprobs.at[at].set(sampler.log_probs(s.logits, token), mode="drop"),
+                  versions=p.versions.at[at].set(version, mode="drop"))
+    n = jnp.where(draw, t0 + 1, t0)  # [C] committed tokens
+    stop0 = draw & jnp.isin(token, stop_tokens)
+    ended0 = draw & (stop0 | (n >= limit))
+    cur = jnp.where(draw, token, s.cur)
+    go = live & ~ended0  # slots that speculate now
+    # 2. Propose k tokens after cur; 3. the target verifies [cur, d_0..d_{k-1}] in one forward.
+    start = s.cache.index  # [C]
+    pos0 = prompt_lengths[group] + n - 1  # [C] position of cur
+    step_keys = jax.vmap(lambda key, m: token_keys(jnp.broadcast_to(key, (k + 1,)), m + jnp.arange(k + 1)))(
+        keys[rows], n)  # [C, K1]: keys of output tokens n .. n+k
+    draft_cache = s.draft_cache
+    if sc.method == "draft":
+      proposals, probs, draft_cache = draft_propose(draft, draft_cache, cur, pos0, sampler, step_keys, k)
+    else:
+      history = jnp.concatenate([history_prompts[group], p.tokens[rows]], axis=1)  # [C, Lp + N]
+      proposals = ngram_propose(history, prompt_len + n, sc.ngram_n, k)
+      probs = None if sampler.temperature == 0 else jax.nn.one_hot(proposals, vocab)
+    fed = jnp.concatenate([cur[:, None], proposals], axis=1)  # [C, K1]
+    out = model(fed, positions=pos0[:, None] + k1, segment_ids=jnp.ones_like(fed), cache=s.cache)
+    accepted, nxt = verify(out.logits, proposals, probs, sampler, step_keys)
+    # 4. Commit the accepted run and the drawn token, up to a stop token or the sample's limit.
+    extended = jnp.concatenate([proposals, jnp.zeros_like(proposals[:, :1])], axis=1)  # [C, K1]
+    committed = jnp.where(k1 < accepted[:, None], extended, nxt[:, None])
+    run_len = jnp.minimum(accepted + 1, limit - n)  # [C]
+    is_stop = (k1 < run_len[:, None]) & jnp.isin(committed, stop_tokens)
+    hit_stop = go & jnp.any(is_stop, axis=1)
+    count = jnp.where(hit_stop, jnp.argmax(is_stop, axis=1) + 1, run_len)
+    count = jnp.where(go, count, 0).astype(jnp.int32)
+    log_p = jax.nn.log_softmax(sampler.scaled(out.logits), axis=-1)
+    logprob = jnp.take_along_axis(log_p, committed[..., None], axis=-1)[..., 0]  # [C, K1]
+    at = (jnp.where(k1 < count[:, None], s.sid[:, None], num), n[:, None] + k1)  # dropped unless written
+    routing = p.routing
+    if routing is not None:  # the forward that read output token n-1+i routed it
+      fed_at = (jnp.where(go[:, None] & (k1 <= jnp.minimum(accepted, count)[:, None]), s.sid[:, None], num),
+                n[:, None] - 1 + k1)
+      routing = routing.at[:, fed_at[0], fed_at[1]].set(out.aux["routing"], mode="drop")
+    new_n = n + count
+    ended = ended0 | (go & (hit_stop | (new_n >= limit)))
+    p = p.replace(tokens=p.tokens.at[at].set(committed, mode="drop"),
+                  logprobs=p.logprobs.at[at].set(logprob, mode="drop"),
+                  versions=p.versions.at[at].set(version, mode="drop"),
+                  count=p.count.at[s.sid].set(new_n, mode="drop"),
+                  done=p.done.at[s.sid].set(ended, mode="drop"),
+                  stopped=p.stopped.at[s.sid].set(stop0 | hit_stop, mode="drop"), routing=routing)
+    # 5. Both caches forget the rejected slots (and everything of slots that did not speculate).
+    keep = start + jnp.where(go, accepted + 1, 0)
+    got = jnp.where(go, accepted, 0)
+    return refill(_SpecLoop(
+        step=s.step + 1, next=s.next, cache=rollback(out.cache, keep),
+        draft_cache=None if draft_cache is None else rollback(draft_cache, keep),
+        logits=s.logits, fresh=s.fresh & ~live, cur=jnp.where(go, nxt, cur),
+        sid=jnp.where(ended, num, s.sid), pool=p, accepted=s.accepted + jnp.sum(got),
+        proposed=s.proposed + k * jnp.sum(go), row_forwards=s.row_forwards + jnp.sum(go),
+        committed=s.committed + jnp.sum(count), row_accepted=s.row_accepted.at[s.sid].add(got, mode="drop")))
+
+  zero = jnp.zeros((), jnp.int32)
+  start = refill(_SpecLoop(step=zero, next=zero, cache=cache, draft_cache=draft_cache, logits=logits,
+                           fresh=resume_ids < num, cur=jnp.zeros((slots,), jnp.int32), sid=resume_ids,
+                           pool=pool, accepted=zero, proposed=zero, row_forwards=zero, committed=zero,
+                           row_accepted=jnp.zeros((num,), jnp.int32)))
+  final = jax.lax.while_loop(keep_going, iterate, start)
+  metrics = SpecMetrics(
+      acceptance_rate=final.accepted / jnp.maximum(final.proposed, 1),
+      tokens_per_forward=final.committed / jnp.maximum(final.row_forwards, 1),
+      target_forwards=final.step, accepted=final.accepted, proposed=final.proposed,
+      row_accepted=final.row_accepted)
+  return final.pool, prefill_aux.get("routing"), metrics
 
 
 def to_rollout_batch(pool: Pool, prompt_routing, pad_id: int) -> RolloutBatch:
@@ -261,23 +443,43 @@ def _setup(cfg, mesh, stop_ids, pad_id, group_size, temperature):
 
 
 def make_engine(cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...], pad_id: int, slots: int | None = None,
-                group_size: int | None = None, temperature: float | None = None):
+                group_size: int | None = None, temperature: float | None = None,
+                draft: tuple[Any, Any] | None = None):
   """Returns jitted `engine(params, extra, prompts [P, Lp], prompt_mask, key, max_lengths=None,
   version=0) -> RolloutBatch`, every sample run to its end on `slots` decode slots (None:
-  rl.decode_slots; 0: one per sample). Same signature and samples as rollout.make_rollout."""
+  rl.decode_slots; 0: one per sample). Same signature and samples as rollout.make_rollout.
+
+  rl.speculative != "none": the slots speculate (`run_pool_speculative`); the last call's SpecMetrics
+  are in `engine.metrics`. draft: (draft ModelConfig, params State) for "draft" (default:
+  rl.draft_config / rl.draft_checkpoint)."""
   mc, graphdef, spec = _setup(cfg, mesh, stop_ids, pad_id, group_size, temperature)
   requested = cfg.rl.decode_slots if slots is None else slots
+  sc = None
+  draft_graph = draft_params = draft_rest = None
+  if cfg.rl.speculative != "none":
+    sc = SpecConfig.from_config(cfg, need_checkpoint=draft is None)
+    draft_graph, draft_params, draft_rest = speculative_setup(cfg, mesh, mc, spec, sc, draft)
 
-  def engine(params, extra, prompts, prompt_mask, key, max_lengths=None, version=0):
+  def engine_fn(params, extra, draft_state, prompts, prompt_mask, key, max_lengths, version):
     num = prompts.shape[0] * spec.group_size
     pool = new_pool(prompts, prompt_mask, sample_keys(key, jnp.arange(num)), group_size=spec.group_size,
                     max_new_tokens=spec.max_new_tokens, pad_id=pad_id, max_lengths=max_lengths,
                     routing_shape=_routing_shape(mc))
     model = nnx.merge(graphdef, params, extra)
-    pool, prompt_routing = run_pool(model, spec, pool, slots=resolve_slots(requested, num), version=version)
-    return to_rollout_batch(pool, prompt_routing, pad_id)
+    num_slots = resolve_slots(requested, num)
+    if sc is None:
+      pool, prompt_routing = run_pool(model, spec, pool, slots=num_slots, version=version)
+      return to_rollout_batch(pool, prompt_routing, pad_id)
+    draft_model = None if draft_graph is None else nnx.merge(draft_graph, draft_state, draft_rest)
+    pool, prompt_routing, metrics = run_pool_speculative(model, draft_model, spec, sc, pool, slots=num_slots,
+                                                         version=version)
+    return to_rollout_batch(pool, prompt_routing, pad_id), metrics
 
-  return with_generation_weights(cfg, mesh, mc, engine)
+  if sc is None:
+    def plain(params, extra, prompts, prompt_mask, key, max_lengths=None, version=0):
+      return engine_fn(params, extra, None, prompts, prompt_mask, key, max_lengths, version)
+    return with_generation_weights(cfg, mesh, mc, plain)
+  return speculative_call(with_generation_weights(cfg, mesh, mc, engine_fn), draft_params)
 
 
 class PartialRollouts:
@@ -286,11 +488,13 @@ class PartialRollouts:
   Each `step` tops the pool up with new groups (drawn from `draw(count)`), decodes at most
   rl.rollout_token_budget // slots iterations, and returns the groups that have ended (all G
   samples) in the RolloutBatch layout; the rest are carried, their tokens, log-probs and versions
-  kept, and resume at the next step under the parameters passed then.
+  kept, and resume at the next step under the parameters passed then. With rl.speculative the slots
+  speculate (`run_pool_speculative`; a carried sample's draft rows are re-prefilled too) and the last
+  step's SpecMetrics are in `.metrics`; draft as in make_engine.
   """
 
   def __init__(self, cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...], pad_id: int,
-               num_groups: int | None = None):
+               num_groups: int | None = None, draft: tuple[Any, Any] | None = None):
     mc, graphdef, spec = _setup(cfg, mesh, stop_ids, pad_id, None, None)
     self.spec, self.pad_id = spec, pad_id
     self.num_groups = cfg.rl.prompts_per_step if num_groups is None else num_groups
@@ -307,12 +511,23 @@ class PartialRollouts:
     self.examples: list = [None] * self.num_groups  # the task example of each group in the pool
     self.live = np.zeros(self.num_groups, bool)  # group slot holds a group
     self.next_uid = 0  # groups admitted so far (their admission order)
+    self.metrics = None  # the last step's SpecMetrics (rl.speculative != "none")
+    sc = SpecConfig.from_config(cfg, need_checkpoint=draft is None) if cfg.rl.speculative != "none" else None
+    draft_graph = draft_rest = None
+    self._draft_params = None
+    if sc is not None:
+      draft_graph, self._draft_params, draft_rest = speculative_setup(cfg, mesh, mc, spec, sc, draft)
 
-    def decode(params, extra, pool, version):
+    def decode(params, extra, draft_state, pool, version):
       model = nnx.merge(graphdef, params, extra)
-      pool, prompt_routing = run_pool(model, spec, pool, slots=self.slots, max_steps=self.max_steps,
-                                      version=version)
-      return pool, to_rollout_batch(pool, prompt_routing, pad_id)
+      if sc is None:
+        pool, prompt_routing = run_pool(model, spec, pool, slots=self.slots, max_steps=self.max_steps,
+                                        version=version)
+        return pool, to_rollout_batch(pool, prompt_routing, pad_id), None
+      draft_model = None if draft_graph is None else nnx.merge(draft_graph, draft_state, draft_rest)
+      pool, prompt_routing, metrics = run_pool_speculative(model, draft_model, spec, sc, pool, slots=self.slots,
+                                                           max_steps=self.max_steps, version=version)
+      return pool, to_rollout_batch(pool, prompt_routing, pad_id), metrics
     self._decode = with_generation_weights(cfg, mesh, mc, decode)
 
   def _admit(self, draw: Callable[[int], tuple[list, np.ndarray, np.ndarray]], key) -> int:
@@ -376,7 +591,8 @@ class PartialRollouts:
     info). draw(count) -> (examples, tokens [count, Lp], mask) supplies new groups; `key` seeds
     the new groups' samples; `version` is stamped on the tokens generated now."""
     admitted = self._admit(draw, key)
-    self.pool, batch = self._decode(params, extra, self.pool, jnp.asarray(version, jnp.int32))
+    self.pool, batch, self.metrics = self._decode(params, extra, self._draft_params, self.pool,
+                                                  jnp.asarray(version, jnp.int32))
     done = np.asarray(self.pool.done).reshape(self.num_groups, self.spec.group_size).all(axis=1)
     ended = np.flatnonzero(done & self.live)
     rows = (ended[:, None] * self.spec.group_size + np.arange(self.spec.group_size)).reshape(-1)

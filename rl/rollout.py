@@ -2,10 +2,13 @@
 one jitted call returning a `RolloutBatch`.
 
 Each prompt is prefilled once; its KV cache (and last logits) are then repeated for the G samples of
-its group, so a group shares its prompt's prefix. Decoding is a `lax.while_loop` over one token per
-step that stops when every sequence has finished (EOS or a stop token, or its own `max_lengths`
-entry) or the budget is spent. Sample b (row b) draws its t-th token with the per-sample key
-(key, b, t) (rl/sampling.py), exactly as the continuous-batching engine (rl/engine.py) does.
+its group, so a group shares its prompt's prefix. With attention.impl="ring" and mesh.sequence > 1 the
+prefill is ring attention over the prompt split on `sequence`, written straight into a cache split the
+same way (`prefill_prompts`: 1M-token prompts); decode steps read it with the log-sum-exp merge.
+Decoding is a `lax.while_loop` over one token per step that stops when every sequence has finished
+(EOS or a stop token, or its own `max_lengths` entry) or the budget is spent. Sample b (row b) draws
+its t-th token with the per-sample key (key, b, t) (rl/sampling.py), exactly as the
+continuous-batching engine (rl/engine.py) does.
 
 Rollouts run on the same mesh and take the same parameter arrays as the update: only the activation
 rules differ (ROLLOUT_RULES), so no parameter is copied or moved between the two (tests/rl/test_rollout.py).
@@ -96,6 +99,78 @@ def prompt_layout(prompt_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
   return positions, prompt_mask.astype(jnp.int32)
 
 
+def uses_ring_prefill(mc: ModelConfig) -> bool:
+  """Whether prompts are prefilled by ring attention into a sequence-sharded cache: attention.impl
+  = "ring" on a mesh whose `sequence` axis has more than one device."""
+  mesh = mc.kernel.mesh
+  return mc.kernel.impl == "ring" and mesh is not None and mesh.shape.get("sequence", 1) > 1
+
+
+def ring_prefill_length(mc: ModelConfig, total: int) -> int:
+  """The cache length of a ring prefill: `total` rounded up to a multiple of the `sequence` axis."""
+  shards = mc.kernel.mesh.shape["sequence"]
+  length = -(-total // shards) * shards
+  if length > mc.max_seq_len:
+    raise ValueError(f"ring prefill: a cache of {total} slots rounded up to a multiple of "
+                     f"mesh.sequence={shards} is {length}, above model.max_seq_len={mc.max_seq_len}.")
+  return length
+
+
+def _prefill_model(model: Transformer) -> Transformer:
+  """The same parameters under the rollout rules with `length` split over `sequence`, so the
+  prompt's activations, queries, keys and values stay split like the cache (the decode steps keep
+  the model as given: their one token per row cannot be split)."""
+  mc = model.config
+  rules = tuple((name, ("sequence",) if name == "length" else axes) for name, axes in mc.kernel.rules)
+  prefill_mc = dataclasses.replace(mc, kernel=dataclasses.replace(mc.kernel, rules=rules))
+  graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: Transformer(prefill_mc, rngs=nnx.Rngs(0))),
+                             nnx.Param, ...)
+  _, params, extra = nnx.split(model, nnx.Param, ...)
+  return nnx.merge(graphdef, params, extra)
+
+
+def prefill_prompts(model: Transformer, prompts: jax.Array, prompt_mask: jax.Array, total: int):
+  """Prefills left-padded prompts [P, Lp] into a fresh KV cache of `total` slots.
+
+  Returns (cache with index Lp, last-token logits [P, V] float32, routing [L, P, Lp, K] or None).
+
+  Short path (default): the prompt runs through the model with the cache attached; its queries
+  attend to the whole cache with the kernel of attention.impl.
+  Ring path (`uses_ring_prefill`: impl="ring", mesh.sequence > 1; for 1M-token prompts): the prompt
+  is padded to the cache length S (`ring_prefill_length`: `total` rounded up to the sequence axis)
+  with empty slots (position kv_cache.EMPTY_POSITION, segment EMPTY_SEGMENT), so token j lands in
+  cache slot j and the cache's `sequence` shard r holds exactly the tokens device r prefilled:
+  attention is ring attention over the prompt (model/attention.py, queries/keys/values split over
+  `sequence`, Liu et al. 2023) and the keys/values are written into the cache where they were made,
+  with no gather of the prompt's keys, values or queries. Only the last real token's logits are
+  projected (not [P, S, V]). The decode steps then read the sequence-sharded cache with the
+  log-sum-exp merge of model/ring_attention.decode_attend; the tail slots are overwritten as they
+  are generated. Tail tokens do pass through the MoE router (so they count against a capacity
+  buffer, as prompt padding already does).
+  """
+  num_prompts, prompt_len = prompts.shape
+  positions, segment_ids = prompt_layout(prompt_mask)
+  mc = model.config
+  if not uses_ring_prefill(mc):
+    out = model(prompts, positions=positions, segment_ids=segment_ids,
+                cache=model.init_cache(num_prompts, total))
+    return out.cache, out.logits[:, -1], out.aux.get("routing")
+  length = ring_prefill_length(mc, total)
+  tail = (num_prompts, length - prompt_len)
+  tokens = jnp.concatenate([prompts.astype(jnp.int32), jnp.zeros(tail, jnp.int32)], axis=1)
+  positions = jnp.concatenate([positions, jnp.full(tail, kvc.EMPTY_POSITION, jnp.int32)], axis=1)
+  segment_ids = jnp.concatenate([segment_ids, jnp.full(tail, kvc.EMPTY_SEGMENT, jnp.int32)], axis=1)
+  prefill = _prefill_model(model)
+  out = prefill(tokens, positions=positions, segment_ids=segment_ids,
+                cache=prefill.init_cache(num_prompts, length), return_hidden=True)
+  last = out.hidden[:, prompt_len - 1]  # [P, D]
+  logits = jnp.einsum("bd,dv->bv", last, prefill.output_projection()).astype(jnp.float32)
+  logits = mc.kernel.constrain(logits, ("batch", "vocab"))
+  cache = out.cache.replace(index=jnp.asarray(prompt_len, jnp.int32))
+  routing = out.aux.get("routing")
+  return cache, logits, None if routing is None else routing[:, :, :prompt_len]
+
+
 def generate(model: Transformer, spec: RolloutSpec, prompts: jax.Array, prompt_mask: jax.Array,
              key: jax.Array, max_lengths: jax.Array | None = None, version: jax.Array | int = 0
              ) -> RolloutBatch:
@@ -108,12 +183,10 @@ def generate(model: Transformer, spec: RolloutSpec, prompts: jax.Array, prompt_m
   positions, segment_ids = prompt_layout(prompt_mask)
 
   # Prefill each prompt once, then share its cache across the group.
-  prefill = model(prompts, positions=positions, segment_ids=segment_ids,
-                  cache=model.init_cache(num_prompts, total))
-  cache = kvc.repeat_rows(prefill.cache, group)
-  last_logits = jnp.repeat(prefill.logits[:, -1], group, axis=0)  # [B, V]
+  prompt_cache, prompt_logits, prefill_routing = prefill_prompts(model, prompts, prompt_mask, total)
+  cache = kvc.repeat_rows(prompt_cache, group)
+  last_logits = jnp.repeat(prompt_logits, group, axis=0)  # [B, V]
   prompt_lengths = jnp.repeat(jnp.sum(prompt_mask, axis=1), group).astype(jnp.int32)  # [B]
-  prefill_routing = prefill.aux.get("routing")
   decode_routing = None
   if prefill_routing is not None:
     layers, _, _, k = prefill_routing.shape

@@ -24,6 +24,9 @@ Randomness: the token at output index t draws from keys derived from (rollout ke
 (rl/sampling.py): fold_in(token key, 1) for the draft's proposal, 2 for the acceptance test, 3 for the
 correction / bonus. Token 0 (from the prefill) is drawn exactly as plain decoding draws it.
 
+The continuous-batching engine speculates with the same pieces (`verify`, `rollback`, `ngram_propose`,
+`draft_propose`) in its decode slots: rl/engine.py `run_pool_speculative`.
+
 Axis legend: P prompts, G group size, B = P * G rows, Lp prompt length, N max new tokens, k proposals,
 K1 = k + 1 verified slots, S cache length, V vocab, H history length, L MoE layers, E top-k experts.
 """
@@ -69,9 +72,6 @@ class SpecConfig:
     (need_checkpoint: the draft comes from rl.draft_checkpoint, not from the caller)."""
     rl = cfg.rl
     spec = cls(method=rl.speculative, k=rl.speculative_k, ngram_n=rl.ngram_n)
-    if rl.engine != "static":
-      raise ValueError(f"rl.speculative={rl.speculative!r} runs in the static rollout only; "
-                       f"rl.engine={rl.engine!r} cannot compose with it (set rl.engine='static').")
     if cfg.attention.impl == "ring":
       raise ValueError("rl.speculative needs a cached multi-token forward; attention.impl='ring' "
                        "decodes one token at a time (choose 'reference' or 'blockwise').")
@@ -200,7 +200,7 @@ class _SpecState:
   row_accepted: jax.Array  # [B] int32
 
 
-def _draft_propose(draft: Transformer, cache: kvc.KVCache, cur, pos0, sampler: Sampler, keys, k: int):
+def draft_propose(draft: Transformer, cache: kvc.KVCache, cur, pos0, sampler: Sampler, keys, k: int):
   """k+1 single-token draft steps reading cur, d_0, .., d_{k-1} -> (d [B, k], q [B, k, V] or None, cache)."""
   def step(carry, i):
     c, tok = carry
@@ -282,7 +282,7 @@ def speculative_generate(model: Transformer, draft: Transformer | None, spec: Ro
         keys, s.n)  # [B, K1]: keys of output slots n .. n+k
     draft_cache = s.draft_cache
     if sc.method == "draft":
-      proposals, probs, draft_cache = _draft_propose(draft, draft_cache, s.cur, pos0, sampler, step_keys, k)
+      proposals, probs, draft_cache = draft_propose(draft, draft_cache, s.cur, pos0, sampler, step_keys, k)
     else:
       history = jnp.concatenate([history_prompt, s.tokens], axis=1)
       proposals = ngram_propose(history, prompt_len + s.n, sc.ngram_n, k)
@@ -293,9 +293,10 @@ def speculative_generate(model: Transformer, draft: Transformer | None, spec: Ro
     extended = jnp.concatenate([proposals, jnp.zeros_like(proposals[:, :1])], axis=1)  # [B, K1]
     committed = jnp.where(slots < accepted[:, None], extended, nxt[:, None])  # slots <= a are real
     in_run = slots <= accepted[:, None]
-    is_stop = in_run & jnp.isin(committed, stop_tokens)
+    run_len = jnp.minimum(accepted + 1, limits - s.n)  # a stop token past the row's limit does not count
+    is_stop = (slots < run_len[:, None]) & jnp.isin(committed, stop_tokens)
     hit_stop = jnp.any(is_stop, axis=1)
-    count = jnp.where(hit_stop, jnp.argmax(is_stop, axis=1) + 1, accepted + 1)
+    count = jnp.where(hit_stop, jnp.argmax(is_stop, axis=1) + 1, run_len)
     count = jnp.where(live, count, 0).astype(jnp.int32)
     log_p = jax.nn.log_softmax(sampler.scaled(out.logits), axis=-1)
     logprob = jnp.take_along_axis(log_p, committed[..., None], axis=-1)[..., 0]  # [B, K1]
@@ -375,6 +376,28 @@ def load_draft(cfg, mesh: Mesh | None):
   return mc, from_nested_dict(nested, nnx.state(abstract, nnx.Param))
 
 
+def speculative_setup(cfg, mesh: Mesh | None, mc: ModelConfig, spec: RolloutSpec, sc: SpecConfig,
+                      draft: tuple[ModelConfig, Any] | None):
+  """The checks every speculative generator shares (sampler, sequence length, draft vocabulary) and the
+  draft's pieces -> (graphdef, params, non-param state), all None for ngram. draft: (ModelConfig,
+  params State), default load_draft(cfg, mesh)."""
+  check_sampler(spec.sampler)
+  extra_len = sc.k + 1
+  if mc.max_seq_len < cfg.rl.max_prompt_len + spec.max_new_tokens + extra_len:
+    raise ValueError(f"rl.max_prompt_len={cfg.rl.max_prompt_len} + rl.max_new_tokens={spec.max_new_tokens}"
+                     f" + rl.speculative_k+1={extra_len} exceeds model.max_seq_len={mc.max_seq_len}.")
+  if sc.method != "draft":
+    return None, None, None
+  draft_mc, draft_params = draft if draft is not None else load_draft(cfg, mesh)
+  check_compatible(mc, draft_mc)
+  draft_graph, _, draft_rest = nnx.split(
+      nnx.eval_shape(lambda: Transformer(draft_mc, rngs=nnx.Rngs(0))), nnx.Param, ...)
+  if jax.tree.leaves(draft_rest):
+    raise ValueError("the draft model carries non-parameter state (moe.aux_free_bias); use a draft "
+                     "without it.")
+  return draft_graph, draft_params, draft_rest
+
+
 def make_speculative_rollout(cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...], pad_id: int,
                              group_size: int | None = None, temperature: float | None = None,
                              draft: tuple[ModelConfig, Any] | None = None):
@@ -388,27 +411,21 @@ def make_speculative_rollout(cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...
   graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(0))), nnx.Param, ...)
   spec = RolloutSpec.from_config(cfg, stop_ids=stop_ids, pad_id=pad_id, group_size=group_size,
                                  temperature=temperature)
-  check_sampler(spec.sampler)
-  extra_len = sc.k + 1
-  if mc.max_seq_len < cfg.rl.max_prompt_len + spec.max_new_tokens + extra_len:
-    raise ValueError(f"rl.max_prompt_len={cfg.rl.max_prompt_len} + rl.max_new_tokens={spec.max_new_tokens}"
-                     f" + rl.speculative_k+1={extra_len} exceeds model.max_seq_len={mc.max_seq_len}.")
-  draft_graph, draft_params, draft_rest = None, None, None
-  if sc.method == "draft":
-    draft_mc, draft_params = draft if draft is not None else load_draft(cfg, mesh)
-    check_compatible(mc, draft_mc)
-    draft_graph, _, draft_rest = nnx.split(
-        nnx.eval_shape(lambda: Transformer(draft_mc, rngs=nnx.Rngs(0))), nnx.Param, ...)
-    if jax.tree.leaves(draft_rest):
-      raise ValueError("the draft model carries non-parameter state (moe.aux_free_bias); use a draft "
-                       "without it.")
+  draft_graph, draft_params, draft_rest = speculative_setup(cfg, mesh, mc, spec, sc, draft)
 
   def generate_fn(params, extra, draft_state, prompts, prompt_mask, key, max_lengths, version):
     draft_model = None if draft_graph is None else nnx.merge(draft_graph, draft_state, draft_rest)
     return speculative_generate(nnx.merge(graphdef, params, extra), draft_model, spec, sc, prompts,
                                 prompt_mask, key, max_lengths, version)
   run = with_generation_weights(cfg, mesh, mc, generate_fn)  # jitted; int8 target weights if asked
+  return speculative_call(run, draft_params)
 
+
+def speculative_call(run, draft_params):
+  """The rollout interface over `run(params, extra, draft_params, prompts, prompt_mask, key,
+  max_lengths, version) -> (RolloutBatch, SpecMetrics)`: a function of (params, extra, prompts,
+  prompt_mask, key, max_lengths=None, version=0) -> RolloutBatch whose last call's SpecMetrics are in
+  its `.metrics`, with `.lower` when `run` is a plain jitted program (rl/loop.py counts its FLOPs)."""
   def rollout(params, extra, prompts, prompt_mask, key, max_lengths=None, version=0):
     batch, rollout.metrics = run(params, extra, draft_params, prompts, prompt_mask, key, max_lengths, version)
     return batch
@@ -417,6 +434,6 @@ def make_speculative_rollout(cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...
     return run.lower(params, extra, draft_params, prompts, prompt_mask, key, max_lengths, version)
 
   rollout.metrics = None
-  if hasattr(run, "lower"):  # the plain jitted program (rl/loop.py counts its FLOPs)
+  if hasattr(run, "lower"):
     rollout.lower = lower
   return rollout

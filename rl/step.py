@@ -72,7 +72,7 @@ class RLRun:
   version: int = 0  # policy version: RL updates applied so far (restored with the checkpoint's step)
   in_flight: collections.deque = dataclasses.field(default_factory=collections.deque)  # InFlight
   multiturn: Any = None  # rl/multiturn.MultiTurnPrograms when episodes are multi-turn (else None)
-  speculative: Any = None  # the speculative rollout (rl/speculative.py), whose `.metrics` the step reports
+  speculative: Any = None  # the speculating rollout / engine / partial rollouts, whose `.metrics` the step reports
 
   def close(self) -> None:
     self.pool.close()
@@ -93,13 +93,14 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
                                                    shape=packing.update_shape(cfg)))
   rollout = (make_engine if cfg.rl.engine == "continuous" else make_rollout)(
       cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id)
+  partial = PartialRollouts(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id) \
+      if cfg.rl.rollout_token_budget else None
   return RLRun(
       cfg=cfg, mesh=mesh, graphdef=graphdef, state=state,
       ref_params=jax.tree.map(jnp.copy, state.params) if spec.kl_metric else None,
       spec=spec, estimator=estimator,
-      rollout=rollout, speculative=rollout if cfg.rl.speculative != "none" else None,
-      partial=PartialRollouts(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id)
-      if cfg.rl.rollout_token_budget else None,
+      rollout=rollout, speculative=(rollout if partial is None else partial) if cfg.rl.speculative != "none" else None,
+      partial=partial,
       update=make_update(spec, graphdef, tx, batch_size=packing.update_rows(cfg),
                          num_minibatches=cfg.rl.num_minibatches, epochs=cfg.rl.epochs,
                          aux_free_bias=cfg.moe.aux_free_bias, bias_update_rate=cfg.moe.bias_update_rate),

@@ -108,7 +108,8 @@ def rl_loss(params, extra, graphdef, batch: UpdateBatch, spec: losses.LossSpec):
   if out.aux:
     loss = loss + spec.aux_loss_coef * out.aux["aux_loss"] + spec.z_loss_coef * out.aux["z_loss"]
     metrics.update(moe_aux_loss=out.aux["aux_loss"], expert_load=out.aux["expert_load"],
-                   route_mismatch=out.aux["route_mismatch"])
+                   route_mismatch=out.aux["route_mismatch"],
+                   moe_dropped_frac=out.aux["dropped_fraction"])  # slots over the capacity buffers
   metrics["loss"] = loss
   return loss, metrics
 

@@ -169,6 +169,9 @@ def test_moe_auto_is_exact_in_every_phase():
     ("moe.dispatch=sparse", r"moe.dispatch='sparse' is unknown; choose one of \('auto', 'dropless'"),
     ("moe.capacity_factor=0.0", "moe.capacity_factor=0.0 must be positive"),
     ("moe.capacity_factor=-1.0", "moe.capacity_factor=-1.0 must be positive"),
+    ("moe.ep_exchange=ragged", r"moe.ep_exchange='ragged' needs jax.lax.ragged_all_to_all, which XLA:CPU "
+                               r"lacks \(the experts' backend is 'cpu'\)"),
+    ("moe.ep_exchange=alltoall", r"moe.ep_exchange='alltoall' is unknown; choose one of"),
 ])
 def test_bad_dispatch_config_raises(override, match):
   cfg = configs.load("configs/tiny.py", ["moe.dispatch=capacity", override])
@@ -176,3 +179,19 @@ def test_bad_dispatch_config_raises(override, match):
     ModelConfig.from_config(cfg)
   with pytest.raises(ValueError, match="phase='verify' is unknown"):
     moe_dispatch.choose("auto", backend="cpu", phase="verify", num_tokens=1, k=1, num_experts=2)
+
+
+def test_expert_parallel_token_layout():
+  """Tokens split over every axis of size > 1 but tensor; any count is padded to the shards."""
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  from meshrl.sharding import make_mesh  # pylint: disable=import-outside-toplevel
+  mesh = make_mesh(ml_collections.ConfigDict(
+      dict(data=1, fsdp=2, expert=2, sequence=1, tensor=2, num_slices=1)))
+  assert moe_dispatch.token_axes(mesh) == ("fsdp", "expert")
+  assert [moe_dispatch.padded_tokens(mesh, n) for n in (1, 4, 22, 111)] == [4, 4, 24, 112]
+  specs = moe_dispatch.expert_weight_specs(mesh, 16, 8)
+  assert specs.gate == jax.sharding.PartitionSpec("expert", "fsdp", "tensor")
+  assert specs.down == jax.sharding.PartitionSpec("expert", "tensor", "fsdp")
+  assert moe_dispatch.expert_weight_specs(mesh, 15, 8).gate[1] is None  # 15 does not split over fsdp=2
+  assert moe_dispatch.resolve_exchange("auto", "tpu") == "ragged"
+  assert moe_dispatch.resolve_exchange("auto", "cpu") == "all_to_all"

@@ -266,3 +266,25 @@ def test_agent_demo_runs_rl_steps_end_to_end(tmp_path):
     assert np.isfinite(record["loss"]) and record["turns_mean"] >= 1
     assert "reward_mean/files_copy" in record and "eval/accuracy/files_copy" in record
     assert record["generated_tokens"] > 0 and record["extend_tokens"] > 0
+
+
+def test_terminal_task_episodes_run_in_the_sandbox_and_are_graded_by_check_sh(tmp_path):
+  """Terminal task directories in the multi-turn rollout: each episode gets a TerminalEnv with its own
+  sandbox work directory, and at its end check.sh runs there: a sound task is not solved by a random
+  policy (reward 0), the planted check that passes on anything gives reward 1, and neither is an
+  environment failure."""
+  from meshrl.rl.envs import terminal_tasks  # pylint: disable=import-outside-toplevel
+  sound = terminal_tasks.write_tasks(str(tmp_path), per_family=1, families=("create",))[0]
+  faults = terminal_tasks.write_planted_faults(str(tmp_path / "faults"))
+  empty = next(folder for folder, kind in faults.items() if kind == "empty_passes")
+  examples = [{"prompt": "create the file:", "verifier": "terminal", "task_dir": str(tmp_path / sound),
+               "domain": "terminal", "max_turns": 2, "timeout_s": 10.0},
+              {"prompt": "create the file:", "verifier": "terminal", "domain": "terminal", "max_turns": 2,
+               "task_dir": str(tmp_path / "faults" / empty), "timeout_s": 10.0}]
+  cfg, _, state = _setup("rl.group_size=1", "rl.max_turns=2")
+  programs = mt.MultiTurnPrograms(cfg, None, TOK)
+  out = programs.rollout(state.params, state.extra, examples, jax.random.key(4))
+  programs.close()
+  assert [e.env_failure for e in out.episodes] == [None, None]
+  assert [e.reward for e in out.episodes] == [0.0, 1.0]
+  assert all(1 <= e.turns <= 2 for e in out.episodes)

@@ -2,6 +2,7 @@
 sampler keeps the target's distribution, rejected cache slots are forgotten, bad drafts are refused,
 distillation raises the acceptance rate."""
 
+import dataclasses
 import functools
 
 import jax
@@ -33,7 +34,10 @@ def _mc(layers, width, vocab=VOCAB, std=0.5, max_len=40):
 
 
 @functools.cache
-def _models():
+def _models(small=False):
+  """(target, draft); small: a 1-layer width-32 target and a width-16 draft (cheaper to compile)."""
+  if small:
+    return Transformer(_mc(1, 32), rngs=nnx.Rngs(8)), Transformer(_mc(1, 16), rngs=nnx.Rngs(9))
   target = Transformer(_mc(2, 64), rngs=nnx.Rngs(0))
   draft = Transformer(_mc(1, 32), rngs=nnx.Rngs(1))
   return target, draft
@@ -46,9 +50,9 @@ def _plain(spec=GREEDY):
 
 
 @functools.cache
-def _spec_fn(method, spec=GREEDY, k=3):
+def _spec_fn(method, spec=GREEDY, k=3, small=False):
   """One compiled speculative generate per method; the draft's params are an argument."""
-  target, draft = _models()
+  target, draft = _models(small)
   graphdef, _, rest = nnx.split(draft, nnx.Param, ...)
   sc = sp.SpecConfig(method=method, k=k, ngram_n=2)
 
@@ -220,11 +224,21 @@ def test_bad_options_are_refused():
   with pytest.raises(ValueError, match="top_k"):
     sp.check_sampler(Sampler(1.0, top_k=5))
   cfg = configs.load("configs/tiny.py", ["rl.speculative=ngram", "rl.engine=continuous"])
-  with pytest.raises(ValueError, match="rl.engine='continuous'"):
+  assert sp.SpecConfig.from_config(cfg).method == "ngram"  # the continuous engine speculates too
+  cfg = configs.load("configs/tiny.py", ["rl.speculative=ngram", "rl.engine=continuous", "attention.impl=ring"])
+  with pytest.raises(ValueError, match="attention.impl='ring'"):
     sp.SpecConfig.from_config(cfg)
   cfg = configs.load("configs/tiny.py", ["rl.speculative=draft"])
   with pytest.raises(ValueError, match="rl.draft_checkpoint"):
     sp.SpecConfig.from_config(cfg)
+  from meshrl.rl.engine import make_engine  # pylint: disable=import-outside-toplevel
+  cfg = configs.load("configs/tiny.py", ["rl.speculative=ngram", "rl.engine=continuous", "rl.speculative_k=8",
+                                         "rl.max_prompt_len=24", "rl.max_new_tokens=32"])
+  with pytest.raises(ValueError, match=r"rl.speculative_k\+1=9 exceeds model.max_seq_len=64"):
+    make_engine(cfg, None, stop_ids=(1,), pad_id=0)  # the verified slots need room past the budget
+  cfg = configs.load("configs/tiny.py", ["rl.speculative=draft", "rl.engine=continuous", "rl.speculative_k=2"])
+  with pytest.raises(ValueError, match=f"vocab_size={VOCAB}.*vocab_size=259"):
+    make_engine(cfg, None, stop_ids=(1,), pad_id=0, draft=(_mc(1, 32), None))
 
 
 def test_distillation_raises_acceptance_and_output_stays_identical():
@@ -238,3 +252,141 @@ def test_distillation_raises_acceptance_and_output_stays_identical():
   _check_identical(out, _plain())
   assert float(after.acceptance_rate) > float(before.acceptance_rate) + 0.2
   assert len(set(np.asarray(after.row_accepted).tolist())) > 1  # rows accept different counts
+
+
+# --- the continuous-batching engine (rl/engine.py) speculating ---------------------------------------
+
+
+@functools.cache
+def _engine_fn(method, spec=GREEDY, slots=3, k=3, max_steps=0, small=False):
+  """One compiled engine call per (method, spec, slots, max_steps): "none" is the plain run_pool.
+  Returns run(draft_params, key, max_lengths) -> (RolloutBatch, SpecMetrics, calls), calling the
+  jitted pool decode until every sample has ended (max_steps > 0: carried samples resume)."""
+  from meshrl.rl import engine as eng  # pylint: disable=import-outside-toplevel
+  target, draft = _models(small)
+  graphdef, _, rest = nnx.split(draft, nnx.Param, ...)
+  sc = None if method == "none" else sp.SpecConfig(method=method, k=k, ngram_n=2)
+
+  @jax.jit
+  def decode(draft_params, pool):
+    if sc is None:
+      return eng.run_pool(target, spec, pool, slots=slots, max_steps=max_steps)[0], None
+    d = nnx.merge(graphdef, draft_params, rest) if method == "draft" else None
+    pool, _, metrics = eng.run_pool_speculative(target, d, spec, sc, pool, slots=slots, max_steps=max_steps)
+    return pool, metrics
+
+  def run(draft_params, key, max_lengths):
+    num = PROMPTS.shape[0] * spec.group_size
+    pool = eng.new_pool(PROMPTS, MASK, eng.sample_keys(key, jnp.arange(num)), group_size=spec.group_size,
+                        max_new_tokens=spec.max_new_tokens, pad_id=0, max_lengths=max_lengths)
+    calls = []
+    while not bool(jnp.all(pool.done)):
+      pool, metrics = decode(draft_params, pool)
+      calls.append(metrics)
+      assert len(calls) <= spec.max_new_tokens * num
+    return eng.to_rollout_batch(pool, None, 0), calls
+  return run
+
+
+def _expected(plain, stop, limits):
+  """The static rollout's greedy samples (no stop token, N tokens) cut as a stop token and per-sample
+  limits cut them -> (response tokens [B, N] (0 after the end), log-probs, lengths, truncated)."""
+  response, logprobs = np.asarray(plain.tokens)[:, 8:], np.asarray(plain.logprobs)[:, 8:]
+  is_stop = response == stop
+  first = np.where(is_stop.any(1), is_stop.argmax(1) + 1, response.shape[1] + 1)
+  lengths = np.minimum(first, np.asarray(limits))
+  valid = np.arange(response.shape[1])[None, :] < lengths[:, None]
+  return np.where(valid, response, 0), np.where(valid, logprobs, 0.0), lengths, ~(first <= lengths)
+
+
+@pytest.mark.parametrize("method,max_steps", [("ngram", 2), pytest.param("draft", 0, marks=pytest.mark.slow)])
+def test_engine_greedy_speculation_equals_plain_decoding(method, max_steps):
+  """3 slots for 8 samples (refills mid-loop), a stop token and per-sample length limits: the engine
+  speculating gives plain greedy decoding's tokens (the static rollout's, cut where the stop token and
+  the limits end each sample, as the plain engine cuts them: tests/rl/test_engine.py). ngram runs as
+  partial rollouts: 2 iterations per call, carried samples re-prefilled and resumed."""
+  _, draft = _models()
+  plain = _plain()
+  # The stop token: the most common generated token, so that several samples stop early.
+  stop = int(np.bincount(np.asarray(plain.tokens)[:, 8:].reshape(-1), minlength=VOCAB)[1:].argmax() + 1)
+  limits = jnp.array([12, 5, 9, 12, 1, 12, 7, 3], jnp.int32)
+  tokens, logprobs, lengths, truncated = _expected(plain, stop, limits)
+  assert (~truncated).any() and (lengths < np.asarray(limits)).any()  # someone stopped early
+  out, calls = _engine_fn(method, dataclasses.replace(GREEDY, stop_tokens=(stop,)), max_steps=max_steps)(
+      _draft_params(draft), jax.random.key(0), limits)
+  assert (len(calls) > 2) == (max_steps > 0)
+  metrics = jax.tree.map(lambda *x: sum(x), *calls)  # counts summed over the calls
+  np.testing.assert_array_equal(np.asarray(out.tokens)[:, 8:], tokens)
+  np.testing.assert_array_equal(np.asarray(out.lengths), lengths)
+  np.testing.assert_array_equal(np.asarray(out.truncated), truncated)
+  np.testing.assert_allclose(np.asarray(out.logprobs)[:, 8:], logprobs, atol=1e-4)
+  valid = np.arange(12)[None, :] < lengths[:, None]
+  np.testing.assert_array_equal(np.asarray(out.response_mask)[:, 8:], valid)
+  np.testing.assert_array_equal(np.asarray(out.policy_version)[:, 8:], np.where(valid, 0, -1))
+  assert int(metrics.accepted) > 0 and int(metrics.row_accepted.sum()) == int(metrics.accepted)
+  # Each verification forward of a slot commits 1 .. k+1 tokens; a sample's first token (and the first
+  # after a resume) is drawn from the prefill's logits, not verified.
+  assert 1.0 <= float(calls[0].tokens_per_forward) <= 4.0
+  forwards = int(metrics.proposed) // 3
+  assert forwards + int(metrics.accepted) <= int(np.sum(lengths))
+
+
+@pytest.mark.slow  # ~25 s; the greedy engine test above stays in the default run
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_engine_sampled_speculation_draws_the_static_speculative_samples(method):
+  """T = 1: a sample's tokens depend only on (its id, t), so the engine on 3 slots draws exactly the
+  static speculative rollout's samples, whose distribution is the target's (the slow end-to-end test
+  and the rejection-sampling test above)."""
+  _, draft = _models(small=True)
+  spec = dataclasses.replace(GREEDY, sampler=Sampler(1.0))
+  key = jax.random.key(4)
+  static, _, _ = _spec_fn(method, spec, small=True)(_draft_params(draft), key)
+  out, (metrics,) = _engine_fn(method, spec, small=True)(_draft_params(draft), key,
+                                                         jnp.full((8,), 12, jnp.int32))
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(static.tokens))
+  np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(static.logprobs), atol=1e-4)
+  assert 0.0 < float(metrics.acceptance_rate) < 1.0
+
+
+@pytest.mark.slow
+def test_engine_from_config_equals_plain_engine_with_moe_routing():
+  """rl.engine="continuous" + rl.speculative="ngram" through make_engine (tiny MoE, 3 slots): the plain
+  engine's tokens, log-probs and replayed expert choices; the acceptance metrics in `engine.metrics`."""
+  from meshrl.model.init import build_model  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.engine import make_engine  # pylint: disable=import-outside-toplevel
+  small = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
+           "moe.expert_mlp_dim=32", "rl.max_prompt_len=8", "rl.max_new_tokens=10", "model.max_seq_len=24",
+           "model.init_std=0.5", "rl.temperature=0.0", "rl.group_size=2", "rl.speculative_k=3",
+           "rl.ngram_n=2", "rl.engine=continuous", "rl.decode_slots=3"]
+  plain_cfg = configs.load("configs/tiny.py", small)
+  spec_cfg = configs.load("configs/tiny.py", small + ["rl.speculative=ngram"])
+  params, extra = nnx.split(build_model(ModelConfig.from_config(plain_cfg)), nnx.Param, ...)[1:]
+  prompts = PROMPTS % 200 + 3
+  args = (params, extra, prompts, jnp.ones_like(prompts, bool), jax.random.key(0))
+  plain = make_engine(plain_cfg, None, stop_ids=(1,), pad_id=0)(*args)
+  engine = make_engine(spec_cfg, None, stop_ids=(1,), pad_id=0)
+  out = engine(*args)
+  _check_identical(out, plain)
+  assert int(engine.metrics.accepted) > 0  # the periodic prompt
+  last = 8 + np.asarray(plain.lengths)[None, :, None, None] - 1  # the last token is never fed
+  column = np.arange(out.routing.shape[2])[None, None, :, None]
+  np.testing.assert_array_equal(np.where(column < last, out.routing, 0), np.where(column < last, plain.routing, 0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [0, 16])
+def test_rl_step_reports_the_engines_acceptance(budget):
+  """The run's own step on the continuous engine speculating (n-gram), with and without partial
+  rollouts: finite loss, and the step's metrics carry the engine's acceptance figures."""
+  from meshrl.rl import loop  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step import rl_step  # pylint: disable=import-outside-toplevel
+  cfg = configs.load("configs/tiny.py", [
+      "rl.sft_steps=0", "rl.prompts_per_step=4", "rl.group_size=4", "rl.num_minibatches=1",
+      "rl.max_new_tokens=8", "rl.engine=continuous", "rl.decode_slots=8", "rl.speculative=ngram",
+      "rl.speculative_k=2", "rl.ngram_n=1", f"rl.rollout_token_budget={budget}", "rl.max_resample_rounds=0"])
+  run, prompts = loop.setup(cfg)
+  for step in range(2):
+    metrics = rl_step(run, prompts, jax.random.key(step))
+    assert np.isfinite(metrics["loss"]), metrics
+    assert 0.0 <= metrics["spec_acceptance_rate"] <= 1.0 and metrics["spec_tokens_per_forward"] >= 1.0
+  run.close()

@@ -71,6 +71,7 @@ def test_recomputed_logprobs_equal_behaviour_logprobs_with_routing_replay(device
   assert float(metrics["clip_frac_first"]) == 0.0
   assert float(metrics["logprob_diff_max_first"]) < 1e-4
   assert 0.0 <= float(metrics["route_mismatch"]) <= 1.0
+  assert float(metrics["moe_dropped_frac"]) == 0.0  # exact dispatch: nothing dropped, and it is reported
   del state
 
 

@@ -51,3 +51,59 @@ def test_env_qa_writes_report_and_quarantine_list(tmp_path, capsys):
               ["--tasks", str(tmp_path / "tasks"), "--json", str(out), "--policy", "nomodule"]):
     with pytest.raises(SystemExit):
       qa.main(bad)
+
+
+TINY = ["model.num_layers=1", "model.embed_dim=32", "model.num_heads=2", "model.num_kv_heads=1",
+        "model.head_dim=16", "model.mlp_dim=64", "model.max_seq_len=256", "rl.temperature=1.0",
+        "rl.max_turn_tokens=8", "serve.slots=2", "serve.decode_chunk=8"]
+
+
+def test_env_qa_flags_tasks_a_random_checkpoint_never_solves(tmp_path):
+  """--checkpoint of a freshly initialised tiny model (saved like a run saves it): every sound task is
+  flagged never_solved, the planted fault is still quarantined (and gets no policy episodes)."""
+  import optax  # pylint: disable=import-outside-toplevel
+
+  from meshrl import configs  # pylint: disable=import-outside-toplevel
+  from meshrl.model.init import build_model  # pylint: disable=import-outside-toplevel
+  from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.envs import terminal_tasks  # pylint: disable=import-outside-toplevel
+  from meshrl.train.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from meshrl.train.state import create_train_state  # pylint: disable=import-outside-toplevel
+  cfg = configs.load("configs/tiny.py", TINY)
+  _, state = create_train_state(build_model(ModelConfig.from_config(cfg)), optax.sgd(0.1))
+  with Checkpointer(str(tmp_path / "run" / "checkpoints"), every=1, async_save=False) as ckpt:
+    ckpt.save(0, state, config=cfg)
+  terminal_tasks.write_tasks(str(tmp_path / "tasks"), per_family=1, families=("create", "find"))
+  meta, spec = terminal_tasks.make_task("find", 1)
+  terminal_tasks.write_task(str(tmp_path / "tasks" / "weak"), {**meta, "id": "weak"},
+                            {**spec, "check": "exit 0\n"})
+  qa = _script("env_qa")
+  out = tmp_path / "qa.json"
+  flags = ["--config", "configs/tiny.py"] + [f"--config.{o}" for o in TINY]
+  assert qa.main(["--tasks", str(tmp_path / "tasks"), "--json", str(out), "--k", "1", "--repeats", "2",
+                  "--samples", "2", "--checkpoint", str(tmp_path / "run")] + flags) == 0
+  report = json.loads(out.read_text())
+  sound = sorted(t for t in os.listdir(tmp_path / "tasks") if t != "weak")
+  assert len(sound) == 2 and report["quarantined"] == ["weak"]
+  assert report["curriculum"] == {t: "never_solved" for t in sound}
+  # The policy really played: 2 tasks x 2 episodes, each of several turns of sampled tokens.
+  assert report["policy"]["calls"] >= 4 and report["policy"]["generated_tokens"] > 4
+  for bad in (["--checkpoint", str(tmp_path / "run")],  # no --config
+              ["--config", "configs/tiny.py"],  # no --checkpoint
+              ["--checkpoint", str(tmp_path / "run"), "--policy", "m:f"] + flags,
+              ["--checkpoint", str(tmp_path / "run"), "--config", "configs/tiny.py"]):  # another model
+    with pytest.raises(SystemExit):
+      qa.main(["--tasks", str(tmp_path / "tasks"), "--json", str(tmp_path / "bad.json")] + bad)
+  assert not (tmp_path / "bad.json").exists()
+
+
+def test_render_conversation_and_cut_turn():
+  from meshrl.model.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+  qa = _script("env_qa")
+  conversation = [{"role": "user", "content": "task"}, {"role": "assistant", "content": "<cmd>ls</cmd>"},
+                  {"role": "tool", "content": "a.txt"}]
+  assert qa.render_conversation(load_tokenizer("byte"), conversation) == "task<cmd>ls</cmd><out>a.txt</out>"
+  assert qa.cut_turn("x<cmd>ls</cmd> junk <done>") == "x<cmd>ls</cmd>"
+  assert qa.cut_turn("no end") == "no end"
+  with pytest.raises(ValueError, match="user message"):
+    qa.render_conversation(load_tokenizer("byte"), conversation[1:])

@@ -1,0 +1,218 @@
+"""Expert parallelism that scales: expert weights never gathered (read from the compiled HLO), any
+token count, both exchanges equal to the one-device dense reference in outputs and gradients, drops
+counted against a numpy model of the capacity rule, and ragged_all_to_all compiled for a TPU."""
+
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshrl.model import moe_dispatch
+from meshrl.model.moe import MoE
+from meshrl.model.moe_dispatch import ExpertWeights
+from meshrl.rl import aot
+from meshrl.sharding import make_mesh
+
+D, F, E, K = 32, 48, 4, 2  # D, F distinct, so a gathered expert weight is recognisable by shape
+
+
+def _mesh(fsdp=2, expert=2, tensor=2, devices=None):
+  return make_mesh(ml_collections.ConfigDict(
+      dict(data=1, fsdp=fsdp, expert=expert, sequence=1, tensor=tensor, num_slices=1)), devices=devices)
+
+
+def _inputs(num_tokens, *, skew=False, seed=0):
+  """xs [N, D], choices [N, K] (distinct per token), weights [N, K], ExpertWeights, cotangent."""
+  rng = np.random.RandomState(seed)
+  probs = np.array([0.45, 0.35, 0.1, 0.1]) if skew else None  # skew: device 0 owns experts 0, 1
+  choices = np.array([rng.choice(E, K, replace=False, p=probs) for _ in range(num_tokens)])
+  weights = rng.uniform(0.1, 1.0, choices.shape)
+  keys = jax.random.split(jax.random.key(seed), 5)
+  w = ExpertWeights(*(jax.random.normal(k, s) / np.sqrt(s[1])
+                      for k, s in zip(keys, [(E, D, F), (E, D, F), (E, F, D)])))
+  xs = jax.random.normal(keys[3], (num_tokens, D))
+  cot = jax.random.normal(keys[4], (num_tokens, D))
+  return (xs, jnp.asarray(choices, jnp.int32), jnp.asarray(weights / weights.sum(1, keepdims=True),
+                                                           jnp.float32), w, cot)
+
+
+def _training_layout(w, mesh):
+  """Expert weights placed as TRAIN_RULES place them: E on expert, D on fsdp, F on tensor."""
+  specs = [PartitionSpec("expert", "fsdp", "tensor")] * 2 + [PartitionSpec("expert", "tensor", "fsdp")]
+  return ExpertWeights(*(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(w, specs)))
+
+
+def _value_and_grads(fn, xs, choices, weights, w, cot):
+  def loss(xs, weights, w):
+    ys, dropped = fn(xs, choices, weights, w)
+    return jnp.sum(ys * cot), (ys, dropped)
+  grads, (ys, dropped) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(xs, weights, w)
+  return ys, dropped, grads
+
+
+def _reference(xs, choices, weights, w, cot):
+  """The one-device dense result (every expert on every token): ys and gradients."""
+  return jax.jit(functools.partial(_value_and_grads, moe_dispatch.dense))(xs, choices, weights, w, cot)
+
+
+def _ep(mesh, exchange, capacity_factor=None):
+  fn = functools.partial(moe_dispatch.expert_parallel, mesh=mesh, exchange=exchange,
+                         capacity_factor=capacity_factor)
+  return jax.jit(functools.partial(_value_and_grads, fn))
+
+
+def _assert_matches(got, want):
+  ys, dropped, grads = got
+  want_ys, _, want_grads = want
+  assert int(dropped) == 0
+  np.testing.assert_allclose(np.asarray(ys), np.asarray(want_ys), atol=1e-5, rtol=0)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-4, rtol=0)
+
+
+def _weight_gathers(hlo_text):
+  """All-gathers whose result has an expert weight's shape ([L or E, D or D/2, F or F/2] or down's)."""
+  inner = {(d, f) for d in (D, D // 2) for f in (F, F // 2)}
+  found = []
+  for line in hlo_text.splitlines():
+    if match := re.search(r"=\s*(.*?)\sall-gather(-start|-done)?\(", line):
+      for _, shape in aot._shape_bytes(match.group(1)):  # pylint: disable=protected-access
+        dims = tuple(int(x) for x in shape.split("[")[1].rstrip("]").split(",") if x)
+        if len(dims) == 3 and (dims[1:] in inner or dims[1:][::-1] in inner):
+          found.append(line.strip()[:160])
+  return found
+
+
+def test_all_to_all_keeps_weights_sharded_and_matches_dense_at_3x37_tokens():
+  """fsdp=2 x expert=2 x tensor=2, 111 tokens (padded to 112): no expert weight is gathered in the
+  forward or backward, and outputs and gradients equal the one-device dense reference."""
+  mesh = _mesh()
+  xs, choices, weights, w, cot = _inputs(3 * 37)
+  w_sharded = _training_layout(w, mesh)
+  step = _ep(mesh, "all_to_all")
+  hlo = step.lower(xs, choices, weights, w_sharded, cot).compile().as_text()
+  assert not _weight_gathers(hlo), _weight_gathers(hlo)
+  collectives = aot.collective_bytes(hlo)
+  assert collectives.get("all-to-all", 0) > 0 and collectives.get("all-reduce", 0) > 0
+  got = step(xs, choices, weights, w_sharded, cot)
+  _assert_matches(got, _reference(xs, choices, weights, w, cot))
+  grad_gate = got[2][2].gate
+  assert grad_gate.sharding.shard_shape(grad_gate.shape) == (E // 2, D // 2, F // 2)  # grads stay sharded
+
+
+def test_gathered_weights_are_seen_gathered_and_match():
+  """ep_weights="gathered" (D gathered over fsdp per call) equals the reference too, and the HLO
+  check above sees its gathers: the check is live."""
+  mesh = _mesh()
+  xs, choices, weights, w, _ = _inputs(24, seed=3)
+  fn = jax.jit(functools.partial(moe_dispatch.expert_parallel, mesh=mesh, weights="gathered"))
+  w_sharded = _training_layout(w, mesh)
+  assert _weight_gathers(fn.lower(xs, choices, weights, w_sharded).compile().as_text())
+  ys, dropped = fn(xs, choices, weights, w_sharded)
+  assert int(dropped) == 0
+  np.testing.assert_allclose(np.asarray(ys), np.asarray(moe_dispatch.dense(xs, choices, weights, w)[0]),
+                             atol=1e-5, rtol=0)
+
+
+def test_ragged_bookkeeping_matches_dense_at_2_prompts_of_11_tokens():
+  """The ragged exchange's offsets (over an emulated ragged_all_to_all, since XLA:CPU lacks it):
+  22 tokens on fsdp=2 x expert=2 (x tensor=2), padded to 24, equal the dense reference."""
+  mesh = _mesh()
+  xs, choices, weights, w, cot = _inputs(2 * 11, seed=1)
+  got = _ep(mesh, "emulated")(xs, choices, weights, _training_layout(w, mesh), cot)
+  _assert_matches(got, _reference(xs, choices, weights, w, cot))
+
+
+def _ragged_kept(choices, *, shards, num_shards, capacity_factor):
+  """numpy model of the ragged capacity rule: each receiver takes senders in device order into
+  ceil(factor * n * K) rows; a sender's slots go choice-major; what overflows is dropped."""
+  n = -(-len(choices) // shards)
+  kept = np.zeros(choices.shape, bool)
+  recv_rows = math.ceil(capacity_factor * n * K)
+  groups = shards // num_shards  # token shards along the other axes; the expert axis is innermost
+  for g in range(groups):
+    filled = np.zeros(num_shards, int)
+    for e in range(num_shards):
+      s = g * num_shards + e
+      for j in range(K):
+        for t in range(s * n, min((s + 1) * n, len(choices))):
+          dest = choices[t, j] // (E // num_shards)
+          kept[t, j] = filled[dest] < recv_rows
+          filled[dest] += 1
+  return kept
+
+
+def test_ragged_capacity_drops_are_counted():
+  """capacity_factor=0.75 with routing skewed to device 0: the dropped count and the output follow
+  the receiver-capacity rule (dense reference with the dropped slots' weights zeroed)."""
+  mesh = _mesh(fsdp=4, expert=2, tensor=1)
+  xs, choices, weights, w, _ = _inputs(40, skew=True, seed=2)
+  fn = jax.jit(functools.partial(moe_dispatch.expert_parallel, mesh=mesh, exchange="emulated",
+                                 capacity_factor=0.75))
+  ys, dropped = fn(xs, choices, weights, w)
+  kept = _ragged_kept(np.asarray(choices), shards=8, num_shards=2, capacity_factor=0.75)
+  assert 0 < int(dropped) == (~kept).sum()
+  want, _ = moe_dispatch.dense(xs, choices, weights * kept, w)
+  np.testing.assert_allclose(np.asarray(ys), np.asarray(want), atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow  # about 13 s: one more 8-device compile
+def test_moe_pads_tokens_out_of_the_statistics():
+  """The MoE layer on fsdp=2 x expert=2 x tensor=2 with 2 x 11 tokens: output and every router
+  statistic equal the one-device layer's (padding happens after routing, so it is never counted)."""
+  mesh = _mesh()
+  x = jax.random.normal(jax.random.key(3), (2, 11, D))
+  ep = MoE(D, F, E, K, mesh=mesh, rngs=nnx.Rngs(0))
+  one = MoE(D, F, E, K, dispatch="dense", rngs=nnx.Rngs(0))
+  one.router[...] = ep.router[...] = jax.random.normal(jax.random.key(4), (D, E))
+  apply = nnx.jit(lambda m, x: m(x))
+  (y, aux), (y_ref, aux_ref) = apply(ep, x), apply(one, x)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=1e-5, rtol=0)
+  for name in ("aux_loss", "z_loss", "expert_load", "dropped_fraction"):
+    np.testing.assert_allclose(np.asarray(aux[name]), np.asarray(aux_ref[name]), atol=1e-6, rtol=1e-6)
+  assert float(aux["dropped_fraction"]) == 0
+
+
+def test_ragged_all_to_all_compiles_for_tpu():
+  """The update-like program (forward and backward) on a v5e 2x2 (fsdp=2 x expert=2) moves tokens
+  with ragged-all-to-all and gathers no expert weight."""
+  pytest.importorskip("libtpu", reason="compiling for TPU topologies needs libtpu (the tpu extra)")
+  mesh = _mesh(tensor=1, devices=aot.topology_devices("v5e:2x2"))
+  assert mesh.devices.flat[0].platform == "tpu"
+  moe = nnx.eval_shape(lambda: MoE(D, F, E, K, mesh=mesh, dispatch="capacity", rngs=nnx.Rngs(0)))
+  assert moe_dispatch.resolve_exchange(moe.ep_exchange, moe.backend()) == "ragged"  # auto on TPU
+  graph, state = nnx.split(moe)
+  specs = {"gate": PartitionSpec("expert", "fsdp"), "up": PartitionSpec("expert", "fsdp"),
+           "down": PartitionSpec("expert", None, "fsdp")}
+  state = jax.tree_util.tree_map_with_path(
+      lambda path, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
+          mesh, specs.get(str(path[0].key), PartitionSpec()))), state)
+  x = jax.ShapeDtypeStruct((3, 37, D), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+
+  def grads(state, x):
+    return jax.grad(lambda s: jnp.sum(nnx.merge(graph, s)(x)[0] ** 2))(state)
+
+  hlo = jax.jit(grads).lower(state, x).compile().as_text()
+  collectives = aot.collective_bytes(hlo)
+  assert collectives.get("ragged-all-to-all", 0) > 0, collectives
+  assert not _weight_gathers(hlo)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(ep_exchange="ragged"), r"moe.ep_exchange='ragged' needs jax.lax.ragged_all_to_all, which "
+                                 r"XLA:CPU lacks \(the experts' backend is 'cpu'\)"),
+    (dict(ep_exchange="nccl"), r"moe.ep_exchange='nccl' is unknown; choose one of"),
+    (dict(ep_weights="replicated"), r"moe.ep_weights='replicated' is unknown; choose one of"),
+])
+def test_bad_exchange_raises(kw, match):
+  with pytest.raises(ValueError, match=match):
+    MoE(D, F, E, K, mesh=_mesh(), rngs=nnx.Rngs(0), **kw)
+  with pytest.raises(ValueError, match=match):
+    moe_dispatch.check_exchange(kw.get("ep_exchange", "auto"), "cpu", kw.get("ep_weights", "sharded"))

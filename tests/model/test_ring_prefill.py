@@ -1,0 +1,97 @@
+"""Ring-attention prefill into a sequence-sharded KV cache (rl/rollout.py `prefill_prompts`, issue 14
+part 5): on 8 simulated devices (data=2 x sequence=4) it equals the unsharded prefill and greedy
+rollout, its cache is split over `sequence`, and its compiled program gathers no key/value over
+`sequence` (the cached-decode-kernel prefill it replaces does)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshrl import configs
+from meshrl.model.init import build_model
+from meshrl.model.tokenizer import ByteTokenizer
+from meshrl.model.transformer import ModelConfig, Transformer
+from meshrl.rl.rollout import make_rollout, prefill_prompts, uses_ring_prefill
+from meshrl.sharding import make_mesh
+
+TOK = ByteTokenizer()
+PROMPT, NEW = 16, 6  # cache of 22 slots: the ring prefill rounds it up to 24 (sequence=4)
+SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
+         "moe.expert_mlp_dim=32", f"rl.max_prompt_len={PROMPT}", f"rl.max_new_tokens={NEW}",
+         "model.max_seq_len=32", "model.init_std=0.5", "rl.temperature=0.0", "rl.group_size=2",
+         "attention.block_q=4", "attention.block_kv=4"]
+RING = ["attention.impl=ring", "mesh.data=2", "mesh.sequence=4"]
+
+
+def test_ring_prefill_and_decode_equal_the_unsharded_rollout():
+  cfg = configs.load("configs/tiny.py", SMALL + RING)
+  ref_cfg = configs.load("configs/tiny.py", SMALL + ["attention.impl=reference"])
+  mesh = make_mesh(cfg.mesh)
+  _, params, extra = nnx.split(build_model(ModelConfig.from_config(cfg, mesh), mesh), nnx.Param, ...)
+  prompts, mask = TOK.encode_batch(["1+2=3 and 4+5=", "33+4="], length=PROMPT, padding="left")
+  assert uses_ring_prefill(ModelConfig.from_config(cfg, mesh))
+  assert not uses_ring_prefill(ModelConfig.from_config(ref_cfg, None))
+
+  # Ring prefill + sequence-sharded decode (log-sum-exp merge) vs one device, greedy: the same tokens,
+  # and the same log-probabilities (so the same logits) at every step.
+  ring = make_rollout(cfg, mesh, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id)
+  ref = make_rollout(ref_cfg, None, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id)
+  a = ring(params, extra, prompts, mask, jax.random.key(0))
+  b = ref(params, extra, prompts, mask, jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-4)
+  assert np.asarray(a.response_mask).sum() > 2 * 2  # it did decode
+  np.testing.assert_array_equal(np.asarray(a.routing), np.asarray(b.routing))  # prompt + response
+
+
+def _prefill_gathers(cfg, length):
+  """All-gathers of floating-point arrays with a `length`-long axis (the cache's keys/values) in the
+  compiled prefill of rl/aot.py, and the compiled program."""
+  from meshrl.rl import aot  # pylint: disable=import-outside-toplevel
+  program = aot.prefill_program(cfg, make_mesh(cfg.mesh))
+  compiled = program.fn.lower(*program.args).compile()
+  gathers = re.findall(r"= ((?:f32|bf16)\[[\d,]*\]).*? all-gather(?:-start)?\(", compiled.as_text())
+  return [g for g in gathers if re.search(rf"[\[,]{length}[\],]", g)], compiled
+
+
+def test_compiled_ring_prefill_gathers_no_keys_or_values():
+  sizes = ["rl.max_prompt_len=92", "rl.max_new_tokens=4", "model.max_seq_len=96",
+           "rl.prompts_per_step=2", "attention.block_q=8", "attention.block_kv=8", "model.num_layers=1"]
+  ring_gathers, compiled = _prefill_gathers(configs.load("configs/tiny.py:dense", SMALL + RING + sizes), 96)
+  assert ring_gathers == []
+  cache_out = compiled.output_shardings[0]  # the prefilled cache: cache_length split over `sequence`
+  assert all(s.spec[2] == "sequence" for s in jax.tree.leaves(cache_out.layers))
+  # The prefill it replaces (the decode kernel, queries replicated) gathers the cache's K/V.
+  old_gathers, _ = _prefill_gathers(configs.load("configs/tiny.py:dense", SMALL + sizes + [
+      "attention.impl=blockwise", "mesh.data=2", "mesh.sequence=4"]), 96)
+  assert old_gathers
+
+
+def test_ring_prefill_names_a_cache_that_cannot_be_split():
+  cfg = configs.load("configs/tiny.py", SMALL + RING + ["model.max_seq_len=22"])
+  mesh = make_mesh(cfg.mesh)
+  model = nnx.eval_shape(lambda: Transformer(ModelConfig.from_config(cfg, mesh), rngs=nnx.Rngs(0)))
+  prompts = jnp.zeros((2, PROMPT), jnp.int32)
+  with pytest.raises(ValueError, match=r"rounded up to a multiple of mesh.sequence=4 is 24, above "
+                                       r"model.max_seq_len=22"):
+    jax.eval_shape(lambda t: prefill_prompts(model, t, t > 0, PROMPT + NEW), prompts)
+
+
+@pytest.mark.slow  # about 10 s on a loaded 2-core machine (a libtpu compile)
+def test_ring_prefill_compiles_for_tpu_without_gathering_keys_or_values():
+  """The ring prefill lowers for TPU (v5p 2x2x1: expert=2 x sequence=2): the keys/values move only
+  round the ring (collective-permute); what is all-gathered is smaller than one layer's prompt K/V."""
+  pytest.importorskip("libtpu", reason="compiling for TPU topologies needs libtpu (the tpu extra)")
+  from meshrl.rl import aot  # pylint: disable=import-outside-toplevel
+  cfg = configs.load("configs/tiny.py", [
+      "rl.prompts_per_step=4", "rl.max_prompt_len=8", "rl.max_new_tokens=8", "model.max_seq_len=16",
+      "mesh.expert=2", "mesh.sequence=2", "attention.impl=ring"])
+  report = aot.compile_steps(cfg, "v5p:2x2x1", ["prefill"])[0]
+  mc = ModelConfig.from_config(cfg)
+  layer_kv = 4 * 16 * mc.num_kv_heads * mc.head_dim * 2 * jnp.dtype(mc.dtype).itemsize
+  assert report.fits is True and report.collective_bytes["collective-permute"] > 0
+  assert report.collective_bytes.get("all-gather", 0) < layer_kv
