@@ -232,9 +232,8 @@ def _gather_positions(position: int, hosts: int) -> list[int] | None:
   None when the shard count is not the process count (a simulated shard in one process)."""
   if hosts == 1:
     return [int(position)]
+  from meshrl.sharding import hosts as processes  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   if jax.process_count() != hosts:
     return None
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  gathered = multihost_utils.process_allgather(np.asarray(position, np.int64))
-  return [int(x) for x in np.asarray(gathered).reshape(-1)]
+  return [int(x) for x in processes.gather_rows(np.asarray([position], np.int64))]
