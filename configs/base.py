@@ -86,8 +86,9 @@ def get_config(arg=None):
   # buffer (overflow dropped) and the buffered fast path (overflow falls back to blocks, not dropped).
   config.moe.ep_exchange = "auto"  # Expert-parallel token exchange: "all_to_all" (fixed buffers), "ragged"
   # (ragged_all_to_all, TPU only; an error on CPU) or "auto" (ragged on TPU, all_to_all elsewhere).
-  config.moe.ep_weights = "sharded"  # Expert parallelism: "sharded" (expert weights never gathered; activations
-  # move, fsdp x larger) or "gathered" (each layer gathers its experts' D over fsdp, as FSDP does).
+  config.moe.ep_weights = "auto"  # Expert parallelism: "sharded" (expert weights never gathered; activations
+  # move, fsdp x larger), "gathered" (each layer gathers its experts' D over fsdp, as FSDP does) or "auto"
+  # (per call, whichever moves/holds fewer bytes for its static shapes: moe_dispatch.ep_weight_bytes).
   config.moe.aux_loss_coef = 0.01  # Switch-style load-balancing loss weight.
   config.moe.z_loss_coef = 0.001  # Router z-loss weight.
   config.moe.aux_free_bias = False  # DeepSeek-V3 aux-loss-free balancing bias (state, not a param).
@@ -99,6 +100,7 @@ def get_config(arg=None):
   config.attention.block_q = 512  # Blockwise/ring: query block length.
   config.attention.block_kv = 256  # Blockwise/ring: key/value block length (512x256 is fastest here).
   config.attention.zigzag = True  # Ring: lay the sequence out zigzag for causal load balance.
+  config.attention.local_kernel = "auto"  # Blockwise self-attention compute: "jnp", "splash" (Pallas; interpret mode off TPU) or "auto" (splash on TPU).
   config.attention.logits_chunk = 0  # Chunked vocab projection + loss (SFT, RL update): tokens per chunk (0 = off).
 
   # --- optim: the optimiser (train/optim.py).

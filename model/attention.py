@@ -2,7 +2,9 @@
 
 Both project the residual stream to queries, keys and values, rotate them by position, and call
 one kernel function, `attend(q, k, v, *, impl, ...)`, chosen by `cfg.attention.impl`
-("reference", "blockwise", "ring"; see ring_attention.py). With a KV cache the new keys/values are
+("reference", "blockwise", "ring"; see ring_attention.py). With impl="blockwise" a self-attention
+call (no cache) runs the Pallas splash kernel instead where `cfg.attention.local_kernel` asks for it
+("auto": on TPU; model/splash.py). With a KV cache the new keys/values are
 written into it first and the queries attend to the whole cache; with impl="ring" a call whose
 queries fill the whole cache (the ring prefill of rl/rollout.py `prefill_prompts`) runs ring
 attention over the sequence-split prompt. Every cache write is pinned to kv_cache.CACHE_AXES.
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshrl.model import kv_cache
+from meshrl.model import kv_cache, splash
 from meshrl.model.layers import Dense, RMSNorm, RopeConfig, apply_rope, yarn_softmax_scale_multiplier
 from meshrl.model.ring_attention import attend, decode_attend
 from meshrl.sharding.rules import TRAIN_RULES, Rules, constrain
@@ -33,13 +35,32 @@ class KernelConfig:
   """Which attention kernel runs and how it is blocked, and the layout the activations follow.
 
   `mesh` (needed by impl="ring") and `rules` (TRAIN_RULES or ROLLOUT_RULES) decide how activations
-  are constrained; the parameters' layout does not depend on them.
+  are constrained; the parameters' layout does not depend on them. `local_kernel` ("auto", "jnp",
+  "splash") picks what computes impl="blockwise" self-attention (`local_kernel_name`).
   """
   impl: str = "reference"
   block_q: int = 512
   block_kv: int = 256
   mesh: Mesh | None = None
   rules: Rules = TRAIN_RULES
+  local_kernel: str = "auto"
+
+  def __post_init__(self):
+    splash.check_local_kernel(self.local_kernel, self.impl)
+
+  @property
+  def backend(self) -> str:
+    """The platform the kernel compiles for: the mesh's devices, else JAX's default backend."""
+    return self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
+
+  @property
+  def local_kernel_name(self) -> str:
+    """"splash" or "jnp": what a supported blockwise self-attention call runs (model/splash.py)."""
+    return splash.resolve(self.local_kernel, self.impl, self.backend)
+
+  def summary(self) -> str:
+    """One line for a run's console summary: which attention kernel runs (model/splash.py)."""
+    return splash.summary(self.impl, self.local_kernel, self.backend)
 
   def constrain(self, x, names):
     return constrain(x, names, self.mesh, self.rules)
@@ -60,6 +81,12 @@ class KernelConfig:
     if cached and self.impl == "ring":
       return decode_attend(q, k, v, mesh=self.mesh, q_positions=q_positions, kv_positions=kv_positions,
                            segment_ids=segment_ids, scale=scale, block_kv=self.block_kv)
+    if self.impl == "blockwise" and self.local_kernel_name == "splash" and splash.unsupported_reason(
+        q, k, q_positions=q_positions, kv_positions=kv_positions, segment_ids=segment_ids,
+        cached=cached) is None:
+      return splash.splash_attend(q, k, v, segment_ids, scale=scale, block_q=self.block_q,
+                                  block_kv=self.block_kv, mesh=self.mesh,
+                                  interpret=self.backend != "tpu")
     kwargs = dict(impl=self.impl, mesh=self.mesh, causal=True, q_positions=q_positions,
                   kv_positions=kv_positions, segment_ids=segment_ids, scale=scale)
     if self.impl != "reference":

@@ -28,6 +28,10 @@ Implementations (`IMPLEMENTATIONS`; every one but `capacity` is exact: no slot i
             expert fits, else `blocks`, chosen at run time by `lax.cond`: pays only when routing is
             balanced within capacity_factor (at init it is not: the busiest expert gets 1.7-2.8x the
             mean, and the cond then costs more than it saves).
+  ladder    `capacity`'s buffers at the smallest of a few static sizes that holds the busiest expert,
+            picked at run time by `lax.switch` (`blocks` past the last size): no weight gather, at
+            most 2x the busiest expert's rows; for generation (a switch's backward would keep every
+            branch's residuals).
   dense     every expert on every token, weighted by a [N, E] combine matrix (E / K times the FLOPs).
   gather    each slot multiplies its own expert's weights, gathered [N, K, D, F]: a decode step of a
             few tokens touches only the experts they chose.
@@ -137,8 +141,15 @@ def capacity(xs: jax.Array, expert_choices: jax.Array, combine_weights: jax.Arra
     ys [N, D] and the dropped slot count (int32 scalar).
   """
   num_tokens, k = expert_choices.shape
+  return _capacity_rows(xs, expert_choices, combine_weights, w,
+                        expert_capacity(num_tokens, k, w.gate.shape[0], capacity_factor))
+
+
+def _capacity_rows(xs: jax.Array, expert_choices: jax.Array, combine_weights: jax.Array,
+                   w: ExpertWeights, cap: int) -> tuple[jax.Array, jax.Array]:
+  """`capacity` with C = `cap` rows per expert -> (ys [N, D], dropped slot count)."""
+  num_tokens, k = expert_choices.shape
   num_experts = w.gate.shape[0]
-  cap = expert_capacity(num_tokens, k, num_experts, capacity_factor)
   with jax.named_scope("dispatch"):
     slot_experts = expert_choices.T.reshape(-1)  # [S] slot j = choice j // N of token j % N
     rank = _rank_in_group(slot_experts, num_experts)  # [S]
@@ -291,12 +302,56 @@ def buffered(xs: jax.Array, expert_choices: jax.Array, combine_weights: jax.Arra
   return ys, jnp.zeros((), jnp.int32)
 
 
+def ladder_rungs(num_tokens: int, k: int, num_experts: int, first: float = 1.25, step: float = 2.0,
+                 most: float = 4.0, small_rows: int = 4096) -> tuple[int, ...]:
+  """The static capacities `ladder` chooses from: C_0 = ceil(first * N * K / E) rows per expert, then
+  x `step` per rung, while the buffers' E x C rows stay within max(`most` x the N * K slots,
+  `small_rows`) (every branch's buffers are allocated); the last rung is N * K (every slot on one
+  expert) when that is still within the bound, as it is for a decode step or a short prefill."""
+  slots = num_tokens * k
+  bound = max(most * slots, small_rows) // num_experts
+  rung = expert_capacity(num_tokens, k, num_experts, first)
+  rungs = []
+  while rung < slots and rung <= bound:
+    rungs.append(rung)
+    rung = max(rung + 1, math.ceil(rung * step))
+  if slots <= bound:
+    rungs.append(slots)
+  return tuple(rungs) or (slots,)
+
+
+def ladder(xs: jax.Array, expert_choices: jax.Array, combine_weights: jax.Array,
+           w: ExpertWeights) -> tuple[jax.Array, jax.Array]:
+  """`capacity`'s per-expert buffers [E, C, D] at the smallest rung C of `ladder_rungs` that holds the
+  busiest expert, picked at run time by `lax.switch` (one branch runs); `blocks` when the busiest
+  expert outgrows the last rung. Exact: no slot is ever dropped.
+
+  The buffers multiply the weights as they lie ([C, D] x [D, F] per expert), where `blocks` gathers
+  each block's expert weights and `dense` computes every expert on every token: on CPU the fastest
+  exact path for generation (a decode step of a batch, a prompt prefill). Meant for calls without
+  gradients: a switch's backward keeps every branch's residuals.
+
+  Returns:
+    ys [N, D] and the dropped slot count (always 0).
+  """
+  num_tokens, k = expert_choices.shape
+  num_experts = w.gate.shape[0]
+  rungs = ladder_rungs(num_tokens, k, num_experts)
+  branches = [lambda a, c=c: _capacity_rows(*a, c)[0] for c in rungs]
+  if rungs[-1] < num_tokens * k:
+    branches.append(lambda a: blocks(*a)[0])
+  counts = jnp.bincount(expert_choices.reshape(-1), length=num_experts)  # [E]
+  rung = jnp.searchsorted(jnp.asarray(rungs, jnp.int32), jnp.max(counts).astype(jnp.int32))
+  ys = jax.lax.switch(rung, branches, (xs, expert_choices, combine_weights, w))
+  return ys, jnp.zeros((), jnp.int32)
+
+
 # --------------------------------------------------------------------------------------------------
 # Choosing an implementation.
 
-IMPLEMENTATIONS = {"dropless": dropless, "blocks": blocks, "buffered": buffered, "dense": dense,
+IMPLEMENTATIONS = {"dropless": dropless, "blocks": blocks, "buffered": buffered, "ladder": ladder, "dense": dense,
                    "gather": gather, "capacity": capacity}
-EXACT = ("dropless", "blocks", "buffered", "dense", "gather")
+EXACT = ("dropless", "blocks", "buffered", "ladder", "dense", "gather")
 DISPATCHES = ("auto",) + tuple(IMPLEMENTATIONS)
 PHASES = ("train", "prefill", "decode")
 
@@ -315,10 +370,13 @@ def choose(dispatch: str, *, backend: str, phase: str, num_tokens: int, k: int,
   """The implementation `dispatch` runs: itself, or for "auto" the fastest exact one measured.
 
   auto: on TPU and GPU "dropless" (ragged_dot lowers to a grouped-matmul kernel that skips empty
-  groups). On CPU "blocks" (measured fastest of the exact ones for the training step, prefill and a
-  32-row decode step of a width-256, 8-expert model on 2 simulated devices: scripts/bench_model.py),
-  except a decode step with fewer slots than experts, which runs "gather" and so touches only the
-  experts its tokens chose. Never "capacity": only an explicit `capacity` drops tokens.
+  groups). On CPU: "blocks" for training (measured fastest of the exact ones for the forward and
+  backward of a width-256, 8-expert model: scripts/bench_model.py); "ladder" for generation, prefill
+  and decode (no gradients; "blocks" gathers each block's expert weights at every decode step: at
+  the issue-9 peer shape the rollout took 1.6-2.6 s with "ladder" and 2.2-2.9 s with "blocks" in
+  separate noisy runs, scripts/bench_rl.py --config=configs/tiny.py:peer); a decode step with fewer slots than experts runs
+  "gather" and so touches only the experts its tokens chose. Never "capacity": only an explicit
+  `capacity` drops tokens.
 
   Args:
     backend: the platform the experts run on ("cpu", "tpu", "gpu").
@@ -335,7 +393,7 @@ def choose(dispatch: str, *, backend: str, phase: str, num_tokens: int, k: int,
     return "dropless"
   if phase == "decode" and num_tokens * k < num_experts:
     return "gather"
-  return "blocks"
+  return "blocks" if phase == "train" else "ladder"
 
 
 def plan(dispatch: str, *, backend: str, k: int, num_experts: int,
@@ -362,14 +420,19 @@ def run(name: str, xs: jax.Array, expert_choices: jax.Array, combine_weights: ja
 
 FSDP_AXIS, TENSOR_AXIS = "fsdp", "tensor"
 EXCHANGES = ("auto", "all_to_all", "ragged")
-WEIGHT_LAYOUTS = ("sharded", "gathered")
+WEIGHT_LAYOUTS = ("auto", "sharded", "gathered")
+
+
+def check_weights(weights: str) -> None:
+  """Raises ValueError naming `moe.ep_weights` and its choices for an unknown weight layout."""
+  if weights not in WEIGHT_LAYOUTS:
+    raise ValueError(f"moe.ep_weights={weights!r} is unknown; choose one of {WEIGHT_LAYOUTS}.")
 
 
 def check_exchange(exchange: str, backend: str, weights: str = "sharded") -> None:
   """Raises ValueError naming the field for an unknown exchange or weight layout, or for `ragged` on
   a CPU backend."""
-  if weights not in WEIGHT_LAYOUTS:
-    raise ValueError(f"moe.ep_weights={weights!r} is unknown; choose one of {WEIGHT_LAYOUTS}.")
+  check_weights(weights)
   if exchange not in EXCHANGES:
     raise ValueError(f"moe.ep_exchange={exchange!r} is unknown; choose one of {EXCHANGES}.")
   if exchange == "ragged" and backend == "cpu":
@@ -397,22 +460,105 @@ def padded_tokens(mesh: Mesh, num_tokens: int) -> int:
   return -(-num_tokens // shards) * shards
 
 
-def expert_weight_specs(mesh: Mesh, embed: int, hidden: int, weights: str = "sharded") -> ExpertWeights:
+def buffer_rows(mesh: Mesh, num_tokens: int, k: int, capacity_factor: float | None = None
+                ) -> tuple[int, int, int]:
+  """(S, C, R) of one device, from static shapes: S = n * K slots of its n tokens (N padded to the
+  token shards), C rows per destination device of the all_to_all exchange and R receive rows of the
+  ragged one. capacity_factor None: the worst case, C = S and R = P * S (nothing dropped)."""
+  shards = math.prod(mesh.shape[a] for a in token_axes(mesh))
+  slots = padded_tokens(mesh, num_tokens) // shards * k
+  num_shards = mesh.shape[EXPERT_AXIS]
+  if capacity_factor is None:
+    return slots, slots, num_shards * slots
+  cap = min(slots, max(1, math.ceil(capacity_factor * slots / num_shards)))
+  return slots, cap, min(num_shards * slots, max(1, math.ceil(capacity_factor * slots)))
+
+
+def d_split_axes(mesh: Mesh, embed: int, d_axes: tuple[str, ...] = (FSDP_AXIS,)) -> tuple[str, ...]:
+  """The mesh axes the experts' D is split over inside the expert-parallel shard_map: those of
+  `d_axes` (the axes the parameter rules put `embed` on: 'fsdp' in TRAIN_RULES, 'fsdp' and 'sequence'
+  in configs/paper_3t.py) of size > 1, but 'expert' and 'tensor'; () when they do not divide D (the
+  weights are then gathered over them). Each of these axes also splits the tokens (`token_axes`), so
+  the devices along them hold different D-slices of the same experts and different rows: the peers
+  that trade D-slices in `_sharded_swiglu`."""
+  axes = tuple(a for a in MESH_AXES if a in d_axes and a not in (EXPERT_AXIS, TENSOR_AXIS)
+               and mesh.shape[a] > 1)
+  return axes if axes and embed % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+
+def ep_weight_bytes(mesh: Mesh, *, num_tokens: int, k: int, num_experts: int, embed: int, hidden: int,
+                    capacity_factor: float | None = None, exchange: str = "all_to_all",
+                    act_bytes: int = 4, weight_bytes: int = 4,
+                    d_axes: tuple[str, ...] = (FSDP_AXIS,)) -> dict[str, int]:
+  """The bytes each weight layout moves or holds beyond the other, per device and per expert-parallel
+  call, from static shapes (the rule of `ep_weights="auto"`, which takes the smaller).
+
+  With M the rows the device's experts receive (the static buffer: P * C for all_to_all, R for
+  ragged; `buffer_rows`), Pf the size of the D-split axes (`d_split_axes`: fsdp by default), F' = F / tensor (F when tensor does not divide it) and
+  L = E / P local experts:
+
+    sharded  = (Pf - 1) * M * (7 F' + 2 D / Pf) * act_bytes
+               held:  gate, up and silu(gate) * up for all Pf * M peer rows instead of M (3 F')
+               moved: the all-reduce of the partial gate and up sums over fsdp (4 F': 2 arrays of
+                      Pf * M x F', each device sending 2 (Pf - 1) / Pf of them), and the D-slice
+                      all-to-alls in and out (2 D / Pf)
+    gathered = 6 * L * D * F' * (Pf - 1) / Pf * weight_bytes
+               gate, up and down's D gathered over fsdp (moved) and then held whole (held)
+
+  The backward pass about doubles both (activation cotangents; the weight gradients'
+  reduce-scatter). Break-even: M* = 6 L D F' weight_bytes / (Pf (7 F' + 2 D / Pf) act_bytes) rows;
+  fewer rows (decode, small batches) favour sharded, more (training at length) gathered. Both are 0
+  when the weights' D is not split (no D-split axis of size > 1, or they do not divide D).
+  """
+  split = d_split_axes(mesh, embed, d_axes)
+  fsdp, tensor = math.prod(mesh.shape[a] for a in split), mesh.shape[TENSOR_AXIS]
+  if not split:
+    return {"sharded": 0, "gathered": 0}
+  local_hidden = hidden // tensor if hidden % tensor == 0 else hidden
+  _, cap, recv_rows = buffer_rows(mesh, num_tokens, k, capacity_factor)
+  rows = recv_rows if exchange in ("ragged", "emulated") else mesh.shape[EXPERT_AXIS] * cap
+  local_experts = num_experts // mesh.shape[EXPERT_AXIS]
+  return {"sharded": (fsdp - 1) * rows * (7 * local_hidden + 2 * embed // fsdp) * act_bytes,
+          "gathered": 6 * local_experts * embed * local_hidden * weight_bytes * (fsdp - 1) // fsdp}
+
+
+def resolve_weights(weights: str, mesh: Mesh, **shapes) -> str:
+  """The weight layout an expert-parallel call runs: `weights`, or for "auto" the cheaper of
+  `ep_weight_bytes(mesh, **shapes)` (a tie, e.g. fsdp 1, is "sharded"; D-split axes that do not
+  divide D leave the weights gathered, so "gathered")."""
+  check_weights(weights)
+  if weights != "auto":
+    return weights
+  wanted = tuple(a for a in shapes.get("d_axes", (FSDP_AXIS,))
+                 if a not in (EXPERT_AXIS, TENSOR_AXIS) and mesh.shape[a] > 1)
+  if wanted and not d_split_axes(mesh, shapes["embed"], wanted):
+    return "gathered"
+  cost = ep_weight_bytes(mesh, **shapes)
+  return "sharded" if cost["sharded"] <= cost["gathered"] else "gathered"
+
+
+def expert_weight_specs(mesh: Mesh, embed: int, hidden: int, weights: str = "sharded",
+                        d_axes: tuple[str, ...] = (FSDP_AXIS,)) -> ExpertWeights:
   """In-specs of gate, up [E, D, F] and down [E, F, D] inside the shard_map: E over 'expert', D over
-  'fsdp' and F over 'tensor' (the training layout of TRAIN_RULES), so no weight is gathered. An axis
-  that does not divide its dimension is left out (the weights are then gathered over it), and so is
-  'fsdp' for weights="gathered" (each layer gathers its experts' D, as FSDP does)."""
-  fsdp = (FSDP_AXIS if weights == "sharded" and mesh.shape[FSDP_AXIS] > 1
-          and embed % mesh.shape[FSDP_AXIS] == 0 else None)
+  the D-split axes (`d_split_axes`: 'fsdp' in the training layout of TRAIN_RULES) and F over 'tensor',
+  so no weight is gathered. An axis that does not divide its dimension is left out (the weights are
+  then gathered over it), and so are the D axes for weights="gathered" (each layer gathers its
+  experts' D, as FSDP does). "auto" is resolved per call first (`resolve_weights`)."""
+  if weights not in ("sharded", "gathered"):
+    raise ValueError(f"weights={weights!r}: expected a resolved layout, 'sharded' or 'gathered' "
+                     f"(resolve moe.ep_weights='auto' per call with resolve_weights).")
+  split = d_split_axes(mesh, embed, d_axes) if weights == "sharded" else ()
+  fsdp = split or None
   tensor = TENSOR_AXIS if mesh.shape[TENSOR_AXIS] > 1 and hidden % mesh.shape[TENSOR_AXIS] == 0 else None
   inner = PartitionSpec(EXPERT_AXIS, fsdp, tensor)
   return ExpertWeights(inner, inner, PartitionSpec(EXPERT_AXIS, tensor, fsdp))
 
 
-def _sharded_swiglu(x: jax.Array, local_ids: jax.Array, w: ExpertWeights, *, fsdp: bool,
-                    tensor: bool) -> jax.Array:
-  """The L local experts on received rows, with D split over 'fsdp' and F over 'tensor' (inside
-  shard_map): x [M, D], local_ids [M] (L marks an empty row) -> [M, D] (0 on empty rows).
+def _sharded_swiglu(x: jax.Array, local_ids: jax.Array, w: ExpertWeights, *,
+                    fsdp: tuple[str, ...] | None, tensor: bool) -> jax.Array:
+  """The L local experts on received rows, with D split over the axes `fsdp` (the D-split axes,
+  `d_split_axes`; None: D whole) and F over 'tensor' (inside shard_map): x [M, D], local_ids [M]
+  (L marks an empty row) -> [M, D] (0 on empty rows).
 
   Weights are [L, D/Pf, F/Pt] (down [L, F/Pt, D/Pf]) and never move; activations do: each device
   trades D-slices of its rows with its fsdp peers (all-to-all), the partial gate and up sums are
@@ -420,22 +566,22 @@ def _sharded_swiglu(x: jax.Array, local_ids: jax.Array, w: ExpertWeights, *, fsd
   """
   num_local = w.gate.shape[0]
   if fsdp:
-    x = jax.lax.all_to_all(x, FSDP_AXIS, 1, 0, tiled=True)  # [Pf*M, D/Pf]: all peers' rows, my D
-    local_ids = jax.lax.all_gather(local_ids, FSDP_AXIS, tiled=True)  # [Pf*M]
+    x = jax.lax.all_to_all(x, fsdp, 1, 0, tiled=True)  # [Pf*M, D/Pf]: all peers' rows, my D
+    local_ids = jax.lax.all_gather(local_ids, fsdp, tiled=True)  # [Pf*M]
   order = jnp.argsort(local_ids, stable=True)  # empty rows last
   group_sizes = jnp.bincount(local_ids, length=num_local + 1)[:-1].astype(jnp.int32)  # [L]
   sorted_x = x[order]
   gate = jax.lax.ragged_dot(sorted_x, w.gate, group_sizes)  # [M', F/Pt], partial over fsdp
   up = jax.lax.ragged_dot(sorted_x, w.up, group_sizes)
   if fsdp:
-    gate, up = jax.lax.psum(gate, FSDP_AXIS), jax.lax.psum(up, FSDP_AXIS)
+    gate, up = jax.lax.psum(gate, fsdp), jax.lax.psum(up, fsdp)
   out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w.down, group_sizes)  # [M', D/Pf], partial over tensor
   if tensor:
     out = jax.lax.psum(out, TENSOR_AXIS)
   out = jnp.where((local_ids[order] < num_local)[:, None], out, 0)
   out = jnp.zeros_like(out).at[order].set(out)  # received order
   if fsdp:
-    out = jax.lax.all_to_all(out, FSDP_AXIS, 0, 1, tiled=True)  # [M, D]: my rows, every D-slice
+    out = jax.lax.all_to_all(out, fsdp, 0, 1, tiled=True)  # [M, D]: my rows, every D-slice
   return out
 
 
@@ -485,8 +631,8 @@ def _ragged_send(dest: jax.Array, num_shards: int, recv_rows: int):
 
 def expert_parallel(xs: jax.Array, expert_choices: jax.Array, combine_weights: jax.Array,
                     w: ExpertWeights, *, mesh: Mesh, capacity_factor: float | None = None,
-                    exchange: str = "all_to_all", weights: str = "sharded"
-                    ) -> tuple[jax.Array, jax.Array]:
+                    exchange: str = "all_to_all", weights: str = "sharded",
+                    d_axes: tuple[str, ...] = (FSDP_AXIS,)) -> tuple[jax.Array, jax.Array]:
   """Experts sharded over 'expert' (and over 'fsdp' on D, 'tensor' on F); tokens travel to them.
 
   Inside `jax.shard_map` each device holds n tokens (N padded to a multiple of the token shards,
@@ -512,8 +658,11 @@ def expert_parallel(xs: jax.Array, expert_choices: jax.Array, combine_weights: j
       receiver (overflow dropped from the last senders' tails).
     exchange: "all_to_all", "ragged" or "emulated".
     weights: "sharded" (never gathered; each device computes its fsdp peers' rows against its D-slice,
-      so hidden activations are fsdp times larger) or "gathered" (D gathered over fsdp per call: the
-      better trade when fsdp x rows x F outgrows the local experts' L x D x F).
+      so hidden activations are fsdp times larger), "gathered" (D gathered over fsdp per call: the
+      better trade when fsdp x rows x F outgrows the local experts' L x D x F) or "auto" (the one
+      that moves/holds fewer bytes for this call's static shapes: `ep_weight_bytes`).
+    d_axes: the mesh axes the parameter rules split the experts' D over ('fsdp' by default; paper_3t
+      adds 'sequence'): "fsdp" above means these axes (`d_split_axes`).
 
   Returns:
     ys [N, D] sharded like the tokens, and the dropped slot count over the whole mesh.
@@ -533,14 +682,13 @@ def expert_parallel(xs: jax.Array, expert_choices: jax.Array, combine_weights: j
     xs = jnp.pad(xs, pad)
     expert_choices = jnp.pad(expert_choices, pad, constant_values=num_experts)
     combine_weights = jnp.pad(combine_weights, pad)
-  local_slots = padded // math.prod(mesh.shape[a] for a in axes) * k
-  if capacity_factor is None:
-    cap, recv_rows = local_slots, num_shards * local_slots
-  else:
-    cap = min(local_slots, max(1, math.ceil(capacity_factor * local_slots / num_shards)))
-    recv_rows = min(num_shards * local_slots, max(1, math.ceil(capacity_factor * local_slots)))
-  specs = expert_weight_specs(mesh, embed, hidden, weights)
-  fsdp, tensor = specs.gate[1] is not None, specs.gate[2] is not None
+  _, cap, recv_rows = buffer_rows(mesh, num_tokens, k, capacity_factor)
+  weights = resolve_weights(weights, mesh, num_tokens=num_tokens, k=k, num_experts=num_experts,
+                            embed=embed, hidden=hidden, capacity_factor=capacity_factor,
+                            exchange=exchange, act_bytes=xs.dtype.itemsize,
+                            weight_bytes=w.gate.dtype.itemsize, d_axes=d_axes)
+  specs = expert_weight_specs(mesh, embed, hidden, weights, d_axes)
+  fsdp, tensor = specs.gate[1], specs.gate[2] is not None
   ragged = {"ragged": jax.lax.ragged_all_to_all, "emulated": emulated_ragged_all_to_all}.get(exchange)
 
   def local(xs_, choices_, weights_, gate_, up_, down_):

@@ -79,7 +79,8 @@ class ModelConfig:
   capacity_factor: float = 1.25
   aux_free_bias: bool = False
   ep_exchange: str = "auto"
-  ep_weights: str = "sharded"
+  ep_weights: str = "auto"
+  ep_d_axes: tuple[str, ...] = ("fsdp",)  # mesh axes the parameter rules split the experts' D over
   kv_cache_dtype: str = "model"  # KV cache entries: "model" (dtype) or "int8" (model/quant.py)
 
   def __post_init__(self):
@@ -125,7 +126,8 @@ class ModelConfig:
         vocab_size=m.vocab_size, num_layers=m.num_layers, embed_dim=m.embed_dim, num_heads=m.num_heads,
         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, mlp_dim=m.mlp_dim, max_seq_len=m.max_seq_len,
         rope=rope, kernel=KernelConfig(att.impl, att.block_q, att.block_kv, mesh,
-                                       rules if rules is not None else rules_from_config(cfg.mesh)),
+                                       rules if rules is not None else rules_from_config(cfg.mesh),
+                                       local_kernel=att.get("local_kernel", "auto")),
         attention_type=m.attention_type, qk_norm=m.qk_norm, q_lora_rank=m.q_lora_rank,
         kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
         qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, norm_eps=m.norm_eps,
@@ -137,7 +139,8 @@ class ModelConfig:
         first_k_dense=moe.first_k_dense, score_func=moe.score_func, norm_topk_prob=moe.norm_topk_prob,
         routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.n_group, topk_group=moe.topk_group,
         dispatch=moe.dispatch, capacity_factor=moe.capacity_factor, aux_free_bias=moe.aux_free_bias,
-        ep_exchange=moe.get("ep_exchange", "auto"), ep_weights=moe.get("ep_weights", "sharded"))
+        ep_exchange=moe.get("ep_exchange", "auto"), ep_weights=moe.get("ep_weights", "auto"),
+        ep_d_axes=tuple(dict(rules_from_config(cfg.mesh))["embed"]))
 
   def cache_entry_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
     """{stack: {entry: (layers, *per-token shape)}} for kv_cache.init_cache."""
@@ -180,7 +183,8 @@ class Block(nnx.Module):
           score_func=mc.score_func, norm_topk_prob=mc.norm_topk_prob,
           routed_scaling_factor=mc.routed_scaling_factor, n_group=mc.n_group, topk_group=mc.topk_group,
           dispatch=mc.dispatch, capacity_factor=mc.capacity_factor, aux_free_bias=mc.aux_free_bias,
-          ep_exchange=mc.ep_exchange, ep_weights=mc.ep_weights, mesh=mc.kernel.mesh, dtype=mc.dtype,
+          ep_exchange=mc.ep_exchange, ep_weights=mc.ep_weights, ep_d_axes=mc.ep_d_axes,
+          mesh=mc.kernel.mesh, dtype=mc.dtype,
           param_dtype=mc.param_dtype, rngs=rngs)
     else:
       self.mlp = SwiGLU(mc.embed_dim, mc.mlp_dim, **kw)

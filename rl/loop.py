@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from meshrl.configs import save_config
-from meshrl.model import quant
+from meshrl.model import quant, splash
 from meshrl.model.tokenizer import tokenizer_from_config
 from meshrl.rl import advantages as adv_lib
 from meshrl.rl import losses
@@ -109,6 +109,7 @@ def check_config(cfg, num_devices: int | None = None) -> None:
                                  tis_level=rl.tis_level)
   check_generation_layout(rl.generation_layout)
   check_multiturn_config(cfg)
+  splash.check_local_kernel(cfg.attention.local_kernel, cfg.attention.impl)
   if rl.max_staleness < 0:
     raise ValueError(f"rl.max_staleness={rl.max_staleness} must be >= 0 (0 = synchronous RL).")
   if rl.max_staleness and rl.tis_level == "none":
@@ -460,12 +461,15 @@ def dispatch_summary(cfg, mesh) -> str:
   mc = ModelConfig.from_config(cfg, mesh)
   if not mc.num_moe_layers:
     return "moe dispatch: no MoE layers"
-  if mesh.shape["expert"] > 1:
-    return f"moe dispatch: expert_parallel all-to-all over {mesh.shape['expert']} devices ({mc.dispatch})"
   rl = cfg.rl
   rows = rl.prompts_per_step * rl.group_size
   tokens = {"train": rows * (rl.max_prompt_len + rl.max_new_tokens) // rl.num_minibatches,
             "prefill": rl.prompts_per_step * rl.max_prompt_len, "decode": rows}
+  if mesh.shape["expert"] > 1:
+    from meshrl.model.moe import ep_weights_plan  # pylint: disable=import-outside-toplevel
+    layouts = ", ".join(f"{p} {layout}" for p, (layout, _) in ep_weights_plan(mc, mesh, tokens).items())
+    return (f"moe dispatch: expert_parallel all-to-all over {mesh.shape['expert']} devices ({mc.dispatch}); "
+            f"expert weights ({mc.ep_weights}): {layouts}")
   backend = mesh.devices.flat[0].platform
   chosen = moe_dispatch.plan(mc.dispatch, backend=backend, k=mc.num_experts_per_tok,
                              num_experts=mc.num_experts, tokens_by_phase=tokens)
@@ -498,6 +502,8 @@ def _run(cfg, workdir: str, mesh, preemption: Preemption) -> list[dict]:
   if primary:
     save_config(cfg, workdir)
   print(dispatch_summary(cfg, mesh))
+  from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
+  print(ModelConfig.from_config(cfg, mesh).kernel.summary())  # which attention kernel runs
   tokenizer = tokenizer_from_config(cfg)
   source = train_source(cfg)
   if skipped_rows(source):

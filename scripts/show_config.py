@@ -49,7 +49,7 @@ def print_dispatch_plan(config, mesh) -> None:
   train = rows x (prompt + response) per minibatch.
   """
   # pylint: disable=import-outside-toplevel
-  from meshrl.model import moe_dispatch
+  from meshrl.model import moe, moe_dispatch
   from meshrl.model.transformer import ModelConfig
   # pylint: enable=import-outside-toplevel
   mc = ModelConfig.from_config(config, mesh)  # also checks moe.dispatch and moe.capacity_factor
@@ -64,6 +64,11 @@ def print_dispatch_plan(config, mesh) -> None:
   if mesh.shape["expert"] > 1:
     dropping = " (drops overflow)" if mc.dispatch == "capacity" else ""
     print(f"  every phase: expert_parallel all-to-all over {mesh.shape['expert']} devices{dropping}")
+    print(f"  expert weights (moe.ep_weights={mc.ep_weights}; bytes each layout moves or holds beyond "
+          f"the other, per device per call: moe_dispatch.ep_weight_bytes):")
+    for phase, (layout, cost) in moe.ep_weights_plan(mc, mesh, tokens).items():
+      print(f"  {phase:>8}: {layout} ({tokens[phase]} tokens per call; sharded "
+            f"{cost['sharded'] / 2 ** 20:.3g} MiB, gathered {cost['gathered'] / 2 ** 20:.3g} MiB)")
     return
   chosen = moe_dispatch.plan(mc.dispatch, backend=backend, k=mc.num_experts_per_tok,
                              num_experts=mc.num_experts, tokens_by_phase=tokens)

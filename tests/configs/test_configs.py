@@ -46,6 +46,18 @@ def test_preset_argument_through_base():
   assert configs.load("configs/tiny.py:dense").moe.num_experts == 0
 
 
+def test_peer_preset_is_the_issue_shape_and_passes_the_run_check():
+  """configs/tiny.py:peer holds the shape issue 9 times the peers at, and a run would accept it."""
+  from meshrl.rl.loop import check_config  # pylint: disable=import-outside-toplevel
+  cfg = configs.load("configs/tiny.py:peer")
+  m, moe, rl = cfg.model, cfg.moe, cfg.rl
+  assert (m.num_layers, m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim) == (4, 256, 8, 4, 32)
+  assert (moe.num_experts, moe.num_experts_per_tok, moe.expert_mlp_dim, moe.first_k_dense) == (8, 2, 512, 0)
+  assert (rl.prompts_per_step, rl.group_size, rl.max_prompt_len, rl.max_new_tokens) == (8, 4, 16, 64)
+  assert rl.kl_coef > 0 and rl.num_minibatches == 1 and cfg.mesh.fsdp == 2
+  check_config(cfg, num_devices=2)
+
+
 def test_unknown_key_names_key_and_closest():
   with pytest.raises(configs.ConfigError, match=r"'model.num_layer'.*'model.num_layers'"):
     configs.load("configs/tiny.py", ["model.num_layer=2"])

@@ -71,6 +71,7 @@ CASES = ["empty_experts", "one_token", "one_expert", "one_expert_k2", "balanced"
 # capacity only with a buffer that holds every slot (E / K >= 1 rows per token); buffered with the
 # tightest one, so skewed cases fall back to blocks and "balanced" takes the buffer.
 IMPLEMENTATIONS = {"dropless": {}, "blocks": {}, "blocks_b8": {"block": 8}, "dense": {}, "gather": {},
+                   "ladder": {},
                    "buffered": {"capacity_factor": 1.0}, "capacity": {"capacity_factor": float(E)}}
 
 
@@ -126,6 +127,25 @@ def test_buffered_cases_take_both_branches():
   assert counts(skewed).max() > cap(skewed)  # blocks
 
 
+def test_ladder_cases_take_first_last_and_fallback_rungs():
+  """The parity cases above reach the ladder's first rung, its last (every slot on one expert), and a
+  call too big for a full ladder falls back to blocks (so ladder's exactness covers all branches)."""
+  rungs = lambda c: moe_dispatch.ladder_rungs(c.shape[0], c.shape[1], E)
+  counts = lambda c: np.bincount(np.asarray(c).ravel(), minlength=E)
+  balanced, one_expert = _routing("balanced")[0], _routing("one_expert")[0]
+  assert counts(balanced).max() <= rungs(balanced)[0]
+  assert rungs(one_expert)[-2] < counts(one_expert).max() == rungs(one_expert)[-1] == one_expert.size
+  big = moe_dispatch.ladder_rungs(2560, 2, 8)
+  assert big[-1] < 2560 * 2 and len(big) >= 2  # past the last rung: blocks
+  choices = jnp.asarray(np.stack([np.full(600, 2), np.arange(600) % 7 + (np.arange(600) % 7 >= 2)], 1),
+                        jnp.int32)  # 600 slots on expert 2, more than C_max of 600 tokens x 2 / 8 x 4
+  assert np.bincount(np.asarray(choices).ravel()).max() > moe_dispatch.ladder_rungs(600, 2, E)[-1]
+  weights = jnp.full(choices.shape, 0.5)
+  xs = jax.random.normal(jax.random.key(3), (600, D))
+  ys, _ = jax.jit(moe_dispatch.ladder)(xs, choices, weights, _weights())
+  np.testing.assert_allclose(np.asarray(ys), _np_loop(xs, choices, weights, _weights()), atol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["cpu", "tpu", "gpu"])
 def test_auto_is_always_exact(backend):
   for phase, tokens, k, experts in itertools.product(moe_dispatch.PHASES, [1, 3, 4, 63, 64, 65, 2560],
@@ -136,8 +156,9 @@ def test_auto_is_always_exact(backend):
   pick = lambda phase, tokens: moe_dispatch.choose("auto", backend=backend, phase=phase,
                                                    num_tokens=tokens, k=2, num_experts=8)
   if backend == "cpu":
-    assert pick("decode", 1) == "gather" and pick("decode", 32) == "blocks"
-    assert pick("train", 1) == "blocks" and pick("prefill", 512) == "blocks"
+    assert pick("decode", 1) == "gather" and pick("decode", 32) == "ladder"
+    assert pick("train", 1) == "blocks" and pick("prefill", 512) == "ladder"
+    assert pick("train", 2560) == "blocks"  # gradients: never a switch over buffers
   else:
     assert {pick(p, 2560) for p in moe_dispatch.PHASES} == {"dropless"}
   assert moe_dispatch.choose("capacity", backend=backend, phase="train", num_tokens=8, k=2,
@@ -153,8 +174,8 @@ def test_moe_auto_is_exact_in_every_phase():
   moe = MoE(D, F, E, 2, dispatch="auto", rngs=nnx.Rngs(0))
   moe.router[...] = jax.random.normal(jax.random.key(4), moe.router.shape)
   apply = nnx.jit(lambda m, x, phase: m(x, phase=phase), static_argnums=2)
-  for phase, shape, want in [("decode", (2, 1, D), "gather"), ("decode", (16, 1, D), "blocks"),
-                             ("train", (2, 1, D), "blocks")]:
+  for phase, shape, want in [("decode", (2, 1, D), "gather"), ("decode", (16, 1, D), "ladder"),
+                             ("prefill", (2, 8, D), "ladder"), ("train", (2, 1, D), "blocks")]:
     x = jax.random.normal(jax.random.key(5), shape)
     assert moe.implementation(phase, shape[0] * shape[1]) == want
     y, aux = apply(moe, x, phase)

@@ -121,6 +121,28 @@ def test_gathered_weights_are_seen_gathered_and_match():
                              atol=1e-5, rtol=0)
 
 
+def test_d_split_over_sequence_stays_sharded_and_matches():
+  """paper_3t's rule `embed=fsdp,sequence` splits the experts' D over `sequence`: with d_axes naming
+  it, the D-slices are traded with the sequence peers and no expert weight is gathered (the check
+  sees the gathers when d_axes is left at fsdp, which the weights are not split over); outputs and
+  gradients equal the one-device dense reference."""
+  mesh = make_mesh(ml_collections.ConfigDict(
+      dict(data=1, fsdp=1, expert=2, sequence=2, tensor=2, num_slices=1)))
+  assert moe_dispatch.d_split_axes(mesh, D, ("fsdp", "sequence")) == ("sequence",)
+  assert moe_dispatch.d_split_axes(mesh, D + 1, ("fsdp", "sequence")) == ()  # 2 does not divide 33
+  xs, choices, weights, w, cot = _inputs(3 * 11, seed=5)
+  specs = [PartitionSpec("expert", "sequence", "tensor")] * 2 + [PartitionSpec("expert", "tensor", "sequence")]
+  w_sharded = ExpertWeights(*(jax.device_put(a, NamedSharding(mesh, sp)) for a, sp in zip(w, specs)))
+
+  def step(d_axes):
+    fn = functools.partial(moe_dispatch.expert_parallel, mesh=mesh, weights="sharded", d_axes=d_axes)
+    return jax.jit(functools.partial(_value_and_grads, fn))
+  split = step(("fsdp", "sequence"))
+  assert not _weight_gathers(split.lower(xs, choices, weights, w_sharded, cot).compile().as_text())
+  assert _weight_gathers(step(("fsdp",)).lower(xs, choices, weights, w_sharded, cot).compile().as_text())
+  _assert_matches(split(xs, choices, weights, w_sharded, cot), _reference(xs, choices, weights, w, cot))
+
+
 def test_ragged_bookkeeping_matches_dense_at_2_prompts_of_11_tokens():
   """The ragged exchange's offsets (over an emulated ragged_all_to_all, since XLA:CPU lacks it):
   22 tokens on fsdp=2 x expert=2 (x tensor=2), padded to 24, equal the dense reference."""
@@ -186,7 +208,8 @@ def test_ragged_all_to_all_compiles_for_tpu():
   pytest.importorskip("libtpu", reason="compiling for TPU topologies needs libtpu (the tpu extra)")
   mesh = _mesh(tensor=1, devices=aot.topology_devices("v5e:2x2"))
   assert mesh.devices.flat[0].platform == "tpu"
-  moe = nnx.eval_shape(lambda: MoE(D, F, E, K, mesh=mesh, dispatch="capacity", rngs=nnx.Rngs(0)))
+  moe = nnx.eval_shape(lambda: MoE(D, F, E, K, mesh=mesh, dispatch="capacity", ep_weights="sharded",
+                                   rngs=nnx.Rngs(0)))
   assert moe_dispatch.resolve_exchange(moe.ep_exchange, moe.backend()) == "ragged"  # auto on TPU
   graph, state = nnx.split(moe)
   specs = {"gate": PartitionSpec("expert", "fsdp"), "up": PartitionSpec("expert", "fsdp"),
@@ -216,3 +239,105 @@ def test_bad_exchange_raises(kw, match):
     MoE(D, F, E, K, mesh=_mesh(), rngs=nnx.Rngs(0), **kw)
   with pytest.raises(ValueError, match=match):
     moe_dispatch.check_exchange(kw.get("ep_exchange", "auto"), "cpu", kw.get("ep_weights", "sharded"))
+
+
+# --- moe.ep_weights=auto: per call, the layout that moves/holds fewer bytes ----------------------
+
+
+def _break_even_rows(mesh, *, act_bytes=4, weight_bytes=4):
+  """M* from the shapes, written out independently of moe_dispatch: sharded costs
+  (Pf - 1) M (7 F' + 2 D / Pf) act bytes, gathered 6 L D F' (Pf - 1) / Pf weight bytes."""
+  pf, local_f, local_e = mesh.shape["fsdp"], F // mesh.shape["tensor"], E // mesh.shape["expert"]
+  return 6 * local_e * D * local_f * weight_bytes / (pf * (7 * local_f + 2 * D / pf) * act_bytes)
+
+
+def _received_rows(mesh, num_tokens, capacity_factor, exchange):
+  """M: the rows one device's experts receive (static buffers of `expert_parallel`)."""
+  shards = mesh.shape["fsdp"] * mesh.shape["expert"]  # token axes here: fsdp and expert
+  slots, p = -(-num_tokens // shards) * K, mesh.shape["expert"]
+  if capacity_factor is None:
+    return p * slots
+  if exchange == "ragged":
+    return min(p * slots, math.ceil(capacity_factor * slots))
+  return p * min(slots, math.ceil(capacity_factor * slots / p))
+
+
+@pytest.mark.parametrize("capacity_factor,exchange", [(None, "all_to_all"), (1.25, "all_to_all"),
+                                                      (1.25, "ragged")])
+def test_auto_weights_flip_at_the_break_even(capacity_factor, exchange):
+  """ep_weights=auto keeps the weights sharded while the received rows are at most the break-even
+  M* computed from the shapes and gathers them above it: a decode-sized call (one token per row
+  of a few rows) is sharded, a training-sized one gathered."""
+  mesh = _mesh()
+  shapes = dict(k=K, num_experts=E, embed=D, hidden=F, capacity_factor=capacity_factor, exchange=exchange)
+  even = _break_even_rows(mesh)
+  chosen = {n: moe_dispatch.resolve_weights("auto", mesh, num_tokens=n, **shapes) for n in range(1, 129)}
+  for n, layout in chosen.items():
+    rows = _received_rows(mesh, n, capacity_factor, exchange)
+    assert layout == ("sharded" if rows <= even else "gathered"), (n, rows, even)
+  assert chosen[4] == "sharded" and chosen[128] == "gathered"
+  # Half the bytes per weight (bf16 weights, f32 rows) halves the break-even.
+  half = {n for n in chosen if moe_dispatch.resolve_weights("auto", mesh, num_tokens=n, weight_bytes=2,
+                                                           **shapes) == "sharded"}
+  assert max(_received_rows(mesh, n, capacity_factor, exchange) for n in half) <= even / 2
+  # Without fsdp nothing is gathered either way; an fsdp not dividing D leaves only "gathered".
+  assert moe_dispatch.resolve_weights("auto", _mesh(fsdp=1, expert=2, tensor=4), num_tokens=512,
+                                      **shapes) == "sharded"
+  odd = dict(shapes, embed=D + 1)
+  assert moe_dispatch.resolve_weights("auto", mesh, num_tokens=4, **odd) == "gathered"
+
+
+def test_auto_weights_match_dense_on_both_sides_of_the_break_even():
+  """ep_weights=auto, forward and backward, at 8 tokens (sharded: no expert weight gathered) and at
+  48 (gathered: its gathers seen in the HLO): both equal the one-device dense reference."""
+  mesh = _mesh()
+  shapes = dict(k=K, num_experts=E, embed=D, hidden=F)
+  step = jax.jit(functools.partial(_value_and_grads, functools.partial(
+      moe_dispatch.expert_parallel, mesh=mesh, exchange="all_to_all", weights="auto")))
+  for num_tokens, layout in ((8, "sharded"), (48, "gathered")):
+    assert moe_dispatch.resolve_weights("auto", mesh, num_tokens=num_tokens, **shapes) == layout
+    xs, choices, weights, w, cot = _inputs(num_tokens, seed=num_tokens)
+    w_sharded = _training_layout(w, mesh)
+    compiled = step.lower(xs, choices, weights, w_sharded, cot).compile()
+    assert bool(_weight_gathers(compiled.as_text())) == (layout == "gathered"), layout
+    _assert_matches(compiled(xs, choices, weights, w_sharded, cot),
+                    _reference(xs, choices, weights, w, cot))
+
+
+def test_bad_ep_weights_names_the_field_and_choices():
+  expected = r"moe.ep_weights='sharded_fsdp' is unknown; choose one of \('auto', 'sharded', 'gathered'\)"
+  xs, choices, weights, w, _ = _inputs(8)
+  with pytest.raises(ValueError, match=expected):
+    moe_dispatch.expert_parallel(xs, choices, weights, w, mesh=_mesh(), weights="sharded_fsdp")
+  with pytest.raises(ValueError, match=expected):
+    MoE(D, F, E, K, mesh=_mesh(), ep_weights="sharded_fsdp", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=expected):
+    moe_dispatch.resolve_weights("sharded_fsdp", _mesh(), num_tokens=8, k=K, num_experts=E, embed=D,
+                                 hidden=F)
+  from meshrl import configs  # pylint: disable=import-outside-toplevel
+  from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match=expected):  # the run config, as a run would read it
+    ModelConfig.from_config(configs.load("configs/tiny.py", ["moe.ep_weights=sharded_fsdp"]))
+
+
+def test_run_summary_prints_the_layout_per_phase():
+  """The RL run's console line (rl/loop.py dispatch_summary) names the layout each phase runs under
+  the default moe.ep_weights=auto: here decode's 32 one-token rows stay sharded and training's
+  192-token minibatches gather (fsdp=4 x expert=2, 512-wide experts)."""
+  from meshrl import configs  # pylint: disable=import-outside-toplevel
+  from meshrl.model.moe import ep_weights_plan  # pylint: disable=import-outside-toplevel
+  from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.loop import dispatch_summary  # pylint: disable=import-outside-toplevel
+  cfg = configs.load("configs/tiny.py", ["mesh.fsdp=4", "mesh.expert=2", "moe.expert_mlp_dim=512",
+                                         "rl.prompts_per_step=4"])
+  assert cfg.moe.ep_weights == "auto"
+  mesh = make_mesh(cfg.mesh)
+  rows = cfg.rl.prompts_per_step * cfg.rl.group_size
+  tokens = {"train": rows * (cfg.rl.max_prompt_len + cfg.rl.max_new_tokens) // cfg.rl.num_minibatches,
+            "prefill": cfg.rl.prompts_per_step * cfg.rl.max_prompt_len, "decode": rows}
+  plan = ep_weights_plan(ModelConfig.from_config(cfg, mesh), mesh, tokens)
+  assert plan["train"][0] == "gathered" and plan["decode"][0] == "sharded", plan
+  for layout, cost in plan.values():
+    assert layout == min(("sharded", "gathered"), key=cost.get)
+  assert dispatch_summary(cfg, mesh).endswith(
+      "expert weights (auto): " + ", ".join(f"{p} {layout}" for p, (layout, _) in plan.items()))

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from meshrl import configs
+from meshrl.model import kv_cache as kvc
 from meshrl.model.init import build_model, parameter_counts
 from meshrl.model.transformer import ModelConfig
 from meshrl.sharding import make_mesh
@@ -62,6 +63,37 @@ def test_cache_decode_equals_full_forward(variant):
     cache = out.cache
   np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, axis=1)), np.asarray(full), atol=1e-5)
   assert int(cache.index) == 10
+
+
+@pytest.mark.parametrize("row_index,scan", [
+    (True, True), pytest.param(False, False, marks=pytest.mark.slow)])  # the second: ~10 s more
+def test_decode_writes_each_layer_slot_like_a_prefill(row_index, scan):
+  """Token by token, each layer's cache ends equal to one prefill of the whole sequence (a write at
+  the wrong slot or layer, or a step that attends over a stale layer, breaks it), and each step's
+  logits equal the full forward; row_index: the continuous engine's per-row write index [B];
+  scan=False: the layers unrolled instead of scanned."""
+  model = build_model(ModelConfig.from_config(_cfg("moe.first_k_dense=0",  # one stack of 3 layers
+                                                   f"model.scan_layers={str(scan).lower()}")))
+  tokens = _tokens(batch=2, length=9, seed=1)
+  graphdef, state = nnx.split(model)
+  positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+  step = jax.jit(lambda s, t, p, c: (lambda o: (o.logits, o.cache))(nnx.merge(graphdef, s)(
+      t, positions=p, cache=c)))
+  whole_logits, whole = step(state, tokens, positions, model.init_cache(2, 12))
+  logits, cache = step(state, tokens[:, :3], positions[:, :3], model.init_cache(2, 12))
+  if row_index:
+    cache = kvc.with_row_index(cache)
+  steps = [logits]
+  for t in range(3, 9):
+    logits, cache = step(state, tokens[:, t:t + 1], positions[:, t:t + 1], cache)
+    steps.append(logits)
+  np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(whole_logits), atol=1e-5)
+  for name, entry in cache.layers["moe"].items():
+    assert entry.shape[0] == 3
+    np.testing.assert_allclose(np.asarray(entry), np.asarray(whole.layers["moe"][name]), atol=1e-5,
+                               err_msg=name)
+  np.testing.assert_array_equal(np.asarray(cache.positions), np.asarray(whole.positions))
+  np.testing.assert_array_equal(np.asarray(cache.index), np.full(cache.index.shape, 9))
 
 
 def test_scan_and_loop_and_remat_agree():

@@ -98,23 +98,33 @@ def test_greedy_identical_with_bad_draft():
 def test_ngram_rollout_from_config_equals_plain_rollout_with_moe_routing():
   """rl.speculative="ngram" through make_rollout (tiny MoE): the same tokens, log-probs and replayed
   expert choices as the plain static rollout."""
-  from meshrl.model.init import build_model  # pylint: disable=import-outside-toplevel
   from meshrl.rl.rollout import make_rollout  # pylint: disable=import-outside-toplevel
-  small = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
-           "moe.expert_mlp_dim=32", "rl.max_prompt_len=8", "rl.max_new_tokens=10", "model.max_seq_len=24",
-           "model.init_std=0.5", "rl.temperature=0.0", "rl.group_size=2", "rl.speculative_k=3",
-           "rl.ngram_n=2"]
-  plain_cfg = configs.load("configs/tiny.py", small)
-  spec_cfg = configs.load("configs/tiny.py", small + ["rl.speculative=ngram"])
-  params, extra = nnx.split(build_model(ModelConfig.from_config(plain_cfg)), nnx.Param, ...)[1:]
-  prompts = PROMPTS % 200 + 3
-  args = (params, extra, prompts, jnp.ones_like(prompts, bool), jax.random.key(0))
+  plain_cfg, spec_cfg, args = _moe_ngram_case([])
   plain = make_rollout(plain_cfg, None, stop_ids=(1,), pad_id=0)(*args)
   rollout = make_rollout(spec_cfg, None, stop_ids=(1,), pad_id=0)
   out = rollout(*args)
   _check_identical(out, plain)
   assert int(rollout.metrics.accepted) > 0  # the periodic prompt
-  # Expert choices of every response token but the last (which speculation never feeds).
+  _check_same_routing(out, plain)
+
+
+def _moe_ngram_case(overrides):
+  """(plain config, the same + rl.speculative=ngram, rollout args) of a tiny greedy MoE whose prompts
+  repeat periodically (so n-gram proposals get accepted)."""
+  from meshrl.model.init import build_model  # pylint: disable=import-outside-toplevel
+  small = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
+           "moe.expert_mlp_dim=32", "rl.max_prompt_len=8", "rl.max_new_tokens=10", "model.max_seq_len=24",
+           "model.init_std=0.5", "rl.temperature=0.0", "rl.group_size=2", "rl.speculative_k=3",
+           "rl.ngram_n=2"] + overrides
+  plain_cfg = configs.load("configs/tiny.py", small)
+  spec_cfg = configs.load("configs/tiny.py", small + ["rl.speculative=ngram"])
+  params, extra = nnx.split(build_model(ModelConfig.from_config(plain_cfg)), nnx.Param, ...)[1:]
+  prompts = PROMPTS % 200 + 3
+  return plain_cfg, spec_cfg, (params, extra, prompts, jnp.ones_like(prompts, bool), jax.random.key(0))
+
+
+def _check_same_routing(out, plain):
+  """Equal expert choices for every response token but the last (which speculation never feeds)."""
   last = 8 + np.asarray(plain.lengths)[None, :, None, None] - 1
   column = np.arange(out.routing.shape[2])[None, None, :, None]
   np.testing.assert_array_equal(np.where(column < last, out.routing, 0), np.where(column < last, plain.routing, 0))
@@ -352,25 +362,14 @@ def test_engine_sampled_speculation_draws_the_static_speculative_samples(method)
 def test_engine_from_config_equals_plain_engine_with_moe_routing():
   """rl.engine="continuous" + rl.speculative="ngram" through make_engine (tiny MoE, 3 slots): the plain
   engine's tokens, log-probs and replayed expert choices; the acceptance metrics in `engine.metrics`."""
-  from meshrl.model.init import build_model  # pylint: disable=import-outside-toplevel
   from meshrl.rl.engine import make_engine  # pylint: disable=import-outside-toplevel
-  small = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
-           "moe.expert_mlp_dim=32", "rl.max_prompt_len=8", "rl.max_new_tokens=10", "model.max_seq_len=24",
-           "model.init_std=0.5", "rl.temperature=0.0", "rl.group_size=2", "rl.speculative_k=3",
-           "rl.ngram_n=2", "rl.engine=continuous", "rl.decode_slots=3"]
-  plain_cfg = configs.load("configs/tiny.py", small)
-  spec_cfg = configs.load("configs/tiny.py", small + ["rl.speculative=ngram"])
-  params, extra = nnx.split(build_model(ModelConfig.from_config(plain_cfg)), nnx.Param, ...)[1:]
-  prompts = PROMPTS % 200 + 3
-  args = (params, extra, prompts, jnp.ones_like(prompts, bool), jax.random.key(0))
+  plain_cfg, spec_cfg, args = _moe_ngram_case(["rl.engine=continuous", "rl.decode_slots=3"])
   plain = make_engine(plain_cfg, None, stop_ids=(1,), pad_id=0)(*args)
   engine = make_engine(spec_cfg, None, stop_ids=(1,), pad_id=0)
   out = engine(*args)
   _check_identical(out, plain)
   assert int(engine.metrics.accepted) > 0  # the periodic prompt
-  last = 8 + np.asarray(plain.lengths)[None, :, None, None] - 1  # the last token is never fed
-  column = np.arange(out.routing.shape[2])[None, None, :, None]
-  np.testing.assert_array_equal(np.where(column < last, out.routing, 0), np.where(column < last, plain.routing, 0))
+  _check_same_routing(out, plain)
 
 
 @pytest.mark.slow
