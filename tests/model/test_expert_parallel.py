@@ -287,6 +287,7 @@ def test_auto_weights_flip_at_the_break_even(capacity_factor, exchange):
   assert moe_dispatch.resolve_weights("auto", mesh, num_tokens=4, **odd) == "gathered"
 
 
+@pytest.mark.slow  # ~10 s; the sharded and gathered layouts' numerics are tested above by default
 def test_auto_weights_match_dense_on_both_sides_of_the_break_even():
   """ep_weights=auto, forward and backward, at 8 tokens (sharded: no expert weight gathered) and at
   48 (gathered: its gathers seen in the HLO): both equal the one-device dense reference."""

@@ -55,6 +55,7 @@ def test_reference_matches_jax_dot_product_attention():
   assert float(jnp.max(jnp.abs(got - want))) <= TOL
 
 
+@pytest.mark.slow  # ~8 s; the decode tests (tests/model/test_transformer.py) run this kernel on CPU
 def test_short_query_attention_equals_the_batched_dot_reference():
   """The decode form (broadcast-multiply + reduce over the cache as laid out) against the batched
   dots, for GQA with J != H, segment pairs, causal masks, and a row that sees no key (gives 0)."""
