@@ -481,9 +481,14 @@ def d_split_axes(mesh: Mesh, embed: int, d_axes: tuple[str, ...] = (FSDP_AXIS,))
   weights are then gathered over them). Each of these axes also splits the tokens (`token_axes`), so
   the devices along them hold different D-slices of the same experts and different rows: the peers
   that trade D-slices in `_sharded_swiglu`."""
-  axes = tuple(a for a in MESH_AXES if a in d_axes and a not in (EXPERT_AXIS, TENSOR_AXIS)
-               and mesh.shape[a] > 1)
+  axes = _d_candidates(mesh, d_axes)
   return axes if axes and embed % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+
+def _d_candidates(mesh: Mesh, d_axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The axes of `d_axes` that could split the experts' D: size > 1, not 'expert' or 'tensor'."""
+  return tuple(a for a in MESH_AXES if a in d_axes and a not in (EXPERT_AXIS, TENSOR_AXIS)
+               and mesh.shape[a] > 1)
 
 
 def ep_weight_bytes(mesh: Mesh, *, num_tokens: int, k: int, num_experts: int, embed: int, hidden: int,
@@ -529,9 +534,8 @@ def resolve_weights(weights: str, mesh: Mesh, **shapes) -> str:
   check_weights(weights)
   if weights != "auto":
     return weights
-  wanted = tuple(a for a in shapes.get("d_axes", (FSDP_AXIS,))
-                 if a not in (EXPERT_AXIS, TENSOR_AXIS) and mesh.shape[a] > 1)
-  if wanted and not d_split_axes(mesh, shapes["embed"], wanted):
+  d_axes = shapes.get("d_axes", (FSDP_AXIS,))
+  if _d_candidates(mesh, d_axes) and not d_split_axes(mesh, shapes["embed"], d_axes):
     return "gathered"
   cost = ep_weight_bytes(mesh, **shapes)
   return "sharded" if cost["sharded"] <= cost["gathered"] else "gathered"

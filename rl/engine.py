@@ -184,6 +184,15 @@ def _admit(sid: jax.Array, next_pos: jax.Array, order: jax.Array, num_waiting: j
   return jnp.where(take, new, sid), take, next_pos + jnp.sum(take).astype(jnp.int32)
 
 
+def _keep_going(num: int, max_steps: int):
+  """The decode loops' condition: a slot still holds a sample (sid < B), and fewer than `max_steps`
+  iterations ran (0: no bound)."""
+  def keep_going(s) -> jax.Array:
+    going = jnp.any(s.sid < num)
+    return going & (s.step < max_steps) if max_steps else going
+  return keep_going
+
+
 def run_pool(model: Transformer, spec: RolloutSpec, pool: Pool, *, slots: int, max_steps: int = 0,
              version: jax.Array | int = 0) -> tuple[Pool, Any]:
   """Decodes the pool's samples on `slots` decode slots (pure; jit it) -> (pool, prompt routing).
@@ -211,9 +220,7 @@ def run_pool(model: Transformer, spec: RolloutSpec, pool: Pool, *, slots: int, m
     return s.replace(cache=kvc.copy_rows(s.cache, prompt_cache, group, take),
                      logits=jnp.where(take[:, None], prompt_logits[group], s.logits), sid=sid, next=next_pos)
 
-  def keep_going(s: _Loop):
-    going = jnp.any(s.sid < num)
-    return going & (s.step < max_steps) if max_steps else going
+  keep_going = _keep_going(num, max_steps)
 
   def decode_one(s: _Loop) -> _Loop:
     p = s.pool
@@ -307,9 +314,7 @@ def run_pool_speculative(model: Transformer, draft: Transformer | None, spec: Ro
                      logits=jnp.where(take[:, None], prompt_logits[group], s.logits),
                      fresh=s.fresh | take, sid=sid, next=next_pos)
 
-  def keep_going(s: _SpecLoop):
-    going = jnp.any(s.sid < num)
-    return going & (s.step < max_steps) if max_steps else going
+  keep_going = _keep_going(num, max_steps)
 
   def iterate(s: _SpecLoop) -> _SpecLoop:
     p = s.pool
