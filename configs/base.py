@@ -88,7 +88,7 @@ def get_config(arg=None):
   # (ragged_all_to_all, TPU only; an error on CPU) or "auto" (ragged on TPU, all_to_all elsewhere).
   config.moe.ep_weights = "auto"  # Expert parallelism: "sharded" (expert weights never gathered; activations
   # move, fsdp x larger), "gathered" (each layer gathers its experts' D over fsdp, as FSDP does) or "auto"
-  # (per call, whichever moves/holds fewer bytes for its static shapes: moe_dispatch.ep_weight_bytes).
+  # (per call, whichever moves/holds fewer bytes for its static shapes: expert_parallel.ep_weight_bytes).
   config.moe.aux_loss_coef = 0.01  # Switch-style load-balancing loss weight.
   config.moe.z_loss_coef = 0.001  # Router z-loss weight.
   config.moe.aux_free_bias = False  # DeepSeek-V3 aux-loss-free balancing bias (state, not a param).

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshrl.model import moe_dispatch
+from meshrl.model import expert_parallel, moe_dispatch
 from meshrl.model.moe_dispatch import ExpertWeights
 from meshrl.model.params import param
 
@@ -171,11 +171,11 @@ def ep_weights_plan(mc, mesh: Mesh, tokens_by_phase: dict[str, int]
   shapes = dict(k=mc.num_experts_per_tok, num_experts=mc.num_experts, embed=mc.embed_dim,
                 hidden=mc.expert_mlp_dim,
                 capacity_factor=mc.capacity_factor if mc.dispatch == "capacity" else None,
-                exchange=moe_dispatch.resolve_exchange(mc.ep_exchange, backend),
+                exchange=expert_parallel.resolve_exchange(mc.ep_exchange, backend),
                 act_bytes=jnp.dtype(mc.dtype).itemsize, weight_bytes=jnp.dtype(mc.dtype).itemsize,
                 d_axes=mc.ep_d_axes)
-  return {phase: (moe_dispatch.resolve_weights(mc.ep_weights, mesh, num_tokens=tokens, **shapes),
-                  moe_dispatch.ep_weight_bytes(mesh, num_tokens=tokens, **shapes))
+  return {phase: (expert_parallel.resolve_weights(mc.ep_weights, mesh, num_tokens=tokens, **shapes),
+                  expert_parallel.ep_weight_bytes(mesh, num_tokens=tokens, **shapes))
           for phase, tokens in tokens_by_phase.items()}
 
 
@@ -186,9 +186,9 @@ class MoE(nnx.Module):
   under jit each device routes its own tokens; only the expert computation differs by mode: one of
   moe_dispatch.IMPLEMENTATIONS, picked per call by `moe_dispatch.choose` ("auto": the fastest exact
   one for the backend, the phase and the token count), or, when mesh.shape['expert'] > 1,
-  moe_dispatch.expert_parallel inside shard_map: expert weights stay sharded over 'expert' and
+  expert_parallel.expert_parallel inside shard_map: expert weights stay sharded over 'expert' and
   'tensor', and over 'fsdp' unless `ep_weights` gathers their D per call ("auto": the layout that
-  moves/holds fewer bytes for the call's static shapes, moe_dispatch.ep_weight_bytes), tokens move
+  moves/holds fewer bytes for the call's static shapes, expert_parallel.ep_weight_bytes), tokens move
   by all_to_all or ragged_all_to_all (`ep_exchange`), any token count is padded to the token
   shards, and no slot is ever dropped unless dispatch="capacity": then buffers
   of ceil(capacity_factor * n * K / P) rows per destination device (all_to_all) or
@@ -207,7 +207,7 @@ class MoE(nnx.Module):
                norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0, n_group: int = 1,
                topk_group: int = 1, dispatch: str = "auto", capacity_factor: float = 1.25,
                aux_free_bias: bool = False, ep_exchange: str = "auto", ep_weights: str = "auto",
-               ep_d_axes: tuple[str, ...] = (moe_dispatch.FSDP_AXIS,), mesh: Mesh | None = None,
+               ep_d_axes: tuple[str, ...] = (expert_parallel.FSDP_AXIS,), mesh: Mesh | None = None,
                dtype=jnp.float32,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
     """Validates the numbers and creates the weights.
@@ -228,9 +228,9 @@ class MoE(nnx.Module):
       aux_free_bias: keep a RouterBias for aux-loss-free balancing (DeepSeek-V3).
       ep_exchange: how expert parallelism moves tokens: "all_to_all", "ragged" (TPU only) or "auto".
       ep_weights: "sharded" (expert weights never gathered), "gathered" (D gathered over fsdp) or
-        "auto" (per call, the one that moves/holds fewer bytes: moe_dispatch.ep_weight_bytes).
+        "auto" (per call, the one that moves/holds fewer bytes: expert_parallel.ep_weight_bytes).
       ep_d_axes: the mesh axes the parameter rules split the experts' D ('embed') over: the peers that
-        trade D-slices under ep_weights="sharded" (moe_dispatch.d_split_axes).
+        trade D-slices under ep_weights="sharded" (expert_parallel.d_split_axes).
       mesh: with mesh.shape['expert'] > 1 the experts run expert-parallel inside shard_map.
       dtype: compute dtype of the experts (routing is always float32).
       param_dtype: storage dtype of the weights.
@@ -254,7 +254,7 @@ class MoE(nnx.Module):
     self.dispatch, self.capacity_factor = dispatch, capacity_factor
     self.mesh, self.dtype = mesh, dtype
     self.ep_exchange, self.ep_weights, self.ep_d_axes = ep_exchange, ep_weights, tuple(ep_d_axes)
-    moe_dispatch.check_exchange(ep_exchange, self.backend(), ep_weights)
+    expert_parallel.check_exchange(ep_exchange, self.backend(), ep_weights)
 
     def make(shape, axes):
       return param(rngs.params(), shape, axes, dtype=param_dtype)
@@ -336,8 +336,8 @@ class MoE(nnx.Module):
     implementation = self.implementation(phase, batch * length)
     if implementation == "expert_parallel":
       capacity_factor = self.capacity_factor if self.dispatch == "capacity" else None
-      exchange = moe_dispatch.resolve_exchange(self.ep_exchange, self.backend())
-      ys, dropped = moe_dispatch.expert_parallel(xs, indices, weights, experts, mesh=self.mesh,
+      exchange = expert_parallel.resolve_exchange(self.ep_exchange, self.backend())
+      ys, dropped = expert_parallel.expert_parallel(xs, indices, weights, experts, mesh=self.mesh,
                                                  capacity_factor=capacity_factor, exchange=exchange,
                                                  weights=self.ep_weights, d_axes=self.ep_d_axes)
     else:

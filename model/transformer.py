@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from meshrl.model import kv_cache as kvc
 from meshrl.model.attention import GQAttention, KernelConfig, MLAttention
 from meshrl.model.layers import Dense, Embed, RMSNorm, RopeConfig, SwiGLU
-from meshrl.model import moe_dispatch, quant
+from meshrl.model import expert_parallel, moe_dispatch, quant
 from meshrl.model.moe import MoE
 from meshrl.sharding.rules import rules_from_config
 
@@ -97,7 +97,7 @@ class ModelConfig:
     if self.num_experts:
       moe_dispatch.check_dispatch(self.dispatch, self.capacity_factor)
       mesh = self.kernel.mesh
-      moe_dispatch.check_exchange(self.ep_exchange, mesh.devices.flat[0].platform if mesh is not None
+      expert_parallel.check_exchange(self.ep_exchange, mesh.devices.flat[0].platform if mesh is not None
                                   else jax.default_backend(), self.ep_weights)
     if self.kv_cache_dtype not in quant.KV_CACHE_DTYPES:
       raise ValueError(f"rl.kv_cache_dtype={self.kv_cache_dtype!r}; choose one of "

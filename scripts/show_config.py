@@ -65,7 +65,7 @@ def print_dispatch_plan(config, mesh) -> None:
     dropping = " (drops overflow)" if mc.dispatch == "capacity" else ""
     print(f"  every phase: expert_parallel all-to-all over {mesh.shape['expert']} devices{dropping}")
     print(f"  expert weights (moe.ep_weights={mc.ep_weights}; bytes each layout moves or holds beyond "
-          f"the other, per device per call: moe_dispatch.ep_weight_bytes):")
+          f"the other, per device per call: expert_parallel.ep_weight_bytes):")
     for phase, (layout, cost) in moe.ep_weights_plan(mc, mesh, tokens).items():
       print(f"  {phase:>8}: {layout} ({tokens[phase]} tokens per call; sharded "
             f"{cost['sharded'] / 2 ** 20:.3g} MiB, gathered {cost['gathered'] / 2 ** 20:.3g} MiB)")

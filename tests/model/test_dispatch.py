@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from meshrl import configs
-from meshrl.model import moe_dispatch
+from meshrl.model import expert_parallel, moe_dispatch
 from meshrl.model.moe import MoE
 from meshrl.model.moe_dispatch import ExpertWeights
 from meshrl.model.transformer import ModelConfig, phase_of
@@ -215,11 +215,11 @@ def test_expert_parallel_token_layout():
   from meshrl.sharding import make_mesh  # pylint: disable=import-outside-toplevel
   mesh = make_mesh(ml_collections.ConfigDict(
       dict(data=1, fsdp=2, expert=2, sequence=1, tensor=2, num_slices=1)))
-  assert moe_dispatch.token_axes(mesh) == ("fsdp", "expert")
-  assert [moe_dispatch.padded_tokens(mesh, n) for n in (1, 4, 22, 111)] == [4, 4, 24, 112]
-  specs = moe_dispatch.expert_weight_specs(mesh, 16, 8)
+  assert expert_parallel.token_axes(mesh) == ("fsdp", "expert")
+  assert [expert_parallel.padded_tokens(mesh, n) for n in (1, 4, 22, 111)] == [4, 4, 24, 112]
+  specs = expert_parallel.expert_weight_specs(mesh, 16, 8)
   assert specs.gate == jax.sharding.PartitionSpec("expert", "fsdp", "tensor")
   assert specs.down == jax.sharding.PartitionSpec("expert", "tensor", "fsdp")
-  assert moe_dispatch.expert_weight_specs(mesh, 15, 8).gate[1] is None  # 15 does not split over fsdp=2
-  assert moe_dispatch.resolve_exchange("auto", "tpu") == "ragged"
-  assert moe_dispatch.resolve_exchange("auto", "cpu") == "all_to_all"
+  assert expert_parallel.expert_weight_specs(mesh, 15, 8).gate[1] is None  # 15 does not split over fsdp=2
+  assert expert_parallel.resolve_exchange("auto", "tpu") == "ragged"
+  assert expert_parallel.resolve_exchange("auto", "cpu") == "all_to_all"

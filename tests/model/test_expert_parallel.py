@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshrl.model import moe_dispatch
+from meshrl.model import expert_parallel, moe_dispatch
 from meshrl.model.moe import MoE
 from meshrl.model.moe_dispatch import ExpertWeights
 from meshrl.rl import aot
@@ -63,7 +63,7 @@ def _reference(xs, choices, weights, w, cot):
 
 
 def _ep(mesh, exchange, capacity_factor=None):
-  fn = functools.partial(moe_dispatch.expert_parallel, mesh=mesh, exchange=exchange,
+  fn = functools.partial(expert_parallel.expert_parallel, mesh=mesh, exchange=exchange,
                          capacity_factor=capacity_factor)
   return jax.jit(functools.partial(_value_and_grads, fn))
 
@@ -112,7 +112,7 @@ def test_gathered_weights_are_seen_gathered_and_match():
   check above sees its gathers: the check is live."""
   mesh = _mesh()
   xs, choices, weights, w, _ = _inputs(24, seed=3)
-  fn = jax.jit(functools.partial(moe_dispatch.expert_parallel, mesh=mesh, weights="gathered"))
+  fn = jax.jit(functools.partial(expert_parallel.expert_parallel, mesh=mesh, weights="gathered"))
   w_sharded = _training_layout(w, mesh)
   assert _weight_gathers(fn.lower(xs, choices, weights, w_sharded).compile().as_text())
   ys, dropped = fn(xs, choices, weights, w_sharded)
@@ -128,14 +128,14 @@ def test_d_split_over_sequence_stays_sharded_and_matches():
   gradients equal the one-device dense reference."""
   mesh = make_mesh(ml_collections.ConfigDict(
       dict(data=1, fsdp=1, expert=2, sequence=2, tensor=2, num_slices=1)))
-  assert moe_dispatch.d_split_axes(mesh, D, ("fsdp", "sequence")) == ("sequence",)
-  assert moe_dispatch.d_split_axes(mesh, D + 1, ("fsdp", "sequence")) == ()  # 2 does not divide 33
+  assert expert_parallel.d_split_axes(mesh, D, ("fsdp", "sequence")) == ("sequence",)
+  assert expert_parallel.d_split_axes(mesh, D + 1, ("fsdp", "sequence")) == ()  # 2 does not divide 33
   xs, choices, weights, w, cot = _inputs(3 * 11, seed=5)
   specs = [PartitionSpec("expert", "sequence", "tensor")] * 2 + [PartitionSpec("expert", "tensor", "sequence")]
   w_sharded = ExpertWeights(*(jax.device_put(a, NamedSharding(mesh, sp)) for a, sp in zip(w, specs)))
 
   def step(d_axes):
-    fn = functools.partial(moe_dispatch.expert_parallel, mesh=mesh, weights="sharded", d_axes=d_axes)
+    fn = functools.partial(expert_parallel.expert_parallel, mesh=mesh, weights="sharded", d_axes=d_axes)
     return jax.jit(functools.partial(_value_and_grads, fn))
   split = step(("fsdp", "sequence"))
   assert not _weight_gathers(split.lower(xs, choices, weights, w_sharded, cot).compile().as_text())
@@ -176,7 +176,7 @@ def test_ragged_capacity_drops_are_counted():
   the receiver-capacity rule (dense reference with the dropped slots' weights zeroed)."""
   mesh = _mesh(fsdp=4, expert=2, tensor=1)
   xs, choices, weights, w, _ = _inputs(40, skew=True, seed=2)
-  fn = jax.jit(functools.partial(moe_dispatch.expert_parallel, mesh=mesh, exchange="emulated",
+  fn = jax.jit(functools.partial(expert_parallel.expert_parallel, mesh=mesh, exchange="emulated",
                                  capacity_factor=0.75))
   ys, dropped = fn(xs, choices, weights, w)
   kept = _ragged_kept(np.asarray(choices), shards=8, num_shards=2, capacity_factor=0.75)
@@ -210,7 +210,7 @@ def test_ragged_all_to_all_compiles_for_tpu():
   assert mesh.devices.flat[0].platform == "tpu"
   moe = nnx.eval_shape(lambda: MoE(D, F, E, K, mesh=mesh, dispatch="capacity", ep_weights="sharded",
                                    rngs=nnx.Rngs(0)))
-  assert moe_dispatch.resolve_exchange(moe.ep_exchange, moe.backend()) == "ragged"  # auto on TPU
+  assert expert_parallel.resolve_exchange(moe.ep_exchange, moe.backend()) == "ragged"  # auto on TPU
   graph, state = nnx.split(moe)
   specs = {"gate": PartitionSpec("expert", "fsdp"), "up": PartitionSpec("expert", "fsdp"),
            "down": PartitionSpec("expert", None, "fsdp")}
@@ -238,14 +238,14 @@ def test_bad_exchange_raises(kw, match):
   with pytest.raises(ValueError, match=match):
     MoE(D, F, E, K, mesh=_mesh(), rngs=nnx.Rngs(0), **kw)
   with pytest.raises(ValueError, match=match):
-    moe_dispatch.check_exchange(kw.get("ep_exchange", "auto"), "cpu", kw.get("ep_weights", "sharded"))
+    expert_parallel.check_exchange(kw.get("ep_exchange", "auto"), "cpu", kw.get("ep_weights", "sharded"))
 
 
 # --- moe.ep_weights=auto: per call, the layout that moves/holds fewer bytes ----------------------
 
 
 def _break_even_rows(mesh, *, act_bytes=4, weight_bytes=4):
-  """M* from the shapes, written out independently of moe_dispatch: sharded costs
+  """M* from the shapes, written out independently of expert_parallel: sharded costs
   (Pf - 1) M (7 F' + 2 D / Pf) act bytes, gathered 6 L D F' (Pf - 1) / Pf weight bytes."""
   pf, local_f, local_e = mesh.shape["fsdp"], F // mesh.shape["tensor"], E // mesh.shape["expert"]
   return 6 * local_e * D * local_f * weight_bytes / (pf * (7 * local_f + 2 * D / pf) * act_bytes)
@@ -271,20 +271,20 @@ def test_auto_weights_flip_at_the_break_even(capacity_factor, exchange):
   mesh = _mesh()
   shapes = dict(k=K, num_experts=E, embed=D, hidden=F, capacity_factor=capacity_factor, exchange=exchange)
   even = _break_even_rows(mesh)
-  chosen = {n: moe_dispatch.resolve_weights("auto", mesh, num_tokens=n, **shapes) for n in range(1, 129)}
+  chosen = {n: expert_parallel.resolve_weights("auto", mesh, num_tokens=n, **shapes) for n in range(1, 129)}
   for n, layout in chosen.items():
     rows = _received_rows(mesh, n, capacity_factor, exchange)
     assert layout == ("sharded" if rows <= even else "gathered"), (n, rows, even)
   assert chosen[4] == "sharded" and chosen[128] == "gathered"
   # Half the bytes per weight (bf16 weights, f32 rows) halves the break-even.
-  half = {n for n in chosen if moe_dispatch.resolve_weights("auto", mesh, num_tokens=n, weight_bytes=2,
+  half = {n for n in chosen if expert_parallel.resolve_weights("auto", mesh, num_tokens=n, weight_bytes=2,
                                                            **shapes) == "sharded"}
   assert max(_received_rows(mesh, n, capacity_factor, exchange) for n in half) <= even / 2
   # Without fsdp nothing is gathered either way; an fsdp not dividing D leaves only "gathered".
-  assert moe_dispatch.resolve_weights("auto", _mesh(fsdp=1, expert=2, tensor=4), num_tokens=512,
+  assert expert_parallel.resolve_weights("auto", _mesh(fsdp=1, expert=2, tensor=4), num_tokens=512,
                                       **shapes) == "sharded"
   odd = dict(shapes, embed=D + 1)
-  assert moe_dispatch.resolve_weights("auto", mesh, num_tokens=4, **odd) == "gathered"
+  assert expert_parallel.resolve_weights("auto", mesh, num_tokens=4, **odd) == "gathered"
 
 
 @pytest.mark.slow  # ~10 s; the sharded and gathered layouts' numerics are tested above by default
@@ -294,9 +294,9 @@ def test_auto_weights_match_dense_on_both_sides_of_the_break_even():
   mesh = _mesh()
   shapes = dict(k=K, num_experts=E, embed=D, hidden=F)
   step = jax.jit(functools.partial(_value_and_grads, functools.partial(
-      moe_dispatch.expert_parallel, mesh=mesh, exchange="all_to_all", weights="auto")))
+      expert_parallel.expert_parallel, mesh=mesh, exchange="all_to_all", weights="auto")))
   for num_tokens, layout in ((8, "sharded"), (48, "gathered")):
-    assert moe_dispatch.resolve_weights("auto", mesh, num_tokens=num_tokens, **shapes) == layout
+    assert expert_parallel.resolve_weights("auto", mesh, num_tokens=num_tokens, **shapes) == layout
     xs, choices, weights, w, cot = _inputs(num_tokens, seed=num_tokens)
     w_sharded = _training_layout(w, mesh)
     compiled = step.lower(xs, choices, weights, w_sharded, cot).compile()
@@ -309,11 +309,11 @@ def test_bad_ep_weights_names_the_field_and_choices():
   expected = r"moe.ep_weights='sharded_fsdp' is unknown; choose one of \('auto', 'sharded', 'gathered'\)"
   xs, choices, weights, w, _ = _inputs(8)
   with pytest.raises(ValueError, match=expected):
-    moe_dispatch.expert_parallel(xs, choices, weights, w, mesh=_mesh(), weights="sharded_fsdp")
+    expert_parallel.expert_parallel(xs, choices, weights, w, mesh=_mesh(), weights="sharded_fsdp")
   with pytest.raises(ValueError, match=expected):
     MoE(D, F, E, K, mesh=_mesh(), ep_weights="sharded_fsdp", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=expected):
-    moe_dispatch.resolve_weights("sharded_fsdp", _mesh(), num_tokens=8, k=K, num_experts=E, embed=D,
+    expert_parallel.resolve_weights("sharded_fsdp", _mesh(), num_tokens=8, k=K, num_experts=E, embed=D,
                                  hidden=F)
   from meshrl import configs  # pylint: disable=import-outside-toplevel
   from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
