@@ -63,6 +63,7 @@ def get_config(arg=None):
   config.model.param_dtype = "float32"  # Parameter storage dtype.
   config.model.remat = "none"  # Rematerialisation: "none", "full", "save_attention", "save_dots".
   config.model.scan_layers = True  # Stack blocks and lax.scan over them (one compiled block).
+  config.model.decode_layers = "auto"  # Generation loops: "scan" the stacked blocks, or "unrolled" on per-layer weights taken once per loop (a copy of the blocks' weights; no per-step slice copies); "auto": unrolled on CPU.
   config.model.init_std = 0.02  # Std of the normal initialiser of weights.
   config.model.init_from = ""  # "" = random init; or a Hugging Face dir (Qwen3-MoE, DeepSeek-V3) or a meshrl checkpoint.
   config.model.tokenizer = "byte"  # "byte", or a tokenizer.json or a dir holding one (and its chat template).

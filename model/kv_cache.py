@@ -144,6 +144,26 @@ def read_entry(layer_cache: dict, name: str, dtype) -> jax.Array:
   return quant.dequantize(quant.QuantizedArray(layer_cache[name], layer_cache[scale_name][..., None]), dtype)
 
 
+def unstack(cache: KVCache) -> KVCache:
+  """The same cache with each stack's entries split per layer: layers {stack: ({entry: [B, S, ...]},
+  one dict per layer)}, for a model called with `layer_weights=` (unrolled layers). A copy of the
+  entries; `stack` undoes it."""
+  return cache.replace(layers={stack: tuple({name: a[i] for name, a in entries.items()}
+                                            for i in range(next(iter(entries.values())).shape[0]))
+                               for stack, entries in cache.layers.items()})
+
+
+def stack(cache: KVCache) -> KVCache:
+  """The inverse of `unstack`: entries [L, B, S, ...] again."""
+  return cache.replace(layers={name: jax.tree.map(lambda *a: jnp.stack(a), *layers)
+                               for name, layers in cache.layers.items()})
+
+
+def is_unstacked(cache: KVCache) -> bool:
+  """Whether `cache` holds per-layer entries (`unstack`)."""
+  return any(isinstance(layers, tuple) for layers in cache.layers.values())
+
+
 def with_row_index(cache: KVCache) -> KVCache:
   """The same cache with a per-row write index [B] (each row may then advance on its own)."""
   batch = cache.positions.shape[0]
@@ -154,10 +174,14 @@ def copy_rows(dst: KVCache, src: KVCache, src_rows: jax.Array, take: jax.Array) 
   """dst with each row j where take[j] replaced, whole, by src row src_rows[j] (entries, positions,
   segments and write index), so nothing of the row's previous occupant survives.
 
-  dst has a per-row index [B_dst] and the same length as src; src_rows/take are [B_dst].
+  dst has a per-row index [B_dst] and the same length as src (both stacked, or both `unstack`ed);
+  src_rows/take are [B_dst].
   """
   if src.max_len != dst.max_len:
     raise ValueError(f"copy_rows: source cache of {src.max_len} slots, destination {dst.max_len}.")
+  if is_unstacked(src) != is_unstacked(dst):
+    raise ValueError("copy_rows: one cache is per layer (kv_cache.unstack) and the other is not.")
+  batch_axis = 0 if is_unstacked(dst) else 1
   rows = jnp.clip(src_rows, 0, src.positions.shape[0] - 1)
 
   def pick(d, s, axis):
@@ -165,7 +189,7 @@ def copy_rows(dst: KVCache, src: KVCache, src_rows: jax.Array, take: jax.Array) 
     mask = take.reshape((1,) * axis + (-1,) + (1,) * (d.ndim - axis - 1))
     return jnp.where(mask, chosen.astype(d.dtype), d)
   src_index = jnp.broadcast_to(src.index, (src.positions.shape[0],))
-  return dst.replace(layers=jax.tree.map(lambda d, s: pick(d, s, 1), dst.layers, src.layers),
+  return dst.replace(layers=jax.tree.map(lambda d, s: pick(d, s, batch_axis), dst.layers, src.layers),
                      positions=pick(dst.positions, src.positions, 0),
                      segment_ids=pick(dst.segment_ids, src.segment_ids, 0),
                      index=pick(dst.index, src_index, 0))

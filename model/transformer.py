@@ -27,6 +27,8 @@ from meshrl.model import expert_parallel, moe_dispatch, quant
 from meshrl.model.moe import MoE
 from meshrl.sharding.rules import rules_from_config
 
+DECODE_LAYERS = ("auto", "scan", "unrolled")
+
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -63,6 +65,7 @@ class ModelConfig:
   param_dtype: Any = jnp.float32
   remat: str = "none"
   scan_layers: bool = True
+  decode_layers: str = "auto"  # generation loops: "scan", "unrolled" or "auto" (DECODE_LAYERS)
   # MoE (num_experts == 0: every layer dense)
   num_experts: int = 0
   num_experts_per_tok: int = 1
@@ -91,6 +94,9 @@ class ModelConfig:
       raise ValueError(f"model.attention_type={self.attention_type!r}; choose gqa or mla.")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"model.remat={self.remat!r}; choose one of {sorted(REMAT_POLICIES)}.")
+    if self.decode_layers not in DECODE_LAYERS:
+      raise ValueError(f"model.decode_layers={self.decode_layers!r}; choose one of "
+                       f"{', '.join(DECODE_LAYERS)}.")
     if self.num_experts and self.num_experts_per_tok > self.num_experts:
       raise ValueError(f"moe.num_experts_per_tok={self.num_experts_per_tok} is larger than "
                        f"moe.num_experts={self.num_experts}.")
@@ -133,7 +139,7 @@ class ModelConfig:
         qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, norm_eps=m.norm_eps,
         tie_embeddings=m.tie_embeddings, value_head=m.value_head, init_std=m.init_std,
         dtype=jnp.dtype(m.dtype), param_dtype=jnp.dtype(m.param_dtype), remat=m.remat,
-        scan_layers=m.scan_layers, num_experts=moe.num_experts,
+        scan_layers=m.scan_layers, decode_layers=m.get("decode_layers", "auto"), num_experts=moe.num_experts,
         num_experts_per_tok=moe.num_experts_per_tok, expert_mlp_dim=moe.expert_mlp_dim,
         num_shared_experts=moe.num_shared_experts, shared_expert_mlp_dim=moe.shared_expert_mlp_dim,
         first_k_dense=moe.first_k_dense, score_func=moe.score_func, norm_topk_prob=moe.norm_topk_prob,
@@ -141,6 +147,16 @@ class ModelConfig:
         dispatch=moe.dispatch, capacity_factor=moe.capacity_factor, aux_free_bias=moe.aux_free_bias,
         ep_exchange=moe.get("ep_exchange", "auto"), ep_weights=moe.get("ep_weights", "auto"),
         ep_d_axes=tuple(dict(rules_from_config(cfg.mesh))["embed"]))
+
+  @property
+  def unrolled_decode(self) -> bool:
+    """Whether generation loops run the layers unrolled on per-layer weights (`decode_layers`):
+    "auto" does on CPU, where a scan's per-layer slice of the stacked weights is a copy that XLA:CPU
+    repeats at every decode step; TPU and GPU programs keep the scan (one compiled block)."""
+    if self.decode_layers != "auto":
+      return self.decode_layers == "unrolled"
+    mesh = self.kernel.mesh
+    return (mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()) == "cpu"
 
   def cache_entry_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
     """{stack: {entry: (layers, *per-token shape)}} for kv_cache.init_cache."""
@@ -254,10 +270,30 @@ class Transformer(nnx.Module):
       weight = self.lm_head.kernel[...]  # [D, V]
     return self.config.kernel.constrain(weight, (None, "vocab")).astype(self.config.dtype)
 
-  def _run_stack(self, stack, name, x, positions, segment_ids, cache, meta, routing, phase):
+  def layer_weights(self) -> dict[str, tuple]:
+    """The blocks' parameters one layer at a time: {stack name: (layer 0's state, layer 1's, ...)}.
+
+    Generation loops (rl/rollout.py, rl/engine.py) take these once, outside their decode loop, and
+    pass them as `layer_weights=` at every step: the step then reads each layer's weights as they are
+    instead of slicing them out of the stacked [L, ...] arrays (a copy per layer per step on XLA:CPU).
+    Costs one copy of the blocks' weights for the loop's lifetime (`ModelConfig.unrolled_decode`).
+    """
+    out = {}
+    for name, stack in (("dense", self.dense_stack), ("moe", self.moe_stack)):
+      if stack is not None:
+        _, state = nnx.split(stack)
+        num = jax.tree.leaves(state)[0].shape[0]
+        out[name] = tuple(jax.tree.map(lambda a, i=i: a[i], state) for i in range(num))
+    return out
+
+  def _run_stack(self, stack, name, x, positions, segment_ids, cache, meta, routing, phase,
+                 layer_weights=None):
     mc = self.config
     graphdef, state = nnx.split(stack)
     layer_cache = None if cache is None else cache.layers[name]
+    if layer_weights is not None:
+      return self._run_unrolled(graphdef, layer_weights[name], x, positions, segment_ids, layer_cache,
+                                meta, routing, phase)
 
     def body(carry, layer):
       layer_state, layer_cache_, layer_routing = layer
@@ -280,8 +316,23 @@ class Transformer(nnx.Module):
       outs.append(out)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
 
+  def _run_unrolled(self, graphdef, layers, x, positions, segment_ids, layer_cache, meta, routing, phase):
+    """`_run_stack` on per-layer weights (`layer_weights`) and a per-layer cache (kv_cache.unstack),
+    one block after the other: no slice of a stacked array. Returns (x, (aux stacked over layers,
+    the per-layer caches as a tuple))."""
+    auxes, caches = [], []
+    for i, layer_state in enumerate(layers):
+      layer_state, x = quant.dequantize_layer(layer_state, x, self.config.param_dtype)
+      block = nnx.merge(graphdef, layer_state)
+      x, aux, new_cache = block(x, positions, segment_ids, None if layer_cache is None else layer_cache[i],
+                                meta, None if routing is None else routing[i], phase)
+      auxes.append(aux)
+      caches.append(new_cache)
+    aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes) if auxes[0] else auxes[0]
+    return x, (aux, None if layer_cache is None else tuple(caches))
+
   def __call__(self, tokens, *, positions=None, segment_ids=None, cache: kvc.KVCache | None = None,
-               routing=None, return_hidden: bool = False) -> ModelOutput:
+               routing=None, return_hidden: bool = False, layer_weights: dict | None = None) -> ModelOutput:
     """Runs the decoder.
 
     Args:
@@ -292,6 +343,8 @@ class Transformer(nnx.Module):
       cache: a KVCache to write the new tokens into and attend over (prefill or decode).
       routing: [L_moe, B, T, K] expert choices to replay in the MoE layers (from a rollout).
       return_hidden: return final normed hidden states instead of logits (for a chunked loss).
+      layer_weights: `self.layer_weights()`, taken outside a decode loop: the blocks run unrolled on
+        them, and the cache must be per layer (kv_cache.unstack); None: the stacked blocks as stored.
     """
     mc = self.config
     batch, length = tokens.shape
@@ -307,16 +360,18 @@ class Transformer(nnx.Module):
     phase = phase_of(cache is not None, length)
     meta = None
     if cache is not None:
+      if (layer_weights is not None) != kvc.is_unstacked(cache):
+        raise ValueError("layer_weights= and a per-layer KV cache (kv_cache.unstack) go together.")
       cache, meta = kvc.begin_write(cache, positions, segment_ids)
     x = mc.kernel.constrain(self.embed(tokens, mc.kernel.constrain), ("batch", "length", "embed"))
 
     new_layers, aux = {}, {}
     if self.dense_stack is not None:
       x, (_, new_layers["dense"]) = self._run_stack(self.dense_stack, "dense", x, positions, segment_ids,
-                                                    cache, meta, None, phase)
+                                                    cache, meta, None, phase, layer_weights)
     if self.moe_stack is not None:
       x, (moe_aux, new_layers["moe"]) = self._run_stack(self.moe_stack, "moe", x, positions, segment_ids,
-                                                        cache, meta, routing, phase)
+                                                        cache, meta, routing, phase, layer_weights)
       aux = {"aux_loss": jnp.mean(moe_aux["aux_loss"]), "z_loss": jnp.mean(moe_aux["z_loss"]),
              "dropped_fraction": jnp.mean(moe_aux["dropped_fraction"]),
              "route_mismatch": jnp.mean(moe_aux["route_mismatch"]),

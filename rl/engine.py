@@ -212,6 +212,9 @@ def run_pool(model: Transformer, spec: RolloutSpec, pool: Pool, *, slots: int, m
   version = jnp.asarray(version, jnp.int32)
   resume_ids, cache, logits = _slot_start(model, pool, slots, total, prompt_logits.shape[-1],
                                           prompt_logits.dtype)
+  weights = None
+  if model.config.unrolled_decode:  # per-layer weights and caches, taken once for the whole loop
+    weights, cache, prompt_cache = model.layer_weights(), kvc.unstack(cache), kvc.unstack(prompt_cache)
   order, num_waiting = _admission_order(pool)
 
   def refill(s: _Loop) -> _Loop:
@@ -234,7 +237,7 @@ def run_pool(model: Transformer, spec: RolloutSpec, pool: Pool, *, slots: int, m
     ended = live & (stop | (t + 1 >= p.max_lengths[rows]))
     at = (s.sid, t)  # empty slots have sid = B: their writes are dropped
     out = model(token[:, None], positions=(prompt_lengths[p.group_of[rows]] + t)[:, None],
-                segment_ids=jnp.ones((slots, 1), jnp.int32), cache=s.cache)
+                segment_ids=jnp.ones((slots, 1), jnp.int32), cache=s.cache, layer_weights=weights)
     routing = p.routing
     if routing is not None:
       routing = routing.at[:, s.sid, t].set(out.aux["routing"][:, :, 0], mode="drop")

@@ -185,6 +185,9 @@ def generate(model: Transformer, spec: RolloutSpec, prompts: jax.Array, prompt_m
   # Prefill each prompt once, then share its cache across the group.
   prompt_cache, prompt_logits, prefill_routing = prefill_prompts(model, prompts, prompt_mask, total)
   cache = kvc.repeat_rows(prompt_cache, group)
+  weights = None
+  if model.config.unrolled_decode:  # per-layer weights and cache, taken once for the whole loop
+    weights, cache = model.layer_weights(), kvc.unstack(cache)
   last_logits = jnp.repeat(prompt_logits, group, axis=0)  # [B, V]
   prompt_lengths = jnp.repeat(jnp.sum(prompt_mask, axis=1), group).astype(jnp.int32)  # [B]
   decode_routing = None
@@ -218,7 +221,7 @@ def generate(model: Transformer, spec: RolloutSpec, prompts: jax.Array, prompt_m
     stopped = s.stopped | (live & jnp.isin(token, stop_tokens))
     done = s.done | stopped | (s.step + 1 >= limits)
     out = model(token[:, None], positions=(prompt_lengths + s.step)[:, None],
-                segment_ids=jnp.ones((batch, 1), jnp.int32), cache=s.cache)
+                segment_ids=jnp.ones((batch, 1), jnp.int32), cache=s.cache, layer_weights=weights)
     routing = s.routing
     if routing is not None:
       chosen = jnp.where(live[None, :, None, None], out.aux["routing"], 0)  # ended rows: 0

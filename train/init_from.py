@@ -42,7 +42,7 @@ SAMPLE_PROMPT = "What is 12+7?"  # rendered by the chat template to check that i
 # its parameters mean. Every other model.* / moe.* field must match.
 _RUN_FIELDS = frozenset({
     "model.init_from", "model.tokenizer", "model.value_head", "model.dtype", "model.param_dtype",
-    "model.remat", "model.scan_layers", "model.init_std", "model.max_seq_len", "moe.dispatch",
+    "model.remat", "model.scan_layers", "model.decode_layers", "model.init_std", "model.max_seq_len", "moe.dispatch",
     "moe.capacity_factor", "moe.aux_loss_coef", "moe.z_loss_coef", "moe.bias_update_rate"})
 
 

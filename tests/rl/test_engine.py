@@ -77,6 +77,33 @@ def test_engine_gives_the_static_samples_with_refills_and_groups():
   assert (np.asarray(out.policy_version)[np.asarray(out.response_mask)] == 3).all()
 
 
+def test_unrolled_decode_gives_the_scanned_samples_in_both_loops():
+  """model.decode_layers=unrolled (per-layer weights and caches taken once per decode loop; `auto`'s
+  choice on CPU) gives every field of the scanned blocks' samples, in the static rollout and in the
+  engine, and its rollout program scans the blocks in the prefill only; `auto` picks it on CPU and
+  the scan for a TPU mesh."""
+  key = jax.random.key(7)
+  outs, scans = {}, {}
+  for mode in ("scan", "unrolled"):
+    cfg, _, _, state = _setup("rl.group_size=3", STOPS, f"model.decode_layers={mode}")
+    tokens, mask, static = _static_reference(cfg, state, key)
+    engine = make_engine(cfg, None, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id, slots=5)
+    outs[mode] = (static, engine(state.params, state.extra, tokens, mask, key, LIMITS, 3))
+    rollout = make_rollout(cfg, None, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id)
+    scans[mode] = str(jax.make_jaxpr(rollout)(state.params, state.extra, tokens, mask, key)).count("scan[")
+  for scanned, unrolled in zip(*outs.values()):
+    _assert_same_samples(scanned, unrolled)
+  assert scans["scan"] - scans["unrolled"] == 2, scans  # the decode step's dense and MoE stacks
+  assert ModelConfig.from_config(cfg, None).unrolled_decode == (jax.default_backend() == "cpu")
+  with pytest.raises(ValueError, match="model.decode_layers='sometimes'"):
+    ModelConfig.from_config(configs.load("configs/tiny.py", ["model.decode_layers=sometimes"]), None)
+  pytest.importorskip("libtpu", reason="a TPU mesh needs libtpu (the tpu extra)")
+  from meshrl.rl import aot  # pylint: disable=import-outside-toplevel
+  auto = configs.load("configs/tiny.py", ["mesh.fsdp=4"])
+  assert not ModelConfig.from_config(auto, aot.topology_mesh(auto, aot.topology_devices("v5e:2x2"))
+                                     ).unrolled_decode
+
+
 @pytest.mark.slow
 def test_engine_without_prefix_sharing_and_on_a_mesh_gives_the_static_samples(devices):
   """The same samples with every sample prefilled on its own (prompts repeated, G=1) on 4 slots,
