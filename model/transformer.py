@@ -352,8 +352,9 @@ class Transformer(nnx.Module):
       raise ValueError(f"sequence of {length} tokens is longer than model.max_seq_len={mc.max_seq_len}.")
     if cache is not None and cache.max_len > mc.max_seq_len:
       raise ValueError(f"KV cache of {cache.max_len} slots exceeds model.max_seq_len={mc.max_seq_len}.")
-    if positions is None:
-      start = 0 if cache is None else cache.index
+    if positions is None:  # 0..T-1, or from each row's write index ([] or per-row [B]) of the cache
+      start = jnp.zeros((), jnp.int32) if cache is None else cache.index
+      start = start[:, None] if start.ndim == 1 else start
       positions = jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (batch, length))
     if segment_ids is None:
       segment_ids = jnp.ones((batch, length), jnp.int32)

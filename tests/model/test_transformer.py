@@ -65,13 +65,17 @@ def test_cache_decode_equals_full_forward(variant):
   assert int(cache.index) == 10
 
 
-@pytest.mark.parametrize("row_index,scan", [
-    (True, True), pytest.param(False, False, marks=pytest.mark.slow)])  # the second: ~10 s more
-def test_decode_writes_each_layer_slot_like_a_prefill(row_index, scan):
+@pytest.mark.parametrize("row_index,layers", [
+    (True, "scan"), (True, "unrolled"),
+    pytest.param(False, "loop", marks=pytest.mark.slow)])  # the last: ~10 s more
+def test_decode_writes_each_layer_slot_like_a_prefill(row_index, layers):
   """Token by token, each layer's cache ends equal to one prefill of the whole sequence (a write at
   the wrong slot or layer, or a step that attends over a stale layer, breaks it), and each step's
-  logits equal the full forward; row_index: the continuous engine's per-row write index [B];
-  scan=False: the layers unrolled instead of scanned."""
+  logits equal the full forward; row_index: the continuous engine's per-row write index [B], the
+  decode steps' positions left to the model (from each row's index); layers: scanned, unrolled on
+  per-layer weights and caches (`layer_weights`, kv_cache.unstack: the decode loops' CPU path), or
+  model.scan_layers=false."""
+  scan = layers != "loop"
   model = build_model(ModelConfig.from_config(_cfg("moe.first_k_dense=0",  # one stack of 3 layers
                                                    f"model.scan_layers={str(scan).lower()}")))
   tokens = _tokens(batch=2, length=9, seed=1)
@@ -83,10 +87,19 @@ def test_decode_writes_each_layer_slot_like_a_prefill(row_index, scan):
   logits, cache = step(state, tokens[:, :3], positions[:, :3], model.init_cache(2, 12))
   if row_index:
     cache = kvc.with_row_index(cache)
+  if layers == "unrolled":
+    weights = jax.jit(lambda s: nnx.merge(graphdef, s).layer_weights())(state)
+    step = jax.jit(lambda s, t, p, c: (lambda o: (o.logits, o.cache))(nnx.merge(graphdef, s)(
+        t, positions=p, cache=c, layer_weights=weights)))
+    with pytest.raises(ValueError, match="kv_cache.unstack"):
+      step(state, tokens[:, 3:4], positions[:, 3:4], cache)  # weights per layer, cache stacked
+    cache = kvc.unstack(cache)
   steps = [logits]
   for t in range(3, 9):
-    logits, cache = step(state, tokens[:, t:t + 1], positions[:, t:t + 1], cache)
+    logits, cache = step(state, tokens[:, t:t + 1], None if row_index else positions[:, t:t + 1], cache)
     steps.append(logits)
+  if layers == "unrolled":
+    cache = kvc.stack(cache)
   np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(whole_logits), atol=1e-5)
   for name, entry in cache.layers["moe"].items():
     assert entry.shape[0] == 3
