@@ -179,9 +179,10 @@ def copy_rows(dst: KVCache, src: KVCache, src_rows: jax.Array, take: jax.Array) 
   """
   if src.max_len != dst.max_len:
     raise ValueError(f"copy_rows: source cache of {src.max_len} slots, destination {dst.max_len}.")
-  if is_unstacked(src) != is_unstacked(dst):
+  per_layer = is_unstacked(dst)
+  if is_unstacked(src) != per_layer:
     raise ValueError("copy_rows: one cache is per layer (kv_cache.unstack) and the other is not.")
-  batch_axis = 0 if is_unstacked(dst) else 1
+  batch_axis = 0 if per_layer else 1
   rows = jnp.clip(src_rows, 0, src.positions.shape[0] - 1)
 
   def pick(d, s, axis):

@@ -102,9 +102,7 @@ class ModelConfig:
                        f"moe.num_experts={self.num_experts}.")
     if self.num_experts:
       moe_dispatch.check_dispatch(self.dispatch, self.capacity_factor)
-      mesh = self.kernel.mesh
-      expert_parallel.check_exchange(self.ep_exchange, mesh.devices.flat[0].platform if mesh is not None
-                                  else jax.default_backend(), self.ep_weights)
+      expert_parallel.check_exchange(self.ep_exchange, self.kernel.backend, self.ep_weights)
     if self.kv_cache_dtype not in quant.KV_CACHE_DTYPES:
       raise ValueError(f"rl.kv_cache_dtype={self.kv_cache_dtype!r}; choose one of "
                        f"{', '.join(quant.KV_CACHE_DTYPES)}.")
@@ -155,8 +153,7 @@ class ModelConfig:
     repeats at every decode step; TPU and GPU programs keep the scan (one compiled block)."""
     if self.decode_layers != "auto":
       return self.decode_layers == "unrolled"
-    mesh = self.kernel.mesh
-    return (mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()) == "cpu"
+    return self.kernel.backend == "cpu"
 
   def cache_entry_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
     """{stack: {entry: (layers, *per-token shape)}} for kv_cache.init_cache."""
@@ -288,12 +285,12 @@ class Transformer(nnx.Module):
 
   def _run_stack(self, stack, name, x, positions, segment_ids, cache, meta, routing, phase,
                  layer_weights=None):
+    """One stack of blocks: scanned (model.scan_layers), looped over slices of the stacked weights, or
+    looped over `layer_weights` and a per-layer cache (kv_cache.unstack), where nothing is sliced.
+    Returns (x, (aux stacked over layers, the updated cache: stacked, or per layer as given))."""
     mc = self.config
     graphdef, state = nnx.split(stack)
     layer_cache = None if cache is None else cache.layers[name]
-    if layer_weights is not None:
-      return self._run_unrolled(graphdef, layer_weights[name], x, positions, segment_ids, layer_cache,
-                                meta, routing, phase)
 
     def body(carry, layer):
       layer_state, layer_cache_, layer_routing = layer
@@ -307,29 +304,29 @@ class Transformer(nnx.Module):
     if mc.remat != "none":
       body = jax.checkpoint(body, policy=REMAT_POLICIES[mc.remat], prevent_cse=not mc.scan_layers)
     xs = (state, layer_cache, routing)
-    if mc.scan_layers:
+    if layer_weights is not None:
+      layers = [(weights, None if layer_cache is None else layer_cache[i],
+                 None if routing is None else routing[i]) for i, weights in enumerate(layer_weights[name])]
+    elif mc.scan_layers:
       return jax.lax.scan(body, x, xs)
-    outs = []
-    num = jax.tree.leaves(state)[0].shape[0]
-    for i in range(num):
-      x, out = body(x, jax.tree.map(lambda a, i=i: a[i], xs))
-      outs.append(out)
-    return x, jax.tree.map(lambda *a: jnp.stack(a), *outs)
-
-  def _run_unrolled(self, graphdef, layers, x, positions, segment_ids, layer_cache, meta, routing, phase):
-    """`_run_stack` on per-layer weights (`layer_weights`) and a per-layer cache (kv_cache.unstack),
-    one block after the other: no slice of a stacked array. Returns (x, (aux stacked over layers,
-    the per-layer caches as a tuple))."""
+    else:
+      num = jax.tree.leaves(state)[0].shape[0]
+      layers = [jax.tree.map(lambda a, i=i: a[i], xs) for i in range(num)]
     auxes, caches = [], []
-    for i, layer_state in enumerate(layers):
-      layer_state, x = quant.dequantize_layer(layer_state, x, self.config.param_dtype)
-      block = nnx.merge(graphdef, layer_state)
-      x, aux, new_cache = block(x, positions, segment_ids, None if layer_cache is None else layer_cache[i],
-                                meta, None if routing is None else routing[i], phase)
+    for layer in layers:
+      x, (aux, new_cache) = body(x, layer)
       auxes.append(aux)
       caches.append(new_cache)
-    aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes) if auxes[0] else auxes[0]
-    return x, (aux, None if layer_cache is None else tuple(caches))
+    stacked = lambda outs: jax.tree.map(lambda *a: jnp.stack(a), *outs)  # noqa: E731
+    return x, (stacked(auxes), tuple(caches) if layer_weights is not None else stacked(caches))
+
+  def decode_loop_inputs(self, *caches: kvc.KVCache) -> tuple:
+    """What a decode loop passes the model at every step, made once before the loop:
+    (layer_weights or None, *caches). Per-layer weights (`layer_weights`) and per-layer caches
+    (kv_cache.unstack) when `ModelConfig.unrolled_decode`; else None and the caches as given."""
+    if not self.config.unrolled_decode:
+      return (None, *caches)
+    return (self.layer_weights(), *(kvc.unstack(c) for c in caches))
 
   def __call__(self, tokens, *, positions=None, segment_ids=None, cache: kvc.KVCache | None = None,
                routing=None, return_hidden: bool = False, layer_weights: dict | None = None) -> ModelOutput:

@@ -212,9 +212,7 @@ def run_pool(model: Transformer, spec: RolloutSpec, pool: Pool, *, slots: int, m
   version = jnp.asarray(version, jnp.int32)
   resume_ids, cache, logits = _slot_start(model, pool, slots, total, prompt_logits.shape[-1],
                                           prompt_logits.dtype)
-  weights = None
-  if model.config.unrolled_decode:  # per-layer weights and caches, taken once for the whole loop
-    weights, cache, prompt_cache = model.layer_weights(), kvc.unstack(cache), kvc.unstack(prompt_cache)
+  weights, cache, prompt_cache = model.decode_loop_inputs(cache, prompt_cache)
   order, num_waiting = _admission_order(pool)
 
   def refill(s: _Loop) -> _Loop:

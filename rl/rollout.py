@@ -185,9 +185,7 @@ def generate(model: Transformer, spec: RolloutSpec, prompts: jax.Array, prompt_m
   # Prefill each prompt once, then share its cache across the group.
   prompt_cache, prompt_logits, prefill_routing = prefill_prompts(model, prompts, prompt_mask, total)
   cache = kvc.repeat_rows(prompt_cache, group)
-  weights = None
-  if model.config.unrolled_decode:  # per-layer weights and cache, taken once for the whole loop
-    weights, cache = model.layer_weights(), kvc.unstack(cache)
+  weights, cache = model.decode_loop_inputs(cache)
   last_logits = jnp.repeat(prompt_logits, group, axis=0)  # [B, V]
   prompt_lengths = jnp.repeat(jnp.sum(prompt_mask, axis=1), group).astype(jnp.int32)  # [B]
   decode_routing = None

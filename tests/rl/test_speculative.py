@@ -95,16 +95,21 @@ def test_greedy_identical_with_bad_draft():
   _check_cache(draft_cache, n, prompt_lengths)
 
 
-def test_ngram_rollout_from_config_equals_plain_rollout_with_moe_routing():
-  """rl.speculative="ngram" through make_rollout (tiny MoE): the same tokens, log-probs and replayed
-  expert choices as the plain static rollout."""
+@pytest.mark.parametrize("loop", ["static", pytest.param("continuous", marks=pytest.mark.slow)])
+def test_ngram_from_config_equals_plain_decoding_with_moe_routing(loop):
+  """rl.speculative="ngram" from the config (tiny MoE), through make_rollout (static) or make_engine
+  (rl.engine="continuous", 3 slots): the plain loop's tokens, log-probs and replayed expert choices,
+  and the acceptance metrics on the returned function's `.metrics`."""
+  from meshrl.rl.engine import make_engine  # pylint: disable=import-outside-toplevel
   from meshrl.rl.rollout import make_rollout  # pylint: disable=import-outside-toplevel
-  plain_cfg, spec_cfg, args = _moe_ngram_case([])
-  plain = make_rollout(plain_cfg, None, stop_ids=(1,), pad_id=0)(*args)
-  rollout = make_rollout(spec_cfg, None, stop_ids=(1,), pad_id=0)
-  out = rollout(*args)
+  make, overrides = {"static": (make_rollout, []),
+                     "continuous": (make_engine, ["rl.engine=continuous", "rl.decode_slots=3"])}[loop]
+  plain_cfg, spec_cfg, args = _moe_ngram_case(overrides)
+  plain = make(plain_cfg, None, stop_ids=(1,), pad_id=0)(*args)
+  speculative = make(spec_cfg, None, stop_ids=(1,), pad_id=0)
+  out = speculative(*args)
   _check_identical(out, plain)
-  assert int(rollout.metrics.accepted) > 0  # the periodic prompt
+  assert int(speculative.metrics.accepted) > 0  # the periodic prompt
   _check_same_routing(out, plain)
 
 
@@ -356,20 +361,6 @@ def test_engine_sampled_speculation_draws_the_static_speculative_samples(method)
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(static.tokens))
   np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(static.logprobs), atol=1e-4)
   assert 0.0 < float(metrics.acceptance_rate) < 1.0
-
-
-@pytest.mark.slow
-def test_engine_from_config_equals_plain_engine_with_moe_routing():
-  """rl.engine="continuous" + rl.speculative="ngram" through make_engine (tiny MoE, 3 slots): the plain
-  engine's tokens, log-probs and replayed expert choices; the acceptance metrics in `engine.metrics`."""
-  from meshrl.rl.engine import make_engine  # pylint: disable=import-outside-toplevel
-  plain_cfg, spec_cfg, args = _moe_ngram_case(["rl.engine=continuous", "rl.decode_slots=3"])
-  plain = make_engine(plain_cfg, None, stop_ids=(1,), pad_id=0)(*args)
-  engine = make_engine(spec_cfg, None, stop_ids=(1,), pad_id=0)
-  out = engine(*args)
-  _check_identical(out, plain)
-  assert int(engine.metrics.accepted) > 0  # the periodic prompt
-  _check_same_routing(out, plain)
 
 
 @pytest.mark.slow
