@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from meshrl.model import kv_cache, splash
 from meshrl.model.layers import Dense, RMSNorm, RopeConfig, apply_rope, yarn_softmax_scale_multiplier
-from meshrl.model.ring_attention import attend, decode_attend
+from meshrl.model.ring_attention import attend, decode_attend, unzigzag_on_mesh
 from meshrl.sharding.rules import TRAIN_RULES, Rules, constrain
 
 __all__ = ["attend", "KernelConfig", "GQAttention", "MLAttention"]
@@ -37,6 +37,13 @@ class KernelConfig:
   `mesh` (needed by impl="ring") and `rules` (TRAIN_RULES or ROLLOUT_RULES) decide how activations
   are constrained; the parameters' layout does not depend on them. `local_kernel` ("auto", "jnp",
   "splash") picks what computes impl="blockwise" self-attention (`local_kernel_name`).
+
+  `zigzag` (attention.zigzag) asks ring attention to run causal sequences in the zigzag layout
+  (ring_attention.zigzag) for load balance: training batches are laid out so by their callers
+  (rl/step.py, train/sft.py), the ring prefill by rl/rollout.py. `inputs_zigzag` is set only on the
+  ring prefill's own copy of the model (rl/rollout.py `prefill_prompts`): its tokens arrive in the
+  zigzag layout over `sequence`, and the cache is written in token order (positions, segment ids
+  and each layer's keys/values put back by ring_attention.unzigzag_on_mesh, no gather).
   """
   impl: str = "reference"
   block_q: int = 512
@@ -44,9 +51,14 @@ class KernelConfig:
   mesh: Mesh | None = None
   rules: Rules = TRAIN_RULES
   local_kernel: str = "auto"
+  zigzag: bool = False
+  inputs_zigzag: bool = False
 
   def __post_init__(self):
     splash.check_local_kernel(self.local_kernel, self.impl)
+    if self.inputs_zigzag and (self.impl != "ring" or self.mesh is None):
+      raise ValueError("KernelConfig.inputs_zigzag (the ring prefill's zigzag layout) needs "
+                       f"impl='ring' and a mesh; got impl={self.impl!r}, mesh={self.mesh}.")
 
   @property
   def backend(self) -> str:
@@ -98,6 +110,24 @@ class KernelConfig:
     rules (`cache_length` -> `sequence`), so the compiler never picks another layout for them."""
     return {name: self.constrain(x, kv_cache.CACHE_AXES[name][1:]) for name, x in layer_cache.items()}
 
+  def to_token_order(self, entries: dict) -> dict:
+    """New cache entries {name: [B, T, ...]} in token order: put back from the zigzag layout when
+    `inputs_zigzag` (the ring prefill, whose T is the whole cache), else as given."""
+    if not self.inputs_zigzag:
+      return entries
+    return {name: unzigzag_on_mesh(x, self.mesh, axis=1) for name, x in entries.items()}
+
+
+def _write_cache(kernel: KernelConfig, cache: dict, cache_meta, new_entries: dict) -> dict:
+  """One layer's cache with `new_entries` {name: [B, T, ...]} written at the write index, in token
+  order (the ring prefill's zigzag put back), pinned to kv_cache.CACHE_AXES."""
+  length = next(iter(new_entries.values())).shape[1]
+  if kernel.inputs_zigzag and length != next(iter(cache.values())).shape[1]:
+    raise ValueError(f"a zigzag-laid-out call (the ring prefill) must fill the whole cache: {length} "
+                     f"tokens into {next(iter(cache.values())).shape[1]} slots.")
+  return kernel.pin_cache(kv_cache.write_layer(cache, kernel.to_token_order(new_entries),
+                                               _write_index(cache_meta, length, cache)))
+
 
 def _write_index(cache_meta, new_len: int, layer_cache: dict):
   """The slot the new entries go to: 0 when they fill the whole cache (a ring prefill), which is
@@ -144,8 +174,7 @@ class GQAttention(nnx.Module):
     if cache is not None:
       k = self.kernel.constrain(k, ("batch", "length", "kv_heads", "head_dim"))
       v = self.kernel.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-      cache = self.kernel.pin_cache(kv_cache.write_layer(
-          cache, {"k": k, "v": v}, _write_index(cache_meta, length, cache)))
+      cache = _write_cache(self.kernel, cache, cache_meta, {"k": k, "v": v})
       k, v = kv_cache.read_entry(cache, "k", self.dtype), kv_cache.read_entry(cache, "v", self.dtype)
       kv_positions = cache_meta.positions
       seg = (segment_ids, cache_meta.segment_ids)
@@ -207,9 +236,7 @@ class MLAttention(nnx.Module):
     k_rope = apply_rope(compressed[..., None, self.kv_lora_rank:], positions, self.rope)  # [B, T, 1, Hr]
     kv_positions, seg = positions, segment_ids
     if cache is not None:
-      cache = self.kernel.pin_cache(kv_cache.write_layer(
-          cache, {"latent": latent, "k_rope": k_rope[:, :, 0]},
-          _write_index(cache_meta, length, cache)))
+      cache = _write_cache(self.kernel, cache, cache_meta, {"latent": latent, "k_rope": k_rope[:, :, 0]})
       latent = kv_cache.read_entry(cache, "latent", self.dtype)  # [B, S, R]
       k_rope = kv_cache.read_entry(cache, "k_rope", self.dtype)[:, :, None]  # [B, S, 1, Hr]
       kv_positions = cache_meta.positions

@@ -496,3 +496,50 @@ def zigzag(x, num_shards: int, axis: int = 1):
 def unzigzag(x, num_shards: int, axis: int = 1):
   """The exact inverse of `zigzag`."""
   return _permute_chunks(x, num_shards, axis, np.argsort(_zigzag_order(num_shards)), "unzigzag")
+
+
+def unzigzag_on_mesh(x, mesh: Mesh, axis: int = 1):
+  """`unzigzag` of an array split over the mesh's `sequence` axis on `axis`, with no gather.
+
+  Device r holds chunks r and 2n-1-r of the zigzag layout and must end with chunks 2r and 2r+1 of
+  token order. Of its two chunks one has even index and one odd (r + 2n-1-r is odd), and the even
+  chunks 2d go to devices d as their first half, the odd ones as their second: so two collective
+  permutes of one chunk each (every device sends one chunk and receives one in each) move it all,
+  and no device ever holds more than its own slice (the ring prefill writes each layer's keys and
+  values into the cache this way). Other mesh axes stay as they are (partial manual shard_map).
+
+  Args:
+    x: [..., S, ...] with S on `axis` split over `sequence`, in the zigzag layout of n = the axis
+      size; S divisible by 2n.
+    mesh: the run's mesh.
+    axis: the sequence axis of x.
+
+  Returns:
+    x in token order, split over `sequence` on `axis` like the input.
+  """
+  shards = _sequence_size(mesh, "unzigzag_on_mesh")
+  axis = axis % x.ndim
+  if shards == 1:
+    return x
+  if x.shape[axis] % (2 * shards):
+    raise ValueError(f"unzigzag_on_mesh: length {x.shape[axis]} (axis {axis}) must be divisible by "
+                     f"2 * mesh.sequence = {2 * shards}.")
+  order = _zigzag_order(shards)  # device slot // 2 holds chunk order[slot] as its half slot % 2
+  moves = {0: [], 1: []}  # parity of the chunk -> [(source device, destination device)]
+  for slot, chunk in enumerate(order):
+    moves[chunk % 2].append((slot // 2, chunk // 2))
+
+  def local(x_):
+    chunk = x_.shape[axis] // 2
+    me = lax.axis_index(SEQUENCE_AXIS)
+    out = []
+    for parity in (0, 1):
+      # Device r's chunk of this parity is its first half (chunk r) when r has this parity.
+      start = jnp.where(me % 2 == parity, 0, chunk)
+      send = lax.dynamic_slice_in_dim(x_, start, chunk, axis=axis)
+      out.append(lax.ppermute(send, SEQUENCE_AXIS, moves[parity]))
+    return jnp.concatenate(out, axis=axis)
+
+  spec = P(*([None] * axis + [SEQUENCE_AXIS]))
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec,), out_specs=spec,
+                       axis_names=frozenset({SEQUENCE_AXIS}))(x)

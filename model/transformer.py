@@ -131,7 +131,8 @@ class ModelConfig:
         num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, mlp_dim=m.mlp_dim, max_seq_len=m.max_seq_len,
         rope=rope, kernel=KernelConfig(att.impl, att.block_q, att.block_kv, mesh,
                                        rules if rules is not None else rules_from_config(cfg.mesh),
-                                       local_kernel=att.get("local_kernel", "auto")),
+                                       local_kernel=att.get("local_kernel", "auto"),
+                                       zigzag=bool(att.get("zigzag", False))),
         attention_type=m.attention_type, qk_norm=m.qk_norm, q_lora_rank=m.q_lora_rank,
         kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
         qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, norm_eps=m.norm_eps,
@@ -360,7 +361,9 @@ class Transformer(nnx.Module):
     if cache is not None:
       if (layer_weights is not None) != kvc.is_unstacked(cache):
         raise ValueError("layer_weights= and a per-layer KV cache (kv_cache.unstack) go together.")
-      cache, meta = kvc.begin_write(cache, positions, segment_ids)
+      # The cache records slots in token order; a ring prefill's zigzag inputs are put back first.
+      ordered = mc.kernel.to_token_order({"positions": positions, "segment_ids": segment_ids})
+      cache, meta = kvc.begin_write(cache, ordered["positions"], ordered["segment_ids"])
     x = mc.kernel.constrain(self.embed(tokens, mc.kernel.constrain), ("batch", "length", "embed"))
 
     new_layers, aux = {}, {}

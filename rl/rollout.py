@@ -24,11 +24,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh
 
 from meshrl.model import kv_cache as kvc
 from meshrl.model import quant
+from meshrl.model.ring_attention import unzigzag_on_mesh, zigzag
 from meshrl.model.transformer import ModelConfig, Transformer
 from meshrl.rl.sampling import Sampler, sample_keys, token_keys
 from meshrl.sharding.rules import generation_shardings, rules_from_config
@@ -107,22 +109,27 @@ def uses_ring_prefill(mc: ModelConfig) -> bool:
 
 
 def ring_prefill_length(mc: ModelConfig, total: int) -> int:
-  """The cache length of a ring prefill: `total` rounded up to a multiple of the `sequence` axis."""
+  """The cache length of a ring prefill: `total` rounded up to a multiple of the `sequence` axis
+  (of twice it with the zigzag layout, attention.zigzag: two chunks per device)."""
   shards = mc.kernel.mesh.shape["sequence"]
-  length = -(-total // shards) * shards
+  multiple = 2 * shards if mc.kernel.zigzag else shards
+  length = -(-total // multiple) * multiple
   if length > mc.max_seq_len:
-    raise ValueError(f"ring prefill: a cache of {total} slots rounded up to a multiple of "
-                     f"mesh.sequence={shards} is {length}, above model.max_seq_len={mc.max_seq_len}.")
+    what = f"2 x mesh.sequence={multiple} (attention.zigzag)" if mc.kernel.zigzag else f"mesh.sequence={shards}"
+    raise ValueError(f"ring prefill: a cache of {total} slots rounded up to a multiple of {what} is "
+                     f"{length}, above model.max_seq_len={mc.max_seq_len}.")
   return length
 
 
 def _prefill_model(model: Transformer) -> Transformer:
   """The same parameters under the rollout rules with `length` split over `sequence`, so the
   prompt's activations, queries, keys and values stay split like the cache (the decode steps keep
-  the model as given: their one token per row cannot be split)."""
+  the model as given: their one token per row cannot be split), and told whether its tokens arrive
+  in the zigzag layout (KernelConfig.inputs_zigzag)."""
   mc = model.config
   rules = tuple((name, ("sequence",) if name == "length" else axes) for name, axes in mc.kernel.rules)
-  prefill_mc = dataclasses.replace(mc, kernel=dataclasses.replace(mc.kernel, rules=rules))
+  prefill_mc = dataclasses.replace(mc, kernel=dataclasses.replace(mc.kernel, rules=rules,
+                                                                  inputs_zigzag=mc.kernel.zigzag))
   graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: Transformer(prefill_mc, rngs=nnx.Rngs(0))),
                              nnx.Param, ...)
   _, params, extra = nnx.split(model, nnx.Param, ...)
@@ -147,6 +154,11 @@ def prefill_prompts(model: Transformer, prompts: jax.Array, prompt_mask: jax.Arr
   log-sum-exp merge of model/ring_attention.decode_attend; the tail slots are overwritten as they
   are generated. Tail tokens do pass through the MoE router (so they count against a capacity
   buffer, as prompt padding already does).
+  With attention.zigzag (the default) the padded prompt runs in the zigzag layout (device r computes
+  chunks r and 2n-1-r of 2n), so every device has the same causal work (a contiguous layout gives
+  the last device 2n-1 times the first one's); each layer's keys and values are put back in token
+  order as they are written (ring_attention.unzigzag_on_mesh: collective permutes of one
+  chunk, no gather), so the cache and the decode steps are the same in both layouts.
   """
   num_prompts, prompt_len = prompts.shape
   positions, segment_ids = prompt_layout(prompt_mask)
@@ -161,14 +173,23 @@ def prefill_prompts(model: Transformer, prompts: jax.Array, prompt_mask: jax.Arr
   positions = jnp.concatenate([positions, jnp.full(tail, kvc.EMPTY_POSITION, jnp.int32)], axis=1)
   segment_ids = jnp.concatenate([segment_ids, jnp.full(tail, kvc.EMPTY_SEGMENT, jnp.int32)], axis=1)
   prefill = _prefill_model(model)
+  last_slot = prompt_len - 1  # where the last prompt token is in the layout the model runs
+  if mc.kernel.zigzag:
+    shards = mc.kernel.mesh.shape["sequence"]
+    tokens, positions, segment_ids = (zigzag(x, shards) for x in (tokens, positions, segment_ids))
+    last_slot = int(np.flatnonzero(zigzag(np.arange(length), shards, axis=0) == prompt_len - 1)[0])
   out = prefill(tokens, positions=positions, segment_ids=segment_ids,
                 cache=prefill.init_cache(num_prompts, length), return_hidden=True)
-  last = out.hidden[:, prompt_len - 1]  # [P, D]
+  last = out.hidden[:, last_slot]  # [P, D]
   logits = jnp.einsum("bd,dv->bv", last, prefill.output_projection()).astype(jnp.float32)
   logits = mc.kernel.constrain(logits, ("batch", "vocab"))
   cache = out.cache.replace(index=jnp.asarray(prompt_len, jnp.int32))
-  routing = out.aux.get("routing")
-  return cache, logits, None if routing is None else routing[:, :, :prompt_len]
+  routing = out.aux.get("routing")  # [L, P, S, K] in the layout the model ran
+  if routing is None:
+    return cache, logits, None
+  if mc.kernel.zigzag:
+    routing = unzigzag_on_mesh(routing, mc.kernel.mesh, axis=2)
+  return cache, logits, routing[:, :, :prompt_len]
 
 
 def generate(model: Transformer, spec: RolloutSpec, prompts: jax.Array, prompt_mask: jax.Array,

@@ -199,6 +199,27 @@ def test_zigzag_roundtrip_and_layout():
   assert bool(jnp.all(ra.unzigzag(ra.zigzag(jx, 4, axis=-2), 4, axis=-2) == jx))
 
 
+@pytest.mark.parametrize("sequence,data,axis", [(4, 2, 1), (8, 1, 2), (2, 2, 1)])
+def test_unzigzag_on_mesh_is_unzigzag_without_a_gather(sequence, data, axis):
+  """The ring prefill's cache write-back: equal to `unzigzag`, sharded like its input, and moved by
+  collective permutes only (no all-gather: no device holds more than its slice)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  mesh = _mesh(sequence, data=data)
+  shape = (data * 2, 4 * sequence, 3) if axis == 1 else (2, data, 4 * sequence, 5)
+  x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+  spec = P("data", "sequence") if axis == 1 else P(None, "data", "sequence")
+  zz = jax.device_put(ra.zigzag(x, sequence, axis=axis), NamedSharding(mesh, spec))
+  fn = jax.jit(lambda a: ra.unzigzag_on_mesh(a, mesh, axis=axis))
+  out = fn(zz)
+  np.testing.assert_array_equal(np.asarray(out), x)
+  assert out.sharding.is_equivalent_to(zz.sharding, x.ndim)
+  collectives = set(re.findall(r"(all-gather|all-to-all|all-reduce|collective-permute)\(",
+                               fn.lower(zz).compile().as_text()))
+  assert collectives == {"collective-permute"}
+  with pytest.raises(ValueError, match=r"length 12 \(axis 1\) must be divisible by 2 \* mesh.sequence"):
+    ra.unzigzag_on_mesh(jnp.zeros((2, 12)), _mesh(4))
+
+
 def test_zigzag_balances_causal_work():
   shards, length = 8, 8 * 2 * 16
   for layout, want_balanced in ((lambda p: p, False), (lambda p: ra.zigzag(p, shards, 0), True)):
