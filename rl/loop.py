@@ -173,7 +173,8 @@ def check_config(cfg, num_devices: int | None = None) -> None:
 
 def check_hosts_config(cfg, processes: int) -> None:
   """With several host processes (sharding/hosts.py): each draws and scores an equal block of the
-  step's prompts; what keeps per-process host state across steps is refused by name."""
+  step's prompts (multi-turn: runs the environments of its own episodes); what keeps per-process
+  host state across steps is refused by name."""
   if processes == 1:
     return
   rl = cfg.rl
@@ -185,8 +186,6 @@ def check_hosts_config(cfg, processes: int) -> None:
     if value:
       raise ValueError(f"{field}={value} ({what}) is not supported with {processes} host processes yet: "
                        "its carried rollouts are host state of one process; set it to 0.")
-  if wants_multi_turn(cfg):
-    raise ValueError(f"multi-turn episodes are not supported with {processes} host processes yet.")
 
 
 def _domain_specs(cfg):

@@ -55,9 +55,10 @@ from meshrl.model.transformer import Transformer
 from meshrl.rl.batch import batch_metrics, informative_groups, per_domain, select_groups
 from meshrl.rl.batches import ScoredBatch
 from meshrl.rl.envs import file_tasks
-from meshrl.rl.envs.base import DONE, STOP_STRINGS, as_text
+from meshrl.rl.envs.base import DONE, STOP_STRINGS, StepResult, as_text
 from meshrl.rl.rollout import prompt_layout, rollout_model_config
 from meshrl.rl.sampling import Sampler, sample_keys, token_keys
+from meshrl.sharding import hosts
 
 OBS_OPEN, OBS_CLOSE = "<out>", "</out>"
 ENDS = ("done", "max_turns", "token_budget", "context", "env_failure")
@@ -390,6 +391,22 @@ class MultiTurnPrograms:
         del pending[row]
     return results
 
+  def _own_rows(self, batch: int) -> range:
+    """The rows whose environments this host runs: all of them with one process, else its block
+    (hosts.own_block: the rows of its own examples, since examples are gathered in process order)."""
+    own = hosts.own_block(batch)
+    return range(own.start, own.stop)
+
+  def _step_envs(self, calls: list[tuple[int, Callable[[], Any]]], batch: int) -> dict[int, StepResult]:
+    """Environment steps of every row, each run by the host that owns the row (`_own_rows`, in
+    threads by `_call_envs`), then shared: every host gets every row's StepResult (a failed call
+    as one with info["env_failure"]), so all hosts build the same next inputs for the jitted programs."""
+    own = self._own_rows(batch)
+    local = self._call_envs([(b, fn) for b, fn in calls if b in own])
+    shared = hosts.gather_objects([[b, [r.observation, float(r.reward), bool(r.done), dict(r.info)]]
+                                   for b, r in sorted(local.items())])
+    return {int(b): StepResult(*fields) for b, fields in shared}
+
   def _observation_ids(self, text: str, limit: int) -> list[int] | None:
     """The rendered observation in at most `limit` tokens: its head, then always the closing tag
     (None when not even the tags and one token fit)."""
@@ -410,16 +427,23 @@ class MultiTurnPrograms:
     group, batch = spec.group_size, len(examples) * spec.group_size
     per_row = [e for e in examples for _ in range(group)]
     rows: list[_Row] = []
-    resets = self._call_envs([(b, (lambda e=e: self._reset(e))) for b, e in enumerate(per_row)])
+    # This host resets (and later steps) the environments of its own rows; the first observations
+    # and failures are shared, so every host holds the same prompts and row states.
+    own = self._own_rows(batch)
+    resets = self._call_envs([(b, (lambda e=e: self._reset(e))) for b, e in enumerate(per_row) if b in own])
+    shared = dict(hosts.gather_objects([
+        [b, ["", r.info["env_failure"]] if isinstance(r, _Failed) else [r[1], None]]
+        for b, r in sorted(resets.items())]))
     prompts_text = []
     for b, example in enumerate(per_row):
-      env, first = resets[b] if not isinstance(resets[b], _Failed) else (None, None)
-      rows.append(_Row(env, 0))
+      first, failure = shared[b]
+      rows.append(_Row(resets[b][0] if b in resets and failure is None else None, 0))
       rows[b].max_turns = max(1, min(spec.max_turns, int(example.get("max_turns", spec.max_turns))))
-      if env is None:
-        rows[b].fail(resets[b].info["env_failure"])
+      if failure is not None:
+        rows[b].fail(failure)
       if b % group == 0:
-        prompts_text.append(first if first is not None else str(example.get("prompt", "")))
+        prompts_text.append(first if first is not None and failure is None
+                            else str(example.get("prompt", "")))
     prompts, mask, truncated = self._encode_prompts(prompts_text)
     prompt_lens = np.repeat(mask.sum(axis=1), group)
     for row, length in zip(rows, prompt_lens):
@@ -441,7 +465,7 @@ class MultiTurnPrograms:
       counts["decode_calls"] += 1
       cache, logits, positions, tokens, logprobs, lengths, _ = self.decode_turn(
           params, extra, cache, logits, positions, jnp.asarray(limits), jax.random.fold_in(key, turn))
-      tokens, logprobs, lengths = (np.asarray(x) for x in (tokens, logprobs, lengths))
+      tokens, logprobs, lengths = (hosts.to_host(x) for x in (tokens, logprobs, lengths))
       calls = []
       for b in np.flatnonzero(limits > 0):
         row, n = rows[b], int(lengths[b])
@@ -450,7 +474,7 @@ class MultiTurnPrograms:
         row.stats.policy_tokens += n
         text, _ = as_text(tok.decode(tokens[b, :n]))
         calls.append((int(b), (lambda env=row.env, text=text: env.step(text))))
-      results = self._call_envs(calls)
+      results = self._step_envs(calls, batch)
       observations, ending = {}, {}
       for b, result in results.items():
         row = rows[b]
@@ -494,7 +518,7 @@ class MultiTurnPrograms:
     """Sends `<done>` to the environments of `ending` {row: end reason} so their episodes are graded."""
     if not ending:
       return
-    results = self._call_envs([(b, (lambda env=rows[b].env: env.step(DONE))) for b in ending])
+    results = self._step_envs([(b, (lambda env=rows[b].env: env.step(DONE))) for b in ending], len(rows))
     for b, end in ending.items():
       rows[b].finish(results[b], end)
 
@@ -569,7 +593,8 @@ def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]
   rounds = 1 + (cfg.max_resample_rounds if cfg.dynamic_sampling else 0)
   scored_rounds, outs, rollout_s = [], [], 0.0
   for round_index in range(rounds):
-    drawn = [next(examples) for _ in range(cfg.prompts_per_step)]
+    # This host's block of the step's examples, gathered in process order (rl/loop.prompt_stream).
+    drawn = hosts.gather_objects([next(examples) for _ in range(cfg.prompts_per_step // jax.process_count())])
     t0 = time.perf_counter()
     out = run.multiturn.rollout(run.state.params, run.state.extra, drawn,
                                 jax.random.fold_in(key, round_index), run.version)
@@ -612,7 +637,9 @@ class MultiTurnEvaluator:
                make_env: Callable[[dict], Any] = default_env):
     if not examples:
       raise ValueError("no held-out examples to evaluate (eval.num_prompts, data.eval_fraction).")
-    self.examples, self.batch_size = list(examples), min(cfg.eval.batch_size, len(examples))
+    self.examples = list(examples)
+    processes = jax.process_count()  # each host runs the environments of an equal block of rows
+    self.batch_size = -(-min(cfg.eval.batch_size, len(examples)) // processes) * processes
     self.programs = MultiTurnPrograms(cfg, mesh, tokenizer, group_size=1, temperature=0.0,
                                       make_env=make_env)
 

@@ -12,6 +12,8 @@ the jitted steps span all devices of all processes. How meshrl's RL loop splits 
             reward workers; rewards, texts and domains are gathered (`gather_rows`,
             `gather_objects`), so every host then makes the same decisions (dynamic sampling, packing)
             on the same global batch and the update's inputs are equal everywhere;
+  episodes  multi-turn (rl/multiturn.py): each host resets and steps the environments of its own
+            block of episodes, and their results are gathered after every turn (`gather_objects`);
   outputs   metrics files, evaluations and the config are written by process 0 only
             (`is_primary`); orbax checkpoints are written by all processes together.
 

@@ -273,8 +273,11 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
     for step in range(start + 1, num_steps + 1):
       host_batch = next(data)
       tokens += int(np.sum(host_batch["segment_ids"] > 0))
+      # The batch's own (explicit) transfer stays outside the guard: with several processes
+      # make_array_from_process_local_data counts as an implicit one and would be refused.
+      batch = put_batch(host_batch, row_sharding, zigzag_over)
       with jax.transfer_guard("disallow"):
-        state, metrics = step_fn(state, put_batch(host_batch, row_sharding, zigzag_over))
+        state, metrics = step_fn(state, batch)
       # One scalar read per step: the streak must be known before the next step is dispatched.
       nonfinite = bool(jax.device_get(metrics["nonfinite"]))
       skipped += nonfinite

@@ -1,6 +1,8 @@
 """Several host processes (sharding/hosts.py), with real jax processes on this machine talking over
 gloo: data gathered in process order, each host scoring only its own block of groups and getting the
-one-process scores, and scripts/rl.py on two processes giving the one-process metrics (slow)."""
+one-process scores, each host running only its own multi-turn environments and sharing their
+observations, and scripts/rl.py on two processes giving the one-process metrics, single-turn and
+multi-turn (slow)."""
 
 import json
 import os
@@ -42,10 +44,44 @@ scored = score_own_block(arrays, examples, tokenizer, pool, group_size=2, max_ne
 pool.close()
 out["scored"] = {"rewards": scored.rewards.tolist(), "texts": scored.texts, "domains": scored.domains,
                  "valid": scored.sample_valid.tolist(), "errors": scored.info["reward_errors"]}
+
+# Multi-turn episodes (rl/multiturn.py): 4 examples x 2 rows; each host resets and steps only the
+# environments of its own 4 rows, which answer with the host's index; everything else is shared.
+from flax import nnx
+from meshrl import configs
+from meshrl.model.init import build_model
+from meshrl.model.transformer import ModelConfig
+from meshrl.rl.envs.base import StepResult
+from meshrl.rl.multiturn import make_multiturn
+resets = []
+
+class HostEnv:
+  def reset(self, task):
+    resets.append(task["prompt"])
+    return task["prompt"]
+
+  def step(self, action):
+    if "<done>" in action:
+      return StepResult("", 1.0, True, {})
+    return StepResult(f"p{me}", 0.0, False, {})
+
+cfg = configs.load("configs/tiny.py", json.loads(sys.argv[4]))
+_, params, extra = nnx.split(build_model(ModelConfig.from_config(cfg, None), None), nnx.Param, ...)
+programs = make_multiturn(cfg, None, tokenizer, make_env=lambda example: HostEnv())
+episodes = programs.rollout(params, extra, batch["examples"], jax.random.key(0))
+programs.close()
+out["multi_turn"] = {"texts": episodes.texts, "tokens": episodes.arrays["tokens"].tolist(),
+                     "rewards": [e.reward for e in episodes.episodes], "resets": resets}
 print("BLOCK " + json.dumps([block.start, block.stop]), flush=True)
 print("RESULT " + json.dumps(out), flush=True)
 jax.distributed.shutdown()
 """
+# A tiny dense model for the workers' multi-turn episodes (tests/rl/test_multiturn.py's sizes).
+MULTI_TURN = ["model.num_layers=1", "model.embed_dim=32", "model.num_heads=2", "model.num_kv_heads=1",
+              "model.head_dim=16", "model.mlp_dim=64", "moe.num_experts=0", "rl.max_prompt_len=24",
+              "rl.max_new_tokens=40", "model.max_seq_len=80", "rl.max_obs_tokens=16", "model.init_std=0.3",
+              "rl.multi_turn=true", "rl.max_turn_tokens=8", "rl.max_turns=3", "rl.group_size=2",
+              "rl.env_workers=2"]
 
 
 def _free_port() -> int:
@@ -77,6 +113,20 @@ def test_bad_job_descriptions_are_refused_by_name():
   assert not hosts.initialize("", 0, -1)  # no job described: one process, nothing joined
 
 
+def test_what_several_processes_cannot_run_is_refused_by_name():
+  from meshrl import configs  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.loop import check_hosts_config  # pylint: disable=import-outside-toplevel
+  load = lambda *o: configs.load("configs/tiny.py", ["rl.prompts_per_step=4", *o])  # noqa: E731
+  with pytest.raises(ValueError, match=r"rl.prompts_per_step=4 does not split over the 3 host processes"):
+    check_hosts_config(load(), 3)
+  with pytest.raises(ValueError, match=r"rl.max_staleness=1 \(asynchronous RL\) is not supported with 2"):
+    check_hosts_config(load("rl.max_staleness=1"), 2)
+  with pytest.raises(ValueError, match=r"rl.rollout_token_budget=64 \(partial rollouts\) is not supported"):
+    check_hosts_config(load("rl.engine=continuous", "rl.rollout_token_budget=64"), 2)
+  check_hosts_config(load(*MULTI_TURN), 2)  # multi-turn episodes run on several processes
+  check_hosts_config(load("rl.max_staleness=1"), 1)
+
+
 def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
   examples, arrays = _batch()
   script = tmp_path / "worker.py"
@@ -85,11 +135,13 @@ def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
   port = _free_port()
-  procs = [subprocess.Popen([sys.executable, str(script), f"127.0.0.1:{port}", str(i), payload], env=env,
+  procs = [subprocess.Popen([sys.executable, str(script), f"127.0.0.1:{port}", str(i), payload,
+                            json.dumps(MULTI_TURN)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
   outs = [p.communicate(timeout=240)[0] for p in procs]
   assert all(p.returncode == 0 for p in procs), [o[-2000:] for o in outs]
   results = [json.loads(next(l for l in o.splitlines() if l.startswith("RESULT "))[7:]) for o in outs]
+  resets = [r["multi_turn"].pop("resets") for r in results]  # the only per-host values
   assert results[0] == results[1]  # every host ends with the same global values
   got = results[0]
   assert got["rows"] == [[0, 0, 0]] * 2 + [[1, 1, 1]] * 2  # process order
@@ -112,6 +164,14 @@ def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
   assert got["scored"]["texts"] == want.texts
   assert got["scored"]["domains"] == want.domains == ["d0", "d0", "d1", "d1"] * 2
   assert got["scored"]["valid"] == [True] * 8 and got["scored"]["errors"] == 0
+
+  # Multi-turn: each host reset only its own rows' environments (examples 0, 1 / 2, 3, two rows
+  # each), and every host holds every row's episode, observations from the host that owns the row.
+  assert sorted(resets[0]) == [examples[i]["prompt"] for i in (0, 0, 1, 1)]
+  assert sorted(resets[1]) == sorted(examples[i]["prompt"] for i in (2, 2, 3, 3))
+  texts = got["multi_turn"]["texts"]
+  assert all("<out>p1" not in t for t in texts[:4]) and all("<out>p0" not in t for t in texts[4:])
+  assert any("<out>p0" in t for t in texts[:4]) and any("<out>p1" in t for t in texts[4:])
 
 
 @pytest.mark.slow
@@ -147,3 +207,40 @@ def test_rl_on_two_processes_matches_one_process(tmp_path):
         assert b[key] == a[key], key
   assert read(tmp_path / "two" / "eval.jsonl") == read(tmp_path / "one" / "eval.jsonl")
   assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["2", "3"]
+
+
+@pytest.mark.slow
+def test_multi_turn_rl_on_two_processes_matches_one_process(tmp_path):
+  """scripts/rl.py on configs/tiny_agent.py (multi-turn file-task episodes, warm start on
+  demonstrations, multi-turn evaluation): each of two processes runs the environments of its own
+  block of episodes and shares their observations, and the metrics and evaluations equal those of
+  one process running every environment. ~3 min."""
+  small = ["rl.sft_steps=2", "rl.sft_batch_size=4", "rl.num_steps=2", "rl.prompts_per_step=2",
+           "rl.group_size=2", "rl.num_minibatches=1", "eval.every=2", "eval.num_prompts=3",
+           "eval.batch_size=3", "log.progress_bar=false", "log.tensorboard=false", "log.plot=false",
+           "checkpoint.enabled=false", "mesh.fsdp=2"]
+  base = [sys.executable, "scripts/rl.py", "--config=configs/tiny_agent.py"] + [f"--config.{o}" for o in small]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  port = _free_port()
+  runs = [subprocess.Popen(base + ["--cpu_devices=2", f"--workdir={tmp_path / 'one'}"], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+  runs += [subprocess.Popen(base + ["--cpu_devices=1", f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
+                                    f"--process_id={i}", f"--workdir={tmp_path / 'two'}"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=900)[0] for p in runs]
+  assert all(p.returncode == 0 for p in runs), [o[-3000:] for o in outs]
+  read = lambda path: [json.loads(line) for line in path.read_text().splitlines()]  # noqa: E731
+  one, two = read(tmp_path / "one" / "metrics.jsonl"), read(tmp_path / "two" / "metrics.jsonl")
+  assert [r["step"] for r in two] == [1, 2]  # written once, by process 0
+  assert all(r["turns_mean"] >= 1 and r["extend_tokens"] > 0 for r in two)  # real multi-turn episodes
+  timing = lambda k: k.endswith("_s") or "mfu" in k or k == "compiles"  # noqa: E731
+  for a, b in zip(one, two, strict=True):
+    assert set(a) == set(b)
+    for key in (k for k in a if not timing(k)):
+      if isinstance(a[key], float):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+      else:
+        assert b[key] == a[key], key
+  evals_one, evals_two = read(tmp_path / "one" / "eval.jsonl"), read(tmp_path / "two" / "eval.jsonl")
+  assert evals_two and [{k: v for k, v in r.items() if not timing(k)} for r in evals_two] == [
+      {k: v for k, v in r.items() if not timing(k)} for r in evals_one]
