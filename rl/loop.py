@@ -173,19 +173,18 @@ def check_config(cfg, num_devices: int | None = None) -> None:
 
 def check_hosts_config(cfg, processes: int) -> None:
   """With several host processes (sharding/hosts.py): each draws and scores an equal block of the
-  step's prompts (multi-turn: runs the environments of its own episodes); what keeps per-process
-  host state across steps is refused by name."""
+  step's prompts (multi-turn: runs the environments of its own episodes; asynchronous RL: keeps its
+  own block of each rollout in flight); what it cannot split so is refused by name."""
   if processes == 1:
     return
   rl = cfg.rl
   if rl.prompts_per_step % processes:
     raise ValueError(f"rl.prompts_per_step={rl.prompts_per_step} does not split over the {processes} "
                      "host processes (each draws and scores an equal block of prompts).")
-  for field, value, what in (("rl.max_staleness", rl.max_staleness, "asynchronous RL"),
-                             ("rl.rollout_token_budget", rl.rollout_token_budget, "partial rollouts")):
-    if value:
-      raise ValueError(f"{field}={value} ({what}) is not supported with {processes} host processes yet: "
-                       "its carried rollouts are host state of one process; set it to 0.")
+  if rl.rollout_token_budget:
+    raise ValueError(f"rl.rollout_token_budget={rl.rollout_token_budget} (partial rollouts) is not "
+                     f"supported with {processes} host processes yet: the groups that end in a step "
+                     "are not one equal block per host (each host scores its own block); set it to 0.")
 
 
 def _domain_specs(cfg):

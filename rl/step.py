@@ -138,17 +138,20 @@ class InFlight:
 
 def in_flight_state(run: RLRun) -> list[dict]:
   """The rollouts in flight as JSON values, for the checkpoint (waits for them), so a resumed
-  asynchronous run trains on exactly the rollouts the uninterrupted one would have."""
-  return [{"examples": item.examples, "version": item.version,
+  asynchronous run trains on exactly the rollouts the uninterrupted one would have. Each host holds
+  only its own block of a rollout's examples; the state has every host's, in process order (every
+  process calls this: the gather is collective)."""
+  return [{"examples": hosts.gather_objects(item.examples), "version": item.version,
            "arrays": {name: array_to_json(value) for name, value in item.arrays().items()}}
           for item in run.in_flight]
 
 
 def restore_in_flight(run: RLRun, state: list[dict]) -> None:
-  """Puts `in_flight_state`'s rollouts back in the queue (as host arrays)."""
+  """Puts `in_flight_state`'s rollouts back in the queue (as host arrays), each host with its own
+  block of their examples (`hosts.own_block`)."""
   run.in_flight = collections.deque(
-      InFlight(item["examples"], {name: array_from_json(v) for name, v in item["arrays"].items()},
-               item["version"])
+      InFlight(item["examples"][hosts.own_block(len(item["examples"]))],
+               {name: array_from_json(v) for name, v in item["arrays"].items()}, item["version"])
       for item in state)
 
 

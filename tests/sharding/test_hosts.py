@@ -45,6 +45,18 @@ pool.close()
 out["scored"] = {"rewards": scored.rewards.tolist(), "texts": scored.texts, "domains": scored.domains,
                  "valid": scored.sample_valid.tolist(), "errors": scored.info["reward_errors"]}
 
+# Asynchronous RL's rollouts in flight: each host holds its own block of their examples; the
+# checkpoint's state has all of them, and restoring gives each host its own block back.
+import collections, types
+from meshrl.rl.step import InFlight, in_flight_state, restore_in_flight
+run = types.SimpleNamespace(in_flight=collections.deque(
+    [InFlight(examples, {"tokens": arrays["tokens"]}, 3)]))
+saved = json.loads(json.dumps(in_flight_state(run)))  # as the checkpoint's JSON holds it
+restore_in_flight(run, saved)
+out["in_flight"] = {"saved": [item["examples"] for item in saved], "version": run.in_flight[0].version,
+                    "tokens": run.in_flight[0].arrays()["tokens"].tolist()}
+out["restored_own"] = run.in_flight[0].examples  # per host (popped below)
+
 # Multi-turn episodes (rl/multiturn.py): 4 examples x 2 rows; each host resets and steps only the
 # environments of its own 4 rows, which answer with the host's index; everything else is shared.
 from flax import nnx
@@ -119,12 +131,11 @@ def test_what_several_processes_cannot_run_is_refused_by_name():
   load = lambda *o: configs.load("configs/tiny.py", ["rl.prompts_per_step=4", *o])  # noqa: E731
   with pytest.raises(ValueError, match=r"rl.prompts_per_step=4 does not split over the 3 host processes"):
     check_hosts_config(load(), 3)
-  with pytest.raises(ValueError, match=r"rl.max_staleness=1 \(asynchronous RL\) is not supported with 2"):
-    check_hosts_config(load("rl.max_staleness=1"), 2)
   with pytest.raises(ValueError, match=r"rl.rollout_token_budget=64 \(partial rollouts\) is not supported"):
     check_hosts_config(load("rl.engine=continuous", "rl.rollout_token_budget=64"), 2)
+  check_hosts_config(load("rl.engine=continuous", "rl.rollout_token_budget=64"), 1)
   check_hosts_config(load(*MULTI_TURN), 2)  # multi-turn episodes run on several processes
-  check_hosts_config(load("rl.max_staleness=1"), 1)
+  check_hosts_config(load("rl.max_staleness=1"), 2)  # and asynchronous RL
 
 
 def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
@@ -142,6 +153,7 @@ def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
   assert all(p.returncode == 0 for p in procs), [o[-2000:] for o in outs]
   results = [json.loads(next(l for l in o.splitlines() if l.startswith("RESULT "))[7:]) for o in outs]
   resets = [r["multi_turn"].pop("resets") for r in results]  # the only per-host values
+  restored = [r.pop("restored_own") for r in results]
   assert results[0] == results[1]  # every host ends with the same global values
   got = results[0]
   assert got["rows"] == [[0, 0, 0]] * 2 + [[1, 1, 1]] * 2  # process order
@@ -165,6 +177,10 @@ def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
   assert got["scored"]["domains"] == want.domains == ["d0", "d0", "d1", "d1"] * 2
   assert got["scored"]["valid"] == [True] * 8 and got["scored"]["errors"] == 0
 
+  # Rollouts in flight: the saved state has both hosts' examples in order; each gets its own back.
+  assert got["in_flight"] == {"saved": [examples], "version": 3, "tokens": arrays["tokens"].tolist()}
+  assert restored == [examples[:2], examples[2:]]
+
   # Multi-turn: each host reset only its own rows' environments (examples 0, 1 / 2, 3, two rows
   # each), and every host holds every row's episode, observations from the host that owns the row.
   assert sorted(resets[0]) == [examples[i]["prompt"] for i in (0, 0, 1, 1)]
@@ -175,11 +191,13 @@ def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
 
 
 @pytest.mark.slow
-def test_rl_on_two_processes_matches_one_process(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["rl.max_staleness=1", "rl.tis_level=token"]], ids=["sync", "async"])
+def test_rl_on_two_processes_matches_one_process(tmp_path, extra):
   """scripts/rl.py: 3 RL steps with evaluations and checkpoints, once as one process with 4 CPU
   devices and once as two processes with 2 each (the same 4-device mesh): the same metrics (floats to
-  reduction-order noise), files written once, checkpoints from both processes together. ~2 min."""
-  small = ["model.num_layers=2", "model.embed_dim=32", "model.head_dim=8", "model.mlp_dim=32",
+  reduction-order noise), files written once, checkpoints from both processes together; also
+  asynchronous RL (rollouts in flight, saved with every host's examples). ~2 min each."""
+  small = extra + ["model.num_layers=2", "model.embed_dim=32", "model.head_dim=8", "model.mlp_dim=32",
            "moe.expert_mlp_dim=16", "rl.max_prompt_len=8", "rl.max_new_tokens=4", "model.max_seq_len=16",
            "rl.prompts_per_step=4", "rl.group_size=2", "rl.sft_steps=0", "log.progress_bar=false",
            "log.tensorboard=false", "log.plot=false", "eval.every=2", "eval.num_prompts=8",
