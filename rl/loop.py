@@ -30,9 +30,9 @@ from meshrl.rl.envs.quality import Quarantine
 from meshrl.rl.envs.registry import DomainMixture, check_single_turn, load_domains
 from meshrl.rl.engine import check_engine_config
 from meshrl.rl.evaluation import Evaluator, held_out_examples
-from meshrl.rl.multiturn import (EPISODE_FAMILIES, Demonstrations, MultiTurnEvaluator,
-                                 check_multiturn_config, episode_pools, wants_multi_turn)
-from meshrl.rl.multiturn import held_out as multiturn_held_out
+from meshrl.rl.multiturn import EPISODE_FAMILIES, check_multiturn_config, episode_pools, wants_multi_turn
+from meshrl.rl.multiturn_step import Demonstrations, MultiTurnEvaluator
+from meshrl.rl.multiturn_step import held_out as multiturn_held_out
 from meshrl.rl.prompts import ArrayRecordSource, JsonlSource, PromptStream
 from meshrl.rl.packing import update_shape
 from meshrl.rl.rollout import check_generation_layout

@@ -38,7 +38,8 @@ from meshrl.rl.batches import (ScoredBatch, UpdateBatch, align_for_update, devic
                                zigzag_batch)
 from meshrl.rl.rewards import compose
 from meshrl.rl.engine import PartialRollouts, make_engine
-from meshrl.rl.multiturn import collect_multiturn, make_multiturn, wants_multi_turn
+from meshrl.rl.multiturn import make_multiturn, wants_multi_turn
+from meshrl.rl.multiturn_step import collect_multiturn
 from meshrl.rl.rollout import make_rollout
 from meshrl.rl.scoring import RewardPool
 from meshrl.rl.update import make_logprob_fn, make_update

@@ -12,7 +12,7 @@ run through the same multi-turn rollout (rl/multiturn.py) in the bubblewrap sand
 
 `data.tasks="files_copy:1.0"` draws it through `TaskPool` (rl/multiturn.py `episode_pools`), with the
 held-out hash split of every family; `oracle_turns(example)` is the reference episode, which
-rl/multiturn.Demonstrations renders as warm-start rows.
+rl/multiturn_step.Demonstrations renders as warm-start rows.
 """
 
 from __future__ import annotations

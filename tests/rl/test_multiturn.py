@@ -16,6 +16,7 @@ from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
 from meshrl.rl import losses
 from meshrl.rl import multiturn as mt
+from meshrl.rl import multiturn_step as mts
 from meshrl.rl.batches import UpdateBatch, align_for_update
 from meshrl.rl.envs.base import StepResult
 from meshrl.rl.envs.file_tasks import FileTaskEnv, copy_task, oracle_turns
@@ -185,7 +186,7 @@ def test_file_task_episodes_malformed_calls_budgets_and_env_failures():
     assert episode.policy_tokens + episode.obs_tokens <= 20
   for episode, reason in zip(out.episodes[2:], ["timed out", "timed out", "RuntimeError", "RuntimeError"]):
     assert episode.end == "env_failure" and reason in episode.env_failure
-  scored = mt.scored_batch(out, examples, 2)
+  scored = mts.scored_batch(out, examples, 2)
   assert scored.sample_valid.tolist() == [True, True, False, False, False, False]
 
 
@@ -212,14 +213,14 @@ def test_oracle_demonstration_solves_file_task():
   results = [env.step(turn) for turn in oracle_turns(example)]
   assert results[0].observation == example["answer"] + "\n"
   assert results[-1].done and results[-1].reward == 1.0
-  row = mt.Demonstrations([example] * 3)[1]
+  row = mts.Demonstrations([example] * 3)[1]
   assert row["prompt"].endswith(mt.render_observation(example["answer"] + "\n"))
   assert row["answer"] == oracle_turns(example)[1]
 
 
 def test_update_loss_ignores_observation_tokens(scripted):
   cfg, graphdef, state, _, out = scripted
-  scored = mt.scored_batch(out, [{"domain": "a"}, {"domain": "b"}], cfg.rl.group_size)
+  scored = mts.scored_batch(out, [{"domain": "a"}, {"domain": "b"}], cfg.rl.group_size)
   aligned = align_for_update(scored)
   observation_targets = np.roll((scored.arrays["segment_ids"] > 0) & ~scored.arrays["response_mask"]
                                 & ~scored.arrays["prompt_mask"], -1, axis=1)
