@@ -190,6 +190,40 @@ def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
   assert any("<out>p0" in t for t in texts[:4]) and any("<out>p1" in t for t in texts[4:])
 
 
+def _one_and_two_processes(tmp_path, config: str, overrides: list[str], devices: int):
+  """Runs scripts/rl.py once as one process with `devices` CPU devices (workdir tmp_path/one) and
+  once as two processes with half as many each, the same mesh (tmp_path/two); returns the two
+  metrics.jsonl record lists, and a reader of JSONL files."""
+  base = [sys.executable, "scripts/rl.py", f"--config={config}"] + [f"--config.{o}" for o in overrides]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  port = _free_port()
+  runs = [subprocess.Popen(base + [f"--cpu_devices={devices}", f"--workdir={tmp_path / 'one'}"], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+  runs += [subprocess.Popen(base + [f"--cpu_devices={devices // 2}", f"--coordinator=127.0.0.1:{port}",
+                                    "--num_processes=2", f"--process_id={i}", f"--workdir={tmp_path / 'two'}"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  outs = [p.communicate(timeout=900)[0] for p in runs]
+  assert all(p.returncode == 0 for p in runs), [o[-3000:] for o in outs]
+  read = lambda path: [json.loads(line) for line in path.read_text().splitlines()]  # noqa: E731
+  return read(tmp_path / "one" / "metrics.jsonl"), read(tmp_path / "two" / "metrics.jsonl"), read
+
+
+def _timing(key: str) -> bool:
+  return key.endswith("_s") or "mfu" in key or key == "compiles"
+
+
+def _assert_same_metrics(one: list[dict], two: list[dict]) -> None:
+  """The same records and keys; floats to reduction-order noise, timings left out."""
+  for a, b in zip(one, two, strict=True):
+    assert set(a) == set(b)
+    for key in (k for k in a if not _timing(k)):
+      if isinstance(a[key], float):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+      else:
+        assert b[key] == a[key], key
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["rl.max_staleness=1", "rl.tis_level=token"]], ids=["sync", "async"])
 def test_rl_on_two_processes_matches_one_process(tmp_path, extra):
@@ -202,27 +236,9 @@ def test_rl_on_two_processes_matches_one_process(tmp_path, extra):
            "rl.prompts_per_step=4", "rl.group_size=2", "rl.sft_steps=0", "log.progress_bar=false",
            "log.tensorboard=false", "log.plot=false", "eval.every=2", "eval.num_prompts=8",
            "eval.batch_size=4", "rl.num_steps=3", "checkpoint.every=2", "mesh.fsdp=4"]
-  base = [sys.executable, "scripts/rl.py", "--config=configs/tiny.py"] + [f"--config.{o}" for o in small]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  port = _free_port()
-  runs = [subprocess.Popen(base + ["--cpu_devices=4", f"--workdir={tmp_path / 'one'}"], env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
-  runs += [subprocess.Popen(base + ["--cpu_devices=2", f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
-                                    f"--process_id={i}", f"--workdir={tmp_path / 'two'}"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  outs = [p.communicate(timeout=900)[0] for p in runs]
-  assert all(p.returncode == 0 for p in runs), [o[-3000:] for o in outs]
-  read = lambda path: [json.loads(line) for line in path.read_text().splitlines()]  # noqa: E731
-  one, two = read(tmp_path / "one" / "metrics.jsonl"), read(tmp_path / "two" / "metrics.jsonl")
+  one, two, read = _one_and_two_processes(tmp_path, "configs/tiny.py", small, devices=4)
   assert [r["step"] for r in two] == [1, 2, 3]  # written once, by process 0
-  timing = lambda k: k.endswith("_s") or "mfu" in k or k == "compiles"  # noqa: E731
-  for a, b in zip(one, two, strict=True):
-    assert set(a) == set(b)
-    for key in (k for k in a if not timing(k)):
-      if isinstance(a[key], float):
-        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
-      else:
-        assert b[key] == a[key], key
+  _assert_same_metrics(one, two)
   assert read(tmp_path / "two" / "eval.jsonl") == read(tmp_path / "one" / "eval.jsonl")
   assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["2", "3"]
 
@@ -237,28 +253,10 @@ def test_multi_turn_rl_on_two_processes_matches_one_process(tmp_path):
            "rl.group_size=2", "rl.num_minibatches=1", "eval.every=2", "eval.num_prompts=3",
            "eval.batch_size=3", "log.progress_bar=false", "log.tensorboard=false", "log.plot=false",
            "checkpoint.enabled=false", "mesh.fsdp=2"]
-  base = [sys.executable, "scripts/rl.py", "--config=configs/tiny_agent.py"] + [f"--config.{o}" for o in small]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  port = _free_port()
-  runs = [subprocess.Popen(base + ["--cpu_devices=2", f"--workdir={tmp_path / 'one'}"], env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
-  runs += [subprocess.Popen(base + ["--cpu_devices=1", f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
-                                    f"--process_id={i}", f"--workdir={tmp_path / 'two'}"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  outs = [p.communicate(timeout=900)[0] for p in runs]
-  assert all(p.returncode == 0 for p in runs), [o[-3000:] for o in outs]
-  read = lambda path: [json.loads(line) for line in path.read_text().splitlines()]  # noqa: E731
-  one, two = read(tmp_path / "one" / "metrics.jsonl"), read(tmp_path / "two" / "metrics.jsonl")
+  one, two, read = _one_and_two_processes(tmp_path, "configs/tiny_agent.py", small, devices=2)
   assert [r["step"] for r in two] == [1, 2]  # written once, by process 0
   assert all(r["turns_mean"] >= 1 and r["extend_tokens"] > 0 for r in two)  # real multi-turn episodes
-  timing = lambda k: k.endswith("_s") or "mfu" in k or k == "compiles"  # noqa: E731
-  for a, b in zip(one, two, strict=True):
-    assert set(a) == set(b)
-    for key in (k for k in a if not timing(k)):
-      if isinstance(a[key], float):
-        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
-      else:
-        assert b[key] == a[key], key
+  _assert_same_metrics(one, two)
   evals_one, evals_two = read(tmp_path / "one" / "eval.jsonl"), read(tmp_path / "two" / "eval.jsonl")
-  assert evals_two and [{k: v for k, v in r.items() if not timing(k)} for r in evals_two] == [
-      {k: v for k, v in r.items() if not timing(k)} for r in evals_one]
+  assert evals_two and [{k: v for k, v in r.items() if not _timing(k)} for r in evals_two] == [
+      {k: v for k, v in r.items() if not _timing(k)} for r in evals_one]
