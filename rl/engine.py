@@ -62,6 +62,7 @@ from meshrl.rl.rollout import (RolloutBatch, RolloutSpec, prompt_layout, rollout
 from meshrl.rl.sampling import sample_keys, token_keys
 from meshrl.rl.speculative import (SpecConfig, SpecMetrics, draft_propose, ngram_propose, rollback,
                                    speculative_call, speculative_setup, verify)
+from meshrl.sharding import hosts
 from meshrl.train.checkpoint import array_from_json, array_to_json
 
 ENGINES = ("static", "continuous")
@@ -497,6 +498,10 @@ class PartialRollouts:
   kept, and resume at the next step under the parameters passed then. With rl.speculative the slots
   speculate (`run_pool_speculative`; a carried sample's draft rows are re-prefilled too) and the last
   step's SpecMetrics are in `.metrics`; draft as in make_engine.
+
+  Several host processes: `draw` gives every host the same prompts, so every host holds the same
+  pool bookkeeping and every group's example; the ended groups' arrays are gathered to every host
+  (`hosts.to_host`), and rl/step.py scores each host's share of them.
   """
 
   def __init__(self, cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...], pad_id: int,
@@ -568,7 +573,8 @@ class PartialRollouts:
     if self.pool is None:
       return {}
     arrays = {f: getattr(self.pool, f) for f in self.pool.__dataclass_fields__}
-    return {"arrays": {name: array_to_json(value) for name, value in arrays.items() if value is not None},
+    return {"arrays": {name: array_to_json(hosts.to_host(value)) for name, value in arrays.items()
+                       if value is not None},
             "examples": list(self.examples), "live": self.live.tolist(), "next_uid": self.next_uid}
 
   def set_state(self, state: dict) -> None:
@@ -599,14 +605,14 @@ class PartialRollouts:
     admitted = self._admit(draw, key)
     self.pool, batch, self.metrics = self._decode(params, extra, self._draft_params, self.pool,
                                                   jnp.asarray(version, jnp.int32))
-    done = np.asarray(self.pool.done).reshape(self.num_groups, self.spec.group_size).all(axis=1)
+    done = hosts.to_host(self.pool.done).reshape(self.num_groups, self.spec.group_size).all(axis=1)
     ended = np.flatnonzero(done & self.live)
     rows = (ended[:, None] * self.spec.group_size + np.arange(self.spec.group_size)).reshape(-1)
     arrays = {f: getattr(batch, f) for f in batch.__dataclass_fields__}
     routing = arrays.pop("routing")
-    arrays = {k: np.asarray(v)[rows] for k, v in arrays.items()}
+    arrays = {k: hosts.to_host(v)[rows] for k, v in arrays.items()}
     if routing is not None:
-      arrays["routing"] = np.swapaxes(np.asarray(routing)[:, rows], 0, 1)
+      arrays["routing"] = np.swapaxes(hosts.to_host(routing)[:, rows], 0, 1)
     examples = [self.examples[g] for g in ended]
     self.live[ended] = False
     carried = int(self.live.sum())

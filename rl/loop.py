@@ -174,17 +174,14 @@ def check_config(cfg, num_devices: int | None = None) -> None:
 def check_hosts_config(cfg, processes: int) -> None:
   """With several host processes (sharding/hosts.py): each draws and scores an equal block of the
   step's prompts (multi-turn: runs the environments of its own episodes; asynchronous RL: keeps its
-  own block of each rollout in flight); what it cannot split so is refused by name."""
+  own block of each rollout in flight; partial rollouts: every host draws the same prompts and scores
+  its share of the groups that end); a prompt count that does not split so is refused by name."""
   if processes == 1:
     return
   rl = cfg.rl
   if rl.prompts_per_step % processes:
     raise ValueError(f"rl.prompts_per_step={rl.prompts_per_step} does not split over the {processes} "
                      "host processes (each draws and scores an equal block of prompts).")
-  if rl.rollout_token_budget:
-    raise ValueError(f"rl.rollout_token_budget={rl.rollout_token_budget} (partial rollouts) is not "
-                     f"supported with {processes} host processes yet: the groups that end in a step "
-                     "are not one equal block per host (each host scores its own block); set it to 0.")
 
 
 def _domain_specs(cfg):
@@ -239,12 +236,19 @@ def train_source(cfg) -> TaskMixture | DomainMixture:
                      eval_fraction=cfg.data.eval_fraction)
 
 
-def prompt_stream(source, position: int = 0, *, per_step: int = 1) -> PromptStream:
+def prompt_stream(source, position: int = 0, *, per_step: int = 1, shared: bool = False) -> PromptStream:
   """This host's stream of training examples (grain, rl/prompts.py): its blocks of
   per_step / process_count examples of `source`, so the hosts' blocks side by side are the
-  `per_step` prompts one process would draw."""
-  hosts = jax.process_count()
-  return PromptStream(source, position, shard=(jax.process_index(), hosts), block=max(per_step // hosts, 1))
+  `per_step` prompts one process would draw; with `shared` (partial rollouts, whose groups end
+  unevenly over the hosts) the whole stream on every host."""
+  hosts = 1 if shared else jax.process_count()
+  index = 0 if shared else jax.process_index()
+  return PromptStream(source, position, shard=(index, hosts), block=max(per_step // hosts, 1))
+
+
+def shared_prompts(cfg) -> bool:
+  """Whether every host draws the same prompts (partial rollouts: sharding/hosts.py)."""
+  return cfg.rl.rollout_token_budget > 0
 
 
 def skipped_rows(source: TaskMixture) -> str:
@@ -272,8 +276,8 @@ def setup(cfg, *, mesh=None, model=None, tokenizer=None, position: int = 0) -> t
   tokenizer = tokenizer_from_config(cfg) if tokenizer is None else tokenizer
   if model is None:
     model = initial_model(cfg, mesh)
-  return build_run(cfg, mesh, model, tokenizer), prompt_stream(train_source(cfg), position,
-                                                               per_step=cfg.rl.prompts_per_step)
+  return build_run(cfg, mesh, model, tokenizer), prompt_stream(
+      train_source(cfg), position, per_step=cfg.rl.prompts_per_step, shared=shared_prompts(cfg))
 
 
 # --- hooks: metrics, evaluation, checkpoints ----------------------------------------------------
@@ -521,7 +525,7 @@ def _run(cfg, workdir: str, mesh, preemption: Preemption) -> list[dict]:
       return []
     model = warm.model
   rl_run = build_run(cfg, mesh, model, tokenizer)
-  prompts = prompt_stream(source, per_step=cfg.rl.prompts_per_step)
+  prompts = prompt_stream(source, per_step=cfg.rl.prompts_per_step, shared=shared_prompts(cfg))
   hooks, start_step, restored = [], 0, None
   if checkpointer is not None and resuming:
     restored = checkpointer.restore(rl_run.state)

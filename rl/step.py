@@ -184,15 +184,27 @@ def _staleness(arrays: dict, version: int) -> dict[str, float]:
   return {"staleness_mean": float(behind.mean()), "staleness_max": float(behind.max())}
 
 
-def score_own_block(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool: RewardPool,
-                    **kw) -> ScoredBatch:
+def score_own_block(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool: RewardPool, *,
+                    examples_everywhere: bool = False, **kw) -> ScoredBatch:
   """`score_rollout` of the whole batch `arrays` ([B, ...] numpy, every host's groups side by side),
-  where this host scores only its own block of groups (`examples`, its own prompts) and the scores
-  are gathered from every host (sharding/hosts.py); with one process, plain `score_rollout`."""
+  where this host scores only its own groups and the scores are gathered from every host
+  (sharding/hosts.py); with one process, plain `score_rollout`.
+
+  Its own groups: the block of its own prompts (`examples` holds only those), or with
+  `examples_everywhere` (partial rollouts: `examples` lists every group's, on every host) its
+  `hosts.share` of the groups, as even as their count allows."""
   if not hosts.is_multihost():
     return score_rollout(arrays, examples, tokenizer, pool, **kw)
-  block = hosts.own_block(arrays["tokens"].shape[0])
-  own = score_rollout({k: v[block] for k, v in arrays.items()}, examples, tokenizer, pool, **kw)
+  group_size = kw["group_size"]
+  groups = arrays["tokens"].shape[0] // group_size
+  if examples_everywhere:
+    mine = hosts.share(groups)
+    examples = examples[mine]
+  else:
+    mine = hosts.own_block(groups)
+  rows = slice(mine.start * group_size, mine.stop * group_size)
+  own_arrays = {k: v[rows] for k, v in arrays.items()}
+  own = score_rollout(own_arrays, examples, tokenizer, pool, **kw) if examples else empty_scored(own_arrays)
   infos = hosts.gather_objects([own.info])
   info = {"reward_errors": sum(i["reward_errors"] for i in infos),
           "reward_timeouts": sum(i["reward_timeouts"] for i in infos),
@@ -224,10 +236,15 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
   partial_info = {}
 
   def draw(count):
-    """This host's block of `count` prompts (its examples), and every host's tokens side by side."""
+    """This host's block of `count` prompts (its examples), and every host's tokens side by side.
+    Partial rollouts: every host draws the same `count` prompts (its stream is the whole stream)."""
     nonlocal rejected, truncated
-    prompts = next_prompts(examples, run.tokenizer, count=count // jax.process_count(),
+    shared = run.partial is not None
+    prompts = next_prompts(examples, run.tokenizer, count=count if shared else count // jax.process_count(),
                            max_len=cfg.max_prompt_len, overflow=cfg.prompt_overflow)
+    if shared:
+      rejected, truncated = rejected + prompts.rejected, truncated + prompts.truncated
+      return prompts.examples, prompts.tokens, prompts.mask
     counts = hosts.gather_rows(np.asarray([[prompts.rejected, prompts.truncated]]))
     rejected, truncated = rejected + int(counts[:, 0].sum()), truncated + int(counts[:, 1].sum())
     return prompts.examples, hosts.gather_rows(prompts.tokens), hosts.gather_rows(prompts.mask)
@@ -253,7 +270,7 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
     scored = empty_scored(arrays) if not round_examples else score_own_block(
         arrays, round_examples, run.tokenizer, run.pool, group_size=cfg.group_size,
         max_new_tokens=cfg.max_new_tokens, overlong_buffer=cfg.overlong_buffer,
-        overlong_penalty_value=cfg.overlong_penalty)
+        overlong_penalty_value=cfg.overlong_penalty, examples_everywhere=run.partial is not None)
     reward_s += time.perf_counter() - t0
     reward_errors += scored.info["reward_errors"]
     reward_timeouts += scored.info["reward_timeouts"]

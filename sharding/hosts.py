@@ -12,6 +12,10 @@ the jitted steps span all devices of all processes. How meshrl's RL loop splits 
             reward workers; rewards, texts and domains are gathered (`gather_rows`,
             `gather_objects`), so every host then makes the same decisions (dynamic sampling, packing)
             on the same global batch and the update's inputs are equal everywhere;
+  partial   partial rollouts (rl/engine.PartialRollouts): the groups that end in a step are not one
+            block per host, so every host draws the same prompts (the whole stream, not a shard) and
+            holds every group's example; each scores its `share` of the groups that ended (as even
+            as their count allows), and the uneven shares are gathered (`gather_rows`);
   episodes  multi-turn (rl/multiturn.py): each host resets and steps the environments of its own
             block of episodes, and their results are gathered after every turn (`gather_objects`);
   outputs   metrics files, evaluations and the config are written by process 0 only
@@ -102,15 +106,35 @@ def own_block(total: int) -> slice:
   return slice(index * size, (index + 1) * size)
 
 
+def share(total: int) -> slice:
+  """This process's share of `total` items that every host holds: contiguous, in process order, as
+  even as the count allows (host h of n: [h * total // n, (h + 1) * total // n); some may be empty)."""
+  count, index = jax.process_count(), jax.process_index()
+  return slice(index * total // count, (index + 1) * total // count)
+
+
 def gather_rows(local: np.ndarray) -> np.ndarray:
-  """Every process's `local` rows ([n, ...], the same shape on every host) concatenated in process
-  order -> [processes * n, ...]; the identity with one process."""
+  """Every process's `local` rows ([n_p, ...]; the trailing shape the same on every host, the row
+  count n_p may differ) concatenated in process order -> [sum_p n_p, ...]; the identity with one
+  process. Collective: every process calls it at the same point."""
   local = np.asarray(local)
   if not is_multihost():
     return local
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   if local.dtype == np.bool_:
     return gather_rows(local.astype(np.uint8)).astype(bool)
+  sizes = _allgather(np.asarray([local.shape[0]], np.int64)).reshape(-1)
+  most = int(sizes.max())
+  if (sizes == most).all():
+    return _allgather(local)
+  padded = np.zeros((most,) + local.shape[1:], local.dtype)
+  padded[:local.shape[0]] = local
+  rows = _allgather(padded).reshape((len(sizes), most) + local.shape[1:])
+  return np.concatenate([block[:int(size)] for block, size in zip(rows, sizes)])
+
+
+def _allgather(local: np.ndarray) -> np.ndarray:
+  """Equal-shaped [n, ...] arrays of every process -> [processes * n, ...], in process order."""
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   return np.asarray(multihost_utils.process_allgather(local, tiled=True))
 
 
@@ -119,13 +143,9 @@ def gather_objects(local: Sequence[Any]) -> list:
   if not is_multihost():
     return list(local)
   payload = np.frombuffer(json.dumps(list(local), default=_plain).encode("utf-8"), np.uint8)
-  sizes = gather_rows(np.asarray([payload.size], np.int64))
-  padded = np.zeros(int(sizes.max()), np.uint8)
-  padded[:payload.size] = payload
-  rows = gather_rows(padded[None])
   out = []
-  for row, size in zip(rows, sizes):
-    out += json.loads(bytes(row[:int(size)]).decode("utf-8"))
+  for row in np.split(gather_rows(payload), np.cumsum(gather_rows(np.asarray([payload.size])))[:-1]):
+    out += json.loads(bytes(row).decode("utf-8"))
   return out
 
 

@@ -1,8 +1,8 @@
 """Several host processes (sharding/hosts.py), with real jax processes on this machine talking over
-gloo: data gathered in process order, each host scoring only its own block of groups and getting the
-one-process scores, each host running only its own multi-turn environments and sharing their
-observations, and scripts/rl.py on two processes giving the one-process metrics, single-turn and
-multi-turn (slow)."""
+gloo: data gathered in process order, each host scoring only its own block of groups (or, for partial
+rollouts, its uneven share) and getting the one-process scores, each host running only its own
+multi-turn environments and sharing their observations, and scripts/rl.py on two processes giving the
+one-process metrics: synchronous, asynchronous, partial rollouts and multi-turn (slow)."""
 
 import json
 import os
@@ -41,9 +41,22 @@ tokenizer = ByteTokenizer()
 pool = RewardPool(compose("answer:1.0"), num_workers=1, timeout_s=10)
 scored = score_own_block(arrays, examples, tokenizer, pool, group_size=2, max_new_tokens=4,
                          overlong_buffer=0, overlong_penalty_value=0.0)
-pool.close()
 out["scored"] = {"rewards": scored.rewards.tolist(), "texts": scored.texts, "domains": scored.domains,
                  "valid": scored.sample_valid.tolist(), "errors": scored.info["reward_errors"]}
+
+# Partial rollouts: every host holds every group's example and scores its share of the groups that
+# ended, 3 groups (1 and 2) and 1 group (none and 1); the pool records what this host scored.
+scored_here, score = [], pool.score
+pool.score = lambda texts, exs: (scored_here.append(texts), score(texts, exs))[1]
+out["shares"] = {}
+for groups in (3, 1):
+  part = {k: v[:2 * groups] for k, v in arrays.items()}
+  shared = score_own_block(part, batch["examples"][:groups], tokenizer, pool, examples_everywhere=True,
+                           group_size=2, max_new_tokens=4, overlong_buffer=0, overlong_penalty_value=0.0)
+  out["shares"][groups] = {"rewards": shared.rewards.tolist(), "texts": shared.texts,
+                           "domains": shared.domains, "valid": shared.sample_valid.tolist()}
+pool.close()
+out["scored_here"] = scored_here
 
 # Asynchronous RL's rollouts in flight: each host holds its own block of their examples; the
 # checkpoint's state has all of them, and restoring gives each host its own block back.
@@ -131,11 +144,9 @@ def test_what_several_processes_cannot_run_is_refused_by_name():
   load = lambda *o: configs.load("configs/tiny.py", ["rl.prompts_per_step=4", *o])  # noqa: E731
   with pytest.raises(ValueError, match=r"rl.prompts_per_step=4 does not split over the 3 host processes"):
     check_hosts_config(load(), 3)
-  with pytest.raises(ValueError, match=r"rl.rollout_token_budget=64 \(partial rollouts\) is not supported"):
-    check_hosts_config(load("rl.engine=continuous", "rl.rollout_token_budget=64"), 2)
-  check_hosts_config(load("rl.engine=continuous", "rl.rollout_token_budget=64"), 1)
   check_hosts_config(load(*MULTI_TURN), 2)  # multi-turn episodes run on several processes
   check_hosts_config(load("rl.max_staleness=1"), 2)  # and asynchronous RL
+  check_hosts_config(load("rl.engine=continuous", "rl.rollout_token_budget=64"), 2)  # and partial rollouts
 
 
 def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
@@ -154,6 +165,7 @@ def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
   results = [json.loads(next(l for l in o.splitlines() if l.startswith("RESULT "))[7:]) for o in outs]
   resets = [r["multi_turn"].pop("resets") for r in results]  # the only per-host values
   restored = [r.pop("restored_own") for r in results]
+  scored_here = [r.pop("scored_here") for r in results]
   assert results[0] == results[1]  # every host ends with the same global values
   got = results[0]
   assert got["rows"] == [[0, 0, 0]] * 2 + [[1, 1, 1]] * 2  # process order
@@ -176,6 +188,15 @@ def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
   assert got["scored"]["texts"] == want.texts
   assert got["scored"]["domains"] == want.domains == ["d0", "d0", "d1", "d1"] * 2
   assert got["scored"]["valid"] == [True] * 8 and got["scored"]["errors"] == 0
+
+  # Partial rollouts: shares of 3 groups (1 and 2) and of 1 group (none and 1), gathered in order
+  # into the one-process scores.
+  for groups in (3, 1):
+    assert got["shares"][str(groups)] == {"rewards": want.rewards[:2 * groups].tolist(),
+                                          "texts": want.texts[:2 * groups],
+                                          "domains": want.domains[:2 * groups], "valid": [True] * 2 * groups}
+  assert scored_here[0] == [want.texts[0:2]]  # 3 groups: host 0 scored group 0; 1 group: nothing
+  assert scored_here[1] == [want.texts[2:6], want.texts[0:2]]  # groups 1, 2; then group 0
 
   # Rollouts in flight: the saved state has both hosts' examples in order; each gets its own back.
   assert got["in_flight"] == {"saved": [examples], "version": 3, "tokens": arrays["tokens"].tolist()}
@@ -224,23 +245,33 @@ def _assert_same_metrics(one: list[dict], two: list[dict]) -> None:
         assert b[key] == a[key], key
 
 
+# Partial rollouts: 4 groups of 4 samples of up to 4 tokens through 4 slots, 13 tokens per slot per
+# step: 3 groups end in a step (one host scores 1, the other 2), the 4th is carried to the next.
+PARTIAL = ["rl.engine=continuous", "rl.group_size=4", "rl.decode_slots=4", "rl.rollout_token_budget=52",
+           "rl.max_resample_rounds=0"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["rl.max_staleness=1", "rl.tis_level=token"]], ids=["sync", "async"])
+@pytest.mark.parametrize("extra", [[], ["rl.max_staleness=1", "rl.tis_level=token"], PARTIAL],
+                         ids=["sync", "async", "partial"])
 def test_rl_on_two_processes_matches_one_process(tmp_path, extra):
   """scripts/rl.py: 3 RL steps with evaluations and checkpoints, once as one process with 4 CPU
   devices and once as two processes with 2 each (the same 4-device mesh): the same metrics (floats to
   reduction-order noise), files written once, checkpoints from both processes together; also
-  asynchronous RL (rollouts in flight, saved with every host's examples). ~2 min each."""
-  small = extra + ["model.num_layers=2", "model.embed_dim=32", "model.head_dim=8", "model.mlp_dim=32",
+  asynchronous RL (rollouts in flight, saved with every host's examples) and partial rollouts
+  (groups carried over steps, ending unevenly over the hosts). ~2 min each."""
+  small = ["model.num_layers=2", "model.embed_dim=32", "model.head_dim=8", "model.mlp_dim=32",
            "moe.expert_mlp_dim=16", "rl.max_prompt_len=8", "rl.max_new_tokens=4", "model.max_seq_len=16",
            "rl.prompts_per_step=4", "rl.group_size=2", "rl.sft_steps=0", "log.progress_bar=false",
            "log.tensorboard=false", "log.plot=false", "eval.every=2", "eval.num_prompts=8",
-           "eval.batch_size=4", "rl.num_steps=3", "checkpoint.every=2", "mesh.fsdp=4"]
+           "eval.batch_size=4", "rl.num_steps=3", "checkpoint.every=2", "mesh.fsdp=4"] + extra
   one, two, read = _one_and_two_processes(tmp_path, "configs/tiny.py", small, devices=4)
   assert [r["step"] for r in two] == [1, 2, 3]  # written once, by process 0
   _assert_same_metrics(one, two)
   assert read(tmp_path / "two" / "eval.jsonl") == read(tmp_path / "one" / "eval.jsonl")
   assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["2", "3"]
+  if extra == PARTIAL:  # groups carried over, and steps that end an odd number of them
+    assert all(r["groups_carried"] for r in two) and any(r["groups_ended"] % 2 for r in two)
 
 
 @pytest.mark.slow
