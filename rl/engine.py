@@ -32,14 +32,10 @@ The pieces (`verify`, `rollback`, `ngram_propose`, `draft_propose`) are rl/specu
 per-token keys, so at temperature > 0 a sample draws what the static speculative rollout draws for it.
 With rl.rollout_token_budget the budget counts verification forwards (up to k + 1 tokens per slot).
 
-Partial rollouts (`PartialRollouts`, rl.rollout_token_budget > 0): each RL step decodes at most
-budget // slots iterations; groups whose samples have all ended form the step's batch, the others
-stay in the pool and continue at the next step under the new parameters (re-prefilled, as above).
-Each token keeps the behaviour log-prob and the policy version that produced it (RolloutBatch
-.policy_version; rl/step.py stamps the optimizer step count, run.state.step), so a carried sample's
-segments are told apart. Re-prefilling under the new parameters (rather than keeping the old cache)
-makes each new segment exactly the new policy's continuation of the sequence so far. Approach of Kimi k1.5 (partial
-rollouts, arXiv:2501.12599, sec. 2.6.2) and Orca's iteration-level scheduling (Yu et al., OSDI 2022).
+Partial rollouts (rl/partial.py, rl.rollout_token_budget > 0) run this pool with a step budget
+(`run_pool(max_steps=...)`) and carry the samples that have not ended to the next RL step: a carried
+sample is re-prefilled (step 1) under the parameters of that step, its tokens, behaviour log-probs
+and policy versions kept (RolloutBatch.policy_version).
 
 Axis legend: P prompts (groups), G group size, B = P * G samples, C decode slots, Lp prompt length,
 N max new tokens, S = Lp + N, V vocab, L MoE layers, K experts per token.
@@ -47,11 +43,10 @@ N max new tokens, S = Lp + N, V vocab, L MoE layers, K experts per token.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh
 
@@ -62,8 +57,6 @@ from meshrl.rl.rollout import (RolloutBatch, RolloutSpec, prompt_layout, rollout
 from meshrl.rl.sampling import sample_keys, token_keys
 from meshrl.rl.speculative import (SpecConfig, SpecMetrics, draft_propose, ngram_propose, rollback,
                                    speculative_call, speculative_setup, verify)
-from meshrl.sharding import hosts
-from meshrl.train.checkpoint import array_from_json, array_to_json
 
 ENGINES = ("static", "continuous")
 
@@ -433,12 +426,14 @@ def resolve_slots(requested: int, num_samples: int) -> int:
   return num_samples if requested == 0 else min(requested, num_samples)
 
 
-def _routing_shape(mc) -> tuple[int, int] | None:
+def routing_shape(mc) -> tuple[int, int] | None:
+  """(MoE layers, experts per token) of the routing a rollout records, None for a dense model."""
   moe_layers = mc.num_layers - mc.first_k_dense if mc.num_experts else 0
   return (moe_layers, mc.num_experts_per_tok) if moe_layers > 0 else None
 
 
-def _setup(cfg, mesh, stop_ids, pad_id, group_size, temperature):
+def engine_setup(cfg, mesh, stop_ids, pad_id, group_size, temperature):
+  """(rollout ModelConfig, the model's GraphDef, RolloutSpec) of an engine; the lengths checked."""
   mc = rollout_model_config(cfg, mesh)
   graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(0))), nnx.Param, ...)
   spec = RolloutSpec.from_config(cfg, stop_ids=stop_ids, pad_id=pad_id, group_size=group_size,
@@ -459,7 +454,7 @@ def make_engine(cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...], pad_id: in
   rl.speculative != "none": the slots speculate (`run_pool_speculative`); the last call's SpecMetrics
   are in `engine.metrics`. draft: (draft ModelConfig, params State) for "draft" (default:
   rl.draft_config / rl.draft_checkpoint)."""
-  mc, graphdef, spec = _setup(cfg, mesh, stop_ids, pad_id, group_size, temperature)
+  mc, graphdef, spec = engine_setup(cfg, mesh, stop_ids, pad_id, group_size, temperature)
   requested = cfg.rl.decode_slots if slots is None else slots
   sc = None
   draft_graph = draft_params = draft_rest = None
@@ -471,7 +466,7 @@ def make_engine(cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...], pad_id: in
     num = prompts.shape[0] * spec.group_size
     pool = new_pool(prompts, prompt_mask, sample_keys(key, jnp.arange(num)), group_size=spec.group_size,
                     max_new_tokens=spec.max_new_tokens, pad_id=pad_id, max_lengths=max_lengths,
-                    routing_shape=_routing_shape(mc))
+                    routing_shape=routing_shape(mc))
     model = nnx.merge(graphdef, params, extra)
     num_slots = resolve_slots(requested, num)
     if sc is None:
@@ -487,155 +482,6 @@ def make_engine(cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...], pad_id: in
       return engine_fn(params, extra, None, prompts, prompt_mask, key, max_lengths, version)
     return with_generation_weights(cfg, mesh, mc, plain)
   return speculative_call(with_generation_weights(cfg, mesh, mc, engine_fn), draft_params)
-
-
-class PartialRollouts:
-  """Partial rollouts across RL steps: a pool of `num_groups` groups in flight on the devices.
-
-  Each `step` tops the pool up with new groups (drawn from `draw(count)`), decodes at most
-  rl.rollout_token_budget // slots iterations, and returns the groups that have ended (all G
-  samples) in the RolloutBatch layout; the rest are carried, their tokens, log-probs and versions
-  kept, and resume at the next step under the parameters passed then. With rl.speculative the slots
-  speculate (`run_pool_speculative`; a carried sample's draft rows are re-prefilled too) and the last
-  step's SpecMetrics are in `.metrics`; draft as in make_engine.
-
-  Several host processes: `draw` gives every host the same prompts, so every host holds the same
-  pool bookkeeping and every group's example; the ended groups' arrays are gathered to every host
-  (`hosts.to_host`), and rl/step.py scores each host's share of them.
-  """
-
-  def __init__(self, cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...], pad_id: int,
-               num_groups: int | None = None, draft: tuple[Any, Any] | None = None):
-    mc, graphdef, spec = _setup(cfg, mesh, stop_ids, pad_id, None, None)
-    self.spec, self.pad_id = spec, pad_id
-    self.num_groups = cfg.rl.prompts_per_step if num_groups is None else num_groups
-    num = self.num_groups * spec.group_size
-    self.slots = resolve_slots(cfg.rl.decode_slots, num)
-    budget = cfg.rl.rollout_token_budget
-    if budget < self.slots:
-      raise ValueError(f"rl.rollout_token_budget={budget} is less than one token per decode slot "
-                       f"(rl.decode_slots resolves to {self.slots}).")
-    self.max_steps = budget // self.slots
-    self.prompt_len = cfg.rl.max_prompt_len
-    self.routing_shape = _routing_shape(mc)
-    self.pool: Pool | None = None
-    self.examples: list = [None] * self.num_groups  # the task example of each group in the pool
-    self.live = np.zeros(self.num_groups, bool)  # group slot holds a group
-    self.next_uid = 0  # groups admitted so far (their admission order)
-    self.metrics = None  # the last step's SpecMetrics (rl.speculative != "none")
-    sc = SpecConfig.from_config(cfg, need_checkpoint=draft is None) if cfg.rl.speculative != "none" else None
-    draft_graph = draft_rest = None
-    self._draft_params = None
-    if sc is not None:
-      draft_graph, self._draft_params, draft_rest = speculative_setup(cfg, mesh, mc, spec, sc, draft)
-
-    def decode(params, extra, draft_state, pool, version):
-      model = nnx.merge(graphdef, params, extra)
-      if sc is None:
-        pool, prompt_routing = run_pool(model, spec, pool, slots=self.slots, max_steps=self.max_steps,
-                                        version=version)
-        return pool, to_rollout_batch(pool, prompt_routing, pad_id), None
-      draft_model = None if draft_graph is None else nnx.merge(draft_graph, draft_state, draft_rest)
-      pool, prompt_routing, metrics = run_pool_speculative(model, draft_model, spec, sc, pool, slots=self.slots,
-                                                           max_steps=self.max_steps, version=version)
-      return pool, to_rollout_batch(pool, prompt_routing, pad_id), metrics
-    self._decode = with_generation_weights(cfg, mesh, mc, decode)
-
-  def _admit(self, draw: Callable[[int], tuple[list, np.ndarray, np.ndarray]], key) -> int:
-    """Fills the free group slots with new groups from `draw(count) -> (examples, tokens, mask)`."""
-    free = np.flatnonzero(~self.live)
-    if free.size == 0:
-      return 0
-    examples, tokens, mask = draw(int(free.size))
-    group_size = self.spec.group_size
-    uids = self.next_uid + np.arange(free.size)
-    self.next_uid += int(free.size)
-    sample_ids = (uids[:, None] * group_size + np.arange(group_size)).reshape(-1)
-    fresh = new_pool(tokens, mask, sample_keys(key, jnp.asarray(sample_ids, jnp.uint32)),
-                     group_size=group_size, max_new_tokens=self.spec.max_new_tokens, pad_id=self.pad_id,
-                     routing_shape=self.routing_shape)
-    fresh = fresh.replace(priority=jnp.asarray(sample_ids, jnp.int32))
-    if self.pool is None:
-      blank = np.zeros((self.num_groups, self.prompt_len), np.int32)
-      self.pool = new_pool(blank, blank.astype(bool), sample_keys(key, jnp.arange(
-          self.num_groups * group_size)), group_size=group_size, max_new_tokens=self.spec.max_new_tokens,
-          pad_id=self.pad_id, routing_shape=self.routing_shape)
-      self.pool = self.pool.replace(done=jnp.ones_like(self.pool.done))
-    self.pool = _place_groups(self.pool, fresh, free, group_size)
-    for i, g in enumerate(free):
-      self.examples[g] = examples[i]
-    self.live[free] = True
-    return int(free.size)
-
-  def get_state(self) -> dict:
-    """JSON state of the carried groups (for the checkpoint's extra state): the pool's arrays,
-    the groups' examples, which group slots are live and the admission counter."""
-    if self.pool is None:
-      return {}
-    arrays = {f: getattr(self.pool, f) for f in self.pool.__dataclass_fields__}
-    return {"arrays": {name: array_to_json(hosts.to_host(value)) for name, value in arrays.items()
-                       if value is not None},
-            "examples": list(self.examples), "live": self.live.tolist(), "next_uid": self.next_uid}
-
-  def set_state(self, state: dict) -> None:
-    """Continues from `get_state()`'s output ({}: nothing carried)."""
-    if not state:
-      return
-    arrays = {name: jnp.asarray(array_from_json(v)) for name, v in state["arrays"].items()}
-    fresh = new_pool(np.zeros((self.num_groups, self.prompt_len), np.int32),
-                     np.zeros((self.num_groups, self.prompt_len), bool), sample_keys(jax.random.key(0), jnp.arange(
-                         self.num_groups * self.spec.group_size)), group_size=self.spec.group_size,
-                     max_new_tokens=self.spec.max_new_tokens, pad_id=self.pad_id,
-                     routing_shape=self.routing_shape)
-    for name, value in arrays.items():
-      want = getattr(fresh, name)
-      if want is None or want.shape != value.shape:
-        raise ValueError(f"carried rollouts: saved {name} has shape {value.shape}, this run expects "
-                         f"{None if want is None else want.shape} (rl.prompts_per_step, rl.group_size, "
-                         "rl.max_prompt_len, rl.max_new_tokens and the model must match the saved run).")
-    self.pool = fresh.replace(**arrays)
-    self.examples = list(state["examples"])
-    self.live = np.asarray(state["live"], bool)
-    self.next_uid = int(state["next_uid"])
-
-  def step(self, params, extra, draw, key, version) -> tuple[dict, list, dict]:
-    """One RL step's generation -> (host arrays of the ended groups [E * G, ...], their examples,
-    info). draw(count) -> (examples, tokens [count, Lp], mask) supplies new groups; `key` seeds
-    the new groups' samples; `version` is stamped on the tokens generated now."""
-    admitted = self._admit(draw, key)
-    self.pool, batch, self.metrics = self._decode(params, extra, self._draft_params, self.pool,
-                                                  jnp.asarray(version, jnp.int32))
-    done = hosts.to_host(self.pool.done).reshape(self.num_groups, self.spec.group_size).all(axis=1)
-    ended = np.flatnonzero(done & self.live)
-    rows = (ended[:, None] * self.spec.group_size + np.arange(self.spec.group_size)).reshape(-1)
-    arrays = {f: getattr(batch, f) for f in batch.__dataclass_fields__}
-    routing = arrays.pop("routing")
-    arrays = {k: hosts.to_host(v)[rows] for k, v in arrays.items()}
-    if routing is not None:
-      arrays["routing"] = np.swapaxes(hosts.to_host(routing)[:, rows], 0, 1)
-    examples = [self.examples[g] for g in ended]
-    self.live[ended] = False
-    carried = int(self.live.sum())
-    return arrays, examples, {"groups_admitted": admitted, "groups_ended": int(ended.size),
-                              "groups_carried": carried}
-
-
-def _place_groups(pool: Pool, fresh: Pool, where: np.ndarray, group_size: int) -> Pool:
-  """pool with its groups `where` [F] (group slots) replaced by fresh's F groups (in order)."""
-  rows = jnp.asarray((where[:, None] * group_size + np.arange(group_size)).reshape(-1))
-  groups = jnp.asarray(where)
-
-  def put(name, old, new):
-    if old is None:
-      return None
-    if name in ("prompts", "prompt_mask"):
-      return old.at[groups].set(new)
-    if name == "group_of":
-      return old.at[rows].set(rows // group_size)
-    if name == "routing":
-      return old.at[:, rows].set(new)
-    return old.at[rows].set(new)
-  return pool.replace(**{f: put(f, getattr(pool, f), getattr(fresh, f)) for f in pool.__dataclass_fields__})
 
 
 def check_engine_config(rl, data_parallel: int | None = None) -> None:

@@ -37,7 +37,8 @@ from meshrl.rl.batch import (batch_metrics, empty_scored, informative_groups, ne
 from meshrl.rl.batches import (ScoredBatch, UpdateBatch, align_for_update, device_put_batch,
                                zigzag_batch)
 from meshrl.rl.rewards import compose
-from meshrl.rl.engine import PartialRollouts, make_engine
+from meshrl.rl.engine import make_engine
+from meshrl.rl.partial import PartialRollouts
 from meshrl.rl.multiturn import make_multiturn, wants_multi_turn
 from meshrl.rl.multiturn_step import collect_multiturn
 from meshrl.rl.rollout import make_rollout
@@ -69,7 +70,7 @@ class RLRun:
   pool: RewardPool
   batch_sharding: Any  # NamedSharding of [B, S] update arrays, or None without a mesh
   zigzag_shards: int  # > 1: update batches are laid out zigzag over the sequence axis
-  partial: Any = None  # rl/engine.PartialRollouts when rl.rollout_token_budget > 0 (groups carried over)
+  partial: Any = None  # rl/partial.PartialRollouts when rl.rollout_token_budget > 0 (groups carried over)
   version: int = 0  # policy version: RL updates applied so far (restored with the checkpoint's step)
   in_flight: collections.deque = dataclasses.field(default_factory=collections.deque)  # InFlight
   multiturn: Any = None  # rl/multiturn.MultiTurnPrograms when episodes are multi-turn (else None)

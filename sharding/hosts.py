@@ -12,7 +12,7 @@ the jitted steps span all devices of all processes. How meshrl's RL loop splits 
             reward workers; rewards, texts and domains are gathered (`gather_rows`,
             `gather_objects`), so every host then makes the same decisions (dynamic sampling, packing)
             on the same global batch and the update's inputs are equal everywhere;
-  partial   partial rollouts (rl/engine.PartialRollouts): the groups that end in a step are not one
+  partial   partial rollouts (rl/partial.PartialRollouts): the groups that end in a step are not one
             block per host, so every host draws the same prompts (the whole stream, not a shard) and
             holds every group's example; each scores its `share` of the groups that ended (as even
             as their count allows), and the uneven shares are gathered (`gather_rows`);

@@ -15,7 +15,8 @@ from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
 from meshrl.rl import loop
-from meshrl.rl.engine import PartialRollouts, check_engine_config, make_engine
+from meshrl.rl.engine import check_engine_config, make_engine
+from meshrl.rl.partial import PartialRollouts
 from meshrl.rl.rollout import make_rollout
 from meshrl.rl.sampling import Sampler
 from meshrl.rl.step import rl_step
