@@ -8,7 +8,8 @@ and XLA compiles the same jitted programs a run executes:
            optimizer step, on an UpdateBatch of rl.prompts_per_step * rl.group_size rows of
            rl.max_prompt_len + rl.max_new_tokens tokens (TRAIN rules).
   prefill  the prefill of rl/rollout.py `generate`: rl.prompts_per_step prompts of rl.max_prompt_len
-           tokens written into an empty KV cache of the full length, last logits kept (ROLLOUT rules;
+           tokens written into an empty KV cache of the full length, last logits kept, and the
+           prompt's MoE routes with routing replay (ROLLOUT rules;
            with attention.impl="ring" and mesh.sequence > 1 the ring prefill, `length` split over
            `sequence` like the cache).
   decode   one decode step of `generate` against a full-length cache: sample, forward one token per
@@ -17,6 +18,9 @@ and XLA compiles the same jitted programs a run executes:
   reshard  the one-off cost of rl.generation_layout = "gathered": the train-layout weights resharded
            into the generation layout (split over tensor/expert only) once per rollout; "decode" then
            reads its weights in that layout (no per-token all-gather over fsdp).
+  routes   rl/routes.py: the update batch's MoE routes (routing replay) built on the devices from the
+           rollout's, rows in any order (dynamic sampling, partial rollouts), so they never cross
+           the host.
 
 A step's report (`StepReport`) is read off the compiled program: `memory_analysis()` gives the bytes
 per chip (arguments, outputs, temporaries, generated code; total = argument + output + temp + code -
@@ -55,6 +59,7 @@ from meshrl.model.init import parameter_counts
 from meshrl.model.transformer import ModelConfig, Transformer
 from meshrl.rl import advantages as adv_lib
 from meshrl.rl import losses
+from meshrl.rl import routes
 from meshrl.rl.batches import UpdateBatch
 from meshrl.rl.rollout import RolloutSpec, prefill_prompts, rollout_model_config
 from meshrl.rl.update import make_update
@@ -62,10 +67,10 @@ from meshrl.sharding.mesh import make_mesh, mesh_shape_for
 from meshrl.sharding.rules import generation_shardings, logical_to_spec, rules_from_config
 from meshrl.train.metrics import model_flops_per_token, peak_flops
 from meshrl.train.optim import make_optimizer
-from meshrl.train.sft import MODEL_FIELDS, make_sft_step
+from meshrl.train.sft import MODEL_FIELDS, make_sft_step, zigzag_shards
 from meshrl.train.state import abstract_train_state, shardings_of
 
-STEPS = ("update", "prefill", "decode", "sft", "reshard")  # reshard: rl.generation_layout's one-off cost
+STEPS = ("update", "prefill", "decode", "sft", "reshard", "routes")  # reshard: rl.generation_layout's one-off cost
 HBM_FRACTION = 0.9  # a step "fits" when its bytes per chip are at most this share of HBM
 ASSUMED_MFU = 0.4  # model FLOPs utilisation the projected step time assumes
 TOPOLOGY_FORMAT = re.compile(r"^(v4|v5e|v5p|v6e|tpu7x):\d+(x\d+){1,2}$")
@@ -252,8 +257,8 @@ def prefill_program(cfg, mesh: Mesh) -> Program:
 
   def prefill(params, extra, prompts, prompt_mask):
     model = nnx.merge(graphdef, params, extra)
-    cache, logits, _ = prefill_prompts(model, prompts, prompt_mask, total)
-    return cache, logits
+    cache, logits, routing = prefill_prompts(model, prompts, prompt_mask, total)
+    return cache, logits, routing if cfg.rl.replay_routing else None  # the prompt's routes, kept
 
   prompts = _struct(mesh, rules, (prompts_n, prompt_len), jnp.int32, ("batch", "length"))
   mask = _struct(mesh, rules, (prompts_n, prompt_len), jnp.bool_, ("batch", "length"))
@@ -303,9 +308,36 @@ def sft_program(cfg, mesh: Mesh) -> Program:
                  tokens * model_flops_per_token(mc, seq_len=cfg.data.seq_len, training=True))
 
 
+def routes_program(cfg, mesh: Mesh) -> Program:
+  """rl/routes.py's padded assembly: the update batch's MoE routes [B, L, S, K] (donated, filled in)
+  built on the devices from a rollout's [L, B, S, K] (taken to be split like the update batch, batch
+  axes x `sequence`), rows in any order, zigzag when the update is. Only with routing replay of an
+  MoE model."""
+  mc = ModelConfig.from_config(cfg, mesh)
+  if not (cfg.rl.replay_routing and mc.num_moe_layers):
+    raise ValueError("--step=routes needs rl.replay_routing=True and MoE layers (nothing to assemble).")
+  rules = rules_from_config(cfg.mesh)
+  rows, length = cfg.rl.prompts_per_step * cfg.rl.group_size, cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
+  sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh, shape=(rows, length)))
+  spec = routes.routes_sharding(sharding).spec
+  source = jax.ShapeDtypeStruct((mc.num_moe_layers, rows, length, mc.num_experts_per_tok), jnp.int32,
+                                sharding=NamedSharding(mesh, PartitionSpec(*spec[1:2], spec[0], *spec[2:])))
+  order = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+  out_sharding = routes.routes_sharding(sharding)
+  out = jax.ShapeDtypeStruct((rows, mc.num_moe_layers, length, mc.num_experts_per_tok), jnp.int32,
+                             sharding=out_sharding)
+  return Program(routes.rows_program(out_sharding, zigzag_shards(cfg, mesh)), (out, source, order), 0, 0.0)
+
+
 def default_steps(cfg) -> tuple[str, ...]:
-  """The steps `--step=all` compiles: reshard only when the config uses the generation layout."""
-  return STEPS if cfg.rl.generation_layout == "gathered" else tuple(s for s in STEPS if s != "reshard")
+  """The steps `--step=all` compiles: reshard only when the config uses the generation layout,
+  routes only with routing replay of an MoE model."""
+  skip = set()
+  if cfg.rl.generation_layout != "gathered":
+    skip.add("reshard")
+  if not (cfg.rl.replay_routing and cfg.moe.num_experts):
+    skip.add("routes")
+  return tuple(s for s in STEPS if s not in skip)
 
 
 def parameter_counts_of(cfg) -> dict[str, int]:
@@ -314,7 +346,7 @@ def parameter_counts_of(cfg) -> dict[str, int]:
 
 
 PROGRAMS = {"update": update_program, "prefill": prefill_program, "decode": decode_program,
-            "sft": sft_program, "reshard": reshard_program}
+            "sft": sft_program, "reshard": reshard_program, "routes": routes_program}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,8 +13,10 @@ from typing import Iterator
 import numpy as np
 
 from meshrl.model.tokenizer import Tokenizer
+from meshrl.rl import routes
 from meshrl.rl.batches import ScoredBatch
 from meshrl.rl.rewards import overlong_penalty
+from meshrl.rl.routes import RoutingRows
 from meshrl.rl.scoring import RewardPool
 
 
@@ -117,6 +119,8 @@ def select_groups(rollouts: list[ScoredBatch], *, num_groups: int, group_size: i
 
   def gather(get, fill=0):
     parts = [get(rollouts[r])[rows(r, g)] for r, g, _ in pieces]
+    if isinstance(get(rollouts[0]), RoutingRows):  # routes stay on the devices: rows only
+      return routes.concatenate(parts or [get(rollouts[0])[:0]], blank)
     return padded(np.concatenate(parts) if parts else get(rollouts[0])[:0], fill)
 
   def gather_list(get):

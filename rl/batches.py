@@ -31,7 +31,8 @@ class ScoredBatch:
   """One step's samples on the host, scored (numpy, every array [B, ...], groups contiguous).
 
   `arrays` holds the RolloutBatch fields (tokens, positions, segment_ids, prompt_mask, response_mask,
-  logprobs [B, S]; lengths, truncated [B]; routing [B, L, S, K] or absent for a dense model).
+  logprobs [B, S]; lengths, truncated [B]; routing, a rl/routes.RoutingRows of [B, L, S, K] on the
+  devices, or absent for a dense model).
   """
   arrays: dict[str, np.ndarray]
   rewards: np.ndarray  # [B] float32: the reward the advantages see (task reward + shaping)
@@ -124,8 +125,8 @@ def align_for_update(scored: ScoredBatch) -> dict[str, np.ndarray]:
       "loss_mask": _shift_left(response, False),
       "old_logprobs": _shift_left(arrays["logprobs"].astype(np.float32), 0.0),
   }
-  if arrays.get("routing") is not None:
-    aligned["routing"] = arrays["routing"].astype(np.int32)
+  if arrays.get("routing") is not None:  # RoutingRows: the routes stay on the devices (rl/routes.py)
+    aligned["routing"] = arrays["routing"]
   return aligned
 
 

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from meshrl.rl.engine import (Pool, engine_setup, new_pool, resolve_slots, routing_shape, run_pool,
                               run_pool_speculative, to_rollout_batch)
 from meshrl.rl.rollout import with_generation_weights
+from meshrl.rl.routes import RoutingRows
 from meshrl.rl.sampling import sample_keys
 from meshrl.rl.speculative import SpecConfig, speculative_setup
 from meshrl.sharding import hosts
@@ -158,8 +159,8 @@ class PartialRollouts:
     arrays = {f: getattr(batch, f) for f in batch.__dataclass_fields__}
     routing = arrays.pop("routing")
     arrays = {k: hosts.to_host(v)[rows] for k, v in arrays.items()}
-    if routing is not None:
-      arrays["routing"] = np.swapaxes(hosts.to_host(routing)[:, rows], 0, 1)
+    if routing is not None:  # stays on the devices (rl/routes.py)
+      arrays["routing"] = RoutingRows.of_rollout(routing, rows)
     examples = [self.examples[g] for g in ended]
     self.live[ended] = False
     carried = int(self.live.sum())

@@ -32,6 +32,7 @@ from meshrl.model.tokenizer import Tokenizer
 from meshrl.rl import advantages as adv_lib
 from meshrl.rl import losses
 from meshrl.rl import packing
+from meshrl.rl import routes
 from meshrl.rl.batch import (batch_metrics, empty_scored, informative_groups, next_prompts, score_rollout,
                             select_groups)
 from meshrl.rl.batches import (ScoredBatch, UpdateBatch, align_for_update, device_put_batch,
@@ -42,6 +43,7 @@ from meshrl.rl.partial import PartialRollouts
 from meshrl.rl.multiturn import make_multiturn, wants_multi_turn
 from meshrl.rl.multiturn_step import collect_multiturn
 from meshrl.rl.rollout import make_rollout
+from meshrl.rl.routes import RoutingRows
 from meshrl.rl.scoring import RewardPool
 from meshrl.rl.update import make_logprob_fn, make_update
 from meshrl.sharding import hosts
@@ -117,12 +119,13 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
 
 
 def _rollout_arrays(batch) -> dict[str, np.ndarray]:
-  """RolloutBatch (device) -> host numpy dict; routing moved to [B, L, S, K] or dropped."""
+  """RolloutBatch (device) -> host numpy dict; the routing stays on the devices (a RoutingRows of
+  [B, L, S, K], rl/routes.py) or is dropped."""
   arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
   routing = arrays.pop("routing")
   arrays = jax.tree.map(hosts.to_host, arrays)  # the whole batch on every host process
   if routing is not None:
-    arrays["routing"] = np.swapaxes(hosts.to_host(routing), 0, 1)
+    arrays["routing"] = RoutingRows.of_rollout(routing)
   return arrays
 
 
@@ -143,17 +146,22 @@ def in_flight_state(run: RLRun) -> list[dict]:
   asynchronous run trains on exactly the rollouts the uninterrupted one would have. Each host holds
   only its own block of a rollout's examples; the state has every host's, in process order (every
   process calls this: the gather is collective)."""
+  def to_json(value):
+    return array_to_json(value.to_host() if isinstance(value, RoutingRows) else value)
   return [{"examples": hosts.gather_objects(item.examples), "version": item.version,
-           "arrays": {name: array_to_json(value) for name, value in item.arrays().items()}}
+           "arrays": {name: to_json(value) for name, value in item.arrays().items()}}
           for item in run.in_flight]
 
 
 def restore_in_flight(run: RLRun, state: list[dict]) -> None:
   """Puts `in_flight_state`'s rollouts back in the queue (as host arrays), each host with its own
   block of their examples (`hosts.own_block`)."""
+  def from_json(name, value):
+    array = array_from_json(value)
+    return RoutingRows.from_host(array) if name == "routing" else array
   run.in_flight = collections.deque(
       InFlight(item["examples"][hosts.own_block(len(item["examples"]))],
-               {name: array_from_json(v) for name, v in item["arrays"].items()}, item["version"])
+               {name: from_json(name, v) for name, v in item["arrays"].items()}, item["version"])
       for item in state)
 
 
@@ -325,7 +333,9 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
   aligned = align_for_update(scored)
   routing = aligned.pop("routing", None) if run.spec.replay_routing else None
   aligned.pop("routing", None)
-  host = UpdateBatch(**aligned, advantages=np.zeros_like(aligned["old_logprobs"]), routing=routing)
+  if routing is not None and not isinstance(routing, RoutingRows):  # host routes [B, L, S, K]
+    routing = RoutingRows.from_host(routing)
+  host = UpdateBatch(**aligned, advantages=np.zeros_like(aligned["old_logprobs"]))
   plan, metrics = None, {}
   if run.spec.packed:
     plan = packing.plan_packing(host.segment_ids, scored.sample_valid,
@@ -335,6 +345,9 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
   else:
     host = zigzag_batch(host, run.zigzag_shards)
   batch = device_put_batch(host, run.batch_sharding)
+  if routing is not None:  # built on the devices, in the batch's layout (rl/routes.py)
+    batch = batch.replace(routing=routes.assemble(routing, run.batch_sharding, zigzag_shards=run.zigzag_shards,
+                                                  plan=plan))
   ref_logprobs = values = None
   if run.ref_params is not None:
     ref_logprobs, _ = run.logprob_fn(run.ref_params, run.state.extra, batch)

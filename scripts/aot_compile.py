@@ -39,7 +39,7 @@ from meshrl.configs import cli
 def _add_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v5p:16x16x16")
   parser.add_argument("--num_slices", type=int, default=1, help="slices joined over DCN")
-  parser.add_argument("--step", default="all", help="update, prefill, decode, sft, reshard (rl.generation_layout's one-off cost), a comma list, or all")
+  parser.add_argument("--step", default="all", help="update, prefill, decode, sft, reshard (rl.generation_layout's one-off cost), routes (routing replay's routes built on the devices), a comma list, or all")
   parser.add_argument("--json", default="", help="write the reports here")
   parser.add_argument("--markdown", default="", help="write the README table here")
   parser.add_argument("--count_params", action="store_true",

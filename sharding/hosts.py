@@ -7,7 +7,8 @@ the jitted steps span all devices of all processes. How meshrl's RL loop splits 
             (rl/prompts.py), and the blocks are gathered in host order (`gather_rows`), so every
             host holds the same global prompt batch for the rollout's jit (`jax.device_put` of a
             numpy array that is equal on every host places each device's slice);
-  rollout   the global [B, S] outputs are brought to every host (`to_host`);
+  rollout   the global [B, S] outputs are brought to every host (`to_host`); the MoE routes of
+            routing replay ([B, L, S, K]) stay on the devices (rl/routes.py);
   scoring   each host scores only its own block of groups (`own_block`) with its own examples and
             reward workers; rewards, texts and domains are gathered (`gather_rows`,
             `gather_objects`), so every host then makes the same decisions (dynamic sampling, packing)

@@ -175,4 +175,26 @@ def test_generation_layout_trades_a_reshard_for_gather_free_decode_steps(aot):
   assert gathered.collective_bytes.get("all-gather", 0) < train.collective_bytes["all-gather"] / 4
   assert gathered.per_chip["argument"] > train.per_chip["argument"]  # the less split copy
   assert reshard.collective_bytes.get("all-gather", 0) > 0
-  assert aot.default_steps(gathered_cfg)[-1] == "reshard" and "reshard" not in aot.default_steps(cfg)
+  assert "reshard" in aot.default_steps(gathered_cfg) and "reshard" not in aot.default_steps(cfg)
+
+
+def test_routes_compile_for_v5p_2x2x1_split_like_the_update_batch(aot):
+  """Routing replay's routes, assembled on the devices (rl/routes.py) for a ring update on fsdp=2 x
+  sequence=2: compiled for TPU, the output lands split over the batch and `sequence` axes like the
+  update's tokens. Without routing replay there is nothing to assemble: left out of --step=all and
+  refused by name."""
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+  cfg = _small("mesh.fsdp=2", "mesh.sequence=2", "attention.impl=ring")
+  mesh = aot.topology_mesh(cfg, aot.topology_devices("v5p:2x2x1"))
+  report = aot.compile_step("routes", cfg, mesh, "v5p:2x2x1")
+  assert report.fits is True and report.per_chip["total"] > 0
+  program = aot.routes_program(cfg, mesh)
+  compiled = program.fn.lower(*program.args).compile()
+  assert compiled.output_shardings.is_equivalent_to(
+      NamedSharding(mesh, PartitionSpec("fsdp", None, "sequence", None)), 4)
+  assert program.args[1].shape == (1, 8, 16, 2)  # [L, B, S, K] of the rollout (1 MoE layer)
+  assert "routes" in aot.default_steps(cfg)
+  no_replay = _small("mesh.fsdp=2", "mesh.sequence=2", "attention.impl=ring", "rl.replay_routing=false")
+  assert "routes" not in aot.default_steps(no_replay)
+  with pytest.raises(ValueError, match="--step=routes needs rl.replay_routing=True"):
+    aot.routes_program(no_replay, mesh)
