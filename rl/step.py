@@ -8,7 +8,8 @@
   collect   rollout(s) on the devices (jit) -> ScoredBatch, scored on the host's RewardPool, with
             DAPO dynamic sampling
   prepare   ScoredBatch -> UpdateBatch: prediction-aligned arrays, reference log-probs and critic
-            values (jit), advantages (jit, `advantages.make_advantages`), zigzag for ring attention
+            values (jit), advantages (jit, `advantages.make_advantages`), zigzag for ring attention;
+            routing replay's MoE routes assembled on the devices (rl/routes.py), never on the host
   update    the jitted policy/critic update over epochs x minibatches (rl/update.py)
 
 Logging, evaluation and checkpoints are hooks of the driver (rl/loop.py), not part of the step. The
