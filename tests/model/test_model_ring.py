@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from meshrl import configs
@@ -48,6 +49,8 @@ def test_zigzag_loss_equals_contiguous_loss(devices):
   assert abs(float(zigzagged) - float(contiguous)) <= 1e-6
 
 
+@pytest.mark.slow  # suite budget: tests/model/test_ring_prefill.py's default case checks the ring prefill and
+# the sequence-sharded decode against the unsharded rollout
 def test_ring_forward_and_sharded_decode_equal_reference(devices):
   ring_model, _ = _model("attention.impl=ring", "mesh.sequence=4", "mesh.fsdp=2")
   ref_model, _ = _model("attention.impl=reference", "mesh.sequence=4", "mesh.fsdp=2")

@@ -26,6 +26,7 @@ def _cfg(*extra):
   return configs.load("configs/tiny.py", SMALL + list(extra))
 
 
+@pytest.mark.slow  # suite budget: tests/rl/test_rollout.py checks the rollout reads the train state without copy
 def test_loop_hands_the_rollout_exactly_the_train_state_arrays(devices):
   run, prompts = loop.setup(_cfg("mesh.fsdp=4", "mesh.tensor=2"))
   seen = []
