@@ -319,11 +319,11 @@ def routes_program(cfg, mesh: Mesh) -> Program:
   rules = rules_from_config(cfg.mesh)
   rows, length = cfg.rl.prompts_per_step * cfg.rl.group_size, cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
   sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh, shape=(rows, length)))
-  spec = routes.routes_sharding(sharding).spec
+  out_sharding = routes.routes_sharding(sharding)  # [B, L, S, K]: (batch, -, sequence, -)
+  batch_axes, _, sequence_axes, _ = out_sharding.spec
   source = jax.ShapeDtypeStruct((mc.num_moe_layers, rows, length, mc.num_experts_per_tok), jnp.int32,
-                                sharding=NamedSharding(mesh, PartitionSpec(*spec[1:2], spec[0], *spec[2:])))
+                                sharding=NamedSharding(mesh, PartitionSpec(None, batch_axes, sequence_axes, None)))
   order = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
-  out_sharding = routes.routes_sharding(sharding)
   out = jax.ShapeDtypeStruct((rows, mc.num_moe_layers, length, mc.num_experts_per_tok), jnp.int32,
                              sharding=out_sharding)
   return Program(routes.rows_program(out_sharding, zigzag_shards(cfg, mesh)), (out, source, order), 0, 0.0)

@@ -24,6 +24,7 @@ import numpy as np
 from flax import struct
 
 from meshrl.model.ring_attention import zigzag
+from meshrl.rl.routes import routes_sharding
 
 
 @dataclasses.dataclass
@@ -152,8 +153,6 @@ def device_put_batch(batch: UpdateBatch, sharding) -> UpdateBatch:
     if value is None:
       return None
     if name == "routing":
-      spec = sharding.spec
-      routing_spec = jax.sharding.PartitionSpec(spec[0], None, spec[1] if len(spec) > 1 else None, None)
-      return jax.device_put(value, jax.sharding.NamedSharding(sharding.mesh, routing_spec))
+      return jax.device_put(value, routes_sharding(sharding))
     return jax.device_put(value, sharding)
   return batch.replace(**{f.name: put(f.name, getattr(batch, f.name)) for f in dataclasses.fields(batch)})

@@ -87,14 +87,21 @@ class RoutingRows:
     batches only: a checkpoint's JSON, tests."""
     layers, length, k = self.shape[1:]
     out = np.zeros((len(self.rows), layers, length, k), np.int32)
-    start = 0
-    for source in self.sources:
-      count = source.shape[1]
-      mine = (self.rows >= start) & (self.rows < start + count)
+    for source, local in per_source(self.sources, np.asarray(self.rows)):
+      mine = local >= 0
       if mine.any():
-        out[mine] = np.swapaxes(hosts.to_host(source), 0, 1)[self.rows[mine] - start]
-      start += count
+        out[mine] = np.swapaxes(hosts.to_host(source), 0, 1)[local[mine]]
     return out
+
+
+def per_source(sources: Sequence[Any], index: np.ndarray):
+  """(source, local) for each source: `index` (rows of the sources concatenated on axis 1, any
+  shape; -1 = none) as rows of that source, -1 where they point elsewhere."""
+  start = 0
+  for source in sources:
+    count = source.shape[1]
+    yield source, np.where((index >= start) & (index < start + count), index - start, -1).astype(np.int32)
+    start += count
 
 
 def concatenate(parts: Sequence[RoutingRows], blank: int = 0) -> RoutingRows:
@@ -136,12 +143,9 @@ def assemble(routing: RoutingRows, sharding: NamedSharding | None, *, zigzag_sha
   # same shape, so the same two compiled programs serve however many rounds a step draws).
   _, layers, _, k = routing.shape
   shape = routing.shape if plan is None else (plan.sample.shape[0], layers, plan.sample.shape[1], k)
-  out, start = zeros_program(shape, out_sharding)(), 0
-  for source in routing.sources:
-    count = source.shape[1]
-    local = np.where((index >= start) & (index < start + count), index - start, -1).astype(np.int32)
+  out = zeros_program(shape, out_sharding)()
+  for source, local in per_source(routing.sources, index):
     out = program(out, source if isinstance(source, jax.Array) else jnp.asarray(source), local, *extra)
-    start += count
   return out
 
 

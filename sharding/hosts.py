@@ -118,19 +118,24 @@ def gather_rows(local: np.ndarray) -> np.ndarray:
   """Every process's `local` rows ([n_p, ...]; the trailing shape the same on every host, the row
   count n_p may differ) concatenated in process order -> [sum_p n_p, ...]; the identity with one
   process. Collective: every process calls it at the same point."""
-  local = np.asarray(local)
+  return _gather_counted(np.asarray(local))[0]
+
+
+def _gather_counted(local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """`gather_rows`'s result and every process's row count n_p ([processes] int64)."""
   if not is_multihost():
-    return local
+    return local, np.asarray([local.shape[0]], np.int64)
   if local.dtype == np.bool_:
-    return gather_rows(local.astype(np.uint8)).astype(bool)
+    rows, sizes = _gather_counted(local.astype(np.uint8))
+    return rows.astype(bool), sizes
   sizes = _allgather(np.asarray([local.shape[0]], np.int64)).reshape(-1)
   most = int(sizes.max())
   if (sizes == most).all():
-    return _allgather(local)
+    return _allgather(local), sizes
   padded = np.zeros((most,) + local.shape[1:], local.dtype)
   padded[:local.shape[0]] = local
   rows = _allgather(padded).reshape((len(sizes), most) + local.shape[1:])
-  return np.concatenate([block[:int(size)] for block, size in zip(rows, sizes)])
+  return np.concatenate([block[:int(size)] for block, size in zip(rows, sizes)]), sizes
 
 
 def _allgather(local: np.ndarray) -> np.ndarray:
@@ -144,8 +149,9 @@ def gather_objects(local: Sequence[Any]) -> list:
   if not is_multihost():
     return list(local)
   payload = np.frombuffer(json.dumps(list(local), default=_plain).encode("utf-8"), np.uint8)
+  payloads, sizes = _gather_counted(payload)
   out = []
-  for row in np.split(gather_rows(payload), np.cumsum(gather_rows(np.asarray([payload.size])))[:-1]):
+  for row in np.split(payloads, np.cumsum(sizes)[:-1]):
     out += json.loads(bytes(row).decode("utf-8"))
   return out
 
