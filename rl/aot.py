@@ -335,7 +335,7 @@ def default_steps(cfg) -> tuple[str, ...]:
   skip = set()
   if cfg.rl.generation_layout != "gathered":
     skip.add("reshard")
-  if not (cfg.rl.replay_routing and cfg.moe.num_experts):
+  if not (cfg.rl.replay_routing and ModelConfig.from_config(cfg).num_moe_layers):  # as routes_program
     skip.add("routes")
   return tuple(s for s in STEPS if s not in skip)
 
