@@ -517,15 +517,29 @@ def unzigzag_on_mesh(x, mesh: Mesh, axis: int = 1):
   Returns:
     x in token order, split over `sequence` on `axis` like the input.
   """
-  shards = _sequence_size(mesh, "unzigzag_on_mesh")
+  return _permute_on_mesh(x, mesh, axis, to_zigzag=False)
+
+
+def zigzag_on_mesh(x, mesh: Mesh, axis: int = 1):
+  """`zigzag` of an array in token order split over the mesh's `sequence` axis on `axis`, with no
+  gather: `unzigzag_on_mesh`'s two collective permutes run backwards (device d sends its chunk 2d to
+  the device whose zigzag slice holds it, and its chunk 2d+1 likewise). Same arguments; returns x in
+  the zigzag layout, split like the input."""
+  return _permute_on_mesh(x, mesh, axis, to_zigzag=True)
+
+
+def _permute_on_mesh(x, mesh: Mesh, axis: int, *, to_zigzag: bool):
+  """zigzag (to_zigzag) or unzigzag of x split over `sequence` on `axis`, by two collective permutes."""
+  name = "zigzag_on_mesh" if to_zigzag else "unzigzag_on_mesh"
+  shards = _sequence_size(mesh, name)
   axis = axis % x.ndim
   if shards == 1:
     return x
   if x.shape[axis] % (2 * shards):
-    raise ValueError(f"unzigzag_on_mesh: length {x.shape[axis]} (axis {axis}) must be divisible by "
+    raise ValueError(f"{name}: length {x.shape[axis]} (axis {axis}) must be divisible by "
                      f"2 * mesh.sequence = {2 * shards}.")
   order = _zigzag_order(shards)  # device slot // 2 holds chunk order[slot] as its half slot % 2
-  moves = {0: [], 1: []}  # parity of the chunk -> [(source device, destination device)]
+  moves = {0: [], 1: []}  # parity of the chunk -> [(zigzag holder, token-order holder)]
   for slot, chunk in enumerate(order):
     moves[chunk % 2].append((slot // 2, chunk // 2))
 
@@ -534,10 +548,16 @@ def unzigzag_on_mesh(x, mesh: Mesh, axis: int = 1):
     me = lax.axis_index(SEQUENCE_AXIS)
     out = []
     for parity in (0, 1):
-      # Device r's chunk of this parity is its first half (chunk r) when r has this parity.
-      start = jnp.where(me % 2 == parity, 0, chunk)
-      send = lax.dynamic_slice_in_dim(x_, start, chunk, axis=axis)
-      out.append(lax.ppermute(send, SEQUENCE_AXIS, moves[parity]))
+      if to_zigzag:  # chunk 2d + parity is this device's half `parity`; it goes to its zigzag holder
+        send = lax.slice_in_dim(x_, parity * chunk, (parity + 1) * chunk, axis=axis)
+        out.append(lax.ppermute(send, SEQUENCE_AXIS, [(dst, src) for src, dst in moves[parity]]))
+      else:  # device r's chunk of this parity is its first half (chunk r) when r has this parity
+        start = jnp.where(me % 2 == parity, 0, chunk)
+        send = lax.dynamic_slice_in_dim(x_, start, chunk, axis=axis)
+        out.append(lax.ppermute(send, SEQUENCE_AXIS, moves[parity]))
+    if to_zigzag:  # device r's first half is chunk r, of r's parity
+      return jnp.where(me % 2 == 0, jnp.concatenate(out, axis=axis),
+                       jnp.concatenate(out[::-1], axis=axis))
     return jnp.concatenate(out, axis=axis)
 
   spec = P(*([None] * axis + [SEQUENCE_AXIS]))

@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from meshrl.model.ring_attention import unzigzag, zigzag
 from meshrl.model.tokenizer import Tokenizer
 from meshrl.rl import advantages as adv_lib
 from meshrl.rl import losses
@@ -40,6 +39,7 @@ from meshrl.rl.batches import (ScoredBatch, UpdateBatch, align_for_update, devic
                                zigzag_batch)
 from meshrl.rl.rewards import compose
 from meshrl.rl.engine import make_engine
+from meshrl.rl.layouts import sample_layout
 from meshrl.rl.partial import PartialRollouts
 from meshrl.rl.multiturn import make_multiturn, wants_multi_turn
 from meshrl.rl.multiturn_step import collect_multiturn
@@ -73,6 +73,7 @@ class RLRun:
   pool: RewardPool
   batch_sharding: Any  # NamedSharding of [B, S] update arrays, or None without a mesh
   zigzag_shards: int  # > 1: update batches are laid out zigzag over the sequence axis
+  samples_sharding: Any = None  # NamedSharding of [samples, S] contiguous arrays (packed updates' advantages)
   partial: Any = None  # rl/partial.PartialRollouts when rl.rollout_token_budget > 0 (groups carried over)
   version: int = 0  # policy version: RL updates applied so far (restored with the checkpoint's step)
   in_flight: collections.deque = dataclasses.field(default_factory=collections.deque)  # InFlight
@@ -92,10 +93,13 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
   spec = losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic)
   tx = make_optimizer(cfg.optim)
   graphdef, state = create_train_state(model, tx, mesh)
-  sharding = None
+  sharding = samples_sharding = None
   if mesh is not None:
-    sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules_from_config(cfg.mesh), mesh,
-                                                   shape=packing.update_shape(cfg)))
+    split = lambda shape: NamedSharding(mesh, logical_to_spec(("batch", "length"), rules_from_config(cfg.mesh),  # noqa: E731
+                                                              mesh, shape=shape))
+    sharding = split(packing.update_shape(cfg))
+    samples_sharding = split((cfg.rl.prompts_per_step * cfg.rl.group_size,
+                              cfg.rl.max_prompt_len + cfg.rl.max_new_tokens))
   rollout = (make_engine if cfg.rl.engine == "continuous" else make_rollout)(
       cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id)
   partial = PartialRollouts(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id) \
@@ -115,7 +119,7 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
       advantages_fn=adv_lib.make_advantages(cfg), tokenizer=tokenizer,
       pool=RewardPool(compose(cfg.rl.rewards), num_workers=cfg.rl.reward_workers,
                       timeout_s=cfg.rl.reward_timeout_s),
-      batch_sharding=sharding, zigzag_shards=zigzag_shards(cfg, mesh),
+      batch_sharding=sharding, samples_sharding=samples_sharding, zigzag_shards=zigzag_shards(cfg, mesh),
       multiturn=make_multiturn(cfg, mesh, tokenizer) if wants_multi_turn(cfg) else None)
 
 
@@ -311,18 +315,6 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
   return batch, metrics
 
 
-def _sample_layout(plan, zigzag_shards: int):
-  """(to_samples, from_samples) between the update batch's layout and one contiguous row per sample
-  (host numpy); from_samples is None when the layouts are the same."""
-  if plan is not None:
-    return ((lambda x: None if x is None else plan.unpack(hosts.to_host(x), 0)),
-            (lambda x: plan.pack(hosts.to_host(x), 0)))
-  if zigzag_shards > 1:
-    return ((lambda x: None if x is None else unzigzag(hosts.to_host(x), zigzag_shards)),
-            (lambda x: zigzag(hosts.to_host(x), zigzag_shards)))
-  return (lambda x: x), None
-
-
 def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
   """ScoredBatch -> UpdateBatch on the devices, with everything `run.spec` needs, checked.
 
@@ -358,15 +350,15 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
       batch = batch.replace(behaviour_logprobs=batch.old_logprobs, old_logprobs=proximal)
   # Advantages per sample in contiguous order ([B, S], the estimators' layout: GAE scans columns in
   # order), then in the batch's layout (packed, or zigzag for ring attention).
-  to_samples, from_samples = _sample_layout(plan, run.zigzag_shards)
+  # On the devices (rl/layouts.py): nothing of the batch's size goes through the host.
+  layout = sample_layout(plan=plan, zigzag_shards=run.zigzag_shards, mesh=run.mesh,
+                         batch_sharding=run.batch_sharding, samples_sharding=run.samples_sharding)
+  to_samples = layout.to_samples
   valid = jnp.asarray(scored.sample_valid)
   advantages, returns, adv_metrics = run.advantages_fn(
       jnp.asarray(scored.rewards), to_samples(batch.loss_mask), valid, to_samples(batch.old_logprobs),
       to_samples(ref_logprobs), to_samples(values))
-  if from_samples is not None:
-    put = lambda x: jnp.asarray(x) if run.batch_sharding is None else jax.device_put(x, run.batch_sharding)  # noqa: E731
-    advantages = put(from_samples(advantages))
-    returns = None if returns is None else put(from_samples(returns))
+  advantages, returns = layout.from_samples(advantages), layout.from_samples(returns)
   batch = batch.replace(advantages=advantages, ref_logprobs=ref_logprobs,
                         old_values=values if run.spec.critic else None,
                         returns=returns if run.spec.critic else None)

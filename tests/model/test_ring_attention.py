@@ -201,8 +201,9 @@ def test_zigzag_roundtrip_and_layout():
 
 @pytest.mark.parametrize("sequence,data,axis", [(4, 2, 1), (8, 1, 2), (2, 2, 1)])
 def test_unzigzag_on_mesh_is_unzigzag_without_a_gather(sequence, data, axis):
-  """The ring prefill's cache write-back: equal to `unzigzag`, sharded like its input, and moved by
-  collective permutes only (no all-gather: no device holds more than its slice)."""
+  """The ring prefill's cache write-back (and the RL step's advantages, rl/layouts.py): equal to
+  `unzigzag`, sharded like its input, and moved by collective permutes only (no all-gather: no device
+  holds more than its slice); `zigzag_on_mesh` likewise equals `zigzag`."""
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
   mesh = _mesh(sequence, data=data)
   shape = (data * 2, 4 * sequence, 3) if axis == 1 else (2, data, 4 * sequence, 5)
@@ -216,8 +217,17 @@ def test_unzigzag_on_mesh_is_unzigzag_without_a_gather(sequence, data, axis):
   collectives = set(re.findall(r"(all-gather|all-to-all|all-reduce|collective-permute)\(",
                                fn.lower(zz).compile().as_text()))
   assert collectives == {"collective-permute"}
+  back = jax.jit(lambda a: ra.zigzag_on_mesh(a, mesh, axis=axis))
+  again = back(out)
+  np.testing.assert_array_equal(np.asarray(again), ra.zigzag(x, sequence, axis=axis))
+  assert again.sharding.is_equivalent_to(zz.sharding, x.ndim)
+  collectives = set(re.findall(r"(all-gather|all-to-all|all-reduce|collective-permute)\(",
+                               back.lower(out).compile().as_text()))
+  assert collectives == {"collective-permute"}
   with pytest.raises(ValueError, match=r"length 12 \(axis 1\) must be divisible by 2 \* mesh.sequence"):
     ra.unzigzag_on_mesh(jnp.zeros((2, 12)), _mesh(4))
+  with pytest.raises(ValueError, match=r"zigzag_on_mesh: length 12"):
+    ra.zigzag_on_mesh(jnp.zeros((2, 12)), _mesh(4))
 
 
 def test_zigzag_balances_causal_work():
