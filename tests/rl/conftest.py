@@ -1,6 +1,6 @@
 """Fixtures of the sandbox attack tests (tests/rl/test_sandbox_attacks_*.py): `box` and `hang_box`
 (one sandbox per test module, with sandbox_attack_helpers.LIMITS and .HANG), `host_helper` (a host
-process the attacks try to reach) and `one_attack_module_at_a_time` (a lock each attack module holds).
+process the attacks try to reach).
 
 tests/ is no package and pytest imports with --import-mode=importlib, so a helper file beside the
 tests is not importable by name; as tests/conftest.py does for hf_fixtures.py, this file loads
@@ -10,12 +10,10 @@ pytest imports a conftest before the test modules of its folder, so they can
 these (test_sandbox.py has its own `box`).
 """
 
-import fcntl
 import importlib.util
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -52,18 +50,3 @@ def host_helper():
   yield helper
   helper.kill()
   helper.wait()
-
-
-@pytest.fixture(scope="module")
-def one_attack_module_at_a_time():
-  """Holds an flock on a file in the temp dir for a whole attack module, so two attack modules never
-  run at once (on two xdist workers, or in two pytest runs on this host). `_run` counts every sandbox
-  process on the host, so another module's sandbox started during a run would read as one that
-  outlived it; when the attacks were one file, one worker ran them all one after another."""
-  fd = os.open(os.path.join(tempfile.gettempdir(), "meshrl-sandbox-attacks.lock"), os.O_RDWR | os.O_CREAT,
-               0o600)
-  try:
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    yield
-  finally:
-    os.close(fd)  # drops the flock

@@ -12,6 +12,8 @@ Network tests talk only to servers they start on the host's 127.0.0.1 (or abstra
 nothing is ever sent beyond this machine.
 """
 
+import contextlib
+import fcntl
 import os
 import re
 import textwrap
@@ -36,8 +38,27 @@ def _make(limits):
     pytest.skip(f"bubblewrap unavailable: {error}")
 
 
-def _sandbox_processes() -> list[int]:
-  """Host pids of sandbox processes: owned by a sandbox uid (root host) or in another PID ns."""
+def _leased(uid: int) -> bool:
+  """Whether a live run holds sandbox uid `uid`: its lease file's flock (rl/sandbox/runner._UidPool)
+  is held, by this process or another (an xdist worker running other sandbox tests)."""
+  try:
+    fd = os.open(os.path.join(runner._UIDS._lock_dir, str(uid)), os.O_RDWR)  # pylint: disable=protected-access
+  except FileNotFoundError:
+    return False
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    return True
+  finally:
+    os.close(fd)  # drops the flock if it was taken
+  return False
+
+
+def _sandbox_processes(uids=None) -> list[int]:
+  """Host pids of sandbox processes no live run accounts for. On a root host each run leases its own
+  uid and releases it when the run is over: a process of a released sandbox uid (of `uids` when
+  given: the runs of one test) outlived its run, while those of runs still going (in this process or
+  another test worker) are left out. Not root: the processes in another PID namespace."""
   own_ns = os.readlink("/proc/self/ns/pid")
   found = []
   for entry in os.listdir("/proc"):
@@ -49,22 +70,48 @@ def _sandbox_processes() -> list[int]:
       other_ns = os.readlink(f"/proc/{entry}/ns/pid") != own_ns
     except (OSError, AttributeError):
       continue
-    if runner.UID_BASE <= uid < runner.UID_BASE + runner.UID_COUNT or (
-        os.geteuid() != 0 and uid == os.getuid() and other_ns):
+    if uids is not None:
+      sandbox_uid = uid in uids
+    else:
+      sandbox_uid = runner.UID_BASE <= uid < runner.UID_BASE + runner.UID_COUNT
+    if (sandbox_uid and not _leased(uid)) or (os.geteuid() != 0 and uid == os.getuid() and other_ns):
       found.append(int(entry))
   return found
 
 
-def _assert_nothing_left(before):
-  """No sandbox process but those alive before (e.g. idle warm sandboxes of a shared pool)."""
-  deadline = time.monotonic() + 1.0
-  while set(_sandbox_processes()) - before and time.monotonic() < deadline:
+@contextlib.contextmanager
+def _leases():
+  """Records the sandbox uids this process leases inside the block (the runs of one test)."""
+  uids = set()
+  acquire = runner._UIDS.acquire  # pylint: disable=protected-access
+
+  def recording():
+    uid = acquire()
+    uids.add(uid)
+    return uid
+
+  runner._UIDS.acquire = recording  # pylint: disable=protected-access
+  try:
+    yield uids
+  finally:
+    del runner._UIDS.acquire  # pylint: disable=protected-access
+
+
+def _assert_nothing_left(before, uids=None, wait_s: float = 5.0):
+  """No sandbox process (of `uids`, the test's runs, when given) but those alive before (e.g. idle
+  warm sandboxes of a shared pool). A killed sandbox's processes die a little after its uid is
+  released: waits up to `wait_s` for them (one that outlived its run stays, so the wait costs
+  nothing when the check passes)."""
+  deadline = time.monotonic() + wait_s
+  while set(_sandbox_processes(uids)) - before and time.monotonic() < deadline:
     time.sleep(0.02)
-  assert set(_sandbox_processes()) - before == set(), "a sandbox process outlived its run"
+  assert set(_sandbox_processes(uids)) - before == set(), "a sandbox process outlived its run"
 
 
 def _run(box, code, **kwargs):
   before = set(_sandbox_processes())
-  result = box.run(textwrap.dedent(code), **kwargs)
-  _assert_nothing_left(before)
+  with _leases() as uids:
+    result = box.run(textwrap.dedent(code), **kwargs)
+  assert uids or os.geteuid() != 0, "the run leased no sandbox uid: the leftover check would see nothing"
+  _assert_nothing_left(before, uids if os.geteuid() == 0 else None)
   return result

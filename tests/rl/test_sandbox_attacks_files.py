@@ -8,11 +8,9 @@ helpers: tests/rl/sandbox_attack_helpers.py; fixtures: tests/rl/conftest.py.
 import os
 import secrets
 
-import pytest
 
 from sandbox_attack_helpers import LIMITS, REPO, _run  # loaded by tests/rl/conftest.py
 
-pytestmark = pytest.mark.usefixtures("one_attack_module_at_a_time")  # see tests/rl/conftest.py
 
 
 def test_writing_outside_the_work_directory(box, tmp_path):

@@ -15,7 +15,6 @@ import pytest
 
 from sandbox_attack_helpers import _run  # loaded by tests/rl/conftest.py
 
-pytestmark = pytest.mark.usefixtures("one_attack_module_at_a_time")  # see tests/rl/conftest.py
 
 
 def test_connecting_to_a_host_loopback_tcp_server_fails(box):

@@ -5,14 +5,38 @@ fork bomb, that the host can still start processes. Shared limits and helpers:
 tests/rl/sandbox_attack_helpers.py; fixtures: tests/rl/conftest.py.
 """
 
+import os
 import subprocess
 import time
 
 import pytest
 
-from sandbox_attack_helpers import LIMITS, _run  # loaded by tests/rl/conftest.py
+from meshrl.rl.sandbox import runner
+from sandbox_attack_helpers import LIMITS, _run, _sandbox_processes  # loaded by tests/rl/conftest.py
 
-pytestmark = pytest.mark.usefixtures("one_attack_module_at_a_time")  # see tests/rl/conftest.py
+
+def test_the_leftover_check_sees_an_orphan_and_leaves_out_live_runs():
+  """What every `_run` asserts with: a process of a sandbox uid whose lease is released counts as left
+  over; while a run (here this test) holds the uid's lease, the same process is that run's, not a
+  leftover (so sandbox tests on another xdist worker do not fail these)."""
+  if os.geteuid() != 0:
+    pytest.skip("sandbox uids are leased only when the host is root")
+  uid = runner._UIDS.acquire()  # pylint: disable=protected-access
+  try:
+    proc = subprocess.Popen(["sleep", "30"], user=uid)
+    try:
+      deadline = time.monotonic() + 5
+      while not os.path.exists(f"/proc/{proc.pid}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+      assert proc.pid not in _sandbox_processes()  # leased: a live run's process
+      runner._UIDS.release(uid)  # pylint: disable=protected-access
+      uid = None
+      assert proc.pid in _sandbox_processes()  # released: it outlived its run
+    finally:
+      proc.kill()
+      proc.wait()
+  finally:
+    runner._UIDS.release(uid)  # pylint: disable=protected-access
 
 
 def test_fork_bomb(hang_box):
