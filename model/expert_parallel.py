@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from meshrl.model.blockwise import match_vma
 from meshrl.model.moe_dispatch import EXPERT_AXIS, ExpertWeights, combine_slots, rank_in_group
 from meshrl.sharding.mesh import MESH_AXES
 
@@ -342,13 +343,18 @@ def expert_parallel(xs: jax.Array, expert_choices: jax.Array, combine_weights: j
         kept_ = jnp.zeros_like(valid_).at[order_].set(kept_sorted_)
         send_x_ = xs_[slot_tokens_[order_]]  # [S, D] sorted by destination
       with jax.named_scope("ragged_all_to_all_in"):
-        recv_x_ = ragged(send_x_, jnp.zeros((recv_rows, d), xs_.dtype), *there_, axis_name=EXPERT_AXIS)
-        recv_e_ = ragged(local_ids_[order_], jnp.full((recv_rows,), local_experts, jnp.int32), *there_,
+        # The output buffers vary over the token axes like the rows sent into them: an invariant
+        # buffer would make the result invariant too, and its cotangent psum'd over those axes in the
+        # backward (two activation-sized all-reduces, 5.5 GiB of temporaries in paper_3t's SFT step).
+        recv_x_ = ragged(send_x_, match_vma(jnp.zeros((recv_rows, d), xs_.dtype), send_x_), *there_,
+                         axis_name=EXPERT_AXIS)
+        recv_e_ = ragged(local_ids_[order_],
+                         match_vma(jnp.full((recv_rows,), local_experts, jnp.int32), local_ids_), *there_,
                          axis_name=EXPERT_AXIS)  # [R]; L marks a row nobody filled
       with jax.named_scope("expert_compute"):
         out_ = _sharded_swiglu(recv_x_, recv_e_, local_w, fsdp=fsdp, tensor=tensor)  # [R, D]
       with jax.named_scope("ragged_all_to_all_out"):
-        back_ = ragged(out_, jnp.zeros((k * n, d), out_.dtype), *back_sizes_,
+        back_ = ragged(out_, match_vma(jnp.zeros((k * n, d), out_.dtype), out_, xs_), *back_sizes_,
                        axis_name=EXPERT_AXIS)  # [S, D] sorted by destination; 0 where not kept
       slot_out_ = back_[inverse_permutation(order_)]  # [S, D] choice-major
     with jax.named_scope("combine"):

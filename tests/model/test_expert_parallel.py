@@ -271,6 +271,25 @@ def test_ragged_all_to_all_compiles_for_tpu():
   assert not _weight_gathers(hlo)
 
 
+def test_ragged_backward_sums_no_token_rows():
+  """ragged_all_to_all's result takes the varying axes of its `output` buffer: with an invariant zeros
+  buffer the rows it received were typed identical on every device, so the backward psum'd their
+  cotangents over the token axes, adding other devices' rows into each device's (wrong gradients)
+  and two activation-sized all-reduces. Compiled for a v5p 2x2x2 (fsdp=2 x expert=2 x tensor=2), the
+  ragged program's backward has no all-reduce, like the all_to_all program's."""
+  pytest.importorskip("libtpu", reason="compiling for TPU topologies needs libtpu (the tpu extra)")
+  mesh = _mesh(devices=aot.topology_devices("v5p:2x2x2"))
+  xs, choices, weights, w, cot = _inputs(64, seed=2)
+  backward_sums = {}
+  for exchange in ("all_to_all", "ragged"):
+    fn = functools.partial(expert_parallel.expert_parallel, mesh=mesh, exchange=exchange)
+    hlo = jax.jit(functools.partial(_value_and_grads, fn)).lower(xs, choices, weights, w, cot).compile().as_text()
+    sums = [line for line in hlo.splitlines() if re.search(r" all-reduce(-start)?\(", line)]
+    assert sums  # the check is live: the forward's partial sums over fsdp and tensor are there
+    backward_sums[exchange] = [line for line in sums if "transpose(jvp())" in line]
+  assert backward_sums == {"all_to_all": [], "ragged": []}, backward_sums
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(ep_exchange="ragged"), r"moe.ep_exchange='ragged' needs jax.lax.ragged_all_to_all, which "
                                  r"XLA:CPU lacks \(the experts' backend is 'cpu'\)"),
