@@ -146,30 +146,6 @@ def test_minibatches_must_divide_batch():
     make_update(spec, None, make_optimizer(cfg.optim), batch_size=16, num_minibatches=3)
 
 
-def test_empty_and_non_finite_minibatches_leave_the_state_unchanged(devices):
-  """A minibatch without loss tokens (all groups dropped by dynamic sampling: only the MoE balance
-  loss has a gradient, which Adam would turn into full-size router steps) and one with a planted NaN
-  (the NaN guard) leave parameters and optimizer state bit-identical, and are counted; a real batch
-  still moves them."""
-  _, run = _run(mesh_overrides=())
-  batch, _ = prepare(run, _scored(run))
-  before = jax.tree.map(np.asarray, (run.state.params, run.state.opt_state))
-  state = run.state
-  empty = batch.replace(loss_mask=np.zeros_like(np.asarray(batch.loss_mask)))
-  poisoned = batch.replace(old_logprobs=batch.old_logprobs * np.nan)  # every minibatch
-  for bad, counter in ((empty, "skipped_minibatches"), (poisoned, "nonfinite_minibatches")):
-    state, metrics = run.update(state, bad, jax.random.key(0))
-    assert float(metrics[counter]) == 1.0, counter
-    assert np.isfinite(float(metrics["loss"]))
-    for want, got in zip(jax.tree.leaves(before), jax.tree.leaves((state.params, state.opt_state))):
-      np.testing.assert_array_equal(np.asarray(got), want)
-  state, metrics = run.update(state, batch, jax.random.key(0))
-  assert float(metrics["skipped_minibatches"]) == 0.0 and float(metrics["nonfinite_minibatches"]) == 0.0
-  moved = [np.abs(np.asarray(g) - w).max() for w, g in zip(jax.tree.leaves(before[0]),
-                                                           jax.tree.leaves(state.params))]
-  assert max(moved) > 0
-
-
 # --- chunked log-probs and truncated importance weights, on one prepared batch --------------------
 
 TIS_CHUNK = ["rl.tis_level=token", "rl.tis_cap=2.0", "rl.entropy_coef=0.01", "rl.kl_coef=0.2",
@@ -190,6 +166,29 @@ def tis_case(devices):  # pylint: disable=unused-argument
           lambda params, b: rl_loss(params, run.state.extra, run.graphdef, b, spec), has_aux=True))
     return compiled[spec](run.state.params, batch)
   return run, scored, batch, loss_and_grad
+
+
+def test_empty_and_non_finite_minibatches_leave_the_state_unchanged(tis_case):
+  """A minibatch without loss tokens (all groups dropped by dynamic sampling: only the MoE balance
+  loss has a gradient, which Adam would turn into full-size router steps) and one with a planted NaN
+  (the NaN guard) leave parameters and optimizer state bit-identical, and are counted; a real batch
+  still moves them. (On the TIS / KL / entropy run below: its programs are compiled once for both.)"""
+  run, _, batch, _ = tis_case
+  before = jax.tree.map(np.asarray, (run.state.params, run.state.opt_state))
+  state = jax.tree.map(jnp.copy, run.state)  # the update donates its state: the fixture's stays
+  empty = batch.replace(loss_mask=np.zeros_like(np.asarray(batch.loss_mask)))
+  poisoned = batch.replace(old_logprobs=batch.old_logprobs * np.nan)  # every minibatch
+  for bad, counter in ((empty, "skipped_minibatches"), (poisoned, "nonfinite_minibatches")):
+    state, metrics = run.update(state, bad, jax.random.key(0))
+    assert float(metrics[counter]) == 1.0, counter
+    assert np.isfinite(float(metrics["loss"]))
+    for want, got in zip(jax.tree.leaves(before), jax.tree.leaves((state.params, state.opt_state))):
+      np.testing.assert_array_equal(np.asarray(got), want)
+  state, metrics = run.update(state, batch, jax.random.key(0))
+  assert float(metrics["skipped_minibatches"]) == 0.0 and float(metrics["nonfinite_minibatches"]) == 0.0
+  moved = [np.abs(np.asarray(g) - w).max() for w, g in zip(jax.tree.leaves(before[0]),
+                                                           jax.tree.leaves(state.params))]
+  assert max(moved) > 0
 
 
 @pytest.mark.slow  # chunked_token_stats against dense, gradients included: tests/train/test_chunked_loss.py
