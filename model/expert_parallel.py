@@ -343,9 +343,10 @@ def expert_parallel(xs: jax.Array, expert_choices: jax.Array, combine_weights: j
         kept_ = jnp.zeros_like(valid_).at[order_].set(kept_sorted_)
         send_x_ = xs_[slot_tokens_[order_]]  # [S, D] sorted by destination
       with jax.named_scope("ragged_all_to_all_in"):
-        # The output buffers vary over the token axes like the rows sent into them: an invariant
-        # buffer would make the result invariant too, and its cotangent psum'd over those axes in the
-        # backward (two activation-sized all-reduces, 5.5 GiB of temporaries in paper_3t's SFT step).
+        # The output buffers vary over the token axes like the rows sent into them: the result takes
+        # its buffer's varying axes, and an invariant one made the backward psum the rows' cotangents
+        # over those axes (other devices' rows added into each device's: wrong gradients, and two
+        # activation-sized all-reduces, 5.5 GiB of temporaries in paper_3t's SFT step).
         recv_x_ = ragged(send_x_, match_vma(jnp.zeros((recv_rows, d), xs_.dtype), send_x_), *there_,
                          axis_name=EXPERT_AXIS)
         recv_e_ = ragged(local_ids_[order_],

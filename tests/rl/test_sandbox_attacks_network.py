@@ -7,6 +7,7 @@ nothing is ever sent beyond this machine. Shared helpers: tests/rl/sandbox_attac
 fixtures: tests/rl/conftest.py.
 """
 
+import contextlib
 import secrets
 import socket
 import time
@@ -16,14 +17,22 @@ import pytest
 from sandbox_attack_helpers import _run  # loaded by tests/rl/conftest.py
 
 
+@contextlib.contextmanager
+def _listening(family, address):
+  """A non-blocking stream server of the host on `address`, closed on exit."""
+  server = socket.socket(family, socket.SOCK_STREAM)
+  try:
+    server.bind(address)
+    server.listen(8)
+    server.setblocking(False)
+    yield server
+  finally:
+    server.close()
+
 
 def test_connecting_to_a_host_loopback_tcp_server_fails(box):
-  server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-  server.bind(("127.0.0.1", 0))
-  server.listen(8)
-  server.setblocking(False)
-  port = server.getsockname()[1]
-  try:
+  with _listening(socket.AF_INET, ("127.0.0.1", 0)) as server:
+    port = server.getsockname()[1]
     result = _run(box, f"""
         import socket
         try:
@@ -35,8 +44,6 @@ def test_connecting_to_a_host_loopback_tcp_server_fails(box):
     assert result.stdout == b"ConnectionRefusedError\n"
     with pytest.raises(BlockingIOError):
       server.accept()  # the host server received no connection
-  finally:
-    server.close()
 
 
 def test_sending_to_a_host_loopback_udp_server_reaches_nothing(box):
@@ -62,11 +69,7 @@ def test_sending_to_a_host_loopback_udp_server_reaches_nothing(box):
 
 def test_abstract_unix_socket_of_the_host_is_unreachable(box):
   name = f"\0meshrl-test-{secrets.token_hex(8)}"
-  server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-  server.bind(name)
-  server.listen(4)
-  server.setblocking(False)
-  try:
+  with _listening(socket.AF_UNIX, name) as server:
     result = _run(box, f"""
         import socket
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -79,17 +82,11 @@ def test_abstract_unix_socket_of_the_host_is_unreachable(box):
     assert result.stdout == b"ConnectionRefusedError\n"
     with pytest.raises(BlockingIOError):
       server.accept()
-  finally:
-    server.close()
 
 
 def test_unix_socket_file_of_the_host_is_unreachable(box, tmp_path):
   path = str(tmp_path / "host.sock")
-  server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-  server.bind(path)
-  server.listen(4)
-  server.setblocking(False)
-  try:
+  with _listening(socket.AF_UNIX, path) as server:
     result = _run(box, f"""
         import socket
         try:
@@ -101,8 +98,6 @@ def test_unix_socket_file_of_the_host_is_unreachable(box, tmp_path):
     assert result.stdout == b"FileNotFoundError\n"
     with pytest.raises(BlockingIOError):
       server.accept()
-  finally:
-    server.close()
 
 
 def test_only_a_private_loopback_interface_and_no_routes(box):
