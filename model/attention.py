@@ -4,7 +4,8 @@ Both project the residual stream to queries, keys and values, rotate them by pos
 one kernel function, `attend(q, k, v, *, impl, ...)`, chosen by `cfg.attention.impl`
 ("reference", "blockwise", "ring"; see ring_attention.py). With impl="blockwise" a self-attention
 call (no cache) runs the Pallas splash kernel instead where `cfg.attention.local_kernel` asks for it
-("auto": on TPU; model/splash.py). With a KV cache the new keys/values are
+("auto": on TPU; model/splash.py); with impl="ring" splash computes the ring's block pairs of a
+self-attention call and of the ring prefill (model/splash_ring.py). With a KV cache the new keys/values are
 written into it first and the queries attend to the whole cache; with impl="ring" a call whose
 queries fill the whole cache (the ring prefill of rl/rollout.py `prefill_prompts`) runs ring
 attention over the sequence-split prompt. Every cache write is pinned to kv_cache.CACHE_AXES.
@@ -22,9 +23,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshrl.model import kv_cache, splash
+from meshrl.model import kv_cache, splash, splash_ring
 from meshrl.model.layers import Dense, RMSNorm, RopeConfig, apply_rope, yarn_softmax_scale_multiplier
-from meshrl.model.ring_attention import attend, decode_attend, unzigzag_on_mesh
+from meshrl.model.ring_attention import attend, decode_attend, unzigzag_on_mesh, zigzag_on_mesh
 from meshrl.sharding.rules import TRAIN_RULES, Rules, constrain
 
 __all__ = ["attend", "KernelConfig", "GQAttention", "MLAttention"]
@@ -36,7 +37,8 @@ class KernelConfig:
 
   `mesh` (needed by impl="ring") and `rules` (TRAIN_RULES or ROLLOUT_RULES) decide how activations
   are constrained; the parameters' layout does not depend on them. `local_kernel` ("auto", "jnp",
-  "splash") picks what computes impl="blockwise" self-attention (`local_kernel_name`).
+  "splash") picks what computes impl="blockwise" self-attention and impl="ring"'s block pairs
+  (`local_kernel_name`).
 
   `zigzag` (attention.zigzag) asks ring attention to run causal sequences in the zigzag layout
   (ring_attention.zigzag) for load balance: training batches are laid out so by their callers
@@ -44,6 +46,8 @@ class KernelConfig:
   ring prefill's own copy of the model (rl/rollout.py `prefill_prompts`): its tokens arrive in the
   zigzag layout over `sequence`, and the cache is written in token order (positions, segment ids
   and each layer's keys/values put back by ring_attention.unzigzag_on_mesh, no gather).
+  With splash computing the ring (`_ring_splash`) the layout is a contract: a non-cached ring call's
+  inputs must be zigzag exactly when `zigzag` is set (splash's masks are by index).
   """
   impl: str = "reference"
   block_q: int = 512
@@ -86,7 +90,13 @@ class KernelConfig:
     the prompt to the cache length) is ordinary ring attention instead: queries, keys and values
     all split over `sequence` exactly as the cache is, so nothing is gathered.
     """
-    if cached and self.impl == "ring" and q.shape[1] > 1 and q.shape[1] == k.shape[1]:
+    ring_prefill = cached and self.impl == "ring" and q.shape[1] > 1 and q.shape[1] == k.shape[1]
+    if self.impl == "ring" and (ring_prefill or not cached):
+      out = self._ring_splash(q, k, v, q_positions=q_positions, kv_positions=kv_positions,
+                              segment_ids=segment_ids, scale=scale, prefill=ring_prefill)
+      if out is not None:
+        return out
+    if ring_prefill:
       return attend(q, k, v, impl="ring", mesh=self.mesh, causal=True, q_positions=q_positions,
                     kv_positions=kv_positions, segment_ids=segment_ids, scale=scale,
                     block_q=self.block_q, block_kv=self.block_kv)
@@ -104,6 +114,32 @@ class KernelConfig:
     if self.impl != "reference":
       kwargs.update(block_q=self.block_q, block_kv=self.block_kv)
     return attend(q, k, v, **kwargs)
+
+  def _ring_splash(self, q, k, v, *, q_positions, kv_positions, segment_ids, scale, prefill: bool):
+    """Ring self-attention by splash (model/splash_ring.py) where `local_kernel_name` is "splash" and
+    the call is supported; None: the caller runs the jnp ring.
+
+    The block pairs' masks follow the layout of `zigzag`: a self-attention call's inputs must be laid
+    out so (rl/step.py and train/sft.py zigzag their batches with attention.zigzag), unlike the jnp
+    ring, whose masks come from the positions alone. The ring prefill's keys and values come from
+    the cache, in token order: they are put in the queries' layout (`zigzag_on_mesh`, two collective
+    permutes of one chunk) and, since the call fills the whole cache, carry the queries' positions
+    and segment ids.
+    """
+    if self.local_kernel_name != "splash":
+      return None
+    if prefill:
+      segment_ids = segment_ids[0]
+      kv_positions = q_positions
+      if self.inputs_zigzag:
+        k, v = zigzag_on_mesh(k, self.mesh, axis=1), zigzag_on_mesh(v, self.mesh, axis=1)
+    if splash_ring.unsupported_reason(q, k, mesh=self.mesh, q_positions=q_positions,
+                                      kv_positions=kv_positions, segment_ids=segment_ids,
+                                      zigzag=self.zigzag) is not None:
+      return None
+    return splash_ring.ring_splash_attend(q, k, v, segment_ids, mesh=self.mesh, zigzag=self.zigzag,
+                                          scale=scale, block_q=self.block_q, block_kv=self.block_kv,
+                                          interpret=self.backend != "tpu")
 
   def pin_cache(self, layer_cache: dict) -> dict:
     """One layer's cache entries {name: [B, S, ...]} constrained to kv_cache.CACHE_AXES by the

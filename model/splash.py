@@ -1,4 +1,5 @@
-"""Splash attention (the Pallas TPU "sparse flash" kernel) as the local compute of impl="blockwise".
+"""Splash attention (the Pallas TPU "sparse flash" kernel) as the local compute of impl="blockwise"
+(and, through model/splash_ring.py, of impl="ring").
 
 `jax.experimental.pallas.ops.tpu.splash_attention` runs FlashAttention-2 (Dao 2023,
 arXiv:2307.08691) as a Pallas kernel: per (head, query block) it visits only the key blocks its
@@ -36,9 +37,8 @@ ring attention splits them (a Pallas call has no sharding rule: left to the part
 replicated). Key blocks must be multiples of 128 (TPU lanes): T is padded at the end up to a multiple
 of 128, the padded keys masked for every real query by the causal mask itself.
 
-Not done: ring attention (impl="ring") keeps the jnp kernel for its block pairs; splash's masks are
-fixed at trace time, so a ring would call it only for fully unmasked pairs and needs a backward fed
-with the global log-sum-exp, which the packaged kernel does not expose.
+Ring attention (impl="ring") computes its block pairs with splash too: model/splash_ring.py, which
+needs the layout of the sequence (attention.zigzag) known when the program is traced.
 
 Axis legend: B batch, T length (queries and keys), N query heads, K key/value heads, H query/key head
 dim, J value head dim.
@@ -55,7 +55,13 @@ from jax.sharding import Mesh, PartitionSpec as P
 from meshrl.model.ring_attention import _outer_specs
 
 LOCAL_KERNELS = ("auto", "jnp", "splash")
+SPLASH_IMPLS = ("blockwise", "ring")  # the attention.impl values splash can compute (ring: model/splash_ring.py)
 LANES = 128  # splash's key blocks are multiples of the TPU lane width
+# Splash's largest block: its kernels hold [block_q, block_kv] float32 scores and the blocks of q, k, v
+# and the output in the TPU core's scoped VMEM. attention.block_q / block_kv size the jnp kernel's
+# blocks (paper_3t: 2,048 x 1,024); handed to splash unchanged they fail to compile
+# (CompileTimeScopedVmemOom on v5p). 512 is MaxText's default for its splash blocks.
+MAX_BLOCK = 512
 # Segment id of the padding added up to a multiple of LANES (never a real id; pads see themselves).
 PAD_SEGMENT = -(2 ** 31)
 
@@ -65,29 +71,31 @@ def check_local_kernel(local_kernel: str, impl: str) -> None:
   if local_kernel not in LOCAL_KERNELS:
     raise ValueError(f"attention.local_kernel={local_kernel!r}; choose one of "
                      f"{', '.join(LOCAL_KERNELS)}.")
-  if local_kernel == "splash" and impl != "blockwise":
-    raise ValueError(f"attention.local_kernel='splash' needs attention.impl='blockwise', got "
-                     f"{impl!r}: ring attention computes its blocks with the jnp kernel and "
-                     "'reference' has no kernel (use local_kernel='auto' or 'jnp').")
+  if local_kernel == "splash" and impl not in SPLASH_IMPLS:
+    raise ValueError(f"attention.local_kernel='splash' needs attention.impl='blockwise' or 'ring', got "
+                     f"{impl!r}: 'reference' has no kernel (use local_kernel='auto' or 'jnp').")
 
 
 def resolve(local_kernel: str, impl: str, backend: str) -> str:
-  """The kernel blockwise calls run where they are supported: "splash" or "jnp"."""
-  if impl != "blockwise" or local_kernel == "jnp":
+  """The kernel blockwise and ring calls run where they are supported: "splash" or "jnp"."""
+  if impl not in SPLASH_IMPLS or local_kernel == "jnp":
     return "jnp"
   return "splash" if local_kernel == "splash" or backend == "tpu" else "jnp"
 
 
 def summary(impl: str, local_kernel: str, backend: str) -> str:
   """One line for a run's console summary: which kernel computes attention."""
-  if impl != "blockwise":
-    what = {"reference": "whole score matrix", "ring": "ring over `sequence`, jnp blocks"}.get(impl, impl)
+  if impl not in SPLASH_IMPLS:
+    what = {"reference": "whole score matrix"}.get(impl, impl)
     return f"attention: {impl} ({what})"
   kernel = resolve(local_kernel, impl, backend)
+  where = "blockwise" if impl == "blockwise" else "ring over `sequence`"
   if kernel == "jnp":
-    return f"attention: blockwise, jnp kernel (local_kernel={local_kernel} on {backend})"
+    return f"attention: {where}, jnp kernel (local_kernel={local_kernel} on {backend})"
   mode = "" if backend == "tpu" else ", Pallas interpret mode"
-  return (f"attention: blockwise, splash kernel for self-attention calls{mode}; KV-cache calls "
+  calls = ("self-attention calls" if impl == "blockwise"
+           else "self-attention calls and the ring prefill, block pairs")
+  return (f"attention: {where}, splash kernel for {calls}{mode}; other KV-cache calls "
           f"(decode, cached prefill) on the jnp kernel (local_kernel={local_kernel} on {backend})")
 
 
@@ -105,9 +113,10 @@ def unsupported_reason(q, k, *, q_positions, kv_positions, segment_ids, cached: 
   return None
 
 
-def _block(size: int, length: int) -> int:
-  """The largest multiple of LANES, at most max(size, LANES), that divides `length`."""
-  block = max(size // LANES, 1) * LANES
+def block_size(size: int, length: int) -> int:
+  """Splash's block for `length` tokens: the largest multiple of LANES, at most
+  max(min(size, MAX_BLOCK), LANES), that divides `length`."""
+  block = max(min(size, MAX_BLOCK) // LANES, 1) * LANES
   while length % block:
     block -= LANES
   return block
@@ -138,7 +147,7 @@ def _local(q_, k_, v_, seg_, *, scale, block_q, block_kv, interpret):
   q_ = heads_major(q_ * jnp.asarray(scale, q_.dtype))
   k_, v_ = heads_major(k_), heads_major(v_)
   with jax.ensure_compile_time_eval():  # the block maps are constants, not values of this trace
-    kernel = _kernel(q_.shape[1], length, _block(block_q, length), _block(block_kv, length),
+    kernel = _kernel(q_.shape[1], length, block_size(block_q, length), block_size(block_kv, length),
                      interpret)
   if seg_ is None:
     out_ = jax.vmap(kernel)(q_, k_, v_)
@@ -159,8 +168,9 @@ def splash_attend(q, k, v, segment_ids=None, *, scale: float, block_q: int, bloc
     v: [B, T, K, J] values.
     segment_ids: None or [B, T] int ids; only equal ids attend.
     scale: score scale.
-    block_q, block_kv: splash's query and key blocks (rounded down to multiples of 128, at least
-      128, dividing T rounded up to a multiple of 128); the backward uses the same blocks.
+    block_q, block_kv: splash's query and key blocks (`block_size`: at most MAX_BLOCK, rounded down
+      to multiples of 128, at least 128, dividing T rounded up to a multiple of 128); the backward
+      uses the same blocks.
     mesh: with a mesh, one kernel per device under shard_map (batch over data/fsdp/expert axes that
       divide B, heads over `tensor` when it divides K); None: one call over the whole arrays.
     interpret: run the Pallas kernel in interpret mode (any backend; slow).

@@ -441,6 +441,8 @@ def _oom_diagnosis(step: str, message: str, hbm: int | None, args: Any) -> str:
   """libtpu's RESOURCE_EXHAUSTED (bytes required vs available) and the largest argument shards."""
   needed = re.search(r"(total memory required.*?available HBM \([\d.]+[GMK]?\))", message)
   head = needed.group(1) if needed else message.strip().splitlines()[0][:300]
+  if "Vmem" in message:  # a Pallas kernel's blocks overflow the core's scoped VMEM, not HBM
+    head = f"a kernel's blocks exceed the TPU core's scoped VMEM (smaller blocks fit): {head}"
   return (f"step {step!r} does not fit: {head}, HBM per chip {hbm} bytes; largest arguments per "
           f"chip: " + " | ".join(largest_arguments(args)))
 

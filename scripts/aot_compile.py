@@ -78,7 +78,8 @@ def main(argv) -> int:
   for step in steps:
     report = aot.compile_step(step, cfg, mesh, args.topology)
     reports.append(report)
-    gib = (f"{report.per_chip['total'] / 2 ** 30:.2f} GiB" if report.per_chip else "out of HBM")
+    gib = (f"{report.per_chip['total'] / 2 ** 30:.2f} GiB" if report.per_chip
+           else "out of VMEM" if "VMEM" in report.diagnosis else "out of HBM")
     hbm = f"{report.hbm_per_chip / 2 ** 30:.2f} GiB" if report.hbm_per_chip else "?"
     print(f"{step:>8}: {gib} per chip of {hbm} (fits: {report.fits}), compiled in "
           f"{report.compile_s:.0f} s", flush=True)

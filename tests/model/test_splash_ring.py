@@ -1,0 +1,217 @@
+"""Ring attention with splash computing its block pairs (model/splash_ring.py, issue 9).
+
+On CPU the Pallas kernels run in interpret mode, on 8 simulated devices: the splash ring must equal
+the jnp ring (outputs and q/k/v gradients, fp32, GQA, packed documents whose boundaries fall inside
+chunks, positions restarting) in both layouts; the model's loss and parameter gradients on a zigzag
+batch, and the ring prefill's logits, cache and greedy rollout, must equal the jnp kernel's; calls
+it cannot serve fall back; and a ring model compiles for a v5p topology with splash's kernels and the
+ring's collective permutes, when libtpu is installed.
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshrl import configs
+from meshrl.model import ring_attention as ra
+from meshrl.model import splash_ring
+from meshrl.model.attention import KernelConfig
+from meshrl.model.init import build_model
+from meshrl.model.transformer import ModelConfig
+from meshrl.sharding import make_mesh
+
+B, T, N, K, H = 2, 1024, 4, 2, 32  # 4 sequence shards: zigzag chunks of 128, GQA 2 heads per kv head
+SEQUENCE = 4
+
+
+def _mesh(**axes):
+  cfg = configs.load("configs/tiny.py", [f"mesh.{name}={size}" for name, size in axes.items()])
+  return make_mesh(cfg.mesh)
+
+
+def _inputs(zigzag: bool):
+  ks = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(ks[0], (B, T, N, H))
+  k = jax.random.normal(ks[1], (B, T, K, H))
+  v = jax.random.normal(ks[2], (B, T, K, H))
+  d_out = jax.random.normal(ks[3], (B, T, N, H))
+  # Row 0 packs three documents cut at 300 and 700 (inside chunks and shards), positions restarting;
+  # row 1 is one document.
+  seg = np.stack([np.repeat([0, 1, 2], [300, 400, 324]), np.zeros(T, int)]).astype(np.int32)
+  pos = np.stack([np.r_[np.arange(300), np.arange(400), np.arange(324)], np.arange(T)]).astype(np.int32)
+  arrays = (q, k, v, d_out, seg, pos)
+  if zigzag:
+    arrays = tuple(ra.zigzag(x, SEQUENCE) for x in arrays)
+  return arrays
+
+
+def _has_pallas(fn, *args) -> bool:
+  return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
+
+
+@pytest.mark.parametrize("zigzag", [True, False])
+def test_splash_ring_equals_jnp_ring_with_gradients(zigzag):
+  """fsdp=2 x sequence=4. Zigzag: each step j > 0 is one rectangle picked at run time (all queries
+  against the first key chunk, or the second query chunk against both); contiguous: whole or
+  nothing. A flipped choice, a merge by the wrong log-sum-exp, or a backward fed with the pair's
+  own log-sum-exp instead of the global one each breaks this."""
+  mesh = _mesh(fsdp=2, sequence=SEQUENCE)
+  q, k, v, d_out, seg, pos = (jnp.asarray(x) for x in _inputs(zigzag))
+  impls = {
+      "splash": lambda q, k, v: splash_ring.ring_splash_attend(
+          q, k, v, seg, mesh=mesh, zigzag=zigzag, scale=0.2, block_q=128, block_kv=128, interpret=True),
+      "jnp": lambda q, k, v: ra.attend(q, k, v, impl="ring", mesh=mesh, q_positions=pos,
+                                       kv_positions=pos, segment_ids=seg, scale=0.2, block_q=128,
+                                       block_kv=128)}
+  results = {}
+  for name, fn in impls.items():
+    def loss(q, k, v, fn=fn):
+      out = fn(q, k, v)
+      return jnp.sum(out * d_out), out
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    results[name] = (out, grads)
+  out, grads = results["splash"]
+  assert float(jnp.abs(out).max()) > 0.5
+  np.testing.assert_allclose(out, results["jnp"][0], atol=1e-5)
+  for name, g, g_jnp in zip("qkv", grads, results["jnp"][1]):
+    assert float(jnp.abs(g_jnp).max()) > 0.5
+    np.testing.assert_allclose(g, g_jnp, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
+
+
+def test_unsupported_calls_fall_back_and_bad_kernels_are_named():
+  """A length whose chunks are not whole 128-lane blocks, separate query/key ids or other positions
+  run the jnp ring (no Pallas call, the same result) under local_kernel="splash"."""
+  mesh = _mesh(fsdp=2, sequence=SEQUENCE)
+  kernel = KernelConfig("ring", 64, 64, mesh, local_kernel="splash", zigzag=True)
+  assert kernel.local_kernel_name == "splash" and "ring over `sequence`, splash" in kernel.summary()
+  assert KernelConfig("ring", mesh=mesh).local_kernel_name == "jnp"  # auto on CPU
+  q, k, v, _, seg, pos = (jnp.asarray(x) for x in _inputs(True))
+  call = lambda q, k, v, pos=pos, seg=seg: kernel(q, k, v, q_positions=pos, kv_positions=pos,  # noqa: E731
+                                                  segment_ids=seg, scale=0.2)
+  assert _has_pallas(call, q, k, v)
+  short = (q[:, :512], k[:, :512], v[:, :512])  # chunks of 64 tokens
+  reason = splash_ring.unsupported_reason(short[0], short[1], mesh=mesh, q_positions=pos, kv_positions=pos,
+                                          segment_ids=seg, zigzag=True)
+  assert reason == "length 512 is not a multiple of 8 chunks x 128 lanes (mesh.sequence=4, zigzag)"
+  short_call = lambda q, k, v: call(q, k, v, pos=pos[:, :512], seg=seg[:, :512])  # noqa: E731
+  assert not _has_pallas(short_call, *short)
+  jnp_kernel = dataclasses.replace(kernel, local_kernel="jnp")
+  np.testing.assert_allclose(
+      jax.jit(short_call)(*short),
+      jax.jit(lambda q, k, v: jnp_kernel(q, k, v, q_positions=pos[:, :512], kv_positions=pos[:, :512],
+                                         segment_ids=seg[:, :512], scale=0.2))(*short), atol=1e-6)
+  for kw in (dict(q_positions=pos, kv_positions=pos + 0, segment_ids=seg),
+             dict(q_positions=pos, kv_positions=pos, segment_ids=(seg, seg))):
+    assert splash_ring.unsupported_reason(q, k, mesh=mesh, zigzag=True, **kw) is not None
+    assert not _has_pallas(lambda q, k, v, kw=kw: kernel(q, k, v, scale=0.2, **kw), q, k, v)
+  with pytest.raises(ValueError, match=r"local_kernel='splash' needs attention.impl='blockwise' or "
+                                       r"'ring', got 'reference'"):
+    KernelConfig("reference", local_kernel="splash")
+
+
+SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
+         "moe.expert_mlp_dim=32", "moe.first_k_dense=1", "model.max_seq_len=512", "model.init_std=0.3",
+         "attention.impl=ring", "attention.block_q=128", "attention.block_kv=128"]
+
+
+def _with_kernel(mc: ModelConfig, local_kernel: str) -> ModelConfig:
+  return dataclasses.replace(mc, kernel=dataclasses.replace(mc.kernel, local_kernel=local_kernel))
+
+
+def test_model_on_a_zigzag_batch_equals_the_jnp_ring():
+  """fsdp=2 x sequence=2 x tensor=2 (heads split too), a packed zigzag batch of 512 tokens: the
+  model's logits and every parameter gradient of a next-token loss equal the jnp ring's."""
+  cfg = configs.load("configs/tiny.py", SMALL + ["mesh.fsdp=2", "mesh.sequence=2", "mesh.tensor=2"])
+  mesh = make_mesh(cfg.mesh)
+  mc = ModelConfig.from_config(cfg, mesh)
+  assert mc.kernel.zigzag  # the config's default layout for ring attention
+  length, rng = 512, np.random.RandomState(0)
+  tokens = rng.randint(0, 259, (2, length + 1)).astype(np.int32)
+  seg = np.stack([np.repeat([1, 2], [200, 312]), np.ones(length, int)]).astype(np.int32)
+  pos = np.stack([np.r_[np.arange(200), np.arange(312)], np.arange(length)]).astype(np.int32)
+  weights = (seg == np.roll(seg, -1, axis=1)).astype(np.float32)  # next token in the same document
+  batch = [jnp.asarray(ra.zigzag(x, 2)) for x in (tokens[:, :-1], tokens[:, 1:], seg, pos, weights)]
+  results = {}
+  for name in ("splash", "jnp"):
+    graphdef, state = nnx.split(build_model(_with_kernel(mc, name), mesh))
+
+    def loss(state, graphdef=graphdef):
+      inputs, targets, seg, pos, weights = batch
+      logits = nnx.merge(graphdef, state)(inputs, positions=pos, segment_ids=seg).logits
+      picked = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
+      return -jnp.sum(picked * weights) / jnp.sum(weights), logits
+
+    assert _has_pallas(loss, state) == (name == "splash")
+    (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+    results[name] = (value, logits, jax.tree.leaves(grads))
+  np.testing.assert_allclose(results["splash"][0], results["jnp"][0], rtol=1e-6)
+  np.testing.assert_allclose(results["splash"][1], results["jnp"][1], atol=1e-4)
+  for g, g_jnp in zip(results["splash"][2], results["jnp"][2]):
+    np.testing.assert_allclose(g, g_jnp, atol=1e-5, rtol=1e-4)
+
+
+def test_ring_prefill_with_splash_equals_the_jnp_ring_prefill():
+  """Two prompts of up to 500 tokens, left-padded, in a 512-slot cache on data=2 x sequence=2 x
+  tensor=2, zigzag: the prefill's block pairs run on splash (keys and values read back from the
+  token-order cache and put in the queries' layout) and every layer's cache entries and the next-token
+  logits equal the jnp ring prefill's (what the decode steps, the same code for both, start from)."""
+  from meshrl.model.tokenizer import ByteTokenizer  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.rollout import prefill_prompts  # pylint: disable=import-outside-toplevel
+  tok, prompt_len, new = ByteTokenizer(), 500, 12
+  base = SMALL + [f"rl.max_prompt_len={prompt_len}", f"rl.max_new_tokens={new}",
+                  "mesh.data=2", "mesh.sequence=2", "mesh.tensor=2"]
+  texts = ["12+7=19. " * 40 + "3+4=", "a long prompt of bytes " * 10]
+  prompts, mask = tok.encode_batch(texts, length=prompt_len, padding="left")
+  results = {}
+  for name in ("splash", "jnp"):
+    cfg = configs.load("configs/tiny.py", base + [f"attention.local_kernel={name}"])
+    mesh = make_mesh(cfg.mesh)
+    model = build_model(ModelConfig.from_config(cfg, mesh), mesh)
+    prefill = lambda p, m, model=model: prefill_prompts(model, p, m, prompt_len + new)[:2]  # noqa: E731
+    assert _has_pallas(prefill, prompts, mask) == (name == "splash")
+    results[name] = jax.jit(prefill)(prompts, mask)
+  (cache, logits), (cache_jnp, logits_jnp) = results["splash"], results["jnp"]
+  assert cache.max_len == 512
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(logits_jnp), atol=1e-4)
+  for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(cache_jnp)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5)
+
+
+@pytest.mark.slow  # a libtpu compile, ~20 s
+def test_ring_model_compiles_splash_for_v5p():
+  """attention.local_kernel=auto, impl=ring on v5p 2x2x2 (fsdp=2 x sequence=2 x tensor=2): the
+  model's forward + backward compiles through libtpu with splash's forward, dq and dkv kernels, and
+  the ring moves keys and gradients only by collective permutes (no all-gather, no all-reduce)."""
+  pytest.importorskip("libtpu", reason="compiling for TPU topologies needs libtpu (the tpu extra)")
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+  from meshrl.model.transformer import Transformer  # pylint: disable=import-outside-toplevel
+  from meshrl.rl import aot  # pylint: disable=import-outside-toplevel
+  from meshrl.sharding.rules import rules_from_config  # pylint: disable=import-outside-toplevel
+  from meshrl.train.optim import make_optimizer  # pylint: disable=import-outside-toplevel
+  from meshrl.train.state import abstract_train_state  # pylint: disable=import-outside-toplevel
+  cfg = configs.load("configs/tiny.py", SMALL + ["mesh.fsdp=2", "mesh.sequence=2", "mesh.tensor=2"])
+  mesh = aot.topology_mesh(cfg, aot.topology_devices("v5p:2x2x2"))
+  mc = ModelConfig.from_config(cfg, mesh)
+  assert mc.kernel.local_kernel_name == "splash"  # auto on TPU
+  assert "ring over `sequence`, splash kernel" in mc.kernel.summary() and "interpret" not in mc.kernel.summary()
+  graphdef, state = abstract_train_state(lambda: Transformer(mc, rngs=nnx.Rngs(0)),
+                                         make_optimizer(cfg.optim), mesh, rules_from_config(cfg.mesh))
+  batch, length = 4, 512
+  split = NamedSharding(mesh, PartitionSpec("fsdp", "sequence"))
+  tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=split)
+
+  def loss(params, tokens):
+    model = nnx.merge(graphdef, params, state.extra)
+    positions = ra.zigzag(jnp.broadcast_to(jnp.arange(length), tokens.shape), 2)
+    return model(tokens, positions=positions, segment_ids=(tokens > 3).astype(jnp.int32)).logits.mean()
+
+  hlo = jax.jit(jax.grad(loss)).lower(state.params, tokens).compile().as_text()
+  assert set(re.findall(r"splash_mha_(fwd|dq|dkv)_segmented", hlo)) == {"fwd", "dq", "dkv"}
+  ring_ops = [line for line in hlo.splitlines() if "ring_splash_attention" in line]
+  assert any(" collective-permute-start(" in line for line in ring_ops)  # keys round the ring
+  assert not any(" all-gather" in line or " all-reduce" in line for line in ring_ops)
