@@ -525,7 +525,7 @@ class MultiTurnPrograms:
     group, batch = spec.group_size, len(rows)
     prompt_len, n = spec.prompt_len, spec.episode_len
     rep = lambda a: np.repeat(a, group, axis=0)  # noqa: E731
-    positions, segments = (np.asarray(a) for a in prompt_layout(jnp.asarray(mask)))
+    positions, segments = prompt_layout(np.asarray(mask, bool))
     tokens = np.full((batch, n), spec.pad_id, np.int32)
     policy = np.zeros((batch, n), bool)
     logprobs = np.zeros((batch, n), np.float32)

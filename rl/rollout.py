@@ -96,9 +96,31 @@ class RolloutSpec:
 
 
 def prompt_layout(prompt_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Positions (0.. over real tokens) and segment ids (1 real, 0 pad) of left-padded prompts [P, Lp]."""
-  positions = jnp.maximum(jnp.cumsum(prompt_mask.astype(jnp.int32), axis=1) - 1, 0)
-  return positions, prompt_mask.astype(jnp.int32)
+  """Positions (0.. over real tokens) and segment ids (1 real, 0 pad) of left-padded prompts [P, Lp]
+  (numpy in, numpy out; jax in, jax out)."""
+  xp = np if isinstance(prompt_mask, np.ndarray) else jnp
+  positions = xp.maximum(xp.cumsum(prompt_mask.astype(xp.int32), axis=1) - 1, 0).astype(xp.int32)
+  return positions, prompt_mask.astype(xp.int32)
+
+
+# RolloutBatch's per-token fields, [B, S = Lp + N]: their prompt columns [:, :Lp] follow from the
+# prompts alone (`prompt_columns`), their response columns come from the devices.
+PER_TOKEN_FIELDS = ("tokens", "positions", "segment_ids", "prompt_mask", "response_mask", "logprobs",
+                    "policy_version")
+
+
+def prompt_columns(prompts: np.ndarray, prompt_mask: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
+  """The prompt columns [B, Lp] of every per-token RolloutBatch field, on the host, from the prompts
+  [P, Lp] (left-padded) and their mask that the rollout was given (sample b answers prompt
+  b // group_size): what `generate` and the continuous engine put there."""
+  prompts, prompt_mask = np.asarray(prompts), np.asarray(prompt_mask, bool)
+  positions, segment_ids = prompt_layout(prompt_mask)
+  rep = lambda x: np.repeat(x, group_size, axis=0)  # noqa: E731
+  shape = (prompts.shape[0] * group_size, prompts.shape[1])
+  return {"tokens": rep(prompts.astype(np.int32)), "positions": rep(positions),
+          "segment_ids": rep(segment_ids), "prompt_mask": rep(prompt_mask),
+          "response_mask": np.zeros(shape, bool), "logprobs": np.zeros(shape, np.float32),
+          "policy_version": np.full(shape, -1, np.int32)}
 
 
 def uses_ring_prefill(mc: ModelConfig) -> bool:

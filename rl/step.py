@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from typing import Any, Iterator
 
@@ -43,7 +44,7 @@ from meshrl.rl.layouts import sample_layout
 from meshrl.rl.partial import PartialRollouts
 from meshrl.rl.multiturn import make_multiturn, wants_multi_turn
 from meshrl.rl.multiturn_step import collect_multiturn
-from meshrl.rl.rollout import make_rollout
+from meshrl.rl.rollout import PER_TOKEN_FIELDS, make_rollout, prompt_columns
 from meshrl.rl.routes import RoutingRows
 from meshrl.rl.scoring import RewardPool
 from meshrl.rl.update import make_logprob_fn, make_update
@@ -123,15 +124,35 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
       multiturn=make_multiturn(cfg, mesh, tokenizer) if wants_multi_turn(cfg) else None)
 
 
-def _rollout_arrays(batch) -> dict[str, np.ndarray]:
+def _rollout_arrays(batch, prompts: tuple[np.ndarray, np.ndarray] | None = None,
+                    group_size: int = 1) -> dict[str, np.ndarray]:
   """RolloutBatch (device) -> host numpy dict; the routing stays on the devices (a RoutingRows of
-  [B, L, S, K], rl/routes.py) or is dropped."""
+  [B, L, S, K], rl/routes.py) or is dropped.
+
+  With `prompts` (the tokens and mask [P, Lp] the rollout was given; every host has them) only the
+  response columns [B, Lp:] of the per-token fields come through `hosts.to_host` (all-gathered over
+  the hosts): the prompt columns are rebuilt here from the prompts (rl/rollout.prompt_columns). At
+  a 1M-token context with 8K-token responses that is 128x less to gather. None: the whole batch.
+  """
   arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
   routing = arrays.pop("routing")
-  arrays = jax.tree.map(hosts.to_host, arrays)  # the whole batch on every host process
+  if prompts is not None:
+    prompt_len = prompts[0].shape[1]
+    for name in PER_TOKEN_FIELDS:
+      arrays[name] = _response_columns(arrays[name], prompt_len)
+  arrays = jax.tree.map(hosts.to_host, arrays)  # every host's samples on every host
+  if prompts is not None:
+    front = prompt_columns(*prompts, group_size)
+    for name in PER_TOKEN_FIELDS:
+      arrays[name] = np.concatenate([front[name], arrays[name]], axis=1)
   if routing is not None:
     arrays["routing"] = RoutingRows.of_rollout(routing)
   return arrays
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _response_columns(x, prompt_len: int):
+  return x[:, prompt_len:]
 
 
 @dataclasses.dataclass
@@ -140,10 +161,14 @@ class InFlight:
   examples: list  # the P task examples of its groups
   batch: Any  # RolloutBatch on the devices, possibly still being computed (host arrays once restored)
   version: int  # policy version of the parameters that generated it
+  prompts: tuple | None = None  # the (tokens, mask) [P, Lp] it was given (None once restored)
+  group_size: int = 1
 
   def arrays(self) -> dict[str, np.ndarray]:
     """The rollout as host numpy arrays (waits for it)."""
-    return self.batch if isinstance(self.batch, dict) else _rollout_arrays(self.batch)
+    if isinstance(self.batch, dict):
+      return self.batch
+    return _rollout_arrays(self.batch, self.prompts, self.group_size)
 
 
 def in_flight_state(run: RLRun) -> list[dict]:
@@ -185,7 +210,7 @@ def next_in_flight(run: RLRun, draw, key: jax.Array) -> InFlight:
     examples, tokens, mask = draw(cfg.prompts_per_step)
     batch = run.rollout(run.state.params, run.state.extra, tokens, mask,
                         jax.random.fold_in(key, 1000 + len(run.in_flight)), None, run.version)
-    run.in_flight.append(InFlight(examples, batch, run.version))
+    run.in_flight.append(InFlight(examples, batch, run.version, (tokens, mask), cfg.group_size))
   return run.in_flight.popleft()
 
 
@@ -277,7 +302,8 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
       round_examples, tokens, mask = draw(cfg.prompts_per_step)
       t0 = time.perf_counter()
       arrays = _rollout_arrays(run.rollout(run.state.params, run.state.extra, tokens, mask,
-                                           jax.random.fold_in(key, round_index), None, run.version))
+                                           jax.random.fold_in(key, round_index), None, run.version),
+                               (tokens, mask), cfg.group_size)
     rollout_s += time.perf_counter() - t0
     generated += int(arrays["lengths"].sum())
     t0 = time.perf_counter()

@@ -1,0 +1,62 @@
+"""What a rollout sends through the hosts (rl/step.py `_rollout_arrays`, issue 14): only the response
+columns of its per-token fields are all-gathered; the prompt columns are rebuilt on the host from the
+prompts it was given, equal to what the devices hold, for both rollout engines and the asynchronous
+queue."""
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+from meshrl import configs
+from meshrl.rl import loop
+from meshrl.rl import step as step_lib
+from meshrl.rl.rollout import PER_TOKEN_FIELDS
+from meshrl.sharding import hosts
+
+PROMPT, NEW = 12, 4
+SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
+         "moe.expert_mlp_dim=32", f"rl.max_prompt_len={PROMPT}", f"rl.max_new_tokens={NEW}",
+         "model.max_seq_len=16", "rl.prompts_per_step=4", "rl.group_size=2", "rl.sft_steps=0",
+         "rl.dynamic_sampling=false", "mesh.fsdp=4", "mesh.tensor=2"]
+
+
+@pytest.mark.parametrize("engine, staleness", [("static", 0), ("continuous", 1)])
+def test_only_response_columns_are_gathered_and_the_prompt_columns_are_rebuilt(devices, monkeypatch,
+                                                                                engine, staleness):
+  """Prompts of different lengths (left padding differs per group). The rebuilt arrays equal the whole
+  batch pulled from the devices, field by field; during `collect` (the plain rollout, or the oldest
+  rollout in flight with rl.max_staleness=1) no array of more than NEW columns goes through
+  `hosts.to_host` (the whole [B, PROMPT + NEW] batch did before)."""
+  cfg = configs.load("configs/tiny.py", SMALL + [f"rl.engine={engine}", f"rl.max_staleness={staleness}",
+                                                   "rl.tis_level=" + ("token" if staleness else "none")])
+  run, _ = loop.setup(cfg)
+  texts = ["1+2=", "rev abcdef=", "7+5=", "rev xy="]
+  tokens, mask = run.tokenizer.encode_batch(texts, length=PROMPT, padding="left")
+  assert len(set(mask.sum(axis=1).tolist())) > 1
+  out = run.rollout(run.state.params, run.state.extra, tokens, mask, jax.random.key(0), None, 3)
+  whole = step_lib._rollout_arrays(out)  # pylint: disable=protected-access
+  rebuilt = step_lib._rollout_arrays(out, (tokens, mask), cfg.rl.group_size)  # pylint: disable=protected-access
+  assert whole["response_mask"][:, PROMPT:].any() and (whole["policy_version"] == 3).any()
+  assert set(rebuilt) == set(whole)
+  for name in whole:
+    if name == "routing":
+      np.testing.assert_array_equal(rebuilt[name].to_host(), whole[name].to_host())
+      continue
+    assert rebuilt[name].dtype == whole[name].dtype, name
+    np.testing.assert_array_equal(rebuilt[name], whole[name], err_msg=name)
+
+  pulled, to_host = [], hosts.to_host
+
+  def recording(x):
+    if x is not None:
+      pulled.append(tuple(x.shape))
+    return to_host(x)
+  monkeypatch.setattr(hosts, "to_host", recording)
+  examples = itertools.cycle([{"prompt": t, "answer": "3", "domain": "arith"} for t in texts])
+  batch, _ = step_lib.collect(run, examples, jax.random.key(1))
+  run.close()
+  assert batch.arrays["tokens"].shape == (8, PROMPT + NEW)
+  per_token = [shape for shape in pulled if len(shape) == 2]
+  assert len(per_token) >= len(PER_TOKEN_FIELDS) and all(shape[1] == NEW for shape in per_token), pulled
