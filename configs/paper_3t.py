@@ -22,10 +22,12 @@ fsdp (`mesh.train_rules`), so every weight and optimizer moment is sharded over 
 sequence's 16,384-token slice. Full remat per block; bf16 compute, fp32 parameters and Adam moments.
 Expert parallelism uses the capacity buffer (`moe.dispatch="capacity"`, factor 1.25 per destination
 device): the dropless worst-case buffer would be P * n * K rows (64 x 16,384 x 8 of 8,192 values,
-137 GB per chip). Tokens travel by `ragged_all_to_all` (`moe.ep_exchange="auto"` on TPU): the update
-needs 78.5 GiB per chip, against 80.45 with the fixed-buffer `all_to_all` (scripts/aot_compile.py
---step=update, both; the receive buffers are the same 163,840 rows either way); the SFT step 71.7
-either way (77.2 with ragged until its receive buffers were typed as varying over the token axes,
+137 GB per chip). Ring attention's block pairs run on splash (`attention.local_kernel="auto"` on TPU,
+model/splash_ring.py): the update needs 80.7 GiB per chip, the prefill 58.3, the SFT step 75.4 (with
+the jnp block kernel, local_kernel="jnp": 78.5, 59.8, 71.7). Tokens travel by `ragged_all_to_all`
+(`moe.ep_exchange="auto"` on TPU): with the jnp kernel the update needs 78.5 GiB per chip, against
+80.45 with the fixed-buffer `all_to_all` (scripts/aot_compile.py --step=update, both; the receive
+buffers are the same 163,840 rows either way); the SFT step 71.7 either way (77.2 with ragged until its receive buffers were typed as varying over the token axes,
 model/expert_parallel.py). Both updates were 3-4 GiB
 higher until the experts' outputs went back to their rows by a gather instead of a scatter, whose
 gradient built id arrays the size of the rows (model/expert_parallel.inverse_permutation).

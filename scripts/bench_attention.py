@@ -23,6 +23,12 @@ Sections of the JSON (also printed as tables):
   tpu_1m       {topology, seq_len, per_chip_bytes, hbm_bytes, fits, ...}: one block (attention +
                SwiGLU MLP + chunked loss, forward+backward) compiled with libtpu for a v5p topology,
                the 1M-token sequence on the ring. Needs libtpu (compile only, no TPU).
+  splash_ring  {kernel, topology, tokens_per_chip, temp_bytes, collectives, seconds}: causal
+               zigzag ring attention alone, forward+backward, at paper_3t's per-chip shape (64 query
+               / 8 key-value heads x 128, bf16, packed segment ids) on --splash-topology with the
+               sequence over all its chips: the jnp block kernel ("jnp") side by side with splash
+               computing the block pairs ("splash", model/splash_ring.py). Compiled with libtpu;
+               seconds (best of --repeats) only when the default backend is a TPU.
 
 Targets: blockwise >= 5x faster and >= 50x less peak memory than reference at 8192; ring at 16384
 tokens on 8 devices in <= 0.5x the package's time at no more memory; ring temp flat
@@ -52,7 +58,8 @@ from meshrl.sharding import make_mesh  # noqa: E402
 from meshrl.train.chunked_loss import chunked_cross_entropy  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
-SECTIONS = ("speed", "ring_speed", "ring_memory", "balance", "tpu_1m")
+SECTIONS = ("speed", "ring_speed", "ring_memory", "balance", "tpu_1m", "splash_ring")
+SPLASH_HEADS, SPLASH_KV_HEADS, SPLASH_HEAD_DIM = 64, 8, 128  # paper_3t's attention
 
 
 def _peak_bytes(compiled):
@@ -371,6 +378,60 @@ def bench_tpu_1m(topology, seq_len, block):
               mesh=dict(mesh.shape))
 
 
+def _tpu_devices(topology):
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  if jax.default_backend() == "tpu":
+    return jax.devices()
+  return topologies.get_topology_desc(platform="tpu", topology_name=topology, chip_config_name="default",
+                                      chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
+
+
+def bench_splash_ring(topology, tokens_per_chip, repeats):
+  """The jnp ring and the splash ring, causal zigzag forward+backward, compiled for `topology`."""
+  from meshrl.model import splash_ring  # pylint: disable=import-outside-toplevel
+  devices = _tpu_devices(topology)
+  shards = len(devices)
+  mesh = make_mesh(dict(data=1, fsdp=1, expert=1, sequence=shards, tensor=1), devices=devices)
+  seq_len = shards * tokens_per_chip
+  split = NamedSharding(mesh, P(None, "sequence", None, None))
+  q = jax.ShapeDtypeStruct((1, seq_len, SPLASH_HEADS, SPLASH_HEAD_DIM), jnp.bfloat16, sharding=split)
+  kv = jax.ShapeDtypeStruct((1, seq_len, SPLASH_KV_HEADS, SPLASH_HEAD_DIM), jnp.bfloat16, sharding=split)
+  seg = jax.ShapeDtypeStruct((1, seq_len), jnp.int32, sharding=NamedSharding(mesh, P(None, "sequence")))
+  positions = ra.zigzag(np.arange(seq_len, dtype=np.int32)[None], shards)
+  rows = []
+  for kernel in ("jnp", "splash"):
+    def loss(q, k, v, seg, kernel=kernel):
+      if kernel == "jnp":
+        out = ra.attend(q, k, v, impl="ring", mesh=mesh, q_positions=positions, kv_positions=positions,
+                        segment_ids=seg, block_q=2048, block_kv=1024)
+      else:
+        out = splash_ring.ring_splash_attend(q, k, v, seg, mesh=mesh, zigzag=True,
+                                             scale=SPLASH_HEAD_DIM ** -0.5, block_q=512, block_kv=512)
+      return jnp.sum(out.astype(jnp.float32))
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    start = time.perf_counter()
+    compiled = step.lower(q, kv, kv, seg).compile()
+    hlo = compiled.as_text()
+    row = dict(kernel=kernel, topology=topology if jax.default_backend() != "tpu" else "this TPU",
+               chips=shards, tokens_per_chip=tokens_per_chip,
+               temp_bytes=compiled.memory_analysis().temp_size_in_bytes, compile_seconds=time.perf_counter() - start,
+               collectives={op: len(re.findall(rf"\s{op}(?:-start)?\(", hlo))
+                            for op in ("collective-permute", "all-gather", "all-reduce")})
+    if jax.default_backend() == "tpu":
+      key = jax.random.split(jax.random.key(0), 3)
+      args = [jax.device_put(jax.random.normal(k, s.shape, s.dtype), s.sharding) for k, s in zip(key, (q, kv, kv))]
+      args.append(jax.device_put(jnp.ones(seg.shape, jnp.int32), seg.sharding))
+      jax.block_until_ready(compiled(*args))
+      times = []
+      for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t0)
+      row["seconds"] = min(times)
+    rows.append(row)
+  return rows
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -426,6 +487,26 @@ def _print_report(report):
             f"{r['hbm_bytes'] / 2**30:.2f} GiB HBM ({100 * r['hbm_fraction']:.1f}%), "
             f"fits with >=10% spare: {r['fits']} (compiled in {r['compile_seconds']:.0f} s); "
             f"collectives in the program: {r['collectives']}")
+  if "splash_ring" in report:
+    if "error" in report["splash_ring"]:
+      print(f"\nsplash_ring: {report['splash_ring']['error']}")
+    else:
+      _print_splash_ring(report["splash_ring"])
+
+
+def _print_splash_ring(rows):
+  jnp_row, splash_row = rows
+  print(f"\nsplash_ring: causal zigzag ring fwd+bwd alone, {SPLASH_HEADS}/{SPLASH_KV_HEADS} heads x "
+        f"{SPLASH_HEAD_DIM}, bf16, {jnp_row['tokens_per_chip']} tokens per chip on {jnp_row['topology']} "
+        f"({jnp_row['chips']} chips)")
+  print(f"{'kernel':>7} {'temp GiB':>9} {'seconds':>8} collectives")
+  for r in rows:
+    seconds = f"{r['seconds']:8.3f}" if "seconds" in r else f"{'-':>8}"
+    print(f"{r['kernel']:>7} {r['temp_bytes'] / 2**30:9.2f} {seconds} {r['collectives']}")
+  ratio = f"temp splash/jnp {splash_row['temp_bytes'] / jnp_row['temp_bytes']:.2f}"
+  if "seconds" in jnp_row:
+    ratio += f", time splash/jnp {splash_row['seconds'] / jnp_row['seconds']:.2f}"
+  print(f"  {ratio}")
 
 
 def main(argv=None):
@@ -445,6 +526,8 @@ def main(argv=None):
   parser.add_argument("--tpu-topology", default="v5p:4x4x4")
   parser.add_argument("--tpu-seq-len", type=int, default=1 << 20)
   parser.add_argument("--tpu-block", default="attention_mlp", choices=sorted(BLOCKS))
+  parser.add_argument("--splash-topology", default="v5p:2x2x1")
+  parser.add_argument("--splash-tokens-per-chip", type=int, default=16384)
   args = parser.parse_args(argv)
   if args.speed_case:  # a child process of bench_speed
     impl, block, seq_len, repeats = args.speed_case.split(",")
@@ -477,6 +560,14 @@ def main(argv=None):
       report["tpu_1m"] = dict(error="libtpu is not installed; skipped")
     else:
       report["tpu_1m"] = bench_tpu_1m(args.tpu_topology, args.tpu_seq_len, args.tpu_block)
+  if "splash_ring" in sections:
+    try:
+      import libtpu  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    except ImportError:
+      report["splash_ring"] = dict(error="libtpu is not installed; skipped")
+    else:
+      report["splash_ring"] = bench_splash_ring(args.splash_topology, args.splash_tokens_per_chip,
+                                                args.repeats)
   report["versions"] = dict(jax=jax.__version__, python=sys.version.split()[0])
   os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
   with open(args.json, "w") as f:
