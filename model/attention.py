@@ -128,16 +128,18 @@ class KernelConfig:
     """
     if self.local_kernel_name != "splash":
       return None
-    if prefill:
+    zigzag = self.zigzag
+    if prefill:  # the queries are zigzag exactly when the inputs are (the prefill's own model copy)
       segment_ids = segment_ids[0]
       kv_positions = q_positions
-      if self.inputs_zigzag:
+      zigzag = self.inputs_zigzag
+      if zigzag:
         k, v = zigzag_on_mesh(k, self.mesh, axis=1), zigzag_on_mesh(v, self.mesh, axis=1)
     if splash_ring.unsupported_reason(q, k, mesh=self.mesh, q_positions=q_positions,
                                       kv_positions=kv_positions, segment_ids=segment_ids,
-                                      zigzag=self.zigzag) is not None:
+                                      zigzag=zigzag) is not None:
       return None
-    return splash_ring.ring_splash_attend(q, k, v, segment_ids, mesh=self.mesh, zigzag=self.zigzag,
+    return splash_ring.ring_splash_attend(q, k, v, segment_ids, mesh=self.mesh, zigzag=zigzag,
                                           scale=scale, block_q=self.block_q, block_kv=self.block_kv,
                                           interpret=self.backend != "tpu")
 

@@ -19,6 +19,7 @@ Axis legend: P prompts (groups), G group size, B = P * G samples, Lp prompt leng
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -29,7 +30,7 @@ from jax.sharding import Mesh
 
 from meshrl.rl.engine import (Pool, engine_setup, new_pool, resolve_slots, routing_shape, run_pool,
                               run_pool_speculative, to_rollout_batch)
-from meshrl.rl.rollout import with_generation_weights
+from meshrl.rl.rollout import PER_TOKEN_FIELDS, prompt_columns, with_generation_weights
 from meshrl.rl.routes import RoutingRows
 from meshrl.rl.sampling import sample_keys
 from meshrl.rl.speculative import SpecConfig, speculative_setup
@@ -48,8 +49,9 @@ class PartialRollouts:
   step's SpecMetrics are in `.metrics`; draft as in make_engine.
 
   Several host processes: `draw` gives every host the same prompts, so every host holds the same
-  pool bookkeeping and every group's example; the ended groups' arrays are gathered to every host
-  (`hosts.to_host`), and rl/step.py scores each host's share of them.
+  pool bookkeeping and every group's example and prompt; the ended groups' rows are gathered to
+  every host (`hosts.to_host`; of the per-token fields only the response columns, the prompt
+  columns being rebuilt from the prompts), and rl/step.py scores each host's share of them.
   """
 
   def __init__(self, cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...], pad_id: int,
@@ -68,6 +70,10 @@ class PartialRollouts:
     self.routing_shape = routing_shape(mc)
     self.pool: Pool | None = None
     self.examples: list = [None] * self.num_groups  # the task example of each group in the pool
+    # Each group slot's prompt [Lp] and mask, on the host: the ended groups' prompt columns are built
+    # from them (rl/rollout.prompt_columns), so only response columns come through the hosts.
+    self.prompts = np.zeros((self.num_groups, self.prompt_len), np.int32)
+    self.prompt_mask = np.zeros((self.num_groups, self.prompt_len), bool)
     self.live = np.zeros(self.num_groups, bool)  # group slot holds a group
     self.next_uid = 0  # groups admitted so far (their admission order)
     self.metrics = None  # the last step's SpecMetrics (rl.speculative != "none")
@@ -112,6 +118,7 @@ class PartialRollouts:
     self.pool = _place_groups(self.pool, fresh, free, group_size)
     for i, g in enumerate(free):
       self.examples[g] = examples[i]
+    self.prompts[free], self.prompt_mask[free] = np.asarray(tokens), np.asarray(mask, bool)
     self.live[free] = True
     return int(free.size)
 
@@ -142,6 +149,8 @@ class PartialRollouts:
                          f"{None if want is None else want.shape} (rl.prompts_per_step, rl.group_size, "
                          "rl.max_prompt_len, rl.max_new_tokens and the model must match the saved run).")
     self.pool = fresh.replace(**arrays)
+    self.prompts = np.asarray(array_from_json(state["arrays"]["prompts"]), np.int32)
+    self.prompt_mask = np.asarray(array_from_json(state["arrays"]["prompt_mask"]), bool)
     self.examples = list(state["examples"])
     self.live = np.asarray(state["live"], bool)
     self.next_uid = int(state["next_uid"])
@@ -158,7 +167,13 @@ class PartialRollouts:
     rows = (ended[:, None] * self.spec.group_size + np.arange(self.spec.group_size)).reshape(-1)
     arrays = {f: getattr(batch, f) for f in batch.__dataclass_fields__}
     routing = arrays.pop("routing")
-    arrays = {k: hosts.to_host(v)[rows] for k, v in arrays.items()}
+    # The ended rows only, and of the per-token fields their response columns only (`prompt_columns`).
+    picked = jnp.asarray(rows, jnp.int32)
+    arrays = {k: hosts.to_host(_ended_rows(v, picked, self.prompt_len if k in PER_TOKEN_FIELDS else 0))
+              for k, v in arrays.items()}
+    front = prompt_columns(self.prompts[ended], self.prompt_mask[ended], self.spec.group_size)
+    for name in PER_TOKEN_FIELDS:
+      arrays[name] = np.concatenate([front[name], arrays[name]], axis=1)
     if routing is not None:  # stays on the devices (rl/routes.py)
       arrays["routing"] = RoutingRows.of_rollout(routing, rows)
     examples = [self.examples[g] for g in ended]
@@ -166,6 +181,13 @@ class PartialRollouts:
     carried = int(self.live.sum())
     return arrays, examples, {"groups_admitted": admitted, "groups_ended": int(ended.size),
                               "groups_carried": carried}
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _ended_rows(x, rows, first_column: int):
+  """x [B, ...] -> its rows `rows`, from column `first_column` on (2-D x), on the devices."""
+  x = jnp.take(x, rows, axis=0)
+  return x[:, first_column:] if first_column else x
 
 
 def _place_groups(pool: Pool, fresh: Pool, where: np.ndarray, group_size: int) -> Pool:

@@ -114,8 +114,10 @@ def test_unsupported_calls_fall_back_and_bad_kernels_are_named():
     KernelConfig("reference", local_kernel="splash")
 
 
+# Dense (the MoE layers do not touch attention; suite budget), two layers so that the second layer's
+# keys and values depend on the first one's attention.
 SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
-         "moe.expert_mlp_dim=32", "moe.first_k_dense=1", "model.max_seq_len=512", "model.init_std=0.3",
+         "moe.num_experts=0", "model.max_seq_len=512", "model.init_std=0.3",
          "attention.impl=ring", "attention.block_q=128", "attention.block_kv=128"]
 
 
@@ -215,3 +217,17 @@ def test_ring_model_compiles_splash_for_v5p():
   ring_ops = [line for line in hlo.splitlines() if "ring_splash_attention" in line]
   assert any(" collective-permute-start(" in line for line in ring_ops)  # keys round the ring
   assert not any(" all-gather" in line or " all-reduce" in line for line in ring_ops)
+
+
+def test_a_full_cache_call_in_token_order_is_not_taken_for_zigzag():
+  """A cached call whose queries fill the cache on a model whose training layout is zigzag
+  (attention.zigzag) but whose inputs are in token order (not the ring prefill's own copy,
+  inputs_zigzag=False): splash runs the contiguous ring and equals the jnp ring."""
+  mesh = _mesh(fsdp=2, sequence=SEQUENCE)
+  q, k, v, _, seg, pos = (jnp.asarray(x) for x in _inputs(False))
+  kw = dict(q_positions=pos, kv_positions=pos + 0, segment_ids=(seg, seg + 0), scale=0.2, cached=True)
+  splash_kernel = KernelConfig("ring", 128, 128, mesh, local_kernel="splash", zigzag=True)
+  jnp_kernel = dataclasses.replace(splash_kernel, local_kernel="jnp")
+  assert _has_pallas(lambda q, k, v: splash_kernel(q, k, v, **kw), q, k, v)
+  np.testing.assert_allclose(jax.jit(lambda q, k, v: splash_kernel(q, k, v, **kw))(q, k, v),
+                             jax.jit(lambda q, k, v: jnp_kernel(q, k, v, **kw))(q, k, v), atol=1e-5)

@@ -60,3 +60,48 @@ def test_only_response_columns_are_gathered_and_the_prompt_columns_are_rebuilt(d
   assert batch.arrays["tokens"].shape == (8, PROMPT + NEW)
   per_token = [shape for shape in pulled if len(shape) == 2]
   assert len(per_token) >= len(PER_TOKEN_FIELDS) and all(shape[1] == NEW for shape in per_token), pulled
+
+
+def test_partial_rollouts_gather_only_the_ended_rows_response_columns(devices, monkeypatch):
+  """rl.rollout_token_budget: over 3 steps (groups carried across them, so ended groups' prompts come
+  from earlier steps) every step's arrays equal the ended rows of the devices' batch field by field,
+  and nothing of more than NEW columns or more rows than ended goes through `hosts.to_host`."""
+  cfg = configs.load("configs/tiny.py", SMALL + ["rl.engine=continuous", "rl.decode_slots=4",
+                                                 "rl.rollout_token_budget=8", "rl.max_resample_rounds=0"])
+  run, _ = loop.setup(cfg)
+  partial, captured = run.partial, {}
+  decode = partial._decode  # pylint: disable=protected-access
+
+  def capturing(*args):
+    captured["live"] = partial.live.copy()  # after the new groups are admitted
+    captured["pool"], captured["batch"], metrics = decode(*args)
+    return captured["pool"], captured["batch"], metrics
+  partial._decode = capturing  # pylint: disable=protected-access
+  texts = ["1+2=", "rev abcdef=", "7+5=", "rev xy=", "3+3=", "rev klmno="]
+  stream = itertools.cycle(texts)
+
+  def draw(count):
+    chosen = [next(stream) for _ in range(count)]
+    tokens, mask = run.tokenizer.encode_batch(chosen, length=PROMPT, padding="left")
+    return chosen, tokens, mask
+
+  pulled, to_host = [], hosts.to_host
+  monkeypatch.setattr(hosts, "to_host", lambda x: (pulled.append(tuple(np.shape(x))), to_host(x))[1])
+  carried = 0
+  for version in range(3):
+    pulled.clear()
+    arrays, examples, info = partial.step(run.state.params, run.state.extra, draw, jax.random.key(version),
+                                          version)
+    carried += info["groups_carried"]
+    group = cfg.rl.group_size
+    done = np.asarray(captured["pool"].done).reshape(-1, group).all(axis=1)
+    rows = (np.flatnonzero(done & captured["live"])[:, None] * group + np.arange(group)).reshape(-1)
+    assert len(examples) * group == rows.size == arrays["tokens"].shape[0]
+    for name in PER_TOKEN_FIELDS + ("lengths", "truncated"):
+      np.testing.assert_array_equal(arrays[name], np.asarray(getattr(captured["batch"], name))[rows],
+                                    err_msg=name)
+    per_token = [shape for shape in pulled if len(shape) == 2 and shape[0] == rows.size]
+    assert len(per_token) == len(PER_TOKEN_FIELDS) and all(s[1] == NEW for s in per_token), pulled
+    assert all(shape[0] in (rows.size, cfg.rl.prompts_per_step * group) for shape in pulled), pulled
+  assert carried > 0
+  run.close()
