@@ -111,10 +111,11 @@ def test_bad_input_gets_a_4xx_naming_the_problem(server):
 def test_client_disconnecting_mid_stream_frees_its_slot(server):
   engine, url, _ = server
   before = engine.metrics()["cancelled"]
-  # Each decode chunk (4 tokens) is slowed to 0.25 s, so the 56 tokens take 3.5 s: far longer than the
-  # server takes to notice the disconnect (2-50 ms), on any machine.
+  # Each decode chunk (4 tokens) is slowed to 1 s, so the 56 tokens take 14 s: far longer than the
+  # server takes to notice the disconnect (2-50 ms; 0.25 s chunks were once not enough when the other
+  # test worker kept both cores busy). A noticed disconnect stops the decode within one chunk.
   decode = engine._decode  # pylint: disable=protected-access
-  engine._decode = lambda *args: (time.sleep(0.25), decode(*args))[1]  # pylint: disable=protected-access
+  engine._decode = lambda *args: (time.sleep(1.0), decode(*args))[1]  # pylint: disable=protected-access
   try:
     body = {"model": NAME, "prompt": "go on", "max_tokens": 56, "temperature": 0.8, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as reply:
