@@ -184,8 +184,15 @@ def splash_attend(q, k, v, segment_ids=None, *, scale: float, block_q: int, bloc
                             interpret=interpret)
   if mesh is None:
     return local(q, k, v, segment_ids)
+  return per_device(local, q, k, v, segment_ids, mesh=mesh, length_axis=None, scope="splash_attention")
+
+
+def per_device(local, q, k, v, segment_ids, *, mesh: Mesh, length_axis: str | None, scope: str):
+  """local(q_, k_, v_, seg_ or None) -> out_ run on every device's shards under shard_map: the batch
+  over data/fsdp/expert where they divide B, the heads over `tensor` where it divides K (ring
+  attention's split, ring_attention._outer_specs), the length over `length_axis` (None: whole)."""
   batch_axes, heads_axis = _outer_specs(mesh, q.shape[0], k.shape[2])
-  x_spec, ids_spec = P(batch_axes, None, heads_axis, None), P(batch_axes, None)
+  x_spec, ids_spec = P(batch_axes, length_axis, heads_axis, None), P(batch_axes, length_axis)
   # check_vma=False: the packaged kernel's pallas_call declares outputs without varying axes.
   if segment_ids is None:
     fn = jax.shard_map(lambda q_, k_, v_: local(q_, k_, v_, None), mesh=mesh,
@@ -195,5 +202,5 @@ def splash_attend(q, k, v, segment_ids=None, *, scale: float, block_q: int, bloc
     fn = jax.shard_map(local, mesh=mesh, in_specs=(x_spec,) * 3 + (ids_spec,), out_specs=x_spec,
                        check_vma=False)
     args = (q, k, v, segment_ids)
-  with jax.named_scope("splash_attention"):
+  with jax.named_scope(scope):
     return fn(*args)

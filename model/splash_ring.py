@@ -46,7 +46,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 from meshrl.model import ring_attention as ra
 from meshrl.model import splash
@@ -274,14 +274,10 @@ def private_api_problem() -> str | None:
 
 def unsupported_reason(q, k, *, mesh, q_positions, kv_positions, segment_ids, zigzag: bool) -> str | None:
   """Why the splash ring cannot compute this ring self-attention call (None: it can)."""
-  if private_api_problem() is not None:
-    return private_api_problem()
-  if q.shape[1] != k.shape[1]:
-    return f"q_len={q.shape[1]} differs from kv_len={k.shape[1]}"
-  if q_positions is not kv_positions:
-    return "queries and keys carry different position arrays"
-  if isinstance(segment_ids, (tuple, list)):
-    return "separate query and key segment ids"
+  reason = private_api_problem() or splash.unsupported_reason(
+      q, k, q_positions=q_positions, kv_positions=kv_positions, segment_ids=segment_ids, cached=False)
+  if reason is not None:
+    return reason
   shards = ra._sequence_size(mesh, "splash ring")  # pylint: disable=protected-access
   chunks = shards * (2 if zigzag else 1)
   if q.shape[1] % (chunks * LANES):
@@ -311,8 +307,6 @@ def ring_splash_attend(q, k, v, segment_ids=None, *, mesh: Mesh, zigzag: bool, s
   """
   shards = ra._sequence_size(mesh, "splash ring")  # pylint: disable=protected-access
   cfg = RingSplash(ra.SEQUENCE_AXIS, shards, zigzag, block_q, block_kv, interpret)
-  batch_axes, heads_axis = ra._outer_specs(mesh, q.shape[0], k.shape[2])  # pylint: disable=protected-access
-  x_spec, ids_spec = P(batch_axes, ra.SEQUENCE_AXIS, heads_axis, None), P(batch_axes, ra.SEQUENCE_AXIS)
   heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, T, X, D] <-> [B, X, T, D]
 
   def local(q_, k_, v_, seg_):
@@ -320,14 +314,5 @@ def ring_splash_attend(q, k, v, segment_ids=None, *, mesh: Mesh, zigzag: bool, s
                  None if seg_ is None else seg_.astype(jnp.int32), cfg)
     return heads_major(out_)
 
-  # check_vma=False: the packaged kernel's pallas_call declares outputs without varying axes.
-  if segment_ids is None:
-    fn = jax.shard_map(lambda q_, k_, v_: local(q_, k_, v_, None), mesh=mesh, in_specs=(x_spec,) * 3,
-                       out_specs=x_spec, check_vma=False)
-    args = (q, k, v)
-  else:
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(x_spec,) * 3 + (ids_spec,), out_specs=x_spec,
-                       check_vma=False)
-    args = (q, k, v, segment_ids)
-  with jax.named_scope("ring_splash_attention"):
-    return fn(*args)
+  return splash.per_device(local, q, k, v, segment_ids, mesh=mesh, length_axis=ra.SEQUENCE_AXIS,
+                           scope="ring_splash_attention")
