@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
@@ -26,6 +25,7 @@ from jax.sharding import Mesh
 from meshrl.model import kv_cache, splash, splash_ring
 from meshrl.model.layers import Dense, RMSNorm, RopeConfig, apply_rope, yarn_softmax_scale_multiplier
 from meshrl.model.ring_attention import attend, decode_attend, unzigzag_on_mesh, zigzag_on_mesh
+from meshrl.sharding.mesh import platform
 from meshrl.sharding.rules import TRAIN_RULES, Rules, constrain
 
 __all__ = ["attend", "KernelConfig", "GQAttention", "MLAttention"]
@@ -67,7 +67,7 @@ class KernelConfig:
   @property
   def backend(self) -> str:
     """The platform the kernel compiles for: the mesh's devices, else JAX's default backend."""
-    return self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
+    return platform(self.mesh)
 
   @property
   def local_kernel_name(self) -> str:

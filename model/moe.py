@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 from meshrl.model import expert_parallel, moe_dispatch
 from meshrl.model.moe_dispatch import ExpertWeights
 from meshrl.model.params import param
+from meshrl.sharding.mesh import platform
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 DISPATCH_MODES = moe_dispatch.DISPATCHES
@@ -167,7 +168,7 @@ def ep_weights_plan(mc, mesh: Mesh, tokens_by_phase: dict[str, int]
   a model config `mc` (transformer.ModelConfig: its moe fields, embed_dim, dtype) makes on `mesh`:
   what run summaries print for moe.ep_weights (the experts' weights and activations are both in
   mc.dtype when they meet)."""
-  backend = mesh.devices.flat[0].platform
+  backend = platform(mesh)
   shapes = dict(k=mc.num_experts_per_tok, num_experts=mc.num_experts, embed=mc.embed_dim,
                 hidden=mc.expert_mlp_dim,
                 capacity_factor=mc.capacity_factor if mc.dispatch == "capacity" else None,
@@ -293,7 +294,7 @@ class MoE(nnx.Module):
 
   def backend(self) -> str:
     """The platform the experts run on: the mesh's devices, else JAX's default backend."""
-    return self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
+    return platform(self.mesh)
 
   def implementation(self, phase: str, num_tokens: int) -> str:
     """The dispatch a call of N tokens in `phase` runs ("expert_parallel" on an expert mesh)."""

@@ -36,6 +36,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from meshrl.model import blockwise as bw
+from meshrl.sharding.mesh import platform
 from meshrl.sharding.rules import batch_axes
 
 IMPLS = ("reference", "blockwise", "ring")
@@ -354,11 +355,11 @@ def attend(q, k, v, *, impl: str, mesh: Mesh | None = None, causal: bool = True,
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   q_pos, kv_pos, q_seg, kv_seg, use_segments = _ids(q, k, q_positions, kv_positions, segment_ids)
   if impl == "reference":
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    runs_on = platform(mesh)
     return reference_attention(q, k, v, causal=causal, q_positions=q_pos, kv_positions=kv_pos,
                                q_segment_ids=q_seg if use_segments else None,
                                kv_segment_ids=kv_seg, scale=scale,
-                               short_query=q.shape[1] <= SHORT_QUERY_MAX and platform == "cpu")
+                               short_query=q.shape[1] <= SHORT_QUERY_MAX and runs_on == "cpu")
   local = functools.partial(_local_attention, causal=causal, segments=use_segments, scale=scale,
                             block_q=block_q, block_kv=block_kv)
   if impl == "blockwise":

@@ -41,6 +41,7 @@ from meshrl.rl.rewards.shaping import overlong_penalty
 from meshrl.rl.sampling import Sampler
 from meshrl.rl.step import RLRun, build_run, in_flight_state, restore_in_flight, rl_step
 from meshrl.sharding import MESH_AXES, make_mesh, mesh_shape_for
+from meshrl.sharding.mesh import platform
 from meshrl.sharding.rules import data_parallel_size
 from meshrl.train.checkpoint import Checkpointer
 from meshrl.train.init_from import check_initial_model, initial_model
@@ -472,7 +473,7 @@ def dispatch_summary(cfg, mesh) -> str:
     layouts = ", ".join(f"{p} {layout}" for p, (layout, _) in ep_weights_plan(mc, mesh, tokens).items())
     return (f"moe dispatch: expert_parallel all-to-all over {mesh.shape['expert']} devices ({mc.dispatch}); "
             f"expert weights ({mc.ep_weights}): {layouts}")
-  backend = mesh.devices.flat[0].platform
+  backend = platform(mesh)
   chosen = moe_dispatch.plan(mc.dispatch, backend=backend, k=mc.num_experts_per_tok,
                              num_experts=mc.num_experts, tokens_by_phase=tokens)
   return f"moe dispatch ({mc.dispatch} on {backend}): " + ", ".join(f"{p} {n}" for p, n in chosen.items())

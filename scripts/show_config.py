@@ -51,6 +51,7 @@ def print_dispatch_plan(config, mesh) -> None:
   # pylint: disable=import-outside-toplevel
   from meshrl.model import moe, moe_dispatch
   from meshrl.model.transformer import ModelConfig
+  from meshrl.sharding.mesh import platform
   # pylint: enable=import-outside-toplevel
   mc = ModelConfig.from_config(config, mesh)  # also checks moe.dispatch and moe.capacity_factor
   if not mc.num_moe_layers:
@@ -59,7 +60,7 @@ def print_dispatch_plan(config, mesh) -> None:
   rows = rl.prompts_per_step * rl.group_size
   tokens = {"train": rows * (rl.max_prompt_len + rl.max_new_tokens) // max(rl.num_minibatches, 1),
             "prefill": rl.prompts_per_step * rl.max_prompt_len, "decode": rows}
-  backend = mesh.devices.flat[0].platform
+  backend = platform(mesh)
   print(f"\n# moe dispatch: {mc.dispatch} on {backend}")
   if mesh.shape["expert"] > 1:
     dropping = " (drops overflow)" if mc.dispatch == "capacity" else ""

@@ -55,6 +55,13 @@ def mesh_shape_for(mesh_cfg, num_devices: int) -> tuple[int, ...]:
   return tuple(sizes[axis] for axis in MESH_AXES)
 
 
+def platform(mesh: Mesh | None) -> str:
+  """The platform a program for `mesh` compiles for ("cpu", "tpu", "gpu"): its devices', or JAX's
+  default backend without a mesh. A mesh of compile-only TPU devices (rl/aot.py) says "tpu" on a CPU
+  host, so kernels are picked for where the program will run, not where it is traced."""
+  return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """Builds the run's mesh with axes MESH_AXES from `cfg.mesh`.
 
