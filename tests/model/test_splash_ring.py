@@ -54,7 +54,10 @@ def _has_pallas(fn, *args) -> bool:
   return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
 
 
-@pytest.mark.parametrize("zigzag", [True, False])
+@pytest.mark.parametrize("zigzag", [
+    True,
+    # suite budget: the contiguous forward runs in test_a_full_cache_call_in_token_order_is_not_taken_for_zigzag
+    pytest.param(False, marks=pytest.mark.slow)])
 def test_splash_ring_equals_jnp_ring_with_gradients(zigzag):
   """fsdp=2 x sequence=4. Zigzag: each step j > 0 is one rectangle picked at run time (all queries
   against the first key chunk, or the second query chunk against both); contiguous: whole or
