@@ -42,12 +42,13 @@ class KernelConfig:
 
   `zigzag` (attention.zigzag) asks ring attention to run causal sequences in the zigzag layout
   (ring_attention.zigzag) for load balance: training batches are laid out so by their callers
-  (rl/step.py, train/sft.py), the ring prefill by rl/rollout.py. `inputs_zigzag` is set only on the
-  ring prefill's own copy of the model (rl/rollout.py `prefill_prompts`): its tokens arrive in the
-  zigzag layout over `sequence`, and the cache is written in token order (positions, segment ids
-  and each layer's keys/values put back by ring_attention.unzigzag_on_mesh, no gather).
-  With splash computing the ring (`_ring_splash`) the layout is a contract: a non-cached ring call's
-  inputs must be zigzag exactly when `zigzag` is set (splash's masks are by index).
+  (rl/step.py, train/sft.py), the ring prefill by rl/rollout.py. `inputs_zigzag` says that this copy
+  of the model gets its tokens in the zigzag layout over `sequence` (`Transformer.with_kernel`): set
+  by the callers that lay them out so (the RL update and log-probs, rl/update.py; SFT; the ring
+  prefill, rl/rollout.py `prefill_prompts`, whose cache is written in token order: positions, segment
+  ids and each layer's keys/values put back by ring_attention.unzigzag_on_mesh, no gather). Splash's
+  ring (`_ring_splash`) masks by index, so it reads the layout from this flag; a model called
+  without it gets token order, as every caller that does not zigzag (distillation, benchmarks) uses.
   """
   impl: str = "reference"
   block_q: int = 512
@@ -119,20 +120,20 @@ class KernelConfig:
     """Ring self-attention by splash (model/splash_ring.py) where `local_kernel_name` is "splash" and
     the call is supported; None: the caller runs the jnp ring.
 
-    The block pairs' masks follow the layout of `zigzag`: a self-attention call's inputs must be laid
-    out so (rl/step.py and train/sft.py zigzag their batches with attention.zigzag), unlike the jnp
-    ring, whose masks come from the positions alone. The ring prefill's keys and values come from
-    the cache, in token order: they are put in the queries' layout (`zigzag_on_mesh`, two collective
-    permutes of one chunk) and, since the call fills the whole cache, carry the queries' positions
-    and segment ids.
+    The block pairs' masks are by index, so they follow the layout the caller declares:
+    `inputs_zigzag` (set on the model copies of the RL update and log-probs, SFT and the ring prefill,
+    `Transformer.with_kernel`, which lay their tokens out zigzag), else token order; the jnp ring's
+    masks come from the positions alone and need no declaration. The ring prefill's keys and values
+    come from the cache, in token order: they are put in the queries' layout (`zigzag_on_mesh`, two
+    collective permutes of one chunk) and, since the call fills the whole cache, carry the queries'
+    positions and segment ids.
     """
     if self.local_kernel_name != "splash":
       return None
-    zigzag = self.zigzag
-    if prefill:  # the queries are zigzag exactly when the inputs are (the prefill's own model copy)
+    zigzag = self.inputs_zigzag  # declared by the caller: a plain call is in token order
+    if prefill:
       segment_ids = segment_ids[0]
       kv_positions = q_positions
-      zigzag = self.inputs_zigzag
       if zigzag:
         k, v = zigzag_on_mesh(k, self.mesh, axis=1), zigzag_on_mesh(v, self.mesh, axis=1)
     if splash_ring.unsupported_reason(q, k, mesh=self.mesh, q_positions=q_positions,

@@ -7,7 +7,8 @@ two shards. What changes is the compute of one (query shard, key shard) pair: sp
 FlashAttention-2 kernels instead of the jnp blockwise kernel.
 
 Splash's masks are fixed at trace time and by index, so the pairs must be ones whose mask is known
-before the run. With causal masks they are, for both layouts a run uses (KernelConfig.zigzag):
+before the run. With causal masks they are, for both layouts a run uses, which the caller declares
+(KernelConfig.inputs_zigzag, model/attention.py; token order unless declared):
 
   zigzag      device r holds chunks r and 2n-1-r of 2n (ring_attention.zigzag). Step 0 (its own keys)
               is causal over the 2 local chunks in index order. At step j > 0 the keys come from
@@ -22,7 +23,10 @@ Segment ids (packed documents, padding) are splash's dynamic `SegmentIds`, appli
 The causal mask by index agrees with meshrl's mask by position on the layouts the model feeds it
 (positions increase along each segment in token order): the assumption of model/splash.py.
 
-The pairs are merged by their log-sum-exp in float32, in place: a step rewrites only the query rows
+The pairs are merged by their log-sum-exp in float32 (each pair's output, and in the backward its
+dq/dk/dv, come out of the kernel in the inputs' dtype: with bf16 inputs the gradients' error against
+a float32 reference measured about 20% above the jnp ring's, 0.024-0.033 against 0.020-0.027 at 4
+shards), in place: a step rewrites only the query rows
 (forward) or the key rows and query rows (backward) its rectangle touches, so the ring holds about
 the temporaries of the jnp ring (attention alone, one chip of paper_3t's shape compiled for v5p: 2.09
 GiB against 1.94; 3.78 when each step built whole zero-padded arrays). The backward of a pair needs the *global*

@@ -335,8 +335,10 @@ class Transformer(nnx.Module):
 
     Args:
       tokens: [B, T] int token ids (batch on `batch`, length on `length`).
-      positions: [B, T] int positions (default 0..T-1; with a cache, cache.index + 0..T-1). They alone
-        decide the causal mask, so zigzag or packed layouts need no other change.
+      positions: [B, T] int positions (default 0..T-1; with a cache, cache.index + 0..T-1). They
+        decide the causal mask, so packed layouts need no other change; tokens laid out zigzag over
+        `sequence` for ring attention need a model told so when splash computes the ring
+        (`with_kernel(inputs_zigzag=True)`: its masks are by index).
       segment_ids: [B, T] int; tokens attend only within their segment (default: all ones).
       cache: a KVCache to write the new tokens into and attend over (prefill or decode).
       routing: [L_moe, B, T, K] expert choices to replay in the MoE layers (from a rollout).
@@ -387,6 +389,17 @@ class Transformer(nnx.Module):
     logits = jnp.einsum("btd,dv->btv", hidden, self.output_projection())
     logits = mc.kernel.constrain(logits, ("batch", "length", "vocab"))
     return ModelOutput(logits=logits.astype(jnp.float32), hidden=None, values=values, aux=aux, cache=cache)
+
+  def with_kernel(self, **changes) -> "Transformer":
+    """The same parameters with KernelConfig fields replaced (static: how attention runs, never what
+    the parameters are). E.g. inputs_zigzag=True for callers that lay their tokens out zigzag over
+    `sequence` (the RL update, SFT, the ring prefill), which splash's ring needs to be told
+    (model/attention.py `KernelConfig`)."""
+    mc = self.config
+    changed = dataclasses.replace(mc, kernel=dataclasses.replace(mc.kernel, **changes))
+    graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: Transformer(changed, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    _, params, extra = nnx.split(self, nnx.Param, ...)
+    return nnx.merge(graphdef, params, extra)
 
   def init_cache(self, batch: int, max_len: int | None = None) -> kvc.KVCache:
     mc = self.config

@@ -203,7 +203,8 @@ def update_program(cfg, mesh: Mesh) -> Program:
   """rl/update.py `make_update` over the abstract train state and UpdateBatch."""
   estimator = adv_lib.make_estimator(cfg.rl.advantage, eps=cfg.rl.adv_eps, gamma=cfg.rl.gamma,
                                      lam=cfg.rl.gae_lambda)
-  spec = losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic)
+  spec = dataclasses.replace(losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic),
+                             zigzag_inputs=zigzag_shards(cfg, mesh) > 1)
   tx = make_optimizer(cfg.optim)
   mc, make = _model(cfg, mesh)
   graphdef, state = abstract_train_state(make, tx, mesh, rules_from_config(cfg.mesh))

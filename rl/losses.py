@@ -450,6 +450,8 @@ class LossSpec:
   num_sequences: int = 0  # samples per update batch (the range of sequence_ids)
   minibatch_sequences: int = 0  # samples per minibatch of the padded layout (constant_norm's B)
   logits_chunk: int = 0  # > 0: log-probs and entropy chunk by chunk, no [tokens, vocab] logits
+  zigzag_inputs: bool = False  # update batches are laid out zigzag over `sequence` (set with the mesh:
+  #                              rl/step.py build_run, rl/aot.py), which splash's ring must be told
 
   @classmethod
   def from_config(cls, cfg, *, needs_critic: bool) -> "LossSpec":

@@ -19,7 +19,6 @@ Axis legend: P prompts (groups), G group size, B = P * G samples, Lp prompt leng
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -30,7 +29,7 @@ from jax.sharding import Mesh
 
 from meshrl.rl.engine import (Pool, engine_setup, new_pool, resolve_slots, routing_shape, run_pool,
                               run_pool_speculative, to_rollout_batch)
-from meshrl.rl.rollout import PER_TOKEN_FIELDS, prompt_columns, with_generation_weights
+from meshrl.rl.rollout import PER_TOKEN_FIELDS, prompt_columns, response_columns, with_generation_weights
 from meshrl.rl.routes import RoutingRows
 from meshrl.rl.sampling import sample_keys
 from meshrl.rl.speculative import SpecConfig, speculative_setup
@@ -167,9 +166,9 @@ class PartialRollouts:
     rows = (ended[:, None] * self.spec.group_size + np.arange(self.spec.group_size)).reshape(-1)
     arrays = {f: getattr(batch, f) for f in batch.__dataclass_fields__}
     routing = arrays.pop("routing")
-    # The ended rows only, and of the per-token fields their response columns only (`prompt_columns`).
-    picked = jnp.asarray(rows, jnp.int32)
-    arrays = {k: hosts.to_host(_ended_rows(v, picked, self.prompt_len if k in PER_TOKEN_FIELDS else 0))
+    # Of the per-token fields only the response columns (`prompt_columns`); every row, so that the
+    # programs keep one shape whatever the number of ended groups; the ended rows are picked here.
+    arrays = {k: hosts.to_host(response_columns(v, self.prompt_len) if k in PER_TOKEN_FIELDS else v)[rows]
               for k, v in arrays.items()}
     front = prompt_columns(self.prompts[ended], self.prompt_mask[ended], self.spec.group_size)
     for name in PER_TOKEN_FIELDS:
@@ -181,13 +180,6 @@ class PartialRollouts:
     carried = int(self.live.sum())
     return arrays, examples, {"groups_admitted": admitted, "groups_ended": int(ended.size),
                               "groups_carried": carried}
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _ended_rows(x, rows, first_column: int):
-  """x [B, ...] -> its rows `rows`, from column `first_column` on (2-D x), on the devices."""
-  x = jnp.take(x, rows, axis=0)
-  return x[:, first_column:] if first_column else x
 
 
 def _place_groups(pool: Pool, fresh: Pool, where: np.ndarray, group_size: int) -> Pool:

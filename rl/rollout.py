@@ -20,6 +20,7 @@ S = Lp + N total length, L MoE layers, K experts per token, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -109,6 +110,12 @@ PER_TOKEN_FIELDS = ("tokens", "positions", "segment_ids", "prompt_mask", "respon
                     "policy_version")
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def response_columns(x: jax.Array, prompt_len: int) -> jax.Array:
+  """A per-token RolloutBatch field [B, S] -> its response columns [B, S - prompt_len], on the devices."""
+  return x[:, prompt_len:]
+
+
 def prompt_columns(prompts: np.ndarray, prompt_mask: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
   """The prompt columns [B, Lp] of every per-token RolloutBatch field, on the host, from the prompts
   [P, Lp] (left-padded) and their mask that the rollout was given (sample b answers prompt
@@ -150,12 +157,7 @@ def _prefill_model(model: Transformer) -> Transformer:
   in the zigzag layout (KernelConfig.inputs_zigzag)."""
   mc = model.config
   rules = tuple((name, ("sequence",) if name == "length" else axes) for name, axes in mc.kernel.rules)
-  prefill_mc = dataclasses.replace(mc, kernel=dataclasses.replace(mc.kernel, rules=rules,
-                                                                  inputs_zigzag=mc.kernel.zigzag))
-  graphdef, _, _ = nnx.split(nnx.eval_shape(lambda: Transformer(prefill_mc, rngs=nnx.Rngs(0))),
-                             nnx.Param, ...)
-  _, params, extra = nnx.split(model, nnx.Param, ...)
-  return nnx.merge(graphdef, params, extra)
+  return model.with_kernel(rules=rules, inputs_zigzag=mc.kernel.zigzag)
 
 
 def prefill_prompts(model: Transformer, prompts: jax.Array, prompt_mask: jax.Array, total: int):

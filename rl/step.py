@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import time
 from typing import Any, Iterator
 
@@ -44,7 +43,7 @@ from meshrl.rl.layouts import sample_layout
 from meshrl.rl.partial import PartialRollouts
 from meshrl.rl.multiturn import make_multiturn, wants_multi_turn
 from meshrl.rl.multiturn_step import collect_multiturn
-from meshrl.rl.rollout import PER_TOKEN_FIELDS, make_rollout, prompt_columns
+from meshrl.rl.rollout import PER_TOKEN_FIELDS, make_rollout, prompt_columns, response_columns
 from meshrl.rl.routes import RoutingRows
 from meshrl.rl.scoring import RewardPool
 from meshrl.rl.update import make_logprob_fn, make_update
@@ -91,7 +90,9 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
   """The train state of `model` and the run's jitted programs (nothing is compiled yet)."""
   estimator = adv_lib.make_estimator(cfg.rl.advantage, eps=cfg.rl.adv_eps, gamma=cfg.rl.gamma,
                                      lam=cfg.rl.gae_lambda)
-  spec = losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic)
+  zigzag_over = zigzag_shards(cfg, mesh)
+  spec = dataclasses.replace(losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic),
+                             zigzag_inputs=zigzag_over > 1)
   tx = make_optimizer(cfg.optim)
   graphdef, state = create_train_state(model, tx, mesh)
   sharding = samples_sharding = None
@@ -116,11 +117,11 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
                          aux_free_bias=cfg.moe.aux_free_bias, bias_update_rate=cfg.moe.bias_update_rate),
       logprob_fn=make_logprob_fn(graphdef, temperature=cfg.rl.temperature,
                                  replay_routing=cfg.rl.replay_routing,
-                                 logits_chunk=spec.logits_chunk),
+                                 logits_chunk=spec.logits_chunk, zigzag_inputs=spec.zigzag_inputs),
       advantages_fn=adv_lib.make_advantages(cfg), tokenizer=tokenizer,
       pool=RewardPool(compose(cfg.rl.rewards), num_workers=cfg.rl.reward_workers,
                       timeout_s=cfg.rl.reward_timeout_s),
-      batch_sharding=sharding, samples_sharding=samples_sharding, zigzag_shards=zigzag_shards(cfg, mesh),
+      batch_sharding=sharding, samples_sharding=samples_sharding, zigzag_shards=zigzag_over,
       multiturn=make_multiturn(cfg, mesh, tokenizer) if wants_multi_turn(cfg) else None)
 
 
@@ -139,7 +140,7 @@ def _rollout_arrays(batch, prompts: tuple[np.ndarray, np.ndarray] | None = None,
   if prompts is not None:
     prompt_len = prompts[0].shape[1]
     for name in PER_TOKEN_FIELDS:
-      arrays[name] = _response_columns(arrays[name], prompt_len)
+      arrays[name] = response_columns(arrays[name], prompt_len)
   arrays = jax.tree.map(hosts.to_host, arrays)  # every host's samples on every host
   if prompts is not None:
     front = prompt_columns(*prompts, group_size)
@@ -148,11 +149,6 @@ def _rollout_arrays(batch, prompts: tuple[np.ndarray, np.ndarray] | None = None,
   if routing is not None:
     arrays["routing"] = RoutingRows.of_rollout(routing)
   return arrays
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _response_columns(x, prompt_len: int):
-  return x[:, prompt_len:]
 
 
 @dataclasses.dataclass

@@ -97,9 +97,12 @@ def _cross_entropy(model, batch: dict, targets, weights, logits_chunk: int):
 
 
 def sft_loss(params: nnx.State, extra: nnx.State, graphdef: nnx.GraphDef, batch: dict, *, moe_cfg,
-             logits_chunk: int = 0) -> tuple[jax.Array, dict]:
-  """The SFT objective on one packed batch -> (loss, metrics)."""
+             logits_chunk: int = 0, zigzag_inputs: bool = False) -> tuple[jax.Array, dict]:
+  """The SFT objective on one packed batch -> (loss, metrics). zigzag_inputs: the rows are laid out
+  zigzag over `sequence` (`model_rows`), which splash's ring is told (model/attention.py)."""
   model = nnx.merge(graphdef, params, extra)
+  if zigzag_inputs:
+    model = model.with_kernel(inputs_zigzag=True)
   targets, weights = batch["targets"], batch["weights"]
   num_tokens = jnp.sum(weights)
   # Answer tokens: mean next-token cross-entropy.
@@ -147,7 +150,8 @@ def make_sft_step(model_graphdef: nnx.GraphDef, mesh: Mesh | None, cfg, tx: opta
   expert share), expert_load [L, E].
   """
   grad_fn = jax.grad(functools.partial(sft_loss, graphdef=model_graphdef, moe_cfg=cfg.moe,
-                                       logits_chunk=int(cfg.attention.logits_chunk)), has_aux=True)
+                                       logits_chunk=int(cfg.attention.logits_chunk),
+                                       zigzag_inputs=zigzag_shards(cfg, mesh) > 1), has_aux=True)
   accum = int(cfg.optim.grad_accum_steps)
 
   def sft_step(state: TrainState, batch: dict):

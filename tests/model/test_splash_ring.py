@@ -90,7 +90,7 @@ def test_unsupported_calls_fall_back_and_bad_kernels_are_named():
   """A length whose chunks are not whole 128-lane blocks, separate query/key ids or other positions
   run the jnp ring (no Pallas call, the same result) under local_kernel="splash"."""
   mesh = _mesh(fsdp=2, sequence=SEQUENCE)
-  kernel = KernelConfig("ring", 64, 64, mesh, local_kernel="splash", zigzag=True)
+  kernel = KernelConfig("ring", 64, 64, mesh, local_kernel="splash", zigzag=True, inputs_zigzag=True)
   assert kernel.local_kernel_name == "splash" and "ring over `sequence`, splash" in kernel.summary()
   assert KernelConfig("ring", mesh=mesh).local_kernel_name == "jnp"  # auto on CPU
   q, k, v, _, seg, pos = (jnp.asarray(x) for x in _inputs(True))
@@ -128,9 +128,13 @@ def _with_kernel(mc: ModelConfig, local_kernel: str) -> ModelConfig:
   return dataclasses.replace(mc, kernel=dataclasses.replace(mc.kernel, local_kernel=local_kernel))
 
 
-def test_model_on_a_zigzag_batch_equals_the_jnp_ring():
-  """fsdp=2 x sequence=2 x tensor=2 (heads split too), a packed zigzag batch of 512 tokens: the
-  model's logits and every parameter gradient of a next-token loss equal the jnp ring's."""
+@pytest.mark.parametrize("zigzag", [True, False])
+def test_model_equals_the_jnp_ring_in_either_layout(zigzag):
+  """fsdp=2 x sequence=2 x tensor=2 (heads split too), a packed batch of 512 tokens: the model's logits
+  and every parameter gradient of a next-token loss equal the jnp ring's, on a zigzag batch given to
+  the model copy told so (`with_kernel(inputs_zigzag=True)`, as the RL update and SFT do) and on a
+  token-order batch given to the model as built (distillation, benchmarks: attention.zigzag is on in
+  the config, but these callers do not lay their tokens out zigzag)."""
   cfg = configs.load("configs/tiny.py", SMALL + ["mesh.fsdp=2", "mesh.sequence=2", "mesh.tensor=2"])
   mesh = make_mesh(cfg.mesh)
   mc = ModelConfig.from_config(cfg, mesh)
@@ -140,10 +144,12 @@ def test_model_on_a_zigzag_batch_equals_the_jnp_ring():
   seg = np.stack([np.repeat([1, 2], [200, 312]), np.ones(length, int)]).astype(np.int32)
   pos = np.stack([np.r_[np.arange(200), np.arange(312)], np.arange(length)]).astype(np.int32)
   weights = (seg == np.roll(seg, -1, axis=1)).astype(np.float32)  # next token in the same document
-  batch = [jnp.asarray(ra.zigzag(x, 2)) for x in (tokens[:, :-1], tokens[:, 1:], seg, pos, weights)]
+  layout = (lambda x: ra.zigzag(x, 2)) if zigzag else (lambda x: x)
+  batch = [jnp.asarray(layout(x)) for x in (tokens[:, :-1], tokens[:, 1:], seg, pos, weights)]
   results = {}
   for name in ("splash", "jnp"):
-    graphdef, state = nnx.split(build_model(_with_kernel(mc, name), mesh))
+    model = build_model(_with_kernel(mc, name), mesh)
+    graphdef, state = nnx.split(model.with_kernel(inputs_zigzag=True) if zigzag else model)
 
     def loss(state, graphdef=graphdef):
       inputs, targets, seg, pos, weights = batch
@@ -234,3 +240,66 @@ def test_a_full_cache_call_in_token_order_is_not_taken_for_zigzag():
   assert _has_pallas(lambda q, k, v: splash_kernel(q, k, v, **kw), q, k, v)
   np.testing.assert_allclose(jax.jit(lambda q, k, v: splash_kernel(q, k, v, **kw))(q, k, v),
                              jax.jit(lambda q, k, v: jnp_kernel(q, k, v, **kw))(q, k, v), atol=1e-5)
+
+
+def test_the_rl_update_and_log_probs_tell_the_splash_ring_their_batches_are_zigzag():
+  """build_run on a ring mesh with attention.zigzag: the update batch is laid out zigzag, and the run's
+  log-prob program and loss (rl_loss with the run's LossSpec, as make_update calls it) on it equal the
+  jnp ring's under splash (a splash ring left at token order gives other numbers)."""
+  from meshrl.model.tokenizer import ByteTokenizer  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.batches import UpdateBatch, zigzag_batch  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step import build_run  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.update import rl_loss  # pylint: disable=import-outside-toplevel
+  base = SMALL + ["mesh.fsdp=2", "mesh.sequence=2", "mesh.tensor=2", "rl.max_prompt_len=500",
+                  "rl.max_new_tokens=12", "rl.prompts_per_step=2", "rl.group_size=2", "rl.kl_coef=0.0"]
+  rng = np.random.RandomState(0)
+  shape = (4, 512)
+  tokens = rng.randint(0, 259, shape).astype(np.int32)
+  mask = np.zeros(shape, bool)
+  mask[:, 500:] = True
+  host = UpdateBatch(tokens=tokens, positions=np.broadcast_to(np.arange(512, dtype=np.int32), shape).copy(),
+                     segment_ids=np.ones(shape, np.int32), targets=np.roll(tokens, -1, axis=1), loss_mask=mask,
+                     old_logprobs=np.full(shape, -5.0, np.float32),
+                     advantages=rng.normal(size=shape).astype(np.float32))
+  results = {}
+  for name in ("splash", "jnp"):
+    cfg = configs.load("configs/tiny.py", base + [f"attention.local_kernel={name}"])
+    mesh = make_mesh(cfg.mesh)
+    run = build_run(cfg, mesh, build_model(ModelConfig.from_config(cfg, mesh), mesh, seed=0), ByteTokenizer())
+    assert run.zigzag_shards == 2 and run.spec.zigzag_inputs
+    batch = jax.tree.map(jnp.asarray, zigzag_batch(host, run.zigzag_shards))
+    logp, _ = run.logprob_fn(run.state.params, run.state.extra, batch)
+    loss, _ = jax.jit(lambda params, extra, batch, run=run: rl_loss(params, extra, run.graphdef, batch, run.spec))(
+        run.state.params, run.state.extra, batch)
+    results[name] = (np.asarray(logp), float(loss))
+    run.close()
+  np.testing.assert_allclose(results["splash"][0], results["jnp"][0], atol=1e-4)  # log-probs of ~-10
+  np.testing.assert_allclose(results["splash"][1], results["jnp"][1], rtol=1e-5)
+
+
+@pytest.mark.slow  # ~25 s: two SFT steps compiled, one in interpret mode
+def test_the_sft_step_tells_the_splash_ring_its_rows_are_zigzag():
+  """make_sft_step on a ring mesh with attention.zigzag lays its rows out zigzag and tells splash's
+  ring so: its loss equals the jnp ring's."""
+  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.envs import TaskMixture
+  from meshrl.sharding.rules import rules_from_config
+  from meshrl.train.data import make_sft_data
+  from meshrl.train.optim import make_optimizer
+  from meshrl.train.sft import batch_sharding, make_sft_step, put_batch, zigzag_shards
+  from meshrl.train.state import create_train_state, shardings_of
+  # pylint: enable=import-outside-toplevel
+  base = SMALL + ["mesh.fsdp=2", "mesh.sequence=2", "mesh.tensor=2", "data.seq_len=512", "rl.sft_batch_size=4"]
+  losses = {}
+  for name in ("splash", "jnp"):
+    cfg = configs.load("configs/tiny.py", base + [f"attention.local_kernel={name}"])
+    mesh = make_mesh(cfg.mesh)
+    tx = make_optimizer(cfg.optim)
+    graphdef, state = create_train_state(build_model(ModelConfig.from_config(cfg, mesh), mesh, seed=0), tx, mesh)
+    step = make_sft_step(graphdef, mesh, cfg, tx, state_shardings=shardings_of(state))
+    host = next(make_sft_data(cfg, source=TaskMixture("arithmetic:1.0,reverse:1.0", seed=0)))
+    assert zigzag_shards(cfg, mesh) == 2
+    rows = put_batch(host, batch_sharding(mesh, rules_from_config(cfg.mesh)), zigzag_over=2)
+    _, metrics = step(state, rows)
+    losses[name] = float(metrics["loss"])
+  np.testing.assert_allclose(losses["splash"], losses["jnp"], rtol=1e-5)
