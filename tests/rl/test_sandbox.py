@@ -71,7 +71,8 @@ def test_cpu_limit_kills_a_busy_loop():
   box = _make(sb.Limits(timeout_s=15.0, cpu_s=0.5))  # RLIMIT_CPU counts whole seconds: 1 s
   result = box.run("while True: pass")
   assert result.killed_reason == "cpu_limit", result
-  assert result.signal in ("SIGXCPU", "SIGKILL") and 0.9 <= result.cpu_s < 3.0
+  # The kernel's CPU accounting is tick-based: a 1 s limit once read back as 0.896 s under overload.
+  assert result.signal in ("SIGXCPU", "SIGKILL") and 0.8 <= result.cpu_s < 3.0
 
 
 def test_memory_limit_and_peak_memory():
