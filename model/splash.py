@@ -122,17 +122,28 @@ def block_size(size: int, length: int) -> int:
   return block
 
 
+def kernel(mask: str, heads: int, q_len: int, kv_len: int, *, block_q: int, block_kv: int,
+           interpret: bool, save_residuals: bool = False):
+  """Splash for one batch row of `heads` query heads, q_len queries against kv_len keys: `mask`
+  "causal" (by index) or "full"; blocks by `block_size`, the backward's the same; with
+  save_residuals it also returns the rows' log-sum-exp. A Pallas kernel object holding its block
+  maps, cached (building the maps is host work) and built outside the current trace (they are
+  constants, not values of it)."""
+  with jax.ensure_compile_time_eval():
+    return _kernel(mask, heads, q_len, kv_len, block_size(block_q, q_len), block_size(block_kv, kv_len),
+                   interpret, save_residuals)
+
+
 @functools.lru_cache(maxsize=64)
-def _kernel(heads: int, length: int, block_q: int, block_kv: int, interpret: bool):
-  """Splash for one batch row: causal over `length` tokens, `heads` query heads (a Pallas kernel
-  object holding its block maps; cached, as building the maps is host work)."""
+def _kernel(mask: str, heads: int, q_len: int, kv_len: int, block_q: int, block_kv: int, interpret: bool,
+            save_residuals: bool):
   from jax.experimental.pallas.ops.tpu import splash_attention as sa  # pylint: disable=import-outside-toplevel
-  mask = sa.MultiHeadMask([sa.CausalMask((length, length))] * heads)
+  one = sa.CausalMask((q_len, kv_len)) if mask == "causal" else sa.FullMask((q_len, kv_len))
   sizes = sa.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
                         block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
                         block_q_dq=block_q, block_kv_dq=block_kv)
-  return sa.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                            interpret=interpret)
+  return sa.make_splash_mha(sa.MultiHeadMask([one] * heads), block_sizes=sizes, head_shards=1,
+                            q_seq_shards=1, save_residuals=save_residuals, interpret=interpret)
 
 
 def _local(q_, k_, v_, seg_, *, scale, block_q, block_kv, interpret):
@@ -146,14 +157,13 @@ def _local(q_, k_, v_, seg_, *, scale, block_q, block_kv, interpret):
   heads_major = lambda x: jnp.swapaxes(pad(x, 0), 1, 2)  # [B, T, X, D] -> [B, X, T', D]
   q_ = heads_major(q_ * jnp.asarray(scale, q_.dtype))
   k_, v_ = heads_major(k_), heads_major(v_)
-  with jax.ensure_compile_time_eval():  # the block maps are constants, not values of this trace
-    kernel = _kernel(q_.shape[1], length, block_size(block_q, length), block_size(block_kv, length),
-                     interpret)
+  causal = kernel("causal", q_.shape[1], length, length, block_q=block_q, block_kv=block_kv,
+                  interpret=interpret)
   if seg_ is None:
-    out_ = jax.vmap(kernel)(q_, k_, v_)
+    out_ = jax.vmap(causal)(q_, k_, v_)
   else:
     seg_ = pad(seg_.astype(jnp.int32), PAD_SEGMENT)
-    out_ = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=SegmentIds(s, s)))(
+    out_ = jax.vmap(lambda q, k, v, s: causal(q, k, v, segment_ids=SegmentIds(s, s)))(
         q_, k_, v_, seg_)
   return jnp.swapaxes(out_, 1, 2)[:, :t]  # [B, T, N, J]
 

@@ -14,9 +14,10 @@ before the run. With causal masks they are, for both layouts a run uses, which t
               is causal over the 2 local chunks in index order. At step j > 0 the keys come from
               device s = r - j (mod n): when s < r every query sees the first key chunk (s) whole and
               none of the second (chunk 2n-1-s comes after both query chunks); when s > r only the
-              second query chunk (2n-1-r) sees keys, and it sees both key chunks whole. So each step is one unmasked
-              rectangle of half the pairs: [2C queries x C keys] or [C queries x 2C keys], picked at
-              run time by `lax.cond` (the load balance of zigzag: the same work on every device).
+              second query chunk (2n-1-r) sees keys, and it sees both key chunks whole. So each step
+              is one unmasked rectangle of half the pairs: [2C queries x C keys] or [C queries x 2C
+              keys], picked at run time by `lax.cond` (the load balance of zigzag: the same work on
+              every device).
   contiguous  device r holds chunk r of n: step 0 causal, then whole (s < r) or nothing (s > r).
 
 Segment ids (packed documents, padding) are splash's dynamic `SegmentIds`, applied in the kernel.
@@ -72,22 +73,11 @@ class RingSplash:
   interpret: bool
 
 
-@functools.lru_cache(maxsize=64)
-def _kernel(kind: str, heads: int, q_len: int, kv_len: int, block_q: int, block_kv: int, interpret: bool):
-  """A splash kernel for one batch row: kind "causal" (by index, q_len == kv_len) or "full"."""
-  from jax.experimental.pallas.ops.tpu import splash_attention as sa  # pylint: disable=import-outside-toplevel
-  one = sa.CausalMask((q_len, kv_len)) if kind == "causal" else sa.FullMask((q_len, kv_len))
-  bq, bk = splash.block_size(block_q, q_len), splash.block_size(block_kv, kv_len)
-  sizes = sa.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
-                        block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
-  return sa.make_splash_mha(sa.MultiHeadMask([one] * heads), block_sizes=sizes, head_shards=1,
-                            q_seq_shards=1, save_residuals=True, interpret=interpret)
-
-
 def _kernel_for(kind, q, k, cfg: RingSplash):
-  """The kernel of a pair of heads-major blocks q [B, N, Tq, H], k [B, K, Tk, H]."""
-  with jax.ensure_compile_time_eval():  # the block maps are constants, not values of this trace
-    return _kernel(kind, q.shape[1], q.shape[2], k.shape[2], cfg.block_q, cfg.block_kv, cfg.interpret)
+  """The kernel of a pair of heads-major blocks q [B, N, Tq, H], k [B, K, Tk, H]: kind "causal" or
+  "full", with the rows' log-sum-exp."""
+  return splash.kernel(kind, q.shape[1], q.shape[2], k.shape[2], block_q=cfg.block_q, block_kv=cfg.block_kv,
+                       interpret=cfg.interpret, save_residuals=True)
 
 
 def _segments(q_seg, kv_seg):
