@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 from meshrl.rl.engine import (Pool, engine_setup, new_pool, resolve_slots, routing_shape, run_pool,
                               run_pool_speculative, to_rollout_batch)
-from meshrl.rl.rollout import PER_TOKEN_FIELDS, prompt_columns, response_columns, with_generation_weights
+from meshrl.rl.rollout import rollout_to_hosts, with_generation_weights
 from meshrl.rl.routes import RoutingRows
 from meshrl.rl.sampling import sample_keys
 from meshrl.rl.speculative import SpecConfig, speculative_setup
@@ -166,13 +166,7 @@ class PartialRollouts:
     rows = (ended[:, None] * self.spec.group_size + np.arange(self.spec.group_size)).reshape(-1)
     arrays = {f: getattr(batch, f) for f in batch.__dataclass_fields__}
     routing = arrays.pop("routing")
-    # Of the per-token fields only the response columns (`prompt_columns`); every row, so that the
-    # programs keep one shape whatever the number of ended groups; the ended rows are picked here.
-    arrays = {k: hosts.to_host(response_columns(v, self.prompt_len) if k in PER_TOKEN_FIELDS else v)[rows]
-              for k, v in arrays.items()}
-    front = prompt_columns(self.prompts[ended], self.prompt_mask[ended], self.spec.group_size)
-    for name in PER_TOKEN_FIELDS:
-      arrays[name] = np.concatenate([front[name], arrays[name]], axis=1)
+    arrays = rollout_to_hosts(arrays, self.prompts[ended], self.prompt_mask[ended], self.spec.group_size, rows)
     if routing is not None:  # stays on the devices (rl/routes.py)
       arrays["routing"] = RoutingRows.of_rollout(routing, rows)
     examples = [self.examples[g] for g in ended]

@@ -34,6 +34,7 @@ from meshrl.model import quant
 from meshrl.model.ring_attention import unzigzag_on_mesh, zigzag
 from meshrl.model.transformer import ModelConfig, Transformer
 from meshrl.rl.sampling import Sampler, sample_keys, token_keys
+from meshrl.sharding import hosts
 from meshrl.sharding.rules import generation_shardings, rules_from_config
 
 
@@ -128,6 +129,23 @@ def prompt_columns(prompts: np.ndarray, prompt_mask: np.ndarray, group_size: int
           "segment_ids": rep(segment_ids), "prompt_mask": rep(prompt_mask),
           "response_mask": np.zeros(shape, bool), "logprobs": np.zeros(shape, np.float32),
           "policy_version": np.full(shape, -1, np.int32)}
+
+
+def rollout_to_hosts(fields: dict, prompts: np.ndarray, prompt_mask: np.ndarray, group_size: int,
+                     rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+  """A RolloutBatch's fields {name: device array} (routing left out) -> numpy on every host: of the
+  per-token fields only the response columns are all-gathered (`hosts.to_host`), the prompt columns
+  rebuilt from the prompts [P, Lp] and mask (`prompt_columns`). rows: the samples to keep, picked
+  after the gather (so the gathered shapes never change); `prompts` are then those samples' groups'."""
+  prompt_len = prompts.shape[1]
+  pulled = {name: hosts.to_host(response_columns(value, prompt_len) if name in PER_TOKEN_FIELDS else value)
+            for name, value in fields.items()}
+  if rows is not None:
+    pulled = {name: value[rows] for name, value in pulled.items()}
+  front = prompt_columns(prompts, prompt_mask, group_size)
+  for name in PER_TOKEN_FIELDS:
+    pulled[name] = np.concatenate([front[name], pulled[name]], axis=1)
+  return pulled
 
 
 def uses_ring_prefill(mc: ModelConfig) -> bool:

@@ -43,7 +43,7 @@ from meshrl.rl.layouts import sample_layout
 from meshrl.rl.partial import PartialRollouts
 from meshrl.rl.multiturn import make_multiturn, wants_multi_turn
 from meshrl.rl.multiturn_step import collect_multiturn
-from meshrl.rl.rollout import PER_TOKEN_FIELDS, make_rollout, prompt_columns, response_columns
+from meshrl.rl.rollout import make_rollout, rollout_to_hosts
 from meshrl.rl.routes import RoutingRows
 from meshrl.rl.scoring import RewardPool
 from meshrl.rl.update import make_logprob_fn, make_update
@@ -137,15 +137,10 @@ def _rollout_arrays(batch, prompts: tuple[np.ndarray, np.ndarray] | None = None,
   """
   arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
   routing = arrays.pop("routing")
-  if prompts is not None:
-    prompt_len = prompts[0].shape[1]
-    for name in PER_TOKEN_FIELDS:
-      arrays[name] = response_columns(arrays[name], prompt_len)
-  arrays = jax.tree.map(hosts.to_host, arrays)  # every host's samples on every host
-  if prompts is not None:
-    front = prompt_columns(*prompts, group_size)
-    for name in PER_TOKEN_FIELDS:
-      arrays[name] = np.concatenate([front[name], arrays[name]], axis=1)
+  if prompts is None:
+    arrays = jax.tree.map(hosts.to_host, arrays)  # every host's samples on every host
+  else:
+    arrays = rollout_to_hosts(arrays, *prompts, group_size)
   if routing is not None:
     arrays["routing"] = RoutingRows.of_rollout(routing)
   return arrays
