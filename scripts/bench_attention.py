@@ -54,6 +54,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from meshrl.model import ring_attention as ra  # noqa: E402
+from meshrl.rl.aot import topology_devices  # noqa: E402
 from meshrl.sharding import make_mesh  # noqa: E402
 from meshrl.train.chunked_loss import chunked_cross_entropy  # noqa: E402
 
@@ -338,10 +339,7 @@ def nnx_variable_type():
 
 
 def bench_tpu_1m(topology, seq_len, block):
-  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
-  devices = topologies.get_topology_desc(platform="tpu", topology_name=topology,
-                                         chip_config_name="default",
-                                         chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
+  devices = topology_devices(topology)
   expert = 8 if block == "moe" else 1
   mesh = make_mesh(dict(data=1, fsdp=1, expert=expert, sequence=len(devices) // expert, tensor=1),
                    devices=devices)
@@ -378,18 +376,10 @@ def bench_tpu_1m(topology, seq_len, block):
               mesh=dict(mesh.shape))
 
 
-def _tpu_devices(topology):
-  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
-  if jax.default_backend() == "tpu":
-    return jax.devices()
-  return topologies.get_topology_desc(platform="tpu", topology_name=topology, chip_config_name="default",
-                                      chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
-
-
 def bench_splash_ring(topology, tokens_per_chip, repeats):
   """The jnp ring and the splash ring, causal zigzag forward+backward, compiled for `topology`."""
   from meshrl.model import splash_ring  # pylint: disable=import-outside-toplevel
-  devices = _tpu_devices(topology)
+  devices = jax.devices() if jax.default_backend() == "tpu" else topology_devices(topology)
   shards = len(devices)
   mesh = make_mesh(dict(data=1, fsdp=1, expert=1, sequence=shards, tensor=1), devices=devices)
   seq_len = shards * tokens_per_chip
