@@ -134,12 +134,12 @@ class KernelConfig:
     if prefill:
       segment_ids = segment_ids[0]
       kv_positions = q_positions
-      if zigzag:
-        k, v = zigzag_on_mesh(k, self.mesh, axis=1), zigzag_on_mesh(v, self.mesh, axis=1)
     if splash_ring.unsupported_reason(q, k, mesh=self.mesh, q_positions=q_positions,
                                       kv_positions=kv_positions, segment_ids=segment_ids,
                                       zigzag=zigzag) is not None:
       return None
+    if prefill and zigzag:
+      k, v = zigzag_on_mesh(k, self.mesh, axis=1), zigzag_on_mesh(v, self.mesh, axis=1)
     return splash_ring.ring_splash_attend(q, k, v, segment_ids, mesh=self.mesh, zigzag=zigzag,
                                           scale=scale, block_q=self.block_q, block_kv=self.block_kv,
                                           interpret=self.backend != "tpu")

@@ -33,7 +33,7 @@ from flax import nnx
 from meshrl.rl import losses
 from meshrl.rl.batches import UpdateBatch
 from meshrl.train import chunked_loss
-from meshrl.train.state import TrainState, update_router_bias
+from meshrl.train.state import TrainState, merge_batch_model, update_router_bias
 from meshrl.train.stops import keep_unless, step_is_finite
 
 
@@ -64,16 +64,9 @@ def policy_forward(model, batch: UpdateBatch, *, temperature: float, replay_rout
   return target_logprobs(out.logits, batch.targets, temperature), ent, out
 
 
-def merge_policy(graphdef, params, extra, *, zigzag_inputs: bool):
-  """The model of an update batch: told its tokens are laid out zigzag over `sequence` when they are
-  (rl/batches.zigzag_batch, packed rows of a zigzag plan), for splash's ring (model/attention.py)."""
-  model = nnx.merge(graphdef, params, extra)
-  return model.with_kernel(inputs_zigzag=True) if zigzag_inputs else model
-
-
 def rl_loss(params, extra, graphdef, batch: UpdateBatch, spec: losses.LossSpec):
   """The RL objective on one minibatch -> (loss, metrics). Each term below has a header."""
-  model = merge_policy(graphdef, params, extra, zigzag_inputs=spec.zigzag_inputs)
+  model = merge_batch_model(graphdef, params, extra, zigzag_inputs=spec.zigzag_inputs)
   logp, token_entropy, out = policy_forward(model, batch, temperature=spec.temperature,
                                             replay_routing=spec.replay_routing,
                                             logits_chunk=spec.logits_chunk, entropy=True)
@@ -189,9 +182,9 @@ def make_logprob_fn(graphdef: nnx.GraphDef, *, temperature: float, replay_routin
                     logits_chunk: int = 0, zigzag_inputs: bool = False):
   """Jitted `(params, extra, batch: UpdateBatch) -> (logp [B, S], values [B, S] or None)`: reference
   log-probs, the critic's values at rollout time, proximal log-probs (chunked when logits_chunk).
-  zigzag_inputs: the batches are laid out zigzag over `sequence` (`merge_policy`)."""
+  zigzag_inputs: the batches are laid out zigzag over `sequence` (train/state.merge_batch_model)."""
   def logprob_fn(params, extra, batch: UpdateBatch):
-    model = merge_policy(graphdef, params, extra, zigzag_inputs=zigzag_inputs)
+    model = merge_batch_model(graphdef, params, extra, zigzag_inputs=zigzag_inputs)
     logp, _, out = policy_forward(model, batch, temperature=temperature, replay_routing=replay_routing,
                                   logits_chunk=logits_chunk)
     return logp, out.values

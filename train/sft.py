@@ -43,8 +43,8 @@ from meshrl.train.metrics import (CompileCounter, MetricsWriter, mfu, model_flop
                                   plot_curve)
 from meshrl.train.optim import make_optimizer, make_schedule
 from meshrl.train.preemption import Preemption
-from meshrl.train.state import (TrainState, abstract_train_state, create_train_state, merge_model,
-                                shardings_of, update_router_bias)
+from meshrl.train.state import (TrainState, abstract_train_state, create_train_state, merge_batch_model,
+                                merge_model, shardings_of, update_router_bias)
 from meshrl.train.stops import NonFiniteStreak, keep_unless, step_is_finite
 
 
@@ -100,9 +100,7 @@ def sft_loss(params: nnx.State, extra: nnx.State, graphdef: nnx.GraphDef, batch:
              logits_chunk: int = 0, zigzag_inputs: bool = False) -> tuple[jax.Array, dict]:
   """The SFT objective on one packed batch -> (loss, metrics). zigzag_inputs: the rows are laid out
   zigzag over `sequence` (`model_rows`), which splash's ring is told (model/attention.py)."""
-  model = nnx.merge(graphdef, params, extra)
-  if zigzag_inputs:
-    model = model.with_kernel(inputs_zigzag=True)
+  model = merge_batch_model(graphdef, params, extra, zigzag_inputs=zigzag_inputs)
   targets, weights = batch["targets"], batch["weights"]
   num_tokens = jnp.sum(weights)
   # Answer tokens: mean next-token cross-entropy.

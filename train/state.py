@@ -46,6 +46,15 @@ def merge_model(graphdef: nnx.GraphDef, state: TrainState) -> nnx.Module:
   return nnx.merge(graphdef, state.params, state.extra)
 
 
+def merge_batch_model(graphdef: nnx.GraphDef, params: nnx.State, extra: nnx.State, *,
+                      zigzag_inputs: bool) -> nnx.Module:
+  """The model a training loss runs on its batch: told that the batch's tokens are laid out zigzag
+  over `sequence` when they are (the RL update and log-probs, SFT), for splash's ring, whose masks
+  are by index (model/attention.py `KernelConfig.inputs_zigzag`); arrays shared, not copied."""
+  model = nnx.merge(graphdef, params, extra)
+  return model.with_kernel(inputs_zigzag=True) if zigzag_inputs else model
+
+
 def shardings_of(tree: Any) -> Any:
   """The `.sharding` of every array leaf of `tree` (a pytree of the same structure)."""
   return jax.tree.map(lambda x: x.sharding, tree)
