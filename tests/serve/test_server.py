@@ -110,6 +110,9 @@ def test_bad_input_gets_a_4xx_naming_the_problem(server):
 
 def test_client_disconnecting_mid_stream_frees_its_slot(server):
   engine, url, _ = server
+  # Greedy, and checked to run its full length: a sampled stop id (about one token in 259 from the random
+  # model) once ended the request before the server noticed the disconnect, which is no cancellation.
+  assert _greedy_text(engine, TOK.encode("hello"), 56)[1] == "length"
   before = engine.metrics()["cancelled"]
   # Each decode chunk (4 tokens) is slowed to 1 s, so the 56 tokens take 14 s: far longer than the
   # server takes to notice the disconnect (2-50 ms; 0.25 s chunks were once not enough when the other
@@ -117,7 +120,7 @@ def test_client_disconnecting_mid_stream_frees_its_slot(server):
   decode = engine._decode  # pylint: disable=protected-access
   engine._decode = lambda *args: (time.sleep(1.0), decode(*args))[1]  # pylint: disable=protected-access
   try:
-    body = {"model": NAME, "prompt": "go on", "max_tokens": 56, "temperature": 0.8, "stream": True}
+    body = {"model": NAME, "prompt": "hello", "max_tokens": 56, "temperature": 0, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as reply:
       assert reply.status_code == 200
       lines = reply.iter_lines()
