@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshrl.model import expert_parallel, moe_dispatch
+from meshrl.model import expert_parallel, moe_dispatch, moe_local
 from meshrl.model.moe_dispatch import ExpertWeights
 from meshrl.model.params import param
 from meshrl.sharding.mesh import platform
@@ -334,13 +334,17 @@ class MoE(nnx.Module):
           indices=None if routing is None else routing.reshape(batch * length, self.k))
 
     experts = ExpertWeights(*(w[...].astype(self.dtype) for w in (self.gate, self.up, self.down)))
-    implementation = self.implementation(phase, batch * length)
+    per_device = None if self.expert_parallel else moe_local.local_token_count(self.mesh, batch * length)
+    implementation = self.implementation(phase, batch * length if per_device is None else per_device)
     if implementation == "expert_parallel":
       capacity_factor = self.capacity_factor if self.dispatch == "capacity" else None
       exchange = expert_parallel.resolve_exchange(self.ep_exchange, self.backend())
       ys, dropped = expert_parallel.expert_parallel(xs, indices, weights, experts, mesh=self.mesh,
                                                  capacity_factor=capacity_factor, exchange=exchange,
                                                  weights=self.ep_weights, d_axes=self.ep_d_axes)
+    elif per_device is not None:  # each device dispatches its own tokens (model/moe_local.py)
+      ys, dropped = moe_local.run_per_device(implementation, xs, indices, weights, experts, mesh=self.mesh,
+                                             capacity_factor=self.capacity_factor)
     else:
       ys, dropped = moe_dispatch.run(implementation, xs, indices, weights, experts,
                                      capacity_factor=self.capacity_factor)

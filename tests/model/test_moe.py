@@ -196,6 +196,71 @@ def test_expert_parallel_capacity_drops_per_destination():
   assert np.abs(np.asarray(y) - want).max() <= 1e-5
 
 
+def _runs_shard_map(moe, x):
+  graphdef, state = nnx.split(moe)
+  return "shard_map" in str(jax.make_jaxpr(lambda st, v: nnx.merge(graphdef, st)(v))(state, x))
+
+
+def _dp_mesh(tensor=1):
+  return make_mesh(ml_collections.ConfigDict(
+      dict(data=2, fsdp=-1, expert=1, sequence=1, tensor=tensor, num_slices=1)))
+
+
+@pytest.mark.parametrize("dispatch,tensor", [("blocks", 1), ("ladder", 1), ("dropless", 2), ("dense", 2),
+                                             ("gather", 1), ("buffered", 2)])
+def test_per_device_dispatch_matches_single_device(dispatch, tensor):
+  """Without expert parallelism each device dispatches its own tokens (model/moe_local.py): outputs
+  and every gradient equal one device's, with F split over 'tensor' (outputs summed over it) or whole."""
+  mesh = _dp_mesh(tensor)
+  single = _moe(dispatch=dispatch, **DEEPSEEK)
+  sharded = sharded_init(lambda: _moe(mesh=mesh, dispatch=dispatch, **DEEPSEEK), mesh)
+  assert sharded.gate[...].sharding.spec[1] == "fsdp"  # D split: the call gathers it
+  x = jax.device_put(_x(), NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+  y, aux = _apply(sharded, x)
+  y_ref, aux_ref = _apply(single, x)
+  assert np.abs(np.asarray(y - y_ref)).max() <= 1e-5
+  np.testing.assert_array_equal(aux["routing"], aux_ref["routing"])
+  cot = _x(seed=4)
+  g, g_ref = _grad(sharded, x, cot), _grad(single, x, cot)
+  errors = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), g, g_ref)
+  assert max(jax.tree.leaves(errors)) <= 1e-4, errors
+  assert _runs_shard_map(sharded, x)  # the per-device path ran, not the global program
+
+
+def test_per_device_capacity_counts_each_devices_tokens():
+  """`capacity` without expert parallelism keeps ceil(cf * n * K / E) rows per expert of each device's
+  n tokens (the global program kept ceil(cf * N * K / E) of all N): the drops follow the device."""
+  mesh = _dp_mesh()
+  moe = sharded_init(lambda: _moe(mesh=mesh, dispatch="capacity", capacity_factor=0.5, **SOFTMAX), mesh)
+  x = _x()
+  y, aux = _apply(moe, x)
+  chosen = np.asarray(aux["routing"]).reshape(-1, K)
+  shards = 8
+  n = B * T // shards
+  cap = math.ceil(0.5 * n * K / E)
+  kept = np.zeros_like(chosen, bool)
+  for s in range(shards):
+    filled = np.zeros(E, int)
+    for j in range(K):  # choice-major inside each device's tokens
+      for t in range(s * n, (s + 1) * n):
+        kept[t, j] = filled[chosen[t, j]] < cap
+        filled[chosen[t, j]] += 1
+  assert 0 < aux["dropped_fraction"] == pytest.approx((~kept).sum() / chosen.size)
+  want, _ = _np_moe(moe, x, kept=kept, **SOFTMAX)
+  assert np.abs(np.asarray(y) - want).max() <= 1e-5
+
+
+def test_per_device_dispatch_falls_back_to_one_program_for_uneven_tokens():
+  """3 x 5 tokens do not split over 8 devices: the call runs as one program, still exact."""
+  mesh = _dp_mesh()
+  single = _moe(dispatch="blocks", **SOFTMAX)
+  sharded = sharded_init(lambda: _moe(mesh=mesh, dispatch="blocks", **SOFTMAX), mesh)
+  x = jax.random.normal(jax.random.key(5), (3, 5, D))
+  y, y_ref = _apply(sharded, x)[0], _apply(single, x)[0]
+  assert np.abs(np.asarray(y - y_ref)).max() <= 1e-5
+  assert not _runs_shard_map(sharded, x)
+
+
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
 def test_gradients_flow_in_every_mode(dispatch):
   moe = _moe(dispatch=dispatch, capacity_factor=1.0, **DEEPSEEK)

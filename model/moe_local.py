@@ -1,0 +1,75 @@
+"""The single-program MoE dispatchers (model/moe_dispatch.py) run on each device's own tokens.
+
+Without expert parallelism (the mesh's 'expert' axis of size 1) an MoE call's tokens are split over
+the batch axes. Run as one global program, a dispatcher's sort, scatter and gather span every
+device's tokens, and GSPMD partitions them with collectives inside every layer: at the issue-9 peer
+shape on fsdp=2 the update had an all-gather of the slot experts, four all-to-alls of tokens and,
+since the experts' D is split over 'fsdp', an all-reduce of each expert matmul's partial sums
+([47, 128, 512] floats per layer); the devices waited at those collectives for half the step.
+
+Here each device runs the dispatcher on its own n = N / shards tokens (`token_axes`: every axis of
+size > 1 but 'tensor'), with the expert weights gathered over the D-split axes once per call, as
+FSDP gathers every dense weight (their gradients are reduce-scattered back by the shard_map's
+transpose); F stays split over 'tensor' and the outputs are summed over it. Exact dispatchers give
+the global result; "capacity" sizes its buffers from the device's own n tokens (per-device
+capacity, as MaxText and GShard count it).
+
+Axes as in model/moe_dispatch.py, plus n = N / shards tokens on one device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from meshrl.model import moe_dispatch
+from meshrl.model.expert_parallel import TENSOR_AXIS, token_axes
+from meshrl.model.moe_dispatch import ExpertWeights
+
+
+def local_token_count(mesh: Mesh | None, num_tokens: int) -> int | None:
+  """n, the tokens each device dispatches on its own, or None when the call runs as one program:
+  no mesh, a mesh of one device per token shard and no 'tensor' split, or N not divisible by the
+  token shards (the global program is exact for any N)."""
+  if mesh is None:
+    return None
+  shards = math.prod(mesh.shape[a] for a in token_axes(mesh))
+  if num_tokens % shards or (shards == 1 and mesh.shape[TENSOR_AXIS] == 1):
+    return None
+  return num_tokens // shards
+
+
+def run_per_device(name: str, xs: jax.Array, expert_choices: jax.Array, combine_weights: jax.Array,
+                   w: ExpertWeights, *, mesh: Mesh, capacity_factor: float
+                   ) -> tuple[jax.Array, jax.Array]:
+  """moe_dispatch.run(name, ...) inside shard_map, each device on its own tokens.
+
+  Args:
+    xs: [N, D] tokens, N divisible by the token shards (`local_token_count` is not None).
+    expert_choices, combine_weights: [N, K] as for moe_dispatch.run.
+    w: expert weights [E, D, F] / [E, F, D]; inside, E and D whole and F split over 'tensor' where
+      it divides.
+
+  Returns:
+    ys [N, D] split like xs, and the dropped slot count summed over the devices.
+  """
+  axes = token_axes(mesh)
+  hidden = w.gate.shape[2]
+  tensor = TENSOR_AXIS if mesh.shape[TENSOR_AXIS] > 1 and hidden % mesh.shape[TENSOR_AXIS] == 0 else None
+  inner = PartitionSpec(None, None, tensor)  # [E, D, F]: E whole ('expert' has size 1), D gathered
+  specs = (inner, inner, PartitionSpec(None, tensor, None))
+
+  def local(xs_, choices_, weights_, gate_, up_, down_):
+    ys_, dropped_ = moe_dispatch.run(name, xs_, choices_, weights_, ExpertWeights(gate_, up_, down_),
+                                     capacity_factor=capacity_factor)
+    if tensor:  # each device's hidden F-slice gave a partial sum of every output
+      ys_ = jax.lax.psum(ys_, TENSOR_AXIS)
+    return ys_, jax.lax.psum(dropped_.astype(jnp.int32), axes) if axes else dropped_
+
+  tokens = PartitionSpec(axes or None)
+  run_ = jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, *specs),
+                       out_specs=(tokens, PartitionSpec()))
+  return run_(xs, expert_choices, combine_weights, w.gate, w.up, w.down)
