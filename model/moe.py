@@ -334,7 +334,8 @@ class MoE(nnx.Module):
           indices=None if routing is None else routing.reshape(batch * length, self.k))
 
     experts = ExpertWeights(*(w[...].astype(self.dtype) for w in (self.gate, self.up, self.down)))
-    per_device = None if self.expert_parallel else moe_local.local_token_count(self.mesh, batch * length)
+    per_device = (moe_local.local_token_count(self.mesh, batch * length)
+                  if phase == "train" and not self.expert_parallel else None)
     implementation = self.implementation(phase, batch * length if per_device is None else per_device)
     if implementation == "expert_parallel":
       capacity_factor = self.capacity_factor if self.dispatch == "capacity" else None

@@ -395,6 +395,9 @@ def rl_step(run: RLRun, examples: Iterator[dict], key: jax.Array) -> dict:
   run.state, update_metrics = run.update(run.state, batch, jax.random.fold_in(key, 1))
   run.version += 1
   update_metrics = jax.device_get(update_metrics)
+  # The metrics are read from one device; the others may still be finishing their shards of the new
+  # state (on 2 simulated CPU devices up to 0.1 s), which the next rollout would otherwise be timed for.
+  jax.block_until_ready(run.state)
   metrics["update_s"] = time.perf_counter() - t_update
   update_metrics.pop("expert_load", None)
   metrics.update({k: float(v) for k, v in update_metrics.items()})

@@ -2,6 +2,7 @@
 
 import functools
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -144,13 +145,27 @@ def test_ladder_cases_take_first_last_and_fallback_rungs():
   assert rungs(one_expert)[-2] < counts(one_expert).max() == rungs(one_expert)[-1] == one_expert.size
   big = moe_dispatch.ladder_rungs(2560, 2, 8)
   assert big[-1] < 2560 * 2 and len(big) >= 2  # past the last rung: blocks
-  choices = jnp.asarray(np.stack([np.full(600, 2), np.arange(600) % 7 + (np.arange(600) % 7 >= 2)], 1),
-                        jnp.int32)  # 600 slots on expert 2, more than C_max of 600 tokens x 2 / 8 x 4
+  second = np.where(np.arange(600) < 100, 2, np.arange(600) % 7 + (np.arange(600) % 7 >= 2))
+  choices = jnp.asarray(np.stack([np.full(600, 2), second], 1), jnp.int32)
+  # 700 slots on expert 2 (100 tokens chose it twice), more than the top rung: 600 tokens x 2 / 8 x 4
   assert np.bincount(np.asarray(choices).ravel()).max() > moe_dispatch.ladder_rungs(600, 2, E)[-1]
   weights = jnp.full(choices.shape, 0.5)
   xs = jax.random.normal(jax.random.key(3), (600, D))
   ys, _ = jax.jit(moe_dispatch.ladder)(xs, choices, weights, _weights())
   np.testing.assert_allclose(np.asarray(ys), _np_loop(xs, choices, weights, _weights()), atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens,k,experts", [(32, 2, 8), (16, 2, 8), (128, 2, 8), (8, 8, 64)])
+def test_ladder_rungs_pad_the_busiest_expert_by_at_most_a_third(tokens, k, experts):
+  """Whatever the busiest expert holds (from the first rung up to every slot), the rung that takes it
+  is at most 1.3 x its count (+1 for rounding): the buffers' E x C rows stay near the work (doubling
+  rungs padded up to 2x), with log(E / 1.25) / log(1.3) + 1 branches at most to compile."""
+  rungs = moe_dispatch.ladder_rungs(tokens, k, experts)
+  assert len(rungs) <= math.log(experts / 1.25) / math.log(1.3) + 2 and list(rungs) == sorted(set(rungs))
+  assert rungs[-1] == tokens * k  # every slot on one expert fits: no fallback in generation
+  for busiest in range(rungs[0] + 1, tokens * k + 1):
+    taken = next(r for r in rungs if r >= busiest)
+    assert taken <= 1.3 * busiest + 1, (busiest, taken, rungs)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "tpu", "gpu"])
