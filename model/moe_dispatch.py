@@ -309,8 +309,10 @@ def ladder_rungs(num_tokens: int, k: int, num_experts: int, first: float = 1.25,
   Why 1.3: the buffers cost E x C rows whatever the other experts hold, so a rung C wastes
   (C - busiest) x E rows; rungs 1.3x apart waste under a third of what doubling did (8 rungs from
   10 to 64 for the peer shape's 32-token decode step; at most log(E / 1.25) / log(1.3) + 1 in
-  all). The peer-shape rollout (scripts/bench_rl.py's shape, 2 simulated devices) took 0.54 s at
-  best against 0.63 s with doubling rungs; each rung is one more small branch to compile."""
+  all), each one more small branch to compile. What it buys depends on how skewed the routing is:
+  `scripts/bench_rollout.py --sections ladder` at the peer shape (random-initialised router, 2
+  simulated devices) measured 0.97-1.07x of doubling's speed in three runs, and a rollout of random
+  prompts 1.05-1.26x (best of 9 calls, two alternating runs)."""
   slots = num_tokens * k
   bound = int(max(most * slots, small_rows) // num_experts)
   top = min(slots, bound)

@@ -23,6 +23,9 @@ Sections (each a function `section_NAME(args, cfg) -> dict` of JSON keys, regist
   update    (helper B) update_padded_s, update_packed_s
   step      RL step time (rl_step) synchronous vs asynchronous (rl.max_staleness=1) when scoring
             takes about as long as generation (keys `step_sync_s`, `step_async_s`; `step_detail`)
+  ladder    the static rollout at the config's own batch with `ladder`'s capacities 1.3x apart
+            against doubling ones, alternating, best of --repeats (`ladder_detail`); e.g.
+            --cpu_devices=2 --config=configs/tiny.py:peer --sections ladder --repeats 8
 """
 
 import argparse
@@ -38,7 +41,7 @@ from meshrl.configs import cli
 def _flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--json", required=True, help="where to write the results")
   parser.add_argument("--sections", default="rollout", help="comma-separated: " + ",".join(
-      ["rollout", "update", "step"]))
+      ["rollout", "update", "step", "ladder"]))
   parser.add_argument("--prompts", type=int, default=32, help="rollout: distinct prompts")
   parser.add_argument("--group_size", type=int, default=8, help="rollout: samples per prompt")
   parser.add_argument("--slots", type=int, default=64, help="rollout: decode slots of the engine")
@@ -277,7 +280,64 @@ def section_step(args, cfg) -> dict:
           "step_detail": detail}
 
 
-SECTIONS = {"rollout": section_rollout, "update": section_update, "step": section_step}
+def section_ladder(args, cfg) -> dict:
+  """The static rollout at the config's own batch (rl.prompts_per_step x rl.group_size, stop tokens
+  off, so every sample runs rl.max_new_tokens) with `ladder`'s rungs 1.3x apart (model/moe_dispatch.py)
+  against doubling rungs, the spacing before; the two programs alternate, A B A B, best of --repeats.
+  The baseline is traced with moe_dispatch.ladder_rungs patched to step=2.0 (benchmark only)."""
+  # pylint: disable=import-outside-toplevel
+  import functools
+
+  import jax
+  import numpy as np
+
+  from meshrl.model import moe_dispatch
+  from meshrl.model.init import build_model
+  from meshrl.model.tokenizer import ByteTokenizer
+  from meshrl.model.transformer import ModelConfig
+  from meshrl.rl.rollout import make_rollout
+  from meshrl.sharding import make_mesh
+  from meshrl.train.optim import make_optimizer
+  from meshrl.train.state import create_train_state
+  # pylint: enable=import-outside-toplevel
+  tok = ByteTokenizer()
+  mesh = make_mesh(cfg.mesh)
+  _, state = create_train_state(build_model(ModelConfig.from_config(cfg, mesh), mesh),
+                                make_optimizer(cfg.optim), mesh)
+  prompts = cfg.rl.prompts_per_step
+  texts = [f"rev {chr(97 + i % 26)}{chr(97 + i // 26 % 26)}{chr(97 + i // 676 % 26)}=" for i in range(prompts)]
+  tokens, mask = tok.encode_batch(texts, length=cfg.rl.max_prompt_len, padding="left")
+  key = jax.random.key(cfg.seed)
+  programs, outputs = {}, {}
+  original = moe_dispatch.ladder_rungs
+  for name, step in (("rungs_1.3x", None), ("rungs_2x", 2.0)):
+    rollout = make_rollout(cfg, mesh, stop_ids=(), pad_id=tok.pad_id)
+    programs[name] = functools.partial(rollout, state.params, state.extra, tokens, mask, key)
+    if step is not None:
+      moe_dispatch.ladder_rungs = functools.partial(original, step=step)
+    try:
+      outputs[name] = jax.block_until_ready(programs[name]())  # traces and compiles with these rungs
+    finally:
+      moe_dispatch.ladder_rungs = original
+  best = {name: float("inf") for name in programs}
+  for _ in range(args.repeats):
+    for name, fn in programs.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      best[name] = min(best[name], time.perf_counter() - t0)
+  generated = int(np.asarray(outputs["rungs_1.3x"].lengths).sum())
+  detail = {name: {"seconds": best[name], "tokens_per_s": generated / best[name]} for name in programs}
+  detail.update(samples=prompts * cfg.rl.group_size, max_new_tokens=cfg.rl.max_new_tokens,
+                generated_tokens=generated, speedup=best["rungs_2x"] / best["rungs_1.3x"],
+                same_tokens=bool(np.array_equal(np.asarray(outputs["rungs_1.3x"].tokens),
+                                                np.asarray(outputs["rungs_2x"].tokens))))
+  for name in programs:
+    print(f"  {name:<11} {best[name]:8.3f} s  {generated / best[name]:10.0f} tokens/s", flush=True)
+  return {"ladder_detail": detail}
+
+
+SECTIONS = {"rollout": section_rollout, "update": section_update, "step": section_step,
+            "ladder": section_ladder}
 
 
 def print_table(report: dict) -> None:
@@ -311,6 +371,14 @@ def print_table(report: dict) -> None:
       d = detail[name]
       print(f"{name:<6} {d['step_s']:8.3f} {d['reward_s']:10.3f} {d['rollout_wait_s']:15.3f}")
     print(f"async / sync: {detail['async_over_sync']:.2f}")
+  detail = report.get("ladder_detail")
+  if detail:
+    print(f"\nladder rungs: static rollout of {detail['samples']} samples x {detail['max_new_tokens']} "
+          f"tokens ({detail['generated_tokens']} generated), best of the alternating calls")
+    print(f"{'rungs':<11} {'seconds':>8} {'tokens/s':>10}")
+    for name in ("rungs_1.3x", "rungs_2x"):
+      print(f"{name:<11} {detail[name]['seconds']:8.3f} {detail[name]['tokens_per_s']:10.0f}")
+    print(f"1.3x over 2x: {detail['speedup']:.2f}x faster; same tokens: {detail['same_tokens']}")
 
 
 def main(argv):
