@@ -227,6 +227,23 @@ def test_per_device_dispatch_matches_single_device(dispatch, tensor):
   assert _runs_shard_map(sharded, x)  # the per-device path ran, not the global program
 
 
+def test_per_device_dispatch_with_tokens_split_over_batch_and_sequence():
+  """fsdp=2 x sequence=2 x tensor=2 (as ring attention's training batches lie: B over fsdp, T over
+  sequence): the flattened tokens split over both, F over tensor; outputs and gradients equal one
+  device's."""
+  mesh = make_mesh(ml_collections.ConfigDict(
+      dict(data=1, fsdp=2, expert=1, sequence=2, tensor=2, num_slices=1)))
+  single = _moe(dispatch="blocks", **SOFTMAX)
+  sharded = sharded_init(lambda: _moe(mesh=mesh, dispatch="blocks", **SOFTMAX), mesh)
+  x = jax.device_put(_x(), NamedSharding(mesh, PartitionSpec("fsdp", "sequence")))
+  y, y_ref = _apply(sharded, x)[0], _apply(single, x)[0]
+  assert np.abs(np.asarray(y - y_ref)).max() <= 1e-5
+  cot = _x(seed=4)
+  errors = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), _grad(sharded, x, cot), _grad(single, x, cot))
+  assert max(jax.tree.leaves(errors)) <= 1e-4, errors
+  assert _runs_shard_map(sharded, x)
+
+
 def test_per_device_capacity_counts_each_devices_tokens():
   """`capacity` without expert parallelism keeps ceil(cf * n * K / E) rows per expert of each device's
   n tokens (the global program kept ceil(cf * N * K / E) of all N): the drops follow the device."""
