@@ -59,9 +59,21 @@ def token_axes(mesh: Mesh) -> tuple[str, ...]:
   return tuple(a for a in MESH_AXES if a != TENSOR_AXIS and mesh.shape[a] > 1)
 
 
+def token_shards(mesh: Mesh) -> int:
+  """How many ways a call's tokens are split: the product of `token_axes`' sizes."""
+  return math.prod(mesh.shape[a] for a in token_axes(mesh))
+
+
+def tensor_split_axis(mesh: Mesh, hidden: int) -> str | None:
+  """'tensor' when it has more than one device and divides the experts' hidden F, else None (F
+  whole on every device)."""
+  size = mesh.shape[TENSOR_AXIS]
+  return TENSOR_AXIS if size > 1 and hidden % size == 0 else None
+
+
 def padded_tokens(mesh: Mesh, num_tokens: int) -> int:
-  """N rounded up to a multiple of the token shards (the product of `token_axes`' sizes)."""
-  shards = math.prod(mesh.shape[a] for a in token_axes(mesh))
+  """N rounded up to a multiple of the token shards (`token_shards`)."""
+  shards = token_shards(mesh)
   return -(-num_tokens // shards) * shards
 
 
@@ -70,8 +82,7 @@ def buffer_rows(mesh: Mesh, num_tokens: int, k: int, capacity_factor: float | No
   """(S, C, R) of one device, from static shapes: S = n * K slots of its n tokens (N padded to the
   token shards), C rows per destination device of the all_to_all exchange and R receive rows of the
   ragged one. capacity_factor None: the worst case, C = S and R = P * S (nothing dropped)."""
-  shards = math.prod(mesh.shape[a] for a in token_axes(mesh))
-  slots = padded_tokens(mesh, num_tokens) // shards * k
+  slots = padded_tokens(mesh, num_tokens) // token_shards(mesh) * k
   num_shards = mesh.shape[EXPERT_AXIS]
   if capacity_factor is None:
     return slots, slots, num_shards * slots
@@ -158,7 +169,7 @@ def expert_weight_specs(mesh: Mesh, embed: int, hidden: int, weights: str = "sha
                      f"(resolve moe.ep_weights='auto' per call with resolve_weights).")
   split = d_split_axes(mesh, embed, d_axes) if weights == "sharded" else ()
   fsdp = split or None
-  tensor = TENSOR_AXIS if mesh.shape[TENSOR_AXIS] > 1 and hidden % mesh.shape[TENSOR_AXIS] == 0 else None
+  tensor = tensor_split_axis(mesh, hidden)
   inner = PartitionSpec(EXPERT_AXIS, fsdp, tensor)
   return ExpertWeights(inner, inner, PartitionSpec(EXPERT_AXIS, tensor, fsdp))
 

@@ -24,14 +24,12 @@ Axes as in model/moe_dispatch.py, plus n = N / shards tokens on one device.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from meshrl.model import moe_dispatch
-from meshrl.model.expert_parallel import TENSOR_AXIS, token_axes
+from meshrl.model.expert_parallel import TENSOR_AXIS, tensor_split_axis, token_axes, token_shards
 from meshrl.model.moe_dispatch import ExpertWeights
 
 
@@ -41,7 +39,7 @@ def local_token_count(mesh: Mesh | None, num_tokens: int) -> int | None:
   token shards (the global program is exact for any N)."""
   if mesh is None:
     return None
-  shards = math.prod(mesh.shape[a] for a in token_axes(mesh))
+  shards = token_shards(mesh)
   if num_tokens % shards or (shards == 1 and mesh.shape[TENSOR_AXIS] == 1):
     return None
   return num_tokens // shards
@@ -62,8 +60,7 @@ def run_per_device(name: str, xs: jax.Array, expert_choices: jax.Array, combine_
     ys [N, D] split like xs, and the dropped slot count summed over the devices.
   """
   axes = token_axes(mesh)
-  hidden = w.gate.shape[2]
-  tensor = TENSOR_AXIS if mesh.shape[TENSOR_AXIS] > 1 and hidden % mesh.shape[TENSOR_AXIS] == 0 else None
+  tensor = tensor_split_axis(mesh, w.gate.shape[2])
   inner = PartitionSpec(None, None, tensor)  # [E, D, F]: E whole ('expert' has size 1), D gathered
   specs = (inner, inner, PartitionSpec(None, tensor, None))
 

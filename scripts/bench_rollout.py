@@ -72,20 +72,36 @@ def _best_time(fn, repeats: int):
   return best, out
 
 
+def _rev_prompts(tok, count: int, length: int):
+  """(tokens, mask) [count, length] of "rev xyz=" prompts, distinct per row, left-padded."""
+  texts = [f"rev {chr(97 + i % 26)}{chr(97 + i // 26 % 26)}{chr(97 + i // 676 % 26)}=" for i in range(count)]
+  return tok.encode_batch(texts, length=length, padding="left")
+
+
+def _fresh_state(cfg):
+  """(mesh, train state) of a randomly initialised model of `cfg`, laid out on its mesh."""
+  # pylint: disable=import-outside-toplevel
+  from meshrl.model.init import build_model
+  from meshrl.model.transformer import ModelConfig
+  from meshrl.sharding import make_mesh
+  from meshrl.train.optim import make_optimizer
+  from meshrl.train.state import create_train_state
+  # pylint: enable=import-outside-toplevel
+  mesh = make_mesh(cfg.mesh)
+  _, state = create_train_state(build_model(ModelConfig.from_config(cfg, mesh), mesh),
+                                make_optimizer(cfg.optim), mesh)
+  return mesh, state
+
+
 def section_rollout(args, cfg) -> dict:
   """Tokens/s of static, continuous (no prefix sharing) and continuous_prefix on long-tailed lengths."""
   # pylint: disable=import-outside-toplevel
   import jax
   import numpy as np
 
-  from meshrl.model.init import build_model
   from meshrl.model.tokenizer import ByteTokenizer
-  from meshrl.model.transformer import ModelConfig
   from meshrl.rl.engine import make_engine
   from meshrl.rl.rollout import make_rollout
-  from meshrl.sharding import make_mesh
-  from meshrl.train.optim import make_optimizer
-  from meshrl.train.state import create_train_state
   # pylint: enable=import-outside-toplevel
   cfg = copy.deepcopy(cfg)  # the settings below are this section's own; other sections see the given cfg
   tok = ByteTokenizer()
@@ -95,11 +111,8 @@ def section_rollout(args, cfg) -> dict:
   cfg.rl.group_size = group
   cfg.rl.stop_tokens = ""
   cfg.model.max_seq_len = max(cfg.model.max_seq_len, cfg.rl.max_prompt_len + args.max_new_tokens)
-  mesh = make_mesh(cfg.mesh)
-  model = build_model(ModelConfig.from_config(cfg, mesh), mesh)
-  _, state = create_train_state(model, make_optimizer(cfg.optim), mesh)
-  texts = [f"rev {chr(97 + i % 26)}{chr(97 + i // 26 % 26)}{chr(97 + i // 676 % 26)}=" for i in range(prompts)]
-  tokens, mask = tok.encode_batch(texts, length=cfg.rl.max_prompt_len, padding="left")
+  mesh, state = _fresh_state(cfg)
+  tokens, mask = _rev_prompts(tok, prompts, cfg.rl.max_prompt_len)
   lengths = long_tailed_lengths(batch, median=args.median_len, sigma=args.sigma, max_len=args.max_new_tokens,
                                 seed=cfg.seed)
   key = jax.random.key(cfg.seed)
@@ -145,8 +158,7 @@ def _synthetic_scored(cfg, lengths, seed: int):
   # pylint: enable=import-outside-toplevel
   tok, rng = ByteTokenizer(), np.random.default_rng(seed)
   batch, lp, n = len(lengths), cfg.rl.max_prompt_len, cfg.rl.max_new_tokens
-  texts = [f"rev {chr(97 + i % 26)}{chr(97 + i // 26 % 26)}{chr(97 + i // 676 % 26)}=" for i in range(batch)]
-  prompt, prompt_mask = tok.encode_batch(texts, length=lp, padding="left")
+  prompt, prompt_mask = _rev_prompts(tok, batch, lp)
   response_mask = np.arange(n)[None, :] < lengths[:, None]
   tokens = np.concatenate([prompt, np.where(response_mask, rng.integers(97, 123, (batch, n)), tok.pad_id)], 1)
   real = np.concatenate([prompt_mask, response_mask], 1)
@@ -292,21 +304,13 @@ def section_ladder(args, cfg) -> dict:
   import numpy as np
 
   from meshrl.model import moe_dispatch
-  from meshrl.model.init import build_model
   from meshrl.model.tokenizer import ByteTokenizer
-  from meshrl.model.transformer import ModelConfig
   from meshrl.rl.rollout import make_rollout
-  from meshrl.sharding import make_mesh
-  from meshrl.train.optim import make_optimizer
-  from meshrl.train.state import create_train_state
   # pylint: enable=import-outside-toplevel
   tok = ByteTokenizer()
-  mesh = make_mesh(cfg.mesh)
-  _, state = create_train_state(build_model(ModelConfig.from_config(cfg, mesh), mesh),
-                                make_optimizer(cfg.optim), mesh)
+  mesh, state = _fresh_state(cfg)
   prompts = cfg.rl.prompts_per_step
-  texts = [f"rev {chr(97 + i % 26)}{chr(97 + i // 26 % 26)}{chr(97 + i // 676 % 26)}=" for i in range(prompts)]
-  tokens, mask = tok.encode_batch(texts, length=cfg.rl.max_prompt_len, padding="left")
+  tokens, mask = _rev_prompts(tok, prompts, cfg.rl.max_prompt_len)
   key = jax.random.key(cfg.seed)
   programs, outputs = {}, {}
   original = moe_dispatch.ladder_rungs

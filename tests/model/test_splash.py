@@ -28,21 +28,14 @@ TINY = ["model.num_layers=1", "model.embed_dim=64", "model.head_dim=16", "model.
         "moe.num_experts=0", "model.max_seq_len=256", "attention.impl=blockwise"]
 
 
-def _inputs():
-  ks = jax.random.split(jax.random.key(0), 4)
-  q = jax.random.normal(ks[0], (B, T, N, H))
-  k = jax.random.normal(ks[1], (B, T, K, H))
-  v = jax.random.normal(ks[2], (B, T, K, H))
-  d_out = jax.random.normal(ks[3], (B, T, N, H))
-  # Row 0 packs three documents, cut at 100 and 150 (inside the 128-blocks), positions restarting;
-  # row 1 is one document.
-  seg = np.stack([np.repeat([0, 1, 2], [100, 50, 50]), np.zeros(T, int)]).astype(np.int32)
-  pos = np.stack([np.r_[np.arange(100), np.arange(50), np.arange(50)], np.arange(T)]).astype(np.int32)
+def _inputs(attention_cases):
+  """Row 0 packs three documents, cut at 100 and 150 (inside the 128-blocks); row 1 is one document."""
+  q, k, v, d_out, seg, pos = attention_cases.packed_inputs(B, T, N, K, H, cuts=(100, 150))
   return q, k, v, d_out, jnp.asarray(seg), jnp.asarray(pos)
 
 
-def test_splash_equals_jnp_kernel_and_reference_with_gradients():
-  q, k, v, d_out, seg, pos = _inputs()
+def test_splash_equals_jnp_kernel_and_reference_with_gradients(attention_cases):
+  q, k, v, d_out, seg, pos = _inputs(attention_cases)
   scale = H ** -0.5
   impls = {
       "splash": lambda q, k, v: splash.splash_attend(q, k, v, seg, scale=scale, block_q=128,
@@ -51,13 +44,7 @@ def test_splash_equals_jnp_kernel_and_reference_with_gradients():
                                        segment_ids=seg, scale=scale, block_q=64, block_kv=64),
       "reference": lambda q, k, v: ra.attend(q, k, v, impl="reference", q_positions=pos,
                                              kv_positions=pos, segment_ids=seg, scale=scale)}
-  results = {}
-  for name, fn in impls.items():
-    def loss(q, k, v, fn=fn):
-      out = fn(q, k, v)
-      return jnp.sum(out * d_out), out
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    results[name] = (out, grads)
+  results = attention_cases.outputs_and_grads(impls, q, k, v, d_out)
   out, grads = results["splash"]
   assert float(jnp.abs(out).max()) > 0.1
   for other in ("jnp", "reference"):
@@ -67,9 +54,9 @@ def test_splash_equals_jnp_kernel_and_reference_with_gradients():
 
 
 @pytest.mark.slow  # about 10 s on a quiet 2-core machine (interpret-mode kernels compile)
-def test_splash_without_segment_ids_equals_reference():
+def test_splash_without_segment_ids_equals_reference(attention_cases):
   """One causal document per row: the padded keys are masked by causality alone."""
-  q, k, v, d_out, _, _ = _inputs()
+  q, k, v, d_out, _, _ = _inputs(attention_cases)
   loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v) * d_out)
   grads = jax.jit(jax.grad(loss(lambda q, k, v: splash.splash_attend(
       q, k, v, scale=0.2, block_q=512, block_kv=256, interpret=True)), argnums=(0, 1, 2)))(q, k, v)
@@ -83,10 +70,10 @@ def _has_splash(fn, *args) -> bool:
   return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
 
 
-def test_kernel_config_uses_splash_only_for_self_attention():
+def test_kernel_config_uses_splash_only_for_self_attention(attention_cases):
   """local_kernel="splash" runs splash for a self-attention call and falls back to the jnp kernel,
   with the same result, for a KV-cache call or separate query/key ids (no error)."""
-  q, k, v, _, seg, pos = _inputs()
+  q, k, v, _, seg, pos = _inputs(attention_cases)
   kernel = KernelConfig("blockwise", 64, 64, local_kernel="splash")
   assert kernel.local_kernel_name == "splash" and "interpret mode" in kernel.summary()
   assert KernelConfig("blockwise").local_kernel_name == "jnp"  # auto on CPU

@@ -34,17 +34,10 @@ def _mesh(**axes):
   return make_mesh(cfg.mesh)
 
 
-def _inputs(zigzag: bool):
-  ks = jax.random.split(jax.random.key(0), 4)
-  q = jax.random.normal(ks[0], (B, T, N, H))
-  k = jax.random.normal(ks[1], (B, T, K, H))
-  v = jax.random.normal(ks[2], (B, T, K, H))
-  d_out = jax.random.normal(ks[3], (B, T, N, H))
-  # Row 0 packs three documents cut at 300 and 700 (inside chunks and shards), positions restarting;
-  # row 1 is one document.
-  seg = np.stack([np.repeat([0, 1, 2], [300, 400, 324]), np.zeros(T, int)]).astype(np.int32)
-  pos = np.stack([np.r_[np.arange(300), np.arange(400), np.arange(324)], np.arange(T)]).astype(np.int32)
-  arrays = (q, k, v, d_out, seg, pos)
+def _inputs(attention_cases, zigzag: bool):
+  """Row 0 packs three documents cut at 300 and 700 (inside chunks and shards); row 1 is one
+  document; all put in the zigzag layout when asked."""
+  arrays = attention_cases.packed_inputs(B, T, N, K, H, cuts=(300, 700))
   if zigzag:
     arrays = tuple(ra.zigzag(x, SEQUENCE) for x in arrays)
   return arrays
@@ -58,26 +51,20 @@ def _has_pallas(fn, *args) -> bool:
     True,
     # suite budget: the contiguous forward runs in test_a_full_cache_call_in_token_order_is_not_taken_for_zigzag
     pytest.param(False, marks=pytest.mark.slow)])
-def test_splash_ring_equals_jnp_ring_with_gradients(zigzag):
+def test_splash_ring_equals_jnp_ring_with_gradients(attention_cases, zigzag):
   """fsdp=2 x sequence=4. Zigzag: each step j > 0 is one rectangle picked at run time (all queries
   against the first key chunk, or the second query chunk against both); contiguous: whole or
   nothing. A flipped choice, a merge by the wrong log-sum-exp, or a backward fed with the pair's
   own log-sum-exp instead of the global one each breaks this."""
   mesh = _mesh(fsdp=2, sequence=SEQUENCE)
-  q, k, v, d_out, seg, pos = (jnp.asarray(x) for x in _inputs(zigzag))
+  q, k, v, d_out, seg, pos = (jnp.asarray(x) for x in _inputs(attention_cases, zigzag))
   impls = {
       "splash": lambda q, k, v: splash_ring.ring_splash_attend(
           q, k, v, seg, mesh=mesh, zigzag=zigzag, scale=0.2, block_q=128, block_kv=128, interpret=True),
       "jnp": lambda q, k, v: ra.attend(q, k, v, impl="ring", mesh=mesh, q_positions=pos,
                                        kv_positions=pos, segment_ids=seg, scale=0.2, block_q=128,
                                        block_kv=128)}
-  results = {}
-  for name, fn in impls.items():
-    def loss(q, k, v, fn=fn):
-      out = fn(q, k, v)
-      return jnp.sum(out * d_out), out
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    results[name] = (out, grads)
+  results = attention_cases.outputs_and_grads(impls, q, k, v, d_out)
   out, grads = results["splash"]
   assert float(jnp.abs(out).max()) > 0.5
   np.testing.assert_allclose(out, results["jnp"][0], atol=1e-5)
@@ -86,14 +73,14 @@ def test_splash_ring_equals_jnp_ring_with_gradients(zigzag):
     np.testing.assert_allclose(g, g_jnp, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
 
 
-def test_unsupported_calls_fall_back_and_bad_kernels_are_named():
+def test_unsupported_calls_fall_back_and_bad_kernels_are_named(attention_cases):
   """A length whose chunks are not whole 128-lane blocks, separate query/key ids or other positions
   run the jnp ring (no Pallas call, the same result) under local_kernel="splash"."""
   mesh = _mesh(fsdp=2, sequence=SEQUENCE)
   kernel = KernelConfig("ring", 64, 64, mesh, local_kernel="splash", zigzag=True, inputs_zigzag=True)
   assert kernel.local_kernel_name == "splash" and "ring over `sequence`, splash" in kernel.summary()
   assert KernelConfig("ring", mesh=mesh).local_kernel_name == "jnp"  # auto on CPU
-  q, k, v, _, seg, pos = (jnp.asarray(x) for x in _inputs(True))
+  q, k, v, _, seg, pos = (jnp.asarray(x) for x in _inputs(attention_cases, True))
   call = lambda q, k, v, pos=pos, seg=seg: kernel(q, k, v, q_positions=pos, kv_positions=pos,  # noqa: E731
                                                   segment_ids=seg, scale=0.2)
   assert _has_pallas(call, q, k, v)
@@ -228,12 +215,12 @@ def test_ring_model_compiles_splash_for_v5p():
   assert not any(" all-gather" in line or " all-reduce" in line for line in ring_ops)
 
 
-def test_a_full_cache_call_in_token_order_is_not_taken_for_zigzag():
+def test_a_full_cache_call_in_token_order_is_not_taken_for_zigzag(attention_cases):
   """A cached call whose queries fill the cache on a model whose training layout is zigzag
   (attention.zigzag) but whose inputs are in token order (not the ring prefill's own copy,
   inputs_zigzag=False): splash runs the contiguous ring and equals the jnp ring."""
   mesh = _mesh(fsdp=2, sequence=SEQUENCE)
-  q, k, v, _, seg, pos = (jnp.asarray(x) for x in _inputs(False))
+  q, k, v, _, seg, pos = (jnp.asarray(x) for x in _inputs(attention_cases, False))
   kw = dict(q_positions=pos, kv_positions=pos + 0, segment_ids=(seg, seg + 0), scale=0.2, cached=True)
   splash_kernel = KernelConfig("ring", 128, 128, mesh, local_kernel="splash", zigzag=True)
   jnp_kernel = dataclasses.replace(splash_kernel, local_kernel="jnp")
