@@ -200,6 +200,7 @@ def section_update(args, cfg) -> dict:
   from meshrl.sharding import make_mesh
   from meshrl.sharding.rules import data_parallel_size
   # pylint: enable=import-outside-toplevel
+  cfg = copy.deepcopy(cfg)  # the settings below are this section's own; other sections see the given cfg
   cfg.rl.max_new_tokens = args.max_new_tokens
   cfg.rl.group_size = args.group_size
   cfg.rl.prompts_per_step = args.prompts
