@@ -115,8 +115,8 @@ def test_client_disconnecting_mid_stream_frees_its_slot(server):
   assert _greedy_text(engine, TOK.encode("hello"), 56)[1] == "length"
   before = engine.metrics()["cancelled"]
   # Each decode chunk (4 tokens) is slowed to 1 s, so the 56 tokens take 14 s: far longer than the
-  # server takes to notice the disconnect (2-50 ms; 0.25 s chunks were once not enough when the other
-  # test worker kept both cores busy). A noticed disconnect stops the decode within one chunk.
+  # server takes to notice the disconnect (2-50 ms). A noticed disconnect stops the decode within one
+  # chunk. (An earlier failure blamed on 0.25 s chunks under load was probably the sampled stop id.)
   decode = engine._decode  # pylint: disable=protected-access
   engine._decode = lambda *args: (time.sleep(1.0), decode(*args))[1]  # pylint: disable=protected-access
   try:
