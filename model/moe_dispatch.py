@@ -20,9 +20,10 @@ Implementations (`IMPLEMENTATIONS`; every one but `capacity` is exact: no slot i
 
   dropless  sort + `jax.lax.ragged_dot` (a grouped-matmul kernel on TPU; slow on CPU, above all its
             backward pass).
-  blocks    sort slots by expert, pad each expert's group to a multiple of b rows, one batched matmul
-            over [G, b, D] with each block's expert weights (MegaBlocks' block-sparse layout, Gale et
-            al. 2022, "MegaBlocks: Efficient Sparse Training with Mixture-of-Experts", written in jnp).
+  blocks    sort slots by expert, pad each expert's group to a multiple of b rows, and run each block
+            of b rows through its expert's weights (MegaBlocks' block-sparse layout, Gale et al. 2022,
+            "MegaBlocks: Efficient Sparse Training with Mixture-of-Experts", written in jnp; the loop
+            over blocks and its backward pass are model/block_swiglu.py).
   buffered  the capacity buffer of C = ceil(capacity_factor * N * K / E) rows per expert when every
             expert fits, else `blocks`, chosen at run time by `lax.cond`: pays only when routing is
             balanced within capacity_factor (at init it is not: the busiest expert gets 1.7-2.8x the
@@ -50,6 +51,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from meshrl.model.block_swiglu import block_swiglu
 
 EXPERT_AXIS = "expert"
 
@@ -220,7 +222,7 @@ def block_size(num_slots: int, num_experts: int) -> int:
 
 
 def _block_layout(slot_experts: jax.Array, num_experts: int, block: int
-                  ) -> tuple[jax.Array, jax.Array, int]:
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, int]:
   """Rows of the expert-sorted layout in which each expert's group is padded to a multiple of b.
 
   Args:
@@ -228,8 +230,9 @@ def _block_layout(slot_experts: jax.Array, num_experts: int, block: int
 
   Returns:
     row [S] int32 (each slot's row in [0, G * b)), block_experts [G] int32 (the expert of each block;
-    blocks past the last group hold only padding), and the static block count G, the most any routing
-    can need: sum_e ceil(count_e / b) <= (S + E * (b - 1)) / b.
+    blocks past the last group hold only padding), used_blocks (int32 scalar: the blocks that hold a
+    slot are [0, used_blocks)), and the static block count G, the most any routing can need:
+    sum_e ceil(count_e / b) <= (S + E * (b - 1)) / b.
   """
   num_blocks = (slot_experts.shape[0] + num_experts * (block - 1)) // block
   counts = jnp.bincount(slot_experts, length=num_experts)  # [E]
@@ -238,15 +241,17 @@ def _block_layout(slot_experts: jax.Array, num_experts: int, block: int
   row = ends[slot_experts] - padded[slot_experts] + rank_in_group(slot_experts, num_experts)  # [S]
   block_starts = jnp.arange(num_blocks) * block  # [G]
   block_experts = jnp.minimum(jnp.searchsorted(ends, block_starts, side="right"), num_experts - 1)
-  return row.astype(jnp.int32), block_experts.astype(jnp.int32), num_blocks
+  used_blocks = (ends[-1] // block).astype(jnp.int32)
+  return row.astype(jnp.int32), block_experts.astype(jnp.int32), used_blocks, num_blocks
 
 
 def blocks(xs: jax.Array, expert_choices: jax.Array, combine_weights: jax.Array,
            w: ExpertWeights, *, block: int | None = None) -> tuple[jax.Array, jax.Array]:
-  """Grouped matmul as a batched matmul over blocks of b rows, each block owned by one expert.
+  """Grouped matmul over blocks of b rows, each block owned by one expert.
 
   Slots are laid out sorted by expert with each expert's group padded to a multiple of b (padding
-  rows read a zero token and are never read back), so [G, b, D] x [G, D, F] computes every routed slot
+  rows read a zero token and are never read back), so the blocks' SwiGLU (`block_swiglu`: a loop over
+  the blocks that hold slots, each reading its expert's weights in place) computes every routed slot
   exactly once, plus at most E * (b - 1) padding rows.
 
   Args:
@@ -259,16 +264,13 @@ def blocks(xs: jax.Array, expert_choices: jax.Array, combine_weights: jax.Array,
   num_experts, embed = w.gate.shape[:2]
   block = block or block_size(num_tokens * k, num_experts)
   with jax.named_scope("dispatch"):
-    row, block_experts, num_blocks = _block_layout(expert_choices.reshape(-1), num_experts, block)
+    row, block_experts, used_blocks, num_blocks = _block_layout(expert_choices.reshape(-1), num_experts, block)
     slot_tokens = jnp.arange(num_tokens * k, dtype=jnp.int32) // k  # [S] token-major
     row_tokens = jnp.full((num_blocks * block,), num_tokens, jnp.int32).at[row].set(slot_tokens)  # [R]
     padded_xs = jnp.concatenate([xs, jnp.zeros((1, embed), xs.dtype)])  # [N + 1, D]; row N is zero
     block_xs = padded_xs[row_tokens].reshape(num_blocks, block, embed)  # [G, b, D]
-    gate_w, up_w, down_w = (weight[block_experts] for weight in w)  # [G, D, F], [G, D, F], [G, F, D]
   with jax.named_scope("expert_compute"):
-    gate = jnp.einsum("gbd,gdf->gbf", block_xs, gate_w)  # [G, b, F]
-    up = jnp.einsum("gbd,gdf->gbf", block_xs, up_w)  # [G, b, F]
-    block_out = jnp.einsum("gbf,gfd->gbd", jax.nn.silu(gate) * up, down_w)  # [G, b, D]
+    block_out = block_swiglu(block_xs, block_experts, used_blocks, *w)  # [G, b, D]
   with jax.named_scope("combine"):
     slot_out = block_out.reshape(num_blocks * block, embed)[row].reshape(num_tokens, k, embed)
     ys = combine_slots(slot_out, combine_weights)
