@@ -332,8 +332,9 @@ def ladder(xs: jax.Array, expert_choices: jax.Array, combine_weights: jax.Array,
   busiest expert, picked at run time by `lax.switch` (one branch runs); `blocks` when the busiest
   expert outgrows the last rung. Exact: no slot is ever dropped.
 
-  The buffers multiply the weights as they lie ([C, D] x [D, F] per expert), where `blocks` gathers
-  each block's expert weights and `dense` computes every expert on every token: on CPU the fastest
+  The buffers multiply the weights as they lie ([C, D] x [D, F] per expert, each expert's weights read
+  once), where `blocks` re-reads an expert's weights for each of its blocks and `dense` computes every
+  expert on every token: on CPU the fastest
   exact path for generation (a decode step of a batch, a prompt prefill). Meant for calls without
   gradients: a switch's backward keeps every branch's residuals.
 
@@ -378,11 +379,11 @@ def choose(dispatch: str, *, backend: str, phase: str, num_tokens: int, k: int,
   auto: on TPU and GPU "dropless" (ragged_dot lowers to a grouped-matmul kernel that skips empty
   groups). On CPU: "blocks" for training (measured fastest of the exact ones for the forward and
   backward of a width-256, 8-expert model: scripts/bench_model.py); "ladder" for generation, prefill
-  and decode (no gradients; "blocks" gathers each block's expert weights at every decode step: at
-  the issue-9 peer shape the rollout took 1.6-2.6 s with "ladder" and 2.2-2.9 s with "blocks" in
-  separate noisy runs, scripts/bench_rl.py --config=configs/tiny.py:peer); a decode step with fewer slots than experts runs
-  "gather" and so touches only the experts its tokens chose. Never "capacity": only an explicit
-  `capacity` drops tokens.
+  and decode (no gradients; a decode step's blocks of a few rows each re-read their expert's weights:
+  at the issue-9 peer shape the rollout took 0.67-0.87 s with "ladder" and 1.16-1.25 s with "blocks",
+  two alternating pairs of scripts/bench_rl.py --config=configs/tiny.py:peer); a decode step with
+  fewer slots than experts runs "gather" and so touches only the experts its tokens chose. Never
+  "capacity": only an explicit `capacity` drops tokens.
 
   Args:
     backend: the platform the experts run on ("cpu", "tpu", "gpu").

@@ -204,11 +204,7 @@ def test_generation_with_int8_weights_is_close_and_takes_int8_arguments():
   """Greedy rollouts on int8 weights match full precision's tokens and log-probs closely; the
   generation program's arguments are the int8 weights (+ scales): the weight bytes shrink to about a
   quarter of float32's, and the compiled program's arguments by that difference."""
-  # moe.dispatch=blocks: `ladder` (auto's generation choice on CPU) passes each layer's dequantised
-  # experts into its lax.switch, materialising them once per layer; in this one-layer-per-stack model
-  # that cannot be told apart from hoisting the dequantisation out of the decode loop, which the
-  # memory check below is there to catch.
-  opts = ("rl.tis_level=token", "rl.group_size=2", "rl.max_new_tokens=6", "moe.dispatch=blocks")
+  opts = ("rl.tis_level=token", "rl.group_size=2", "rl.max_new_tokens=6")
   _, _, _, params, rest = _model()
   tokens, mask = TOK.encode_batch(["1+2=", "rev abcd="], length=8, padding="left")
   key = jax.random.key(0)
@@ -234,9 +230,13 @@ def test_generation_with_int8_weights_is_close_and_takes_int8_arguments():
   assert 0.70 * weight_bytes < saved < 0.75 * weight_bytes  # int8 values + one float32 scale per column
   full_memory, int8_memory = full_program.memory_analysis(), int8_program.memory_analysis()
   assert full_memory.argument_size_in_bytes - int8_memory.argument_size_in_bytes == saved
-  # Dequantised per layer inside the loops: the int8 program's extra temporaries stay below one
-  # layer's full-precision weights (hoisted out of the decode loop they would be all of them).
-  assert int8_memory.temp_size_in_bytes - full_memory.temp_size_in_bytes < max(stack_bytes.values())
+  # Dequantised per layer inside the loops: the int8 program's extra temporaries stay below the
+  # quantised weights' full-precision bytes. Hoisted out of the decode loop (dequantize_layer without
+  # its optimization barrier) they are all of them: 245,888 bytes extra against 245,760 of weights,
+  # and 198,128 with the barrier. (Each MoE layer's dispatch, `ladder` or `blocks`, materialises the
+  # layer's dequantised experts, so the margin is small in this one-layer-per-stack model; with more
+  # layers XLA did not hoist even without the barrier.)
+  assert int8_memory.temp_size_in_bytes - full_memory.temp_size_in_bytes < weight_bytes
 
 
 def test_int8_weights_keep_the_parameter_sharding(devices):
