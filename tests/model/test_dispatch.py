@@ -269,6 +269,13 @@ def test_block_swiglu_matches_gathered_weights_and_stops_at_the_last_used_block(
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
   assert not np.asarray(out[used:]).any() and not np.asarray(grads[0][used:]).any()
   assert np.abs(np.asarray(grads[1].gate[1])).max() > 0 and not np.asarray(grads[1].gate[0]).any()
+  # bfloat16 operands: bfloat16 outputs and gradients, within bfloat16's rounding of the fp32 ones
+  bf16 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.bfloat16), tree)  # noqa: E731
+  (grads16, out16) = jax.jit(jax.grad(loss(ours), argnums=(0, 1), has_aux=True))(bf16(block_xs), bf16(w))
+  assert out16.dtype == jnp.bfloat16 and {g.dtype for g in jax.tree.leaves(grads16)} == {jnp.dtype(jnp.bfloat16)}
+  for got, want in zip(jax.tree.leaves(grads16), jax.tree.leaves(grads)):
+    want = np.asarray(want)
+    assert np.abs(np.asarray(got, np.float32) - want).max() < 0.02 * np.abs(want).max()
 
 
 def test_blocks_layout_counts_the_used_blocks():
