@@ -23,8 +23,6 @@ Axis legend: L layers, B batch, S cache length, K kv heads, H head dim, R latent
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from flax import struct

@@ -1,5 +1,6 @@
-"""Shared attention-kernel cases of tests/model (test_splash.py, test_splash_ring.py): packed inputs
-and the outputs and q/k/v gradients of several kernels on them, through the `attention_cases` fixture."""
+"""Shared attention-kernel cases of tests/model (test_splash.py, test_splash_ring.py): packed inputs,
+the outputs and q/k/v gradients of several kernels on them, and whether a call runs a Pallas kernel,
+through the `attention_cases` fixture."""
 
 import types
 
@@ -39,7 +40,13 @@ def outputs_and_grads(impls: dict, q, k, v, d_out) -> dict:
   return results
 
 
+def calls_pallas(fn, *args) -> bool:
+  """Whether fn(*args) traces a Pallas kernel call (splash attention) into its jaxpr."""
+  return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
+
+
 @pytest.fixture(scope="session")
 def attention_cases():
   """The helpers above as one namespace (test modules load by path, so they share through fixtures)."""
-  return types.SimpleNamespace(packed_inputs=packed_inputs, outputs_and_grads=outputs_and_grads)
+  return types.SimpleNamespace(packed_inputs=packed_inputs, outputs_and_grads=outputs_and_grads,
+                               calls_pallas=calls_pallas)

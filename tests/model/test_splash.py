@@ -66,9 +66,6 @@ def test_splash_without_segment_ids_equals_reference(attention_cases):
     np.testing.assert_allclose(g, g_ref, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
 
 
-def _has_splash(fn, *args) -> bool:
-  return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
-
 
 def test_kernel_config_uses_splash_only_for_self_attention(attention_cases):
   """local_kernel="splash" runs splash for a self-attention call and falls back to the jnp kernel,
@@ -79,7 +76,7 @@ def test_kernel_config_uses_splash_only_for_self_attention(attention_cases):
   assert KernelConfig("blockwise").local_kernel_name == "jnp"  # auto on CPU
   assert KernelConfig("blockwise", local_kernel="jnp").local_kernel_name == "jnp"
   call = lambda **kw: lambda q, k, v: kernel(q, k, v, scale=0.1, **kw)
-  assert _has_splash(call(q_positions=pos, kv_positions=pos, segment_ids=seg), q, k, v)
+  assert attention_cases.calls_pallas(call(q_positions=pos, kv_positions=pos, segment_ids=seg), q, k, v)
   jnp_kernel = dataclasses.replace(kernel, local_kernel="jnp")
   unsupported = {
       "cached": dict(q_positions=pos, kv_positions=pos, segment_ids=(seg, seg), cached=True),
@@ -114,7 +111,7 @@ def _with_kernel(mc: ModelConfig, local_kernel: str) -> ModelConfig:
 
 
 @pytest.mark.slow  # about 15 s on a quiet 2-core machine (two models' forward + backward compile)
-def test_model_with_splash_equals_jnp_on_rollout_layout():
+def test_model_with_splash_equals_jnp_on_rollout_layout(attention_cases):
   """The RL update's layout (rl/rollout.py): left-padded prompts and an invalid tail, both segment
   0 at position 0, real tokens segment 1. Splash and jnp agree on every real token's logits and on
   the gradient of a loss over real tokens (pad rows may differ: no real token sees them)."""
@@ -135,7 +132,7 @@ def test_model_with_splash_equals_jnp_on_rollout_layout():
       picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
       return -jnp.sum(picked * segments[:, :-1] * segments[:, 1:]), logits  # real -> real only
 
-    assert _has_splash(loss, state) == (name == "splash")
+    assert attention_cases.calls_pallas(loss, state) == (name == "splash")
     (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
     results[name] = (np.asarray(logits)[real], jax.tree.leaves(grads))
   np.testing.assert_allclose(results["splash"][0], results["jnp"][0], atol=1e-5)

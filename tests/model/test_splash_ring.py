@@ -43,9 +43,6 @@ def _inputs(attention_cases, zigzag: bool):
   return arrays
 
 
-def _has_pallas(fn, *args) -> bool:
-  return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
-
 
 @pytest.mark.parametrize("zigzag", [
     True,
@@ -83,13 +80,13 @@ def test_unsupported_calls_fall_back_and_bad_kernels_are_named(attention_cases):
   q, k, v, _, seg, pos = (jnp.asarray(x) for x in _inputs(attention_cases, True))
   call = lambda q, k, v, pos=pos, seg=seg: kernel(q, k, v, q_positions=pos, kv_positions=pos,  # noqa: E731
                                                   segment_ids=seg, scale=0.2)
-  assert _has_pallas(call, q, k, v)
+  assert attention_cases.calls_pallas(call, q, k, v)
   short = (q[:, :512], k[:, :512], v[:, :512])  # chunks of 64 tokens
   reason = splash_ring.unsupported_reason(short[0], short[1], mesh=mesh, q_positions=pos, kv_positions=pos,
                                           segment_ids=seg, zigzag=True)
   assert reason == "length 512 is not a multiple of 8 chunks x 128 lanes (mesh.sequence=4, zigzag)"
   short_call = lambda q, k, v: call(q, k, v, pos=pos[:, :512], seg=seg[:, :512])  # noqa: E731
-  assert not _has_pallas(short_call, *short)
+  assert not attention_cases.calls_pallas(short_call, *short)
   jnp_kernel = dataclasses.replace(kernel, local_kernel="jnp")
   np.testing.assert_allclose(
       jax.jit(short_call)(*short),
@@ -98,7 +95,7 @@ def test_unsupported_calls_fall_back_and_bad_kernels_are_named(attention_cases):
   for kw in (dict(q_positions=pos, kv_positions=pos + 0, segment_ids=seg),
              dict(q_positions=pos, kv_positions=pos, segment_ids=(seg, seg))):
     assert splash_ring.unsupported_reason(q, k, mesh=mesh, zigzag=True, **kw) is not None
-    assert not _has_pallas(lambda q, k, v, kw=kw: kernel(q, k, v, scale=0.2, **kw), q, k, v)
+    assert not attention_cases.calls_pallas(lambda q, k, v, kw=kw: kernel(q, k, v, scale=0.2, **kw), q, k, v)
   with pytest.raises(ValueError, match=r"local_kernel='splash' needs attention.impl='blockwise' or "
                                        r"'ring', got 'reference'"):
     KernelConfig("reference", local_kernel="splash")
@@ -116,7 +113,7 @@ def _with_kernel(mc: ModelConfig, local_kernel: str) -> ModelConfig:
 
 
 @pytest.mark.parametrize("zigzag", [True, False])
-def test_model_equals_the_jnp_ring_in_either_layout(zigzag):
+def test_model_equals_the_jnp_ring_in_either_layout(attention_cases, zigzag):
   """fsdp=2 x sequence=2 x tensor=2 (heads split too), a packed batch of 512 tokens: the model's logits
   and every parameter gradient of a next-token loss equal the jnp ring's, on a zigzag batch given to
   the model copy told so (`with_kernel(inputs_zigzag=True)`, as the RL update and SFT do) and on a
@@ -144,7 +141,7 @@ def test_model_equals_the_jnp_ring_in_either_layout(zigzag):
       picked = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
       return -jnp.sum(picked * weights) / jnp.sum(weights), logits
 
-    assert _has_pallas(loss, state) == (name == "splash")
+    assert attention_cases.calls_pallas(loss, state) == (name == "splash")
     (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
     results[name] = (value, logits, jax.tree.leaves(grads))
   np.testing.assert_allclose(results["splash"][0], results["jnp"][0], rtol=1e-6)
@@ -153,7 +150,7 @@ def test_model_equals_the_jnp_ring_in_either_layout(zigzag):
     np.testing.assert_allclose(g, g_jnp, atol=1e-5, rtol=1e-4)
 
 
-def test_ring_prefill_with_splash_equals_the_jnp_ring_prefill():
+def test_ring_prefill_with_splash_equals_the_jnp_ring_prefill(attention_cases):
   """Two prompts of up to 500 tokens, left-padded, in a 512-slot cache on data=2 x sequence=2 x
   tensor=2, zigzag: the prefill's block pairs run on splash (keys and values read back from the
   token-order cache and put in the queries' layout) and every layer's cache entries and the next-token
@@ -171,7 +168,7 @@ def test_ring_prefill_with_splash_equals_the_jnp_ring_prefill():
     mesh = make_mesh(cfg.mesh)
     model = build_model(ModelConfig.from_config(cfg, mesh), mesh)
     prefill = lambda p, m, model=model: prefill_prompts(model, p, m, prompt_len + new)[:2]  # noqa: E731
-    assert _has_pallas(prefill, prompts, mask) == (name == "splash")
+    assert attention_cases.calls_pallas(prefill, prompts, mask) == (name == "splash")
     results[name] = jax.jit(prefill)(prompts, mask)
   (cache, logits), (cache_jnp, logits_jnp) = results["splash"], results["jnp"]
   assert cache.max_len == 512
@@ -224,7 +221,7 @@ def test_a_full_cache_call_in_token_order_is_not_taken_for_zigzag(attention_case
   kw = dict(q_positions=pos, kv_positions=pos + 0, segment_ids=(seg, seg + 0), scale=0.2, cached=True)
   splash_kernel = KernelConfig("ring", 128, 128, mesh, local_kernel="splash", zigzag=True)
   jnp_kernel = dataclasses.replace(splash_kernel, local_kernel="jnp")
-  assert _has_pallas(lambda q, k, v: splash_kernel(q, k, v, **kw), q, k, v)
+  assert attention_cases.calls_pallas(lambda q, k, v: splash_kernel(q, k, v, **kw), q, k, v)
   np.testing.assert_allclose(jax.jit(lambda q, k, v: splash_kernel(q, k, v, **kw))(q, k, v),
                              jax.jit(lambda q, k, v: jnp_kernel(q, k, v, **kw))(q, k, v), atol=1e-5)
 
