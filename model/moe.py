@@ -345,7 +345,7 @@ class MoE(nnx.Module):
                                                  weights=self.ep_weights, d_axes=self.ep_d_axes)
     elif per_device is not None:  # each device dispatches its own tokens (model/moe_local.py)
       ys, dropped = moe_local.run_per_device(implementation, xs, indices, weights, experts, mesh=self.mesh,
-                                             capacity_factor=self.capacity_factor)
+                                             capacity_factor=self.capacity_factor, d_axes=self.ep_d_axes)
     else:
       ys, dropped = moe_dispatch.run(implementation, xs, indices, weights, experts,
                                      capacity_factor=self.capacity_factor)
