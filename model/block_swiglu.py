@@ -34,22 +34,24 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
   return jnp.matmul(a, b, preferred_element_type=jnp.float32)
 
 
-def _forward(block_xs, block_experts, used_blocks, gate_w, up_w, down_w):
-  """Outputs [G, b, D] and the pre-activations gate, up [G, b, F] (the backward's residuals)."""
+def _forward(block_xs, block_experts, used_blocks, gate_w, up_w, down_w, *, keep_residuals: bool):
+  """Outputs [G, b, D], and with `keep_residuals` the pre-activations gate, up [G, b, F] (the
+  backward's residuals; a call without gradients writes only the outputs)."""
   num_blocks, block, _ = block_xs.shape
   hidden = gate_w.shape[2]
 
   def body(g, carry):
-    out, gates, ups = carry
     e, x = block_experts[g], block_xs[g]  # x [b, D]
     gate = _dot(x, gate_w[e]).astype(x.dtype)  # [b, F]
     up = _dot(x, up_w[e]).astype(x.dtype)
     y = _dot(jax.nn.silu(gate) * up, down_w[e]).astype(x.dtype)  # [b, D]
-    return out.at[g].set(y), gates.at[g].set(gate), ups.at[g].set(up)
+    out = carry[0].at[g].set(y)
+    return (out, carry[1].at[g].set(gate), carry[2].at[g].set(up)) if keep_residuals else (out,)
 
   operands = (block_xs, block_experts, gate_w, up_w, down_w)
   zeros = lambda width: match_vma(jnp.zeros((num_blocks, block, width), block_xs.dtype), *operands)  # noqa: E731
-  return jax.lax.fori_loop(0, used_blocks, body, (zeros(down_w.shape[2]), zeros(hidden), zeros(hidden)))
+  init = (zeros(down_w.shape[2]), zeros(hidden), zeros(hidden)) if keep_residuals else (zeros(down_w.shape[2]),)
+  return jax.lax.fori_loop(0, used_blocks, body, init)
 
 
 def block_swiglu(block_xs: jax.Array, block_experts: jax.Array, used_blocks: jax.Array,
@@ -78,11 +80,11 @@ def block_swiglu(block_xs: jax.Array, block_experts: jax.Array, used_blocks: jax
 
 @jax.custom_vjp
 def _block_swiglu(block_xs, block_experts, used_blocks, gate_w, up_w, down_w):
-  return _forward(block_xs, block_experts, used_blocks, gate_w, up_w, down_w)[0]
+  return _forward(block_xs, block_experts, used_blocks, gate_w, up_w, down_w, keep_residuals=False)[0]
 
 
 def _block_swiglu_fwd(block_xs, block_experts, used_blocks, gate_w, up_w, down_w):
-  out, gates, ups = _forward(block_xs, block_experts, used_blocks, gate_w, up_w, down_w)
+  out, gates, ups = _forward(block_xs, block_experts, used_blocks, gate_w, up_w, down_w, keep_residuals=True)
   return out, (block_xs, block_experts, used_blocks, gate_w, up_w, down_w, gates, ups)
 
 

@@ -13,8 +13,9 @@ gathered over the D-split axes once in the forward and once more in the backward
 every dense weight (their gradients are reduce-scattered back by the gather's transpose); F stays
 split over 'tensor' and the outputs are summed over it. Kept for the backward instead, the gathered
 experts of every layer of a scan stayed alive at once: at fsdp=8 with 8 layers the peer-shape
-update's temporaries went from 228 to 110 MiB per device when the backward gathered again. Exact dispatchers give the global result; "capacity" sizes its buffers from the
-device's own n tokens (per-device capacity, as MaxText and GShard count it).
+update's temporaries went from 228 to 110 MiB per device when the backward gathered again. Exact
+dispatchers give the global result; "capacity" sizes its buffers from the device's own n tokens
+(per-device capacity, as MaxText and GShard count it).
 
 Generation calls (prefill, decode) keep the global program: in a decode loop XLA hoists the
 loop-invariant weight gathers out of the loop, so every layer's gathered experts would stay alive
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
 
 from meshrl.model import moe_dispatch
@@ -49,20 +49,16 @@ def local_token_count(mesh: Mesh | None, num_tokens: int) -> int | None:
   return num_tokens // shards
 
 
-GATHERED_WEIGHTS = "moe_local_gathered_expert_weights"  # checkpoint name: recomputed, never saved
-
-
 def run_per_device(name: str, xs: jax.Array, expert_choices: jax.Array, combine_weights: jax.Array,
                    w: ExpertWeights, *, mesh: Mesh, capacity_factor: float,
                    d_axes: tuple[str, ...] = (FSDP_AXIS,)) -> tuple[jax.Array, jax.Array]:
   """moe_dispatch.run(name, ...) inside shard_map, each device on its own tokens.
 
   The weights enter split as the parameter rules lay them out (D over `d_split_axes`, F over
-  'tensor') and are all-gathered over D inside. The gathered copies are marked (`GATHERED_WEIGHTS`)
-  and the call is checkpointed so that everything but them is saved for the backward pass, which
-  gathers them again, as FSDP does: saved, every layer's gathered experts would stay alive until
-  its backward (a scan of L layers stacks them: L x E x 3 x D x F per device, the whole model's
-  experts on every device).
+  'tensor') and are all-gathered over D inside. The call is checkpointed so that everything but the
+  all-gathers' outputs is saved for the backward pass, which gathers the weights again, as FSDP does:
+  saved, every layer's gathered experts would stay alive until its backward (a scan of L layers
+  stacks them: L x E x 3 x D x F per device, the whole model's experts on every device).
 
   Args:
     xs: [N, D] tokens, N divisible by the token shards (`local_token_count` is not None).
@@ -84,16 +80,16 @@ def run_per_device(name: str, xs: jax.Array, expert_choices: jax.Array, combine_
     if d_split:
       gate_, up_ = (jax.lax.all_gather(x, d_split, axis=1, tiled=True) for x in (gate_, up_))
       down_ = jax.lax.all_gather(down_, d_split, axis=2, tiled=True)
-      gate_, up_, down_ = (checkpoint_name(x, GATHERED_WEIGHTS) for x in (gate_, up_, down_))
     ys_, dropped_ = moe_dispatch.run(name, xs_, choices_, weights_, ExpertWeights(gate_, up_, down_),
                                      capacity_factor=capacity_factor)
     if tensor:  # each device's hidden F-slice gave a partial sum of every output
       ys_ = jax.lax.psum(ys_, TENSOR_AXIS)
     return ys_, jax.lax.psum(dropped_.astype(jnp.int32), axes) if axes else dropped_
 
+  def policy(prim, *_, **__) -> bool:  # save all but the gathered weights (the only all-gathers here)
+    return prim.name != "all_gather"
+
   tokens = PartitionSpec(axes or None)
-  def policy(prim, *_, **params) -> bool:  # save all but the gathered weights (and their gathers)
-    return not (prim.name == "all_gather" or params.get("name") == GATHERED_WEIGHTS)
   run_ = jax.shard_map(jax.checkpoint(local, policy=policy), mesh=mesh,
                        in_specs=(tokens, tokens, tokens, *specs), out_specs=(tokens, PartitionSpec()))
   return run_(xs, expert_choices, combine_weights, w.gate, w.up, w.down)

@@ -265,6 +265,8 @@ def test_block_swiglu_matches_gathered_weights_and_stops_at_the_last_used_block(
   (grads, out) = jax.jit(jax.grad(loss(ours), argnums=(0, 1), has_aux=True))(block_xs, w)
   (want_grads, want_out) = jax.grad(loss(gathered), argnums=(0, 1), has_aux=True)(block_xs, w)
   np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), atol=1e-5, rtol=0)
+  # a call without gradients takes the primal path, which keeps no residuals: the same outputs
+  np.testing.assert_array_equal(np.asarray(jax.jit(ours)(block_xs, w)), np.asarray(out))
   for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
   assert not np.asarray(out[used:]).any() and not np.asarray(grads[0][used:]).any()

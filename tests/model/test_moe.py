@@ -10,9 +10,12 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from meshrl import configs
+from meshrl.model.init import build_model
 from meshrl.model.moe import (MoE, RouterBias, expert_load, load_balancing_loss, route,
                               router_z_loss, update_router_bias)
 from meshrl.model.params import sharded_init
+from meshrl.model.transformer import ModelConfig
 from meshrl.sharding import make_mesh
 
 B, T, D, F, E, K = 8, 4, 16, 8, 8, 2
@@ -379,9 +382,6 @@ def test_per_device_dispatch_keeps_no_gathered_experts_for_the_backward(devices)
   (D split over fsdp) in the forward and again in the backward, as FSDP does: the compiled
   forward + backward needs less temporary memory than half of all layers' gathered experts. Saved for
   the backward, the gathered copies of every layer stayed alive at once (blocks and dropless alike)."""
-  from meshrl import configs  # pylint: disable=import-outside-toplevel
-  from meshrl.model.init import build_model  # pylint: disable=import-outside-toplevel
-  from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
   layers, experts, embed, hidden = 8, 8, 64, 256
   cfg = configs.load("configs/tiny.py", [
       f"model.num_layers={layers}", "moe.first_k_dense=0", f"model.embed_dim={embed}", "model.head_dim=16",
