@@ -23,6 +23,9 @@ Sections (each a function `section_NAME(args, cfg) -> dict` of JSON keys, regist
   update    (helper B) update_padded_s, update_packed_s
   step      RL step time (rl_step) synchronous vs asynchronous (rl.max_staleness=1) when scoring
             takes about as long as generation (keys `step_sync_s`, `step_async_s`; `step_detail`)
+  floor     the static rollout at the config's own batch as configured, with the experts' matmuls
+            at the mean load and no dispatch (the floor of any exact dispatch), and with no experts
+            (`floor_detail`); e.g. --cpu_devices=2 --config=configs/tiny.py:peer --sections floor
   ladder    the static rollout at the config's own batch with `ladder`'s capacities 1.3x apart
             against doubling ones, alternating, best of --repeats (`ladder_detail`); e.g.
             --cpu_devices=2 --config=configs/tiny.py:peer --sections ladder --repeats 8
@@ -41,7 +44,7 @@ from meshrl.configs import cli
 def _flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--json", required=True, help="where to write the results")
   parser.add_argument("--sections", default="rollout", help="comma-separated: " + ",".join(
-      ["rollout", "update", "step", "ladder"]))
+      ["rollout", "update", "step", "ladder", "floor"]))
   parser.add_argument("--prompts", type=int, default=32, help="rollout: distinct prompts")
   parser.add_argument("--group_size", type=int, default=8, help="rollout: samples per prompt")
   parser.add_argument("--slots", type=int, default=64, help="rollout: decode slots of the engine")
@@ -70,6 +73,18 @@ def _best_time(fn, repeats: int):
     out = jax.block_until_ready(fn())
     best = min(best, time.perf_counter() - t0)
   return best, out
+
+
+def _alternating_best(programs: dict, repeats: int) -> dict:
+  """{name: best seconds} of compiled zero-argument programs called in turn, A B A B, `repeats` rounds."""
+  import jax  # pylint: disable=import-outside-toplevel
+  best = {name: float("inf") for name in programs}
+  for _ in range(repeats):
+    for name, fn in programs.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      best[name] = min(best[name], time.perf_counter() - t0)
+  return best
 
 
 def _rev_prompts(tok, count: int, length: int):
@@ -324,12 +339,7 @@ def section_ladder(args, cfg) -> dict:
       outputs[name] = jax.block_until_ready(programs[name]())  # traces and compiles with these rungs
     finally:
       moe_dispatch.ladder_rungs = original
-  best = {name: float("inf") for name in programs}
-  for _ in range(args.repeats):
-    for name, fn in programs.items():
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn())
-      best[name] = min(best[name], time.perf_counter() - t0)
+  best = _alternating_best(programs, args.repeats)
   generated = int(np.asarray(outputs["rungs_1.3x"].lengths).sum())
   detail = {name: {"seconds": best[name], "tokens_per_s": generated / best[name]} for name in programs}
   detail.update(samples=prompts * cfg.rl.group_size, max_new_tokens=cfg.rl.max_new_tokens,
@@ -341,8 +351,82 @@ def section_ladder(args, cfg) -> dict:
   return {"ladder_detail": detail}
 
 
+def _balanced_experts(xs, expert_choices, combine_weights, w, **_):
+  """Benchmark stand-in for an exact dispatcher (outputs meaningless): every expert computes
+  ceil(N * K / E) rows, the mean load, with no sort, gather or scatter; the routing stays in the
+  program. The time no dispatch of this routing's slots can beat at this batch."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  num_tokens, k = expert_choices.shape
+  num_experts = w.gate.shape[0]
+  rows = -(-num_tokens * k // num_experts)
+  expert_in = jnp.resize(xs, (num_experts * rows, xs.shape[1])).reshape(num_experts, rows, -1)  # [E, r, D]
+  hidden = jax.nn.silu(jnp.einsum("erd,edf->erf", expert_in, w.gate)) * jnp.einsum("erd,edf->erf", expert_in, w.up)
+  ys = jnp.einsum("erf,efd->erd", hidden, w.down).reshape(num_experts * rows, -1)[:num_tokens]
+  return ys + _keep_routing(expert_choices, combine_weights, xs.dtype), jnp.zeros((), jnp.int32)
+
+
+def _routing_only(xs, expert_choices, combine_weights, w, **_):  # pylint: disable=unused-argument
+  """Benchmark stand-in: no expert computes anything (ys = 0); the routing stays in the program."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  return jnp.zeros_like(xs) + _keep_routing(expert_choices, combine_weights, xs.dtype), jnp.zeros((), jnp.int32)
+
+
+def _keep_routing(expert_choices, combine_weights, dtype):
+  """A zero that depends on the routing, so the compiler keeps the router and top-k."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  return ((jnp.sum(combine_weights) + jnp.sum(expert_choices)) * 0).astype(dtype)
+
+
+def section_floor(args, cfg) -> dict:
+  """Where the sampler's time goes: the static rollout at the config's own batch (as `ladder`: stop
+  tokens off, every sample runs rl.max_new_tokens) three ways, alternating, best of --repeats:
+    configured        the config's dispatch
+    balanced_experts  every dispatcher replaced by `_balanced_experts` (the experts' matmuls at the
+                      mean load, nothing else): the floor for any exact dispatch of these slots
+    routing_only      the experts replaced by zeros (router and top-k kept): the rest of the model
+  The stand-ins are patched into moe_dispatch.IMPLEMENTATIONS while the program traces (benchmark only).
+  `dispatch_overhead_s` = configured - balanced_experts, `experts_floor_s` = balanced - routing_only."""
+  # pylint: disable=import-outside-toplevel
+  import functools
+
+  import jax
+  import numpy as np
+
+  from meshrl.model import moe_dispatch
+  from meshrl.model.tokenizer import ByteTokenizer
+  from meshrl.rl.rollout import make_rollout
+  # pylint: enable=import-outside-toplevel
+  tok = ByteTokenizer()
+  mesh, state = _fresh_state(cfg)
+  tokens, mask = _rev_prompts(tok, cfg.rl.prompts_per_step, cfg.rl.max_prompt_len)
+  key = jax.random.key(cfg.seed)
+  programs, generated = {}, 0
+  original = dict(moe_dispatch.IMPLEMENTATIONS)
+  for name, stand_in in (("configured", None), ("balanced_experts", _balanced_experts),
+                         ("routing_only", _routing_only)):
+    rollout = make_rollout(cfg, mesh, stop_ids=(), pad_id=tok.pad_id)
+    programs[name] = functools.partial(rollout, state.params, state.extra, tokens, mask, key)
+    if stand_in is not None:
+      moe_dispatch.IMPLEMENTATIONS.update({impl: stand_in for impl in original})
+    try:
+      out = jax.block_until_ready(programs[name]())  # traces and compiles with the stand-in
+    finally:
+      moe_dispatch.IMPLEMENTATIONS.update(original)
+    generated = max(generated, int(np.asarray(out.lengths).sum()))
+  best = _alternating_best(programs, args.repeats)
+  detail = {name: {"seconds": best[name], "tokens_per_s": generated / best[name]} for name in programs}
+  detail.update(samples=cfg.rl.prompts_per_step * cfg.rl.group_size, max_new_tokens=cfg.rl.max_new_tokens,
+                generated_tokens=generated,
+                dispatch_overhead_s=best["configured"] - best["balanced_experts"],
+                experts_floor_s=best["balanced_experts"] - best["routing_only"])
+  for name in programs:
+    print(f"  {name:<17} {best[name]:8.3f} s  {generated / best[name]:10.0f} tokens/s", flush=True)
+  return {"floor_detail": detail}
+
+
 SECTIONS = {"rollout": section_rollout, "update": section_update, "step": section_step,
-            "ladder": section_ladder}
+            "ladder": section_ladder, "floor": section_floor}
 
 
 def print_table(report: dict) -> None:
@@ -384,6 +468,15 @@ def print_table(report: dict) -> None:
     for name in ("rungs_1.3x", "rungs_2x"):
       print(f"{name:<11} {detail[name]['seconds']:8.3f} {detail[name]['tokens_per_s']:10.0f}")
     print(f"1.3x over 2x: {detail['speedup']:.2f}x faster; same tokens: {detail['same_tokens']}")
+  detail = report.get("floor_detail")
+  if detail:
+    print(f"\nsampler floor: static rollout of {detail['samples']} samples x {detail['max_new_tokens']} "
+          f"tokens ({detail['generated_tokens']} generated), best of the alternating calls")
+    print(f"{'experts':<17} {'seconds':>8} {'tokens/s':>10}")
+    for name in ("configured", "balanced_experts", "routing_only"):
+      print(f"{name:<17} {detail[name]['seconds']:8.3f} {detail[name]['tokens_per_s']:10.0f}")
+    print(f"dispatch overhead over the balanced floor {detail['dispatch_overhead_s']:.3f} s; experts at the "
+          f"floor {detail['experts_floor_s']:.3f} s; the rest {detail['routing_only']['seconds']:.3f} s")
 
 
 def main(argv):

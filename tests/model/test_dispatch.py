@@ -279,6 +279,24 @@ def test_block_swiglu_matches_gathered_weights_and_stops_at_the_last_used_block(
     want = np.asarray(want)
     assert np.abs(np.asarray(got, np.float32) - want).max() < 0.02 * np.abs(want).max()
 
+def test_block_swiglu_sums_an_experts_weight_gradients_in_float32():
+  """bfloat16 operands, 512 blocks of one expert, every block's weight gradient the same positive
+  matrix: the per-expert sums are accumulated in float32 (within bfloat16's final rounding of 512x
+  one block's gradient). Summed in bfloat16 instead, each running sum stops growing once a block's
+  term falls under half its spacing (8 bits of mantissa: near 256 terms), about half the true sum."""
+  blocks, rows, width = 512, 4, 8
+  x = jnp.full((blocks, rows, width), 0.5, jnp.bfloat16)
+  w = ExpertWeights(*(jnp.full((1, width, width), 0.125, jnp.bfloat16) for _ in range(3)))
+  experts = jnp.zeros((blocks,), jnp.int32)
+  grads = jax.jit(jax.grad(lambda w: jnp.sum(block_swiglu(x, experts, jnp.int32(blocks), *w)
+                                             .astype(jnp.float32))))(w)
+  one_block = jax.grad(lambda w: jnp.sum(block_swiglu(x[:1].astype(jnp.float32), experts[:1], jnp.int32(1),
+                                                      *jax.tree.map(lambda a: a.astype(jnp.float32), w))))(w)
+  for got, per_block in zip(jax.tree.leaves(grads), jax.tree.leaves(one_block)):
+    want = blocks * np.asarray(per_block, np.float64)
+    assert got.dtype == jnp.bfloat16 and np.all(want > 0)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 ** -8)
+
 
 def test_blocks_layout_counts_the_used_blocks():
   """`_block_layout`'s used_blocks is sum_e ceil(count_e / b): the loop's trip count."""
