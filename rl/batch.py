@@ -13,10 +13,10 @@ from typing import Iterator
 import numpy as np
 
 from meshrl.model.tokenizer import Tokenizer
-from meshrl.rl import routes
+from meshrl.rl import rows as rows_lib
 from meshrl.rl.batches import ScoredBatch
 from meshrl.rl.rewards import overlong_penalty
-from meshrl.rl.routes import RoutingRows
+from meshrl.rl.rows import DeviceRows
 from meshrl.rl.scoring import RewardPool
 
 
@@ -62,9 +62,8 @@ def score_rollout(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool
   DAPO overlong shaping adds a penalty (<= 0) to the reward of responses within `overlong_buffer`
   tokens of the budget; `correct` keeps the unshaped task reward.
   """
-  response = np.where(arrays["response_mask"], arrays["tokens"], tokenizer.pad_id)
-  prompt_len = arrays["tokens"].shape[1] - max_new_tokens
-  texts = tokenizer.decode_batch(response[:, prompt_len:])
+  columns = response_columns(arrays, max_new_tokens)
+  texts = tokenizer.decode_batch(np.where(columns["response_mask"], columns["tokens"], tokenizer.pad_id))
   per_sample = [ex for ex in examples for _ in range(group_size)]
   rewards, info = pool.score(texts, per_sample)
   correct = rewards.astype(np.float32)
@@ -73,6 +72,16 @@ def score_rollout(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool
   return ScoredBatch(arrays=arrays, rewards=shaped.astype(np.float32), correct=correct,
                      sample_valid=np.ones(len(texts), bool),
                      domains=[str(ex.get("domain", "")) for ex in per_sample], texts=texts, info=info)
+
+
+def response_columns(arrays: dict, max_new_tokens: int, names: tuple[str, ...] = ("tokens", "response_mask")
+                     ) -> dict[str, np.ndarray]:
+  """The response columns [B, N] (the last N = max_new_tokens) of the per-token fields `names` as host
+  numpy. A field kept on the devices (rl/rows.DeviceRows) is sliced there and all-gathered, so with
+  several processes every host calls this with the same rows."""
+  columns = slice(-max_new_tokens, None)
+  return {name: arrays[name].to_host(columns) if isinstance(arrays[name], DeviceRows)
+          else np.asarray(arrays[name])[:, columns] for name in names}
 
 
 def informative_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
@@ -89,7 +98,7 @@ def empty_scored(arrays: dict) -> ScoredBatch:
 
 
 # Fill of padding rows per RolloutBatch field (everything else 0 / False: no token is real).
-_PAD_FILL = {"policy_version": -1}
+PAD_FILL = {"policy_version": -1}
 
 
 def select_groups(rollouts: list[ScoredBatch], *, num_groups: int, group_size: int,
@@ -118,14 +127,18 @@ def select_groups(rollouts: list[ScoredBatch], *, num_groups: int, group_size: i
     return np.concatenate([value, np.full((blank,) + value.shape[1:], fill, value.dtype)])
 
   def gather(get, fill=0):
-    parts = [get(rollouts[r])[rows(r, g)] for r, g, _ in pieces]
-    if isinstance(get(rollouts[0]), RoutingRows):  # routes stay on the devices: rows only
-      return routes.concatenate(parts or [get(rollouts[0])[:0]], blank)
-    return padded(np.concatenate(parts) if parts else get(rollouts[0])[:0], fill)
+    values = [get(rollout) for rollout in rollouts]
+    on_devices = [isinstance(v, DeviceRows) for v in values]
+    if all(on_devices):  # the samples stay on the devices: rows only (rl/rows.py)
+      return rows_lib.concatenate([values[r][rows(r, g)] for r, g, _ in pieces] or [values[0][:0]], blank)
+    if any(on_devices):  # a round restored from a checkpoint (host arrays) among rounds on the devices
+      values = [v.to_host() if isinstance(v, DeviceRows) else v for v in values]
+    parts = [values[r][rows(r, g)] for r, g, _ in pieces]
+    return padded(np.concatenate(parts) if parts else values[0][:0], fill)
 
   def gather_list(get):
     return [item for r, g, _ in pieces for item in get(rollouts[r])[rows(r, g)]] + [""] * blank
-  arrays = {k: gather(lambda ro, k=k: ro.arrays[k], _PAD_FILL.get(k, 0)) for k in rollouts[0].arrays}
+  arrays = {k: gather(lambda ro, k=k: ro.arrays[k], PAD_FILL.get(k, 0)) for k in rollouts[0].arrays}
   valid = padded(np.repeat(np.array([u or not dynamic for _, _, u in pieces], bool), group_size))
   return ScoredBatch(arrays=arrays, rewards=gather(lambda ro: ro.rewards),
                      correct=gather(lambda ro: ro.correct), sample_valid=valid,

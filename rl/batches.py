@@ -1,8 +1,11 @@
 """The typed hand-over between the RL stages: RolloutBatch -> ScoredBatch -> UpdateBatch.
 
   rollout (jit)  -> RolloutBatch   tokens and behaviour log-probs, per generated token (rollout.py)
-  score (host)   -> ScoredBatch    + rewards, per-sample domains and texts, valid samples (numpy)
-  prepare (host) -> UpdateBatch    prediction-aligned arrays, + advantages and the optional parts
+  score (host)   -> ScoredBatch    + rewards, per-sample domains and texts, valid samples; the
+                                   per-token fields stay on the devices (rl/rows.DeviceRows)
+  prepare        -> UpdateBatch    prediction-aligned arrays, + advantages and the optional parts,
+                                   built on the devices (`align_on_devices`; host arrays from
+                                   partial rollouts and multi-turn episodes: `align_for_update`)
   update (jit)   <- UpdateBatch    checked against the LossSpec before it is jitted on
 
 An `UpdateBatch` is laid out by *predicting position*: row b, column s holds the input token
@@ -22,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
 
 from meshrl.model.ring_attention import zigzag
 from meshrl.rl.routes import routes_sharding
@@ -29,11 +33,12 @@ from meshrl.rl.routes import routes_sharding
 
 @dataclasses.dataclass
 class ScoredBatch:
-  """One step's samples on the host, scored (numpy, every array [B, ...], groups contiguous).
+  """One step's samples, scored (every array [B, ...], groups contiguous).
 
-  `arrays` holds the RolloutBatch fields (tokens, positions, segment_ids, prompt_mask, response_mask,
-  logprobs [B, S]; lengths, truncated [B]; routing, a rl/routes.RoutingRows of [B, L, S, K] on the
-  devices, or absent for a dense model).
+  `arrays` holds the RolloutBatch fields: tokens, positions, segment_ids, prompt_mask, response_mask,
+  logprobs, policy_version [B, S] (rl/rows.DeviceRows on the devices, or numpy from partial rollouts,
+  multi-turn episodes and a checkpoint's rollouts in flight); lengths, truncated [B] (numpy); routing,
+  a rl/routes.RoutingRows of [B, L, S, K] on the devices, or absent for a dense model.
   """
   arrays: dict[str, np.ndarray]
   rewards: np.ndarray  # [B] float32: the reward the advantages see (task reward + shaping)
@@ -129,6 +134,45 @@ def align_for_update(scored: ScoredBatch) -> dict[str, np.ndarray]:
   if arrays.get("routing") is not None:  # RoutingRows: the routes stay on the devices (rl/routes.py)
     aligned["routing"] = arrays["routing"]
   return aligned
+
+
+ALIGNED_FROM = ("tokens", "positions", "segment_ids", "response_mask", "logprobs")  # what alignment reads
+
+
+def align_on_devices(scored: ScoredBatch, sharding) -> dict[str, Any]:
+  """`align_for_update` of a ScoredBatch whose per-token fields are kept on the devices
+  (rl/rows.DeviceRows): the same arrays [B, S] in contiguous sample order, built on the devices in
+  `sharding` (None: one device); only the [B] valid flags come from the host."""
+  arrays = scored.arrays
+  fields = {name: arrays[name].gather(sharding) for name in ALIGNED_FROM}
+  if sharding is None:
+    valid = jax.numpy.asarray(scored.sample_valid, bool)
+  else:  # every host process passes the same flags
+    valid = jax.device_put(np.asarray(scored.sample_valid, bool), NamedSharding(sharding.mesh, PartitionSpec()))
+  aligned = _align_program(sharding)(fields, valid)
+  if arrays.get("routing") is not None:  # RoutingRows, assembled by rl/routes.py
+    aligned["routing"] = arrays["routing"]
+  return aligned
+
+
+def _align(fields: dict, valid):
+  """align_for_update's arithmetic on device arrays [B, S] and valid [B]."""
+  jnp = jax.numpy
+  shift = lambda x, fill: jnp.concatenate([x[:, 1:], jnp.full_like(x[:, :1], fill)], axis=1)  # noqa: E731
+  tokens = fields["tokens"].astype(jnp.int32)
+  return {"tokens": tokens, "positions": fields["positions"].astype(jnp.int32),
+          "segment_ids": fields["segment_ids"].astype(jnp.int32), "targets": shift(tokens, 0),
+          "loss_mask": shift(fields["response_mask"] & valid[:, None], False),
+          "old_logprobs": shift(fields["logprobs"].astype(jnp.float32), 0.0)}
+
+
+_ALIGN_PROGRAMS: dict = {}
+
+
+def _align_program(sharding):
+  if sharding not in _ALIGN_PROGRAMS:
+    _ALIGN_PROGRAMS[sharding] = jax.jit(_align, out_shardings=sharding)
+  return _ALIGN_PROGRAMS[sharding]
 
 
 def zigzag_batch(batch: UpdateBatch, num_shards: int) -> UpdateBatch:

@@ -32,11 +32,15 @@ K experts per token.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from meshrl.model.ring_attention import zigzag
 from meshrl.rl.batches import UpdateBatch
+from meshrl.sharding import hosts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,16 +120,41 @@ class PackPlan:
 def trajectory_spans(segment_ids: np.ndarray, include: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """(start [B], length [B]) of each included sample's real tokens (segment id != 0) in the padded
   layout; length 0 for a sample left out. Raises ValueError if a sample's tokens are not contiguous."""
-  real = np.asarray(segment_ids) != 0  # [B, S]
-  lengths = np.where(include, real.sum(axis=1), 0)
-  starts = np.where(lengths > 0, np.argmax(real, axis=1), 0)
-  columns = np.arange(real.shape[1])
+  return _checked(*_spans(np.asarray(segment_ids) != 0, np.asarray(include, bool), np))
+
+
+def device_spans(segment_ids: jax.Array, include: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """`trajectory_spans` of [B, S] segment ids on the devices (kept there, rl/rows.py): only the
+  three [B] vectors come to the host."""
+  starts, lengths, broken = _spans_program()(segment_ids, jnp.asarray(np.asarray(include, bool)))
+  return _checked(*(hosts.to_host(x) for x in (starts, lengths, broken)))
+
+
+def _spans(real, include, xp):
+  """(starts, lengths, broken [B]) from real [B, S] bool and include [B]: broken marks an included
+  sample whose real tokens are not one contiguous span. numpy or jax.numpy as `xp`."""
+  lengths = xp.where(include, real.sum(axis=1), 0)
+  starts = xp.where(lengths > 0, xp.argmax(real, axis=1), 0)
+  columns = xp.arange(real.shape[1])
   span = (columns >= starts[:, None]) & (columns < (starts + lengths)[:, None])
-  broken = np.nonzero(np.any(span != (real & (lengths > 0)[:, None]), axis=1))[0]
+  return starts, lengths, xp.any(span != (real & (lengths > 0)[:, None]), axis=1)
+
+
+_SPANS: list = []
+
+
+def _spans_program():
+  if not _SPANS:
+    _SPANS.append(jax.jit(lambda segment_ids, include: _spans(segment_ids != 0, include, jnp)))
+  return _SPANS[0]
+
+
+def _checked(starts, lengths, broken) -> tuple[np.ndarray, np.ndarray]:
+  broken = np.nonzero(np.asarray(broken))[0]
   if broken.size:
     raise ValueError(f"sample {int(broken[0])}'s real tokens (segment_ids != 0) are not contiguous; "
                      "packing needs one span of prompt + response per sample.")
-  return starts.astype(np.int64), lengths.astype(np.int64)
+  return np.asarray(starts).astype(np.int64), np.asarray(lengths).astype(np.int64)
 
 
 def _fill_rows(lengths: np.ndarray, order: np.ndarray, rows: int, row_len: int, *, least_loaded: bool):
@@ -175,8 +204,13 @@ def plan_packing(segment_ids: np.ndarray, include: np.ndarray, spec: PackingSpec
   """The PackPlan of one step's padded [B, S] batch: samples with `include` [B] (the valid ones;
   groups kept only for dynamic sampling's static shape cost nothing) into spec.rows x spec.row_len."""
   segment_ids = np.asarray(segment_ids)
-  num_samples, num_columns = segment_ids.shape
-  starts, lengths = trajectory_spans(segment_ids, np.asarray(include, bool))
+  return plan_from_spans(*trajectory_spans(segment_ids, include), spec, num_columns=segment_ids.shape[1])
+
+
+def plan_from_spans(starts: np.ndarray, lengths: np.ndarray, spec: PackingSpec, *, num_columns: int) -> PackPlan:
+  """`plan_packing` from the samples' spans (`trajectory_spans` or `device_spans`; length 0: left
+  out) in a padded layout of `num_columns` columns."""
+  num_samples = len(lengths)
   row_of = assign_rows(lengths, spec.rows, spec.row_len)
   sample = np.full((spec.rows, spec.row_len), -1, np.int32)
   column = np.zeros((spec.rows, spec.row_len), np.int32)
@@ -207,9 +241,22 @@ def pack_batch(batch: UpdateBatch, plan: PackPlan) -> UpdateBatch:
       return np.moveaxis(routes, 2, 1)  # [R, L, W, K]
     return plan.pack(value, _FILLS.get(name, 0))
   fields = {f.name: pack(f.name, getattr(batch, f.name)) for f in dataclasses.fields(batch)}
-  fields["segment_ids"] = np.where(plan.valid, plan.sample + 1, 0).astype(np.int32)
-  fields["sequence_ids"] = plan.sample.astype(np.int32)
+  fields.update(_id_arrays(plan))
   return UpdateBatch(**fields)
+
+
+def _id_arrays(plan: PackPlan) -> dict[str, np.ndarray]:
+  """The packed batch's segment_ids (sample + 1, 0 on padding) and sequence_ids (sample, -1 on
+  padding) [R, W]."""
+  return {"segment_ids": np.where(plan.valid, plan.sample + 1, 0).astype(np.int32),
+          "sequence_ids": plan.sample.astype(np.int32)}
+
+
+def plan_ids(plan: PackPlan, sharding) -> dict[str, Any]:
+  """`_id_arrays` on the devices, in `sharding` (None: one device; every host process passes the
+  same plan)."""
+  ids = _id_arrays(plan)
+  return jax.tree.map(jnp.asarray, ids) if sharding is None else jax.device_put(ids, sharding)
 
 
 def packing_metrics(plan: PackPlan) -> dict[str, float]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+
 
 import jax
 import jax.numpy as jnp
@@ -34,93 +34,28 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshrl.model.ring_attention import zigzag
-from meshrl.sharding import hosts
+from meshrl.rl.rows import DeviceRows, per_source
 
 
 @dataclasses.dataclass(frozen=True)
-class RoutingRows:
-  """The routes [B, L, S, K] of B samples, kept where the rollouts left them.
+class RoutingRows(DeviceRows):
+  """The routes [B, L, S, K] of B samples, kept where the rollouts left them (rl/rows.py).
 
   sources: [L, N_i, S, K] int32 arrays (on the devices; numpy after a restore from JSON), the
     rollouts' routing as the rollout programs return it (sample axis 1).
   rows: [B] int: sample b's row in the sources concatenated on axis 1; -1 = a blank sample.
   """
-  sources: tuple[Any, ...]
-  rows: np.ndarray
-
-  def __post_init__(self):
-    shapes = {(s.shape[0], s.shape[2], s.shape[3]) for s in self.sources}
-    if len(shapes) != 1:
-      raise ValueError(f"RoutingRows: sources of different [L, S, K] shapes {sorted(shapes)}.")
-    total = sum(s.shape[1] for s in self.sources)
-    rows = np.asarray(self.rows)
-    if rows.ndim != 1 or (rows.size and (rows.min() < -1 or rows.max() >= total)):
-      raise ValueError(f"RoutingRows: rows must be a [B] vector in -1..{total - 1}.")
+  axis: int = 1
 
   @classmethod
   def of_rollout(cls, routing, rows: np.ndarray | None = None) -> "RoutingRows":
     """A rollout's routing [L, N, S, K] (its samples `rows`, default all N in order)."""
-    return cls((routing,), np.arange(routing.shape[1]) if rows is None else np.asarray(rows))
+    return cls.of(routing, rows)
 
   @classmethod
   def from_host(cls, routes: np.ndarray) -> "RoutingRows":
     """Host routes [B, L, S, K] (`to_host`'s output) as one source."""
     return cls.of_rollout(np.swapaxes(np.asarray(routes, np.int32), 0, 1))
-
-  @property
-  def shape(self) -> tuple[int, int, int, int]:
-    layers, _, length, k = self.sources[0].shape
-    return (len(self.rows), layers, length, k)
-
-  def __len__(self) -> int:
-    return len(self.rows)
-
-  def __getitem__(self, index):
-    """The samples `index` (a slice or an index array on the sample axis); one sample's routes
-    [L, S, K] as host numpy for an integer (like numpy, which drops the axis)."""
-    if isinstance(index, (int, np.integer)):
-      return self[[index]].to_host()[0]
-    return RoutingRows(self.sources, np.asarray(self.rows)[index])
-
-  def to_host(self) -> np.ndarray:
-    """[B, L, S, K] int32 numpy (collective with several processes); blank rows 0. For small
-    batches only: a checkpoint's JSON, tests."""
-    layers, length, k = self.shape[1:]
-    out = np.zeros((len(self.rows), layers, length, k), np.int32)
-    for source, local in per_source(self.sources, np.asarray(self.rows)):
-      mine = local >= 0
-      if mine.any():
-        out[mine] = np.swapaxes(hosts.to_host(source), 0, 1)[local[mine]]
-    return out
-
-
-def per_source(sources: Sequence[Any], index: np.ndarray):
-  """(source, local) for each source: `index` (rows of the sources concatenated on axis 1, any
-  shape; -1 = none) as rows of that source, -1 where they point elsewhere."""
-  start = 0
-  for source in sources:
-    count = source.shape[1]
-    yield source, np.where((index >= start) & (index < start + count), index - start, -1).astype(np.int32)
-    start += count
-
-
-def concatenate(parts: Sequence[RoutingRows], blank: int = 0) -> RoutingRows:
-  """The samples of `parts` in order, then `blank` blank samples; sources shared by several parts
-  are kept once."""
-  sources, offsets, rows = [], {}, []
-  for part in parts:
-    starts = []
-    for source in part.sources:
-      if id(source) not in offsets:
-        offsets[id(source)] = sum(s.shape[1] for s in sources)
-        sources.append(source)
-      starts.append(offsets[id(source)])
-    bounds = np.cumsum([0] + [s.shape[1] for s in part.sources])
-    local = np.asarray(part.rows)
-    which = np.searchsorted(bounds, local, side="right") - 1
-    rows.append(np.where(local < 0, -1, np.asarray(starts + [0])[which] + local - bounds[which]))
-  rows.append(np.full(blank, -1))
-  return RoutingRows(tuple(sources), np.concatenate(rows).astype(np.int64))
 
 
 def assemble(routing: RoutingRows, sharding: NamedSharding | None, *, zigzag_shards: int = 1,
@@ -144,7 +79,7 @@ def assemble(routing: RoutingRows, sharding: NamedSharding | None, *, zigzag_sha
   _, layers, _, k = routing.shape
   shape = routing.shape if plan is None else (plan.sample.shape[0], layers, plan.sample.shape[1], k)
   out = zeros_program(shape, out_sharding)()
-  for source, local in per_source(routing.sources, index):
+  for source, local in per_source(routing.sources, index, axis=1):
     out = program(out, source if isinstance(source, jax.Array) else jnp.asarray(source), local, *extra)
   return out
 

@@ -6,10 +6,12 @@
   metrics = rl_step(run, examples, key)               # one step; run.state is replaced
 
   collect   rollout(s) on the devices (jit) -> ScoredBatch, scored on the host's RewardPool, with
-            DAPO dynamic sampling
+            DAPO dynamic sampling; the samples' tokens stay on the devices (rl/rows.DeviceRows: the
+            host moves rows and pulls only the response columns it scores)
   prepare   ScoredBatch -> UpdateBatch: prediction-aligned arrays, reference log-probs and critic
-            values (jit), advantages (jit, `advantages.make_advantages`), zigzag for ring attention;
-            routing replay's MoE routes assembled on the devices (rl/routes.py), never on the host
+            values (jit), advantages (jit, `advantages.make_advantages`), zigzag for ring attention
+            or packing, built on the devices from the rows; routing replay's MoE routes assembled
+            there too (rl/routes.py), never on the host
   update    the jitted policy/critic update over epochs x minibatches (rl/update.py)
 
 Logging, evaluation and checkpoints are hooks of the driver (rl/loop.py), not part of the step. The
@@ -33,18 +35,19 @@ from meshrl.rl import advantages as adv_lib
 from meshrl.rl import losses
 from meshrl.rl import packing
 from meshrl.rl import routes
-from meshrl.rl.batch import (batch_metrics, empty_scored, informative_groups, next_prompts, score_rollout,
-                            select_groups)
-from meshrl.rl.batches import (ScoredBatch, UpdateBatch, align_for_update, device_put_batch,
-                               zigzag_batch)
+from meshrl.rl.batch import (PAD_FILL, batch_metrics, empty_scored, informative_groups, next_prompts,
+                            response_columns, score_rollout, select_groups)
+from meshrl.rl.batches import (ScoredBatch, UpdateBatch, align_for_update, align_on_devices,
+                               device_put_batch, zigzag_batch)
 from meshrl.rl.rewards import compose
 from meshrl.rl.engine import make_engine
 from meshrl.rl.layouts import sample_layout
 from meshrl.rl.partial import PartialRollouts
 from meshrl.rl.multiturn import make_multiturn, wants_multi_turn
 from meshrl.rl.multiturn_step import collect_multiturn
-from meshrl.rl.rollout import make_rollout, rollout_to_hosts
+from meshrl.rl.rollout import PER_TOKEN_FIELDS, make_rollout
 from meshrl.rl.routes import RoutingRows
+from meshrl.rl.rows import DeviceRows
 from meshrl.rl.scoring import RewardPool
 from meshrl.rl.update import make_logprob_fn, make_update
 from meshrl.sharding import hosts
@@ -125,22 +128,22 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
       multiturn=make_multiturn(cfg, mesh, tokenizer) if wants_multi_turn(cfg) else None)
 
 
-def _rollout_arrays(batch, prompts: tuple[np.ndarray, np.ndarray] | None = None,
-                    group_size: int = 1) -> dict[str, np.ndarray]:
-  """RolloutBatch (device) -> host numpy dict; the routing stays on the devices (a RoutingRows of
-  [B, L, S, K], rl/routes.py) or is dropped.
+def _rollout_arrays(batch, keep_on_devices: bool = False) -> dict:
+  """RolloutBatch (device) -> the host's dict of its fields; the routing stays on the devices (a
+  RoutingRows of [B, L, S, K], rl/routes.py) or is dropped.
 
-  With `prompts` (the tokens and mask [P, Lp] the rollout was given; every host has them) only the
-  response columns [B, Lp:] of the per-token fields come through `hosts.to_host` (all-gathered over
-  the hosts): the prompt columns are rebuilt here from the prompts (rl/rollout.prompt_columns). At
-  a 1M-token context with 8K-token responses that is 128x less to gather. None: the whole batch.
-  """
+  keep_on_devices: the per-token fields [B, S] stay where they are too, as rl/rows.DeviceRows (the
+  host moves samples by row; scoring pulls the response columns, `prepare` builds the update batch on
+  the devices): no host ever holds the batch's tokens, [B, 1M] per field at a 1M-token context.
+  The per-sample fields (lengths, truncated [B]) come to every host. False: everything to the host
+  (`hosts.to_host`: every host's samples on every host)."""
   arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
   routing = arrays.pop("routing")
-  if prompts is None:
-    arrays = jax.tree.map(hosts.to_host, arrays)  # every host's samples on every host
-  else:
-    arrays = rollout_to_hosts(arrays, *prompts, group_size)
+  for name, value in arrays.items():
+    if keep_on_devices and name in PER_TOKEN_FIELDS:
+      arrays[name] = DeviceRows.of(value, fill=PAD_FILL.get(name, 0))
+    else:
+      arrays[name] = hosts.to_host(value)
   if routing is not None:
     arrays["routing"] = RoutingRows.of_rollout(routing)
   return arrays
@@ -152,14 +155,13 @@ class InFlight:
   examples: list  # the P task examples of its groups
   batch: Any  # RolloutBatch on the devices, possibly still being computed (host arrays once restored)
   version: int  # policy version of the parameters that generated it
-  prompts: tuple | None = None  # the (tokens, mask) [P, Lp] it was given (None once restored)
-  group_size: int = 1
 
-  def arrays(self) -> dict[str, np.ndarray]:
-    """The rollout as host numpy arrays (waits for it)."""
+  def arrays(self) -> dict:
+    """The rollout's fields as `collect` uses them: per-token fields kept on the devices (host arrays
+    once restored from a checkpoint)."""
     if isinstance(self.batch, dict):
       return self.batch
-    return _rollout_arrays(self.batch, self.prompts, self.group_size)
+    return _rollout_arrays(self.batch, keep_on_devices=True)
 
 
 def in_flight_state(run: RLRun) -> list[dict]:
@@ -168,7 +170,7 @@ def in_flight_state(run: RLRun) -> list[dict]:
   only its own block of a rollout's examples; the state has every host's, in process order (every
   process calls this: the gather is collective)."""
   def to_json(value):
-    return array_to_json(value.to_host() if isinstance(value, RoutingRows) else value)
+    return array_to_json(value.to_host() if isinstance(value, DeviceRows) else value)
   return [{"examples": hosts.gather_objects(item.examples), "version": item.version,
            "arrays": {name: to_json(value) for name, value in item.arrays().items()}}
           for item in run.in_flight]
@@ -201,13 +203,15 @@ def next_in_flight(run: RLRun, draw, key: jax.Array) -> InFlight:
     examples, tokens, mask = draw(cfg.prompts_per_step)
     batch = run.rollout(run.state.params, run.state.extra, tokens, mask,
                         jax.random.fold_in(key, 1000 + len(run.in_flight)), None, run.version)
-    run.in_flight.append(InFlight(examples, batch, run.version, (tokens, mask), cfg.group_size))
+    run.in_flight.append(InFlight(examples, batch, run.version))
   return run.in_flight.popleft()
 
 
-def _staleness(arrays: dict, version: int) -> dict[str, float]:
-  """Policy versions behind the current one, over the batch's generated tokens."""
-  versions = arrays["policy_version"][arrays["response_mask"]]
+def _staleness(arrays: dict, version: int, max_new_tokens: int) -> dict[str, float]:
+  """Policy versions behind the current one, over the batch's generated tokens (in the response
+  columns: the prompt's have version -1 and no response mask)."""
+  columns = response_columns(arrays, max_new_tokens, ("policy_version", "response_mask"))
+  versions = columns["policy_version"][columns["response_mask"]]
   if versions.size == 0:
     return {"staleness_mean": 0.0, "staleness_max": 0.0}
   behind = version - versions
@@ -233,7 +237,11 @@ def score_own_block(arrays: dict, examples: list[dict], tokenizer: Tokenizer, po
   else:
     mine = hosts.own_block(groups)
   rows = slice(mine.start * group_size, mine.stop * group_size)
-  own_arrays = {k: v[rows] for k, v in arrays.items()}
+  # What scoring reads, the response columns, pulled by every host alike (for fields kept on the
+  # devices the pull is collective), then this host's rows.
+  responses = {**{k: v for k, v in arrays.items() if k in ("lengths", "truncated")},
+               **response_columns(arrays, kw["max_new_tokens"])}
+  own_arrays = {k: v[rows] for k, v in responses.items()}
   own = score_rollout(own_arrays, examples, tokenizer, pool, **kw) if examples else empty_scored(own_arrays)
   infos = hosts.gather_objects([own.info])
   info = {"reward_errors": sum(i["reward_errors"] for i in infos),
@@ -294,7 +302,7 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
       t0 = time.perf_counter()
       arrays = _rollout_arrays(run.rollout(run.state.params, run.state.extra, tokens, mask,
                                            jax.random.fold_in(key, round_index), None, run.version),
-                               (tokens, mask), cfg.group_size)
+                               keep_on_devices=True)
     rollout_s += time.perf_counter() - t0
     generated += int(arrays["lengths"].sum())
     t0 = time.perf_counter()
@@ -312,7 +320,7 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
       break
   batch = select_groups(scored_rounds, num_groups=cfg.prompts_per_step, group_size=cfg.group_size,
                         dynamic=cfg.dynamic_sampling)
-  partial_info.update(_staleness(batch.arrays, run.version))
+  partial_info.update(_staleness(batch.arrays, run.version, cfg.max_new_tokens))
   if run.speculative is not None and run.speculative.metrics is not None:  # the last rollout's
     spec = jax.device_get(run.speculative.metrics)
     partial_info.update(spec_acceptance_rate=float(spec.acceptance_rate),
@@ -340,21 +348,30 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
   sample and packed, reference log-probs and values are computed packed and unpacked for them.
   With rl.tis_level the rollout's log-probs become `behaviour_logprobs` and `old_logprobs` are
   recomputed under the current params (the proximal policy)."""
-  aligned = align_for_update(scored)
+  on_devices = isinstance(scored.arrays["tokens"], DeviceRows)
+  aligned = align_on_devices(scored, run.samples_sharding) if on_devices else align_for_update(scored)
   routing = aligned.pop("routing", None) if run.spec.replay_routing else None
   aligned.pop("routing", None)
   if routing is not None and not isinstance(routing, RoutingRows):  # host routes [B, L, S, K]
     routing = RoutingRows.from_host(routing)
-  host = UpdateBatch(**aligned, advantages=np.zeros_like(aligned["old_logprobs"]))
   plan, metrics = None, {}
   if run.spec.packed:
-    plan = packing.plan_packing(host.segment_ids, scored.sample_valid,
-                                packing.PackingSpec.from_config(run.cfg, zigzag_shards=run.zigzag_shards))
-    host = packing.pack_batch(host, plan)
+    spec = packing.PackingSpec.from_config(run.cfg, zigzag_shards=run.zigzag_shards)
+    spans = (packing.device_spans if on_devices else packing.trajectory_spans)(aligned["segment_ids"],
+                                                                              scored.sample_valid)
+    plan = packing.plan_from_spans(*spans, spec, num_columns=aligned["segment_ids"].shape[1])
     metrics.update(packing.packing_metrics(plan))
+  layout = sample_layout(plan=plan, zigzag_shards=run.zigzag_shards, mesh=run.mesh,
+                         batch_sharding=run.batch_sharding, samples_sharding=run.samples_sharding)
+  if on_devices:  # the samples' rows never left the devices: laid out there (rl/layouts.py)
+    fields = {name: layout.from_samples(value) for name, value in aligned.items()}
+    if plan is not None:
+      fields.update(packing.plan_ids(plan, run.batch_sharding))
+    batch = UpdateBatch(**fields, advantages=_zeros_like(fields["old_logprobs"]))
   else:
-    host = zigzag_batch(host, run.zigzag_shards)
-  batch = device_put_batch(host, run.batch_sharding)
+    host = UpdateBatch(**aligned, advantages=np.zeros_like(aligned["old_logprobs"]))
+    host = zigzag_batch(host, run.zigzag_shards) if plan is None else packing.pack_batch(host, plan)
+    batch = device_put_batch(host, run.batch_sharding)
   if routing is not None:  # built on the devices, in the batch's layout (rl/routes.py)
     batch = batch.replace(routing=routes.assemble(routing, run.batch_sharding, zigzag_shards=run.zigzag_shards,
                                                   plan=plan))
@@ -368,8 +385,6 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
   # Advantages per sample in contiguous order ([B, S], the estimators' layout: GAE scans columns in
   # order), then in the batch's layout (packed, or zigzag for ring attention).
   # On the devices (rl/layouts.py): nothing of the batch's size goes through the host.
-  layout = sample_layout(plan=plan, zigzag_shards=run.zigzag_shards, mesh=run.mesh,
-                         batch_sharding=run.batch_sharding, samples_sharding=run.samples_sharding)
   to_samples = layout.to_samples
   valid = jnp.asarray(scored.sample_valid)
   advantages, returns, adv_metrics = run.advantages_fn(
@@ -381,6 +396,9 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
                         returns=returns if run.spec.critic else None)
   metrics.update({k: float(v) for k, v in jax.device_get(adv_metrics).items()})
   return batch.check(run.spec), metrics
+
+
+_zeros_like = jax.jit(jnp.zeros_like)  # in the argument's sharding
 
 
 def rl_step(run: RLRun, examples: Iterator[dict], key: jax.Array) -> dict:
@@ -404,5 +422,5 @@ def rl_step(run: RLRun, examples: Iterator[dict], key: jax.Array) -> dict:
   metrics.setdefault("kl", 0.0)
   metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
   metrics["time_s"] = time.perf_counter() - t0
-  metrics["tokens_per_s"] = scored.arrays["tokens"].size / metrics["time_s"]
+  metrics["tokens_per_s"] = np.prod(scored.arrays["tokens"].shape) / metrics["time_s"]
   return metrics

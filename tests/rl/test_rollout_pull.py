@@ -1,7 +1,8 @@
-"""What a rollout sends through the hosts (rl/step.py `_rollout_arrays`, issue 14): only the response
-columns of its per-token fields are all-gathered; the prompt columns are rebuilt on the host from the
-prompts it was given, equal to what the devices hold, for both rollout engines and the asynchronous
-queue."""
+"""What a rollout sends through the hosts (rl/step.py `_rollout_arrays`, issue 14). A step keeps the
+per-token fields on the devices (rl/rows.DeviceRows, equal to the batch pulled whole) and pulls only
+their response columns, for scoring and the staleness metric, for both rollout engines and the
+asynchronous queue; partial rollouts gather only the ended rows' response columns and rebuild the
+prompt columns on the host from the prompts."""
 
 import itertools
 
@@ -13,6 +14,7 @@ from meshrl import configs
 from meshrl.rl import loop
 from meshrl.rl import step as step_lib
 from meshrl.rl.rollout import PER_TOKEN_FIELDS
+from meshrl.rl.rows import DeviceRows
 from meshrl.sharding import hosts
 
 PROMPT, NEW = 12, 4
@@ -23,12 +25,13 @@ SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model
 
 
 @pytest.mark.parametrize("engine, staleness", [("static", 0), ("continuous", 1)])
-def test_only_response_columns_are_gathered_and_the_prompt_columns_are_rebuilt(devices, monkeypatch,
-                                                                                engine, staleness):
-  """Prompts of different lengths (left padding differs per group). The rebuilt arrays equal the whole
-  batch pulled from the devices, field by field; during `collect` (the plain rollout, or the oldest
-  rollout in flight with rl.max_staleness=1) no array of more than NEW columns goes through
-  `hosts.to_host` (the whole [B, PROMPT + NEW] batch did before)."""
+def test_a_step_keeps_the_tokens_on_the_devices_and_pulls_response_columns(devices, monkeypatch, engine,
+                                                                           staleness):
+  """Prompts of different lengths (left padding differs per group). The fields kept on the devices
+  equal the whole batch pulled from them, field by field; during `collect` and `prepare` (the plain
+  rollout, or the oldest rollout in flight with rl.max_staleness=1) no array of more than NEW columns
+  goes through `hosts.to_host` (the whole [B, PROMPT + NEW] batch did before issue 14's part on the
+  devices, and the update batch was then built from it on every host)."""
   cfg = configs.load("configs/tiny.py", SMALL + [f"rl.engine={engine}", f"rl.max_staleness={staleness}",
                                                    "rl.tis_level=" + ("token" if staleness else "none")])
   run, _ = loop.setup(cfg)
@@ -37,15 +40,17 @@ def test_only_response_columns_are_gathered_and_the_prompt_columns_are_rebuilt(d
   assert len(set(mask.sum(axis=1).tolist())) > 1
   out = run.rollout(run.state.params, run.state.extra, tokens, mask, jax.random.key(0), None, 3)
   whole = step_lib._rollout_arrays(out)  # pylint: disable=protected-access
-  rebuilt = step_lib._rollout_arrays(out, (tokens, mask), cfg.rl.group_size)  # pylint: disable=protected-access
+  kept = step_lib._rollout_arrays(out, keep_on_devices=True)  # pylint: disable=protected-access
   assert whole["response_mask"][:, PROMPT:].any() and (whole["policy_version"] == 3).any()
-  assert set(rebuilt) == set(whole)
+  assert set(kept) == set(whole)
   for name in whole:
     if name == "routing":
-      np.testing.assert_array_equal(rebuilt[name].to_host(), whole[name].to_host())
+      np.testing.assert_array_equal(kept[name].to_host(), whole[name].to_host())
       continue
-    assert rebuilt[name].dtype == whole[name].dtype, name
-    np.testing.assert_array_equal(rebuilt[name], whole[name], err_msg=name)
+    assert isinstance(kept[name], DeviceRows) == (name in PER_TOKEN_FIELDS), name
+    host = kept[name].to_host() if name in PER_TOKEN_FIELDS else kept[name]
+    assert host.dtype == whole[name].dtype, name
+    np.testing.assert_array_equal(host, whole[name], err_msg=name)
 
   pulled, to_host = [], hosts.to_host
 
@@ -56,10 +61,11 @@ def test_only_response_columns_are_gathered_and_the_prompt_columns_are_rebuilt(d
   monkeypatch.setattr(hosts, "to_host", recording)
   examples = itertools.cycle([{"prompt": t, "answer": "3", "domain": "arith"} for t in texts])
   batch, _ = step_lib.collect(run, examples, jax.random.key(1))
+  update_batch, _ = step_lib.prepare(run, batch)
   run.close()
-  assert batch.arrays["tokens"].shape == (8, PROMPT + NEW)
+  assert batch.arrays["tokens"].shape == (8, PROMPT + NEW) and update_batch.tokens.shape == (8, PROMPT + NEW)
   per_token = [shape for shape in pulled if len(shape) == 2]
-  assert len(per_token) >= len(PER_TOKEN_FIELDS) and all(shape[1] == NEW for shape in per_token), pulled
+  assert per_token and all(shape[1] == NEW for shape in per_token), pulled
 
 
 def test_partial_rollouts_gather_only_the_ended_rows_response_columns(devices, monkeypatch):

@@ -13,7 +13,7 @@ from meshrl.model.init import build_model
 from meshrl.model.ring_attention import zigzag
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
-from meshrl.rl import packing, routes
+from meshrl.rl import packing, routes, rows
 from meshrl.rl.routes import RoutingRows
 from meshrl.sharding import hosts, make_mesh
 
@@ -38,7 +38,7 @@ def test_routing_rows_move_samples_like_a_host_array(devices):
   np.testing.assert_array_equal(picked.to_host(), host_a[1:3])
   np.testing.assert_array_equal(second[np.array([2, 0])].to_host(), host_b[[3, 5]])
   # Rows of both rollouts (one of them twice, its source kept once) and 2 blank samples.
-  joined = routes.concatenate([picked, second[1:], first[:1]], blank=2)
+  joined = rows.concatenate([picked, second[1:], first[:1]], blank=2)
   assert len(joined.sources) == 2 and len(joined) == 2 + 2 + 1 + 2
   want = np.concatenate([host_a[1:3], host_b[[1, 3]], host_a[:1], np.zeros((2, L, S, K), np.int32)])
   np.testing.assert_array_equal(joined.to_host(), want)
@@ -48,11 +48,11 @@ def test_routing_rows_move_samples_like_a_host_array(devices):
 def test_assemble_builds_the_update_layouts_on_the_mesh(devices):
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "sequence"))
   (a, b), (host_a, host_b) = _sources(mesh)
-  rows = routes.concatenate([RoutingRows.of_rollout(b, rows=[4, 0, 2]), RoutingRows.of_rollout(a)[1:4]],
+  joined = rows.concatenate([RoutingRows.of_rollout(b, rows=[4, 0, 2]), RoutingRows.of_rollout(a)[1:4]],
                             blank=2)  # 8 samples, the last 2 blank
   want = np.concatenate([host_b[[4, 0, 2]], host_a[1:4], np.zeros((2, L, S, K), np.int32)])
   batch_sharding = NamedSharding(mesh, PartitionSpec("fsdp", "sequence"))
-  padded = routes.assemble(rows, batch_sharding, zigzag_shards=4)
+  padded = routes.assemble(joined, batch_sharding, zigzag_shards=4)
   np.testing.assert_array_equal(np.asarray(padded), zigzag(want, 4, axis=2))
   assert padded.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("fsdp", None, "sequence", None)), 4)
   # Packed: the samples' real tokens packed into rows (rl/packing.py), routes moved cell by cell.
@@ -60,7 +60,7 @@ def test_assemble_builds_the_update_layouts_on_the_mesh(devices):
   segment_ids = (np.arange(S)[None] < lengths[:, None]).astype(np.int32)
   spec = packing.PackingSpec(rows=6, row_len=S, zigzag_shards=2)  # the plan lays its columns zigzag
   plan = packing.plan_packing(segment_ids, lengths > 0, spec)
-  packed = routes.assemble(rows, batch_sharding, plan=plan)
+  packed = routes.assemble(joined, batch_sharding, plan=plan)
   host_packed = np.moveaxis(plan.pack(np.moveaxis(want, 1, 2), 0), 2, 1)  # pack_batch's host layout
   np.testing.assert_array_equal(np.asarray(packed), host_packed)
 

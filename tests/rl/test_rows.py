@@ -1,0 +1,106 @@
+"""rl/rows.py: a rollout's per-token fields stay on the devices. DeviceRows moves samples like a host
+[B, S] array (slices, index arrays, concatenation with blank samples of its fill), pulls chosen columns,
+and gathers its rows on the mesh; `prepare` then builds the update batch there, equal to the batch it
+builds from host arrays, padded, packed and zigzag, with nothing of the batch's size on the host."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshrl import configs
+from meshrl.model.init import build_model
+from meshrl.model.tokenizer import ByteTokenizer
+from meshrl.model.transformer import ModelConfig
+from meshrl.rl import rows
+from meshrl.rl.batch import select_groups
+from meshrl.rl.batches import ScoredBatch
+from meshrl.rl.rows import DeviceRows
+from meshrl.rl.step import _rollout_arrays, build_run, prepare
+from meshrl.sharding import hosts, make_mesh
+
+TOK = ByteTokenizer()
+
+
+def test_device_rows_move_samples_like_a_host_array(devices):
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("fsdp", "sequence"))
+  split = NamedSharding(mesh, PartitionSpec("fsdp", "sequence"))
+  rng = np.random.default_rng(0)
+  host_a, host_b = (rng.integers(0, 99, (n, 8)).astype(np.int32) for n in (4, 6))
+  a, b = (DeviceRows.of(jax.device_put(h, split), fill=-1) for h in (host_a, host_b))
+  assert a.shape == (4, 8) and a.dtype == np.int32 and len(b[[5, 1, 3]]) == 3
+  np.testing.assert_array_equal(b[np.array([5, 1, 3])].to_host(), host_b[[5, 1, 3]])
+  np.testing.assert_array_equal(a[1:3].to_host(columns=slice(-3, None)), host_a[1:3, -3:])
+  np.testing.assert_array_equal(b[4], host_b[4])
+  # Rows of both (one source twice, kept once) and 2 blank samples of the fill.
+  joined = rows.concatenate([a[1:3], b[[1, 3]], a[:2]], blank=2)
+  assert len(joined.sources) == 2 and joined.fill == -1
+  want = np.concatenate([host_a[1:3], host_b[[1, 3]], host_a[:2], np.full((2, 8), -1, np.int32)])
+  np.testing.assert_array_equal(joined.to_host(), want)
+  gathered = joined.gather(split)
+  np.testing.assert_array_equal(np.asarray(gathered), want)
+  assert gathered.sharding.is_equivalent_to(split, 2)
+  with pytest.raises(ValueError, match="rows must be a"):
+    DeviceRows((host_a,), np.array([4]))
+
+
+SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
+         "moe.expert_mlp_dim=32", "moe.first_k_dense=0", "rl.max_prompt_len=8", "rl.max_new_tokens=8",
+         "model.max_seq_len=32", "rl.prompts_per_step=4", "rl.group_size=2", "rl.dynamic_sampling=true",
+         "rl.sft_steps=0", "attention.block_q=4", "attention.block_kv=4", "rl.kl_coef=0.01"]
+LAYOUTS = {
+    "padded": ["mesh.fsdp=4", "mesh.tensor=2"],
+    "packed": ["mesh.fsdp=4", "mesh.tensor=2", "rl.pack_updates=true", "rl.packed_rows=4",
+               "rl.packed_row_len=32"],
+    "zigzag": ["mesh.fsdp=4", "mesh.sequence=2", "attention.impl=ring"],
+    "replay": ["mesh.fsdp=4", "mesh.tensor=2", "rl.replay_routing=true"],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_prepare_builds_the_same_update_batch_from_rows_on_the_devices(devices, monkeypatch, layout):
+  """Two rollout rounds, dynamic sampling keeping groups of both (and one uninformative group, which
+  gets no gradient): the update batch `prepare` builds from the rows on the devices equals, field by
+  field, the one it builds from the same samples on the host; on the device path no array of more than
+  one axis goes through `hosts.to_host`."""
+  cfg = configs.load("configs/tiny.py", SMALL + LAYOUTS[layout])
+  mesh = make_mesh(cfg.mesh)
+  run = build_run(cfg, mesh, build_model(ModelConfig.from_config(cfg, mesh), mesh, seed=0), TOK)
+  rounds = {"host": [], "devices": []}
+  for r, texts in enumerate((["1+2=", "rev abc=", "7+5=", "rev xy="], ["3+4=", "rev q=", "9+9=", "rev mn="])):
+    tokens, mask = TOK.encode_batch(texts, length=cfg.rl.max_prompt_len, padding="left")
+    out = run.rollout(run.state.params, run.state.extra, tokens, mask, jax.random.key(r))
+    rewards = np.array([[1, 0, 0, 0, 1, 1, 0, 1], [0, 0, 1, 0, 1, 1, 1, 1]][r], np.float32)
+    for where, keep in (("host", False), ("devices", True)):
+      rounds[where].append(ScoredBatch(arrays=_rollout_arrays(out, keep_on_devices=keep), rewards=rewards,
+                                       correct=rewards, sample_valid=np.ones(8, bool), domains=[""] * 8,
+                                       texts=[""] * 8))
+  batches = {where: select_groups(scored, num_groups=4, group_size=2, dynamic=True)
+             for where, scored in rounds.items()}
+  assert isinstance(batches["devices"].arrays["tokens"], DeviceRows)
+  assert not batches["host"].sample_valid.all()  # 3 informative groups in the two rounds: one pads
+  pulled, to_host = [], hosts.to_host
+
+  def recording(x):
+    pulled.append(np.shape(x))
+    return to_host(x)
+  want, want_metrics = prepare(run, batches["host"])
+  # A round restored from a checkpoint (host arrays) among rounds on the devices: moved to the host.
+  mixed = select_groups([rounds["host"][0], rounds["devices"][1]], num_groups=4, group_size=2, dynamic=True)
+  assert not isinstance(mixed.arrays["tokens"], DeviceRows)
+  np.testing.assert_array_equal(np.asarray(prepare(run, mixed)[0].loss_mask), np.asarray(want.loss_mask))
+  monkeypatch.setattr(hosts, "to_host", recording)
+  got, got_metrics = prepare(run, batches["devices"])
+  monkeypatch.undo()
+  run.close()
+  assert all(len(shape) <= 1 for shape in pulled), pulled
+  assert got_metrics == want_metrics
+  if layout == "packed":
+    assert got.sequence_ids is not None and got.tokens.shape == (4, 32)
+  for name in ("tokens", "positions", "segment_ids", "targets", "loss_mask", "old_logprobs", "advantages",
+               "ref_logprobs", "routing", "sequence_ids"):
+    if getattr(want, name) is None:
+      assert getattr(got, name) is None, name
+      continue
+    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
+    assert getattr(got, name).sharding.is_equivalent_to(getattr(want, name).sharding, np.ndim(getattr(want, name)))
