@@ -21,6 +21,9 @@ and XLA compiles the same jitted programs a run executes:
   routes   rl/routes.py: the update batch's MoE routes (routing replay) built on the devices from the
            rollout's, rows in any order (dynamic sampling, partial rollouts), so they never cross
            the host.
+  batch    the update batch's per-token fields built on the devices from the rollout's (rl/rows.py,
+           rl/batches.py `align_on_devices`, zigzag when the update is), rows in any order, so no
+           host holds the batch's tokens.
 
 A step's report (`StepReport`) is read off the compiled program: `memory_analysis()` gives the bytes
 per chip (arguments, outputs, temporaries, generated code; total = argument + output + temp + code -
@@ -56,11 +59,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrl.model import kv_cache as kvc
 from meshrl.model.init import parameter_counts
+from meshrl.model.ring_attention import zigzag_on_mesh
 from meshrl.model.transformer import ModelConfig, Transformer
 from meshrl.rl import advantages as adv_lib
 from meshrl.rl import losses
 from meshrl.rl import routes
-from meshrl.rl.batches import UpdateBatch
+from meshrl.rl.batches import ALIGNED_FROM, UpdateBatch, align_arrays
 from meshrl.rl.rollout import RolloutSpec, prefill_prompts, rollout_model_config
 from meshrl.rl.update import make_update
 from meshrl.sharding.mesh import make_mesh, mesh_shape_for
@@ -70,7 +74,7 @@ from meshrl.train.optim import make_optimizer
 from meshrl.train.sft import MODEL_FIELDS, make_sft_step, zigzag_shards
 from meshrl.train.state import abstract_train_state, shardings_of
 
-STEPS = ("update", "prefill", "decode", "sft", "reshard", "routes")  # reshard: rl.generation_layout's one-off cost
+STEPS = ("update", "prefill", "decode", "sft", "reshard", "routes", "batch")  # reshard: rl.generation_layout's one-off cost
 HBM_FRACTION = 0.9  # a step "fits" when its bytes per chip are at most this share of HBM
 ASSUMED_MFU = 0.4  # model FLOPs utilisation the projected step time assumes
 TOPOLOGY_FORMAT = re.compile(r"^(v4|v5e|v5p|v6e|tpu7x):\d+(x\d+){1,2}$")
@@ -330,6 +334,29 @@ def routes_program(cfg, mesh: Mesh) -> Program:
   return Program(routes.rows_program(out_sharding, zigzag_shards(cfg, mesh)), (out, source, order), 0, 0.0)
 
 
+def batch_program(cfg, mesh: Mesh) -> Program:
+  """The update batch's per-token fields [B, S] built on the devices from a rollout's (taken to be
+  split like the update batch, batch axes x `sequence`): rows gathered in any order (dynamic
+  sampling), shifted to predicting positions (`align_arrays`), zigzag when the update is. A run
+  calls the gathers (rl/rows.py), the alignment and the zigzag (rl/layouts.py) as separate programs;
+  here they are one, which needs at least as much as any of them."""
+  rules = rules_from_config(cfg.mesh)
+  rows, length = cfg.rl.prompts_per_step * cfg.rl.group_size, cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
+  sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh, shape=(rows, length)))
+  dtypes = {"tokens": jnp.int32, "positions": jnp.int32, "segment_ids": jnp.int32, "response_mask": jnp.bool_,
+            "logprobs": jnp.float32}
+  sources = {name: jax.ShapeDtypeStruct((rows, length), dtypes[name], sharding=sharding) for name in ALIGNED_FROM}
+  replicated = NamedSharding(mesh, PartitionSpec())
+  order = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=replicated)
+  valid = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=replicated)
+  shards = zigzag_shards(cfg, mesh)
+
+  def build(sources, order, valid):
+    aligned = align_arrays({name: jnp.take(source, order, axis=0) for name, source in sources.items()}, valid)
+    return {name: zigzag_on_mesh(value, mesh, axis=1) for name, value in aligned.items()} if shards > 1 else aligned
+  return Program(jax.jit(build, out_shardings=sharding), (sources, order, valid), 0, 0.0)
+
+
 def default_steps(cfg) -> tuple[str, ...]:
   """The steps `--step=all` compiles: reshard only when the config uses the generation layout,
   routes only with routing replay of an MoE model."""
@@ -347,7 +374,7 @@ def parameter_counts_of(cfg) -> dict[str, int]:
 
 
 PROGRAMS = {"update": update_program, "prefill": prefill_program, "decode": decode_program,
-            "sft": sft_program, "reshard": reshard_program, "routes": routes_program}
+            "sft": sft_program, "reshard": reshard_program, "routes": routes_program, "batch": batch_program}
 
 
 # ---------------------------------------------------------------------------------------------

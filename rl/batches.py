@@ -155,8 +155,9 @@ def align_on_devices(scored: ScoredBatch, sharding) -> dict[str, Any]:
   return aligned
 
 
-def _align(fields: dict, valid):
-  """align_for_update's arithmetic on device arrays [B, S] and valid [B]."""
+def align_arrays(fields: dict, valid):
+  """align_for_update's arithmetic on jax arrays: `ALIGNED_FROM` fields [B, S] and valid [B] -> the
+  aligned fields (traced inside jit: `align_on_devices`, rl/aot.py's `batch` step)."""
   jnp = jax.numpy
   shift = lambda x, fill: jnp.concatenate([x[:, 1:], jnp.full_like(x[:, :1], fill)], axis=1)  # noqa: E731
   tokens = fields["tokens"].astype(jnp.int32)
@@ -171,7 +172,7 @@ _ALIGN_PROGRAMS: dict = {}
 
 def _align_program(sharding):
   if sharding not in _ALIGN_PROGRAMS:
-    _ALIGN_PROGRAMS[sharding] = jax.jit(_align, out_shardings=sharding)
+    _ALIGN_PROGRAMS[sharding] = jax.jit(align_arrays, out_shardings=sharding)
   return _ALIGN_PROGRAMS[sharding]
 
 

@@ -178,6 +178,27 @@ def test_generation_layout_trades_a_reshard_for_gather_free_decode_steps(aot):
   assert "reshard" in aot.default_steps(gathered_cfg) and "reshard" not in aot.default_steps(cfg)
 
 
+def test_batch_compiles_for_v5p_2x2x1_split_like_the_update_batch(aot):
+  """The update batch's per-token fields assembled on the devices (rl/rows.py, batches.align_on_devices,
+  zigzag) for a ring update on fsdp=2 x sequence=2: compiled for TPU, every field lands split over the
+  batch and `sequence` axes like the update's tokens; part of --step=all."""
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+  cfg = _small("mesh.fsdp=2", "mesh.sequence=2", "attention.impl=ring")
+  mesh = aot.topology_mesh(cfg, aot.topology_devices("v5p:2x2x1"))
+  report = aot.compile_step("batch", cfg, mesh, "v5p:2x2x1")
+  assert report.fits is True and report.per_chip["total"] > 0
+  plain = aot.compile_step("batch", _small("mesh.fsdp=2", "mesh.sequence=2"), mesh, "v5p:2x2x1")
+  swapped = report.collective_bytes.get("collective-permute", 0) - plain.collective_bytes.get("collective-permute", 0)
+  assert swapped > 0  # the zigzag's chunk swaps, which a contiguous update (no ring) has not
+  program = aot.batch_program(cfg, mesh)
+  compiled = program.fn.lower(*program.args).compile()
+  assert set(compiled.output_shardings) == {"tokens", "positions", "segment_ids", "targets", "loss_mask",
+                                            "old_logprobs"}
+  for sharding in compiled.output_shardings.values():
+    assert sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("fsdp", "sequence")), 2)
+  assert "batch" in aot.default_steps(cfg)
+
+
 def test_routes_compile_for_v5p_2x2x1_split_like_the_update_batch(aot):
   """Routing replay's routes, assembled on the devices (rl/routes.py) for a ring update on fsdp=2 x
   sequence=2: compiled for TPU, the output lands split over the batch and `sequence` axes like the
