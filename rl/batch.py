@@ -16,6 +16,7 @@ from meshrl.model.tokenizer import Tokenizer
 from meshrl.rl import rows as rows_lib
 from meshrl.rl.batches import ScoredBatch
 from meshrl.rl.rewards import overlong_penalty
+from meshrl.rl.rollout import PAD_FILL
 from meshrl.rl.rows import DeviceRows
 from meshrl.rl.scoring import RewardPool
 
@@ -95,10 +96,6 @@ def empty_scored(arrays: dict) -> ScoredBatch:
   return ScoredBatch(arrays=arrays, rewards=np.zeros(0, np.float32), correct=np.zeros(0, np.float32),
                      sample_valid=np.zeros(0, bool), domains=[], texts=[],
                      info={"reward_errors": 0, "reward_timeouts": 0, "first_errors": []})
-
-
-# Fill of padding rows per RolloutBatch field (everything else 0 / False: no token is real).
-PAD_FILL = {"policy_version": -1}
 
 
 def select_groups(rollouts: list[ScoredBatch], *, num_groups: int, group_size: int,

@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 from meshrl.rl.engine import (Pool, engine_setup, new_pool, resolve_slots, routing_shape, run_pool,
                               run_pool_speculative, to_rollout_batch)
-from meshrl.rl.rollout import rollout_to_hosts, with_generation_weights
+from meshrl.rl.rollout import rollout_rows, with_generation_weights
 from meshrl.rl.routes import RoutingRows
 from meshrl.rl.sampling import sample_keys
 from meshrl.rl.speculative import SpecConfig, speculative_setup
@@ -48,9 +48,9 @@ class PartialRollouts:
   step's SpecMetrics are in `.metrics`; draft as in make_engine.
 
   Several host processes: `draw` gives every host the same prompts, so every host holds the same
-  pool bookkeeping and every group's example and prompt; the ended groups' rows are gathered to
-  every host (`hosts.to_host`; of the per-token fields only the response columns, the prompt
-  columns being rebuilt from the prompts), and rl/step.py scores each host's share of them.
+  pool bookkeeping and every group's example; the ended groups' per-token fields stay on the devices
+  (rl/rollout.rollout_rows: rows of the pool's batch), and rl/step.py scores each host's share of
+  them from their response columns, gathered to every host.
   """
 
   def __init__(self, cfg, mesh: Mesh | None, *, stop_ids: tuple[int, ...], pad_id: int,
@@ -69,10 +69,6 @@ class PartialRollouts:
     self.routing_shape = routing_shape(mc)
     self.pool: Pool | None = None
     self.examples: list = [None] * self.num_groups  # the task example of each group in the pool
-    # Each group slot's prompt [Lp] and mask, on the host: the ended groups' prompt columns are built
-    # from them (rl/rollout.prompt_columns), so only response columns come through the hosts.
-    self.prompts = np.zeros((self.num_groups, self.prompt_len), np.int32)
-    self.prompt_mask = np.zeros((self.num_groups, self.prompt_len), bool)
     self.live = np.zeros(self.num_groups, bool)  # group slot holds a group
     self.next_uid = 0  # groups admitted so far (their admission order)
     self.metrics = None  # the last step's SpecMetrics (rl.speculative != "none")
@@ -117,7 +113,6 @@ class PartialRollouts:
     self.pool = _place_groups(self.pool, fresh, free, group_size)
     for i, g in enumerate(free):
       self.examples[g] = examples[i]
-    self.prompts[free], self.prompt_mask[free] = np.asarray(tokens), np.asarray(mask, bool)
     self.live[free] = True
     return int(free.size)
 
@@ -148,15 +143,13 @@ class PartialRollouts:
                          f"{None if want is None else want.shape} (rl.prompts_per_step, rl.group_size, "
                          "rl.max_prompt_len, rl.max_new_tokens and the model must match the saved run).")
     self.pool = fresh.replace(**arrays)
-    self.prompts = np.asarray(array_from_json(state["arrays"]["prompts"]), np.int32)
-    self.prompt_mask = np.asarray(array_from_json(state["arrays"]["prompt_mask"]), bool)
     self.examples = list(state["examples"])
     self.live = np.asarray(state["live"], bool)
     self.next_uid = int(state["next_uid"])
 
   def step(self, params, extra, draw, key, version) -> tuple[dict, list, dict]:
-    """One RL step's generation -> (host arrays of the ended groups [E * G, ...], their examples,
-    info). draw(count) -> (examples, tokens [count, Lp], mask) supplies new groups; `key` seeds
+    """One RL step's generation -> (the ended groups' arrays [E * G, ...]: per-token fields kept on
+    the devices, rl/rollout.rollout_rows; their examples; info). draw(count) -> (examples, tokens [count, Lp], mask) supplies new groups; `key` seeds
     the new groups' samples; `version` is stamped on the tokens generated now."""
     admitted = self._admit(draw, key)
     self.pool, batch, self.metrics = self._decode(params, extra, self._draft_params, self.pool,
@@ -166,7 +159,7 @@ class PartialRollouts:
     rows = (ended[:, None] * self.spec.group_size + np.arange(self.spec.group_size)).reshape(-1)
     arrays = {f: getattr(batch, f) for f in batch.__dataclass_fields__}
     routing = arrays.pop("routing")
-    arrays = rollout_to_hosts(arrays, self.prompts[ended], self.prompt_mask[ended], self.spec.group_size, rows)
+    arrays = rollout_rows(arrays, rows)  # the ended rows, kept on the devices (rl/rows.py)
     if routing is not None:  # stays on the devices (rl/routes.py)
       arrays["routing"] = RoutingRows.of_rollout(routing, rows)
     examples = [self.examples[g] for g in ended]

@@ -20,7 +20,6 @@ S = Lp + N total length, L MoE layers, K experts per token, V vocab.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -33,6 +32,7 @@ from meshrl.model import kv_cache as kvc
 from meshrl.model import quant
 from meshrl.model.ring_attention import unzigzag_on_mesh, zigzag
 from meshrl.model.transformer import ModelConfig, Transformer
+from meshrl.rl.rows import DeviceRows
 from meshrl.rl.sampling import Sampler, sample_keys, token_keys
 from meshrl.sharding import hosts
 from meshrl.sharding.rules import generation_shardings, rules_from_config
@@ -105,47 +105,26 @@ def prompt_layout(prompt_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
   return positions, prompt_mask.astype(xp.int32)
 
 
-# RolloutBatch's per-token fields, [B, S = Lp + N]: their prompt columns [:, :Lp] follow from the
-# prompts alone (`prompt_columns`), their response columns come from the devices.
+# RolloutBatch's per-token fields, [B, S = Lp + N], and the fill of a blank sample's (a group kept
+# only for the batch's static shape) where it is not 0 / False.
 PER_TOKEN_FIELDS = ("tokens", "positions", "segment_ids", "prompt_mask", "response_mask", "logprobs",
                     "policy_version")
+PAD_FILL = {"policy_version": -1}
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def response_columns(x: jax.Array, prompt_len: int) -> jax.Array:
-  """A per-token RolloutBatch field [B, S] -> its response columns [B, S - prompt_len], on the devices."""
-  return x[:, prompt_len:]
-
-
-def prompt_columns(prompts: np.ndarray, prompt_mask: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
-  """The prompt columns [B, Lp] of every per-token RolloutBatch field, on the host, from the prompts
-  [P, Lp] (left-padded) and their mask that the rollout was given (sample b answers prompt
-  b // group_size): what `generate` and the continuous engine put there."""
-  prompts, prompt_mask = np.asarray(prompts), np.asarray(prompt_mask, bool)
-  positions, segment_ids = prompt_layout(prompt_mask)
-  rep = lambda x: np.repeat(x, group_size, axis=0)  # noqa: E731
-  shape = (prompts.shape[0] * group_size, prompts.shape[1])
-  return {"tokens": rep(prompts.astype(np.int32)), "positions": rep(positions),
-          "segment_ids": rep(segment_ids), "prompt_mask": rep(prompt_mask),
-          "response_mask": np.zeros(shape, bool), "logprobs": np.zeros(shape, np.float32),
-          "policy_version": np.full(shape, -1, np.int32)}
-
-
-def rollout_to_hosts(fields: dict, prompts: np.ndarray, prompt_mask: np.ndarray, group_size: int,
-                     rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
-  """A RolloutBatch's fields {name: device array} (routing left out) -> numpy on every host: of the
-  per-token fields only the response columns are all-gathered (`hosts.to_host`), the prompt columns
-  rebuilt from the prompts [P, Lp] and mask (`prompt_columns`). rows: the samples to keep, picked
-  after the gather (so the gathered shapes never change); `prompts` are then those samples' groups'."""
-  prompt_len = prompts.shape[1]
-  pulled = {name: hosts.to_host(response_columns(value, prompt_len) if name in PER_TOKEN_FIELDS else value)
-            for name, value in fields.items()}
-  if rows is not None:
-    pulled = {name: value[rows] for name, value in pulled.items()}
-  front = prompt_columns(prompts, prompt_mask, group_size)
-  for name in PER_TOKEN_FIELDS:
-    pulled[name] = np.concatenate([front[name], pulled[name]], axis=1)
-  return pulled
+def rollout_rows(fields: dict, rows: np.ndarray | None = None) -> dict:
+  """A RolloutBatch's fields {name: device array} (routing left out) as the host side of an RL step
+  holds them: the per-token fields [B, S] stay on the devices as rl/rows.DeviceRows (the host moves
+  samples by row, pulls the response columns it scores, and the update batch is built on the
+  devices), the per-sample fields (lengths, truncated [B]) come to every host (`hosts.to_host`).
+  rows: the samples to keep (default all, in order)."""
+  out = {}
+  for name, value in fields.items():
+    if name in PER_TOKEN_FIELDS:
+      out[name] = DeviceRows.of(value, rows, fill=PAD_FILL.get(name, 0))
+    else:
+      out[name] = hosts.to_host(value) if rows is None else hosts.to_host(value)[rows]
+  return out
 
 
 def uses_ring_prefill(mc: ModelConfig) -> bool:

@@ -35,8 +35,8 @@ from meshrl.rl import advantages as adv_lib
 from meshrl.rl import losses
 from meshrl.rl import packing
 from meshrl.rl import routes
-from meshrl.rl.batch import (PAD_FILL, batch_metrics, empty_scored, informative_groups, next_prompts,
-                            response_columns, score_rollout, select_groups)
+from meshrl.rl.batch import (batch_metrics, empty_scored, informative_groups, next_prompts, response_columns,
+                            score_rollout, select_groups)
 from meshrl.rl.batches import (ScoredBatch, UpdateBatch, align_for_update, align_on_devices,
                                device_put_batch, zigzag_batch)
 from meshrl.rl.rewards import compose
@@ -45,7 +45,7 @@ from meshrl.rl.layouts import sample_layout
 from meshrl.rl.partial import PartialRollouts
 from meshrl.rl.multiturn import make_multiturn, wants_multi_turn
 from meshrl.rl.multiturn_step import collect_multiturn
-from meshrl.rl.rollout import PER_TOKEN_FIELDS, make_rollout
+from meshrl.rl.rollout import make_rollout, rollout_rows
 from meshrl.rl.routes import RoutingRows
 from meshrl.rl.rows import DeviceRows
 from meshrl.rl.scoring import RewardPool
@@ -139,11 +139,7 @@ def _rollout_arrays(batch, keep_on_devices: bool = False) -> dict:
   (`hosts.to_host`: every host's samples on every host)."""
   arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
   routing = arrays.pop("routing")
-  for name, value in arrays.items():
-    if keep_on_devices and name in PER_TOKEN_FIELDS:
-      arrays[name] = DeviceRows.of(value, fill=PAD_FILL.get(name, 0))
-    else:
-      arrays[name] = hosts.to_host(value)
+  arrays = rollout_rows(arrays) if keep_on_devices else jax.tree.map(hosts.to_host, arrays)
   if routing is not None:
     arrays["routing"] = RoutingRows.of_rollout(routing)
   return arrays

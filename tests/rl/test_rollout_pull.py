@@ -1,8 +1,7 @@
 """What a rollout sends through the hosts (rl/step.py `_rollout_arrays`, issue 14). A step keeps the
 per-token fields on the devices (rl/rows.DeviceRows, equal to the batch pulled whole) and pulls only
-their response columns, for scoring and the staleness metric, for both rollout engines and the
-asynchronous queue; partial rollouts gather only the ended rows' response columns and rebuild the
-prompt columns on the host from the prompts."""
+their response columns, for scoring and the staleness metric, for both rollout engines, the
+asynchronous queue and partial rollouts (the ended groups' rows of the pool's batch)."""
 
 import itertools
 
@@ -68,11 +67,11 @@ def test_a_step_keeps_the_tokens_on_the_devices_and_pulls_response_columns(devic
   assert per_token and all(shape[1] == NEW for shape in per_token), pulled
 
 
-def test_partial_rollouts_gather_only_the_ended_rows_response_columns(devices, monkeypatch):
+def test_partial_rollouts_keep_the_ended_rows_on_the_devices(devices, monkeypatch):
   """rl.rollout_token_budget: over 2 steps (groups carried from the first, so ended groups' prompts come
   from earlier steps) every step's arrays equal the ended rows of the devices' batch field by field,
-  nothing of more than NEW columns goes through `hosts.to_host`, and the pulls keep one shape (no
-  program per count of ended groups)."""
+  the per-token fields kept there as rows of that batch; only [B] vectors go through `hosts.to_host`,
+  of one shape (no program per count of ended groups)."""
   cfg = configs.load("configs/tiny.py", SMALL + ["rl.engine=continuous", "rl.decode_slots=4",
                                                  "rl.rollout_token_budget=8", "rl.max_resample_rounds=0"])
   run, _ = loop.setup(cfg)
@@ -104,11 +103,12 @@ def test_partial_rollouts_gather_only_the_ended_rows_response_columns(devices, m
     done = np.asarray(captured["pool"].done).reshape(-1, group).all(axis=1)
     rows = (np.flatnonzero(done & captured["live"])[:, None] * group + np.arange(group)).reshape(-1)
     assert len(examples) * group == rows.size == arrays["tokens"].shape[0]
+    assert pulled and all(shape == (cfg.rl.prompts_per_step * group,) for shape in pulled), pulled
     for name in PER_TOKEN_FIELDS + ("lengths", "truncated"):
-      np.testing.assert_array_equal(arrays[name], np.asarray(getattr(captured["batch"], name))[rows],
-                                    err_msg=name)
-    per_token = [shape for shape in pulled if len(shape) == 2]
-    assert len(per_token) == len(PER_TOKEN_FIELDS) and all(s[1] == NEW for s in per_token), pulled
-    assert all(shape[0] == cfg.rl.prompts_per_step * group for shape in pulled), pulled
+      value = arrays[name]
+      if name in PER_TOKEN_FIELDS:
+        assert isinstance(value, DeviceRows) and value.sources[0] is getattr(captured["batch"], name), name
+        value = value.to_host()
+      np.testing.assert_array_equal(value, np.asarray(getattr(captured["batch"], name))[rows], err_msg=name)
   assert carried > 0
   run.close()

@@ -57,12 +57,20 @@ LAYOUTS = {
 }
 
 
+def _first_groups(scored: ScoredBatch, count: int) -> ScoredBatch:
+  """The first `count` samples of a ScoredBatch (as partial rollouts return only the ended groups)."""
+  return ScoredBatch(arrays={k: v[:count] for k, v in scored.arrays.items()}, rewards=scored.rewards[:count],
+                     correct=scored.correct[:count], sample_valid=scored.sample_valid[:count],
+                     domains=scored.domains[:count], texts=scored.texts[:count])
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_prepare_builds_the_same_update_batch_from_rows_on_the_devices(devices, monkeypatch, layout):
   """Two rollout rounds, dynamic sampling keeping groups of both (and one uninformative group, which
-  gets no gradient): the update batch `prepare` builds from the rows on the devices equals, field by
-  field, the one it builds from the same samples on the host; on the device path no array of more than
-  one axis goes through `hosts.to_host`."""
+  gets no gradient), and a batch of two groups padded with two blank ones (partial rollouts): the
+  update batch `prepare` builds from the rows on the devices equals, field by field, the one it builds
+  from the same samples on the host; on the device path no array of more than one axis goes through
+  `hosts.to_host`."""
   cfg = configs.load("configs/tiny.py", SMALL + LAYOUTS[layout])
   mesh = make_mesh(cfg.mesh)
   run = build_run(cfg, mesh, build_model(ModelConfig.from_config(cfg, mesh), mesh, seed=0), TOK)
@@ -75,32 +83,38 @@ def test_prepare_builds_the_same_update_batch_from_rows_on_the_devices(devices, 
       rounds[where].append(ScoredBatch(arrays=_rollout_arrays(out, keep_on_devices=keep), rewards=rewards,
                                        correct=rewards, sample_valid=np.ones(8, bool), domains=[""] * 8,
                                        texts=[""] * 8))
-  batches = {where: select_groups(scored, num_groups=4, group_size=2, dynamic=True)
-             for where, scored in rounds.items()}
-  assert isinstance(batches["devices"].arrays["tokens"], DeviceRows)
-  assert not batches["host"].sample_valid.all()  # 3 informative groups in the two rounds: one pads
-  pulled, to_host = [], hosts.to_host
+  selections = {
+      "dynamic": lambda scored: select_groups(scored, num_groups=4, group_size=2, dynamic=True),
+      "blank": lambda scored: select_groups([_first_groups(scored[1], 4)], num_groups=4, group_size=2,
+                                            dynamic=False)}
+  for selection, select in selections.items():
+    batches = {where: select(scored) for where, scored in rounds.items()}
+    assert isinstance(batches["devices"].arrays["tokens"], DeviceRows)
+    assert not batches["host"].sample_valid.all()  # an uninformative group; blank groups
+    pulled, to_host = [], hosts.to_host
 
-  def recording(x):
-    pulled.append(np.shape(x))
-    return to_host(x)
-  want, want_metrics = prepare(run, batches["host"])
+    def recording(x, to_host=to_host, pulled=pulled):
+      pulled.append(np.shape(x))
+      return to_host(x)
+    want, want_metrics = prepare(run, batches["host"])
+    monkeypatch.setattr(hosts, "to_host", recording)
+    got, got_metrics = prepare(run, batches["devices"])
+    monkeypatch.undo()
+    assert all(len(shape) <= 1 for shape in pulled), pulled
+    assert got_metrics == want_metrics, selection
+    if layout == "packed":
+      assert got.sequence_ids is not None and got.tokens.shape == (4, 32)
+    for name in ("tokens", "positions", "segment_ids", "targets", "loss_mask", "old_logprobs", "advantages",
+                 "ref_logprobs", "routing", "sequence_ids"):
+      if getattr(want, name) is None:
+        assert getattr(got, name) is None, name
+        continue
+      np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)),
+                                    err_msg=f"{selection}: {name}")
+      assert getattr(got, name).sharding.is_equivalent_to(getattr(want, name).sharding, np.ndim(getattr(want, name)))
   # A round restored from a checkpoint (host arrays) among rounds on the devices: moved to the host.
   mixed = select_groups([rounds["host"][0], rounds["devices"][1]], num_groups=4, group_size=2, dynamic=True)
   assert not isinstance(mixed.arrays["tokens"], DeviceRows)
-  np.testing.assert_array_equal(np.asarray(prepare(run, mixed)[0].loss_mask), np.asarray(want.loss_mask))
-  monkeypatch.setattr(hosts, "to_host", recording)
-  got, got_metrics = prepare(run, batches["devices"])
-  monkeypatch.undo()
+  np.testing.assert_array_equal(np.asarray(prepare(run, mixed)[0].loss_mask),
+                                np.asarray(prepare(run, selections["dynamic"](rounds["host"]))[0].loss_mask))
   run.close()
-  assert all(len(shape) <= 1 for shape in pulled), pulled
-  assert got_metrics == want_metrics
-  if layout == "packed":
-    assert got.sequence_ids is not None and got.tokens.shape == (4, 32)
-  for name in ("tokens", "positions", "segment_ids", "targets", "loss_mask", "old_logprobs", "advantages",
-               "ref_logprobs", "routing", "sequence_ids"):
-    if getattr(want, name) is None:
-      assert getattr(got, name) is None, name
-      continue
-    np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), err_msg=name)
-    assert getattr(got, name).sharding.is_equivalent_to(getattr(want, name).sharding, np.ndim(getattr(want, name)))
