@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from meshrl.model.tokenizer import Tokenizer
 from meshrl.rl import advantages as adv_lib
@@ -250,6 +250,13 @@ def score_own_block(arrays: dict, examples: list[dict], tokenizer: Tokenizer, po
                      info=info)
 
 
+def _rows_sharding(sharding: NamedSharding | None) -> NamedSharding | None:
+  """[rows, ...] split over the batch axes of `sharding` (the samples' [B, S]), every column whole."""
+  if sharding is None:
+    return None
+  return NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0] if len(sharding.spec) else None))
+
+
 def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[ScoredBatch, dict]:
   """Rollout(s) and their scores for one step -> (ScoredBatch of exactly prompts_per_step groups,
   metrics). With rl.dynamic_sampling, up to rl.max_resample_rounds more rollouts refill the batch
@@ -270,8 +277,9 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
   partial_info = {}
 
   def draw(count):
-    """This host's block of `count` prompts (its examples), and every host's tokens side by side.
-    Partial rollouts: every host draws the same `count` prompts (its stream is the whole stream)."""
+    """This host's block of `count` prompts (its examples), and every host's tokens side by side (a
+    global array of each host's own rows, `hosts.global_rows`). Partial rollouts: every host draws
+    the same `count` prompts (its stream is the whole stream)."""
     nonlocal rejected, truncated
     shared = run.partial is not None
     prompts = next_prompts(examples, run.tokenizer, count=count if shared else count // jax.process_count(),
@@ -281,7 +289,8 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
       return prompts.examples, prompts.tokens, prompts.mask
     counts = hosts.gather_rows(np.asarray([[prompts.rejected, prompts.truncated]]))
     rejected, truncated = rejected + int(counts[:, 0].sum()), truncated + int(counts[:, 1].sum())
-    return prompts.examples, hosts.gather_rows(prompts.tokens), hosts.gather_rows(prompts.mask)
+    rows = _rows_sharding(run.samples_sharding)
+    return prompts.examples, hosts.global_rows(prompts.tokens, rows), hosts.global_rows(prompts.mask, rows)
 
   for round_index in range(rounds):
     t0 = time.perf_counter()

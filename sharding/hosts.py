@@ -4,11 +4,12 @@ A pod runs one process per host (TPU VM worker); every process runs the same Pyt
 the jitted steps span all devices of all processes. How meshrl's RL loop splits the host work:
 
   prompts   each host draws its own block of the step's prompts from its own shard of the data
-            (rl/prompts.py), and the blocks are gathered in host order (`gather_rows`), so every
-            host holds the same global prompt batch for the rollout's jit (`jax.device_put` of a
-            numpy array that is equal on every host places each device's slice);
-  rollout   the global [B, S] outputs are brought to every host (`to_host`); the MoE routes of
-            routing replay ([B, L, S, K]) stay on the devices (rl/routes.py);
+            (rl/prompts.py), and the rollout gets them as one global array built from each host's
+            own rows (`global_rows`), so no host holds another's prompts (gathered in host order
+            instead, `gather_rows`, when the mesh does not put each host's block on its devices);
+  rollout   the per-token outputs [B, S] stay on the devices (rl/rows.py: the host moves rows, and
+            pulls their response columns for scoring), as do the MoE routes of routing replay
+            ([B, L, S, K], rl/routes.py); per-sample outputs ([B]) come to every host (`to_host`);
   scoring   each host scores only its own block of groups (`own_block`) with its own examples and
             reward workers; rewards, texts and domains are gathered (`gather_rows`,
             `gather_objects`), so every host then makes the same decisions (dynamic sampling, packing)
@@ -33,6 +34,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 COORDINATOR_ENV = "MESHRL_COORDINATOR"  # host:port of process 0's coordinator
 NUM_PROCESSES_ENV = "MESHRL_NUM_PROCESSES"
@@ -119,6 +121,41 @@ def gather_rows(local: np.ndarray) -> np.ndarray:
   count n_p may differ) concatenated in process order -> [sum_p n_p, ...]; the identity with one
   process. Collective: every process calls it at the same point."""
   return _gather_counted(np.asarray(local))[0]
+
+
+def global_rows(local: np.ndarray, sharding: NamedSharding | None) -> np.ndarray | jax.Array:
+  """Every process's own block of rows (`own_block`: [n, ...] on each host, in process order) as one
+  global [processes * n, ...] array split by rows as `sharding` says, built from each host's own rows
+  (`jax.make_array_from_process_local_data`): no host holds another's. Collective.
+
+  With one process: `local` itself. When `sharding` (None: no mesh) does not put exactly this host's
+  own block of rows on its devices (rows replicated across hosts, split in another order, or not
+  divisible), every host's rows are gathered instead (`gather_rows`) and the numpy array returned is
+  the same on every host."""
+  local = np.asarray(local)
+  if not is_multihost():
+    return local
+  shape = (local.shape[0] * jax.process_count(),) + local.shape[1:]
+  if sharding is not None and _holds_own_block(sharding, shape):
+    return jax.make_array_from_process_local_data(sharding, local, shape)
+  return gather_rows(local)
+
+
+def _holds_own_block(sharding: NamedSharding, shape: tuple[int, ...]) -> bool:
+  """Whether this process's devices hold exactly rows `own_block(shape[0])`, every column, under
+  `sharding` (and it divides the shape)."""
+  try:
+    sharding.shard_shape(shape)
+  except ValueError:
+    return False
+  mine = own_block(shape[0])
+  here = [index for device, index in sharding.devices_indices_map(shape).items()
+          if device.process_index == jax.process_index()]
+  rows = {index[0].indices(shape[0])[:2] for index in here}
+  columns_whole = all(i.indices(n)[:2] == (0, n) for index in here for i, n in zip(index[1:], shape[1:]))
+  covered = sorted(rows)
+  contiguous = all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+  return columns_whole and contiguous and covered[0][0] == mine.start and covered[-1][1] == mine.stop
 
 
 def _gather_counted(local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -34,6 +34,13 @@ block = hosts.own_block(8)
 mesh = Mesh(np.array(jax.devices()), ("x",))
 spread = jax.device_put(np.arange(8.0), NamedSharding(mesh, PartitionSpec("x")))  # over both hosts
 out["to_host"] = hosts.to_host(spread).tolist()
+own = np.full((2, 3), me, np.int32) + 10 * np.arange(2, dtype=np.int32)[:, None]  # this host's 2 rows
+split_rows = hosts.global_rows(own, NamedSharding(mesh, PartitionSpec("x")))  # each host's rows on its devices
+replicated = hosts.global_rows(own, NamedSharding(mesh, PartitionSpec()))  # rows on every device: gathered
+out["global_rows"] = {"array": isinstance(split_rows, jax.Array), "whole": hosts.to_host(split_rows).tolist(),
+                      "replicated": [isinstance(replicated, np.ndarray), np.asarray(replicated).tolist()]}
+out["held_rows"] = np.concatenate([np.asarray(s.data) for s in sorted(
+    split_rows.addressable_shards, key=lambda s: s.index[0].start)]).tolist()  # per host (popped below)
 batch = json.loads(sys.argv[3])
 arrays = {k: np.asarray(v) for k, v in batch["arrays"].items()}
 examples = batch["examples"][hosts.own_block(len(batch["examples"]))]  # this host's own 2 prompts
@@ -166,12 +173,18 @@ def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
   resets = [r["multi_turn"].pop("resets") for r in results]  # the only per-host values
   restored = [r.pop("restored_own") for r in results]
   scored_here = [r.pop("scored_here") for r in results]
+  held_rows = [r.pop("held_rows") for r in results]
   assert results[0] == results[1]  # every host ends with the same global values
   got = results[0]
   assert got["rows"] == [[0, 0, 0]] * 2 + [[1, 1, 1]] * 2  # process order
   assert got["flags"] == [True, True, False, True]
   assert got["objects"] == ["host0", {"n": 0}, "host1", {"n": 1}]
   assert got["to_host"] == list(range(8))
+  # Each host's own rows as one global array (the rollout's prompts): each holds only its own.
+  rows_of = lambda host: [[host] * 3, [host + 10] * 3]  # noqa: E731
+  assert got["global_rows"] == {"array": True, "whole": rows_of(0) + rows_of(1),
+                                "replicated": [True, rows_of(0) + rows_of(1)]}
+  assert held_rows == [rows_of(0), rows_of(1)]
   blocks = [json.loads(next(l for l in o.splitlines() if l.startswith("BLOCK "))[6:]) for o in outs]
   assert blocks == [[0, 4], [4, 8]]
 
