@@ -20,10 +20,10 @@ import jax
 import numpy as np
 
 from meshrl.model.tokenizer import Tokenizer
-from meshrl.rl.batch import next_prompts
+from meshrl.rl.batch import next_prompts, response_columns
 from meshrl.rl.envs import TaskMixture, distinct_examples, load_jsonl
 from meshrl.rl.rewards import answer_reward
-from meshrl.rl.rollout import make_rollout
+from meshrl.rl.rollout import make_rollout, rollout_rows
 from meshrl.rl.scoring import RewardPool
 from meshrl.sharding import hosts
 from meshrl.sharding.rules import data_parallel_size
@@ -87,9 +87,10 @@ class Evaluator:
       prompts = next_prompts(iter(padded), self.tokenizer, count=self.batch,
                              max_len=self.cfg.rl.max_prompt_len, overflow="truncate")
       out = rollout(params, extra, prompts.tokens, prompts.mask, jax.random.fold_in(key, start))
-      tokens, mask = hosts.to_host(out.tokens), hosts.to_host(out.response_mask)
-      response = np.where(mask, tokens, self.tokenizer.pad_id)[:, -self.cfg.rl.max_new_tokens:]
-      texts = self.tokenizer.decode_batch(response)
+      columns = response_columns(rollout_rows({"tokens": out.tokens, "response_mask": out.response_mask}),
+                                 self.cfg.rl.max_new_tokens)  # only these come to the host
+      texts = self.tokenizer.decode_batch(np.where(columns["response_mask"], columns["tokens"],
+                                                   self.tokenizer.pad_id))
       scores, _ = self.pool.score(texts, [e for e in padded for _ in range(group)])
       n = len(chunk) * group
       correct.append(scores[:n].reshape(len(chunk), group))
