@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
+import jax
 import numpy as np
 
 from meshrl.model.tokenizer import Tokenizer
@@ -52,6 +53,15 @@ def next_prompts(examples: Iterator[dict], tokenizer: Tokenizer, *, count: int, 
   tokens, mask = tokenizer.encode_batch([tokenizer.render_prompt(e["prompt"]) for e in chosen], length=max_len,
                                         padding="left", overflow="truncate")
   return PromptBatch(chosen, tokens, mask, rejected, truncated)
+
+
+def shared_prompts(cfg, processes: int | None = None) -> bool:
+  """Whether every host draws the same prompts (the whole stream) and scores its `hosts.share` of the
+  samples, instead of an equal block of its own: for partial rollouts (whose groups end unevenly over
+  the hosts) and when the step's prompts do not split evenly over the host processes (a pod of more
+  hosts than prompts: paper_3t's 8 prompts of 1M tokens on 1,024 v5p hosts)."""
+  processes = jax.process_count() if processes is None else processes
+  return cfg.rl.rollout_token_budget > 0 or cfg.rl.prompts_per_step % processes != 0
 
 
 def score_rollout(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool: RewardPool, *,

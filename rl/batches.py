@@ -4,8 +4,8 @@
   score (host)   -> ScoredBatch    + rewards, per-sample domains and texts, valid samples; the
                                    per-token fields stay on the devices (rl/rows.DeviceRows)
   prepare        -> UpdateBatch    prediction-aligned arrays, + advantages and the optional parts,
-                                   built on the devices (`align_on_devices`; host arrays from
-                                   partial rollouts and multi-turn episodes: `align_for_update`)
+                                   built on the devices (`align_on_devices`; host arrays of
+                                   multi-turn episodes and restored rollouts: `align_for_update`)
   update (jit)   <- UpdateBatch    checked against the LossSpec before it is jitted on
 
 An `UpdateBatch` is laid out by *predicting position*: row b, column s holds the input token
@@ -36,11 +36,11 @@ class ScoredBatch:
   """One step's samples, scored (every array [B, ...], groups contiguous).
 
   `arrays` holds the RolloutBatch fields: tokens, positions, segment_ids, prompt_mask, response_mask,
-  logprobs, policy_version [B, S] (rl/rows.DeviceRows on the devices, or numpy from partial rollouts,
-  multi-turn episodes and a checkpoint's rollouts in flight); lengths, truncated [B] (numpy); routing,
+  logprobs, policy_version [B, S] (rl/rows.DeviceRows on the devices, or numpy from multi-turn
+  episodes and a checkpoint's rollouts in flight); lengths, truncated [B] (numpy); routing,
   a rl/routes.RoutingRows of [B, L, S, K] on the devices, or absent for a dense model.
   """
-  arrays: dict[str, np.ndarray]
+  arrays: dict[str, Any]
   rewards: np.ndarray  # [B] float32: the reward the advantages see (task reward + shaping)
   correct: np.ndarray  # [B] float32: the task reward alone, for metrics
   sample_valid: np.ndarray  # [B] bool: False for padding groups kept only for the static shape

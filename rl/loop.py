@@ -25,6 +25,7 @@ from meshrl.model import quant, splash
 from meshrl.model.tokenizer import tokenizer_from_config
 from meshrl.rl import advantages as adv_lib
 from meshrl.rl import losses
+from meshrl.rl.batch import shared_prompts
 from meshrl.rl.envs import TaskMixture
 from meshrl.rl.envs.quality import Quarantine
 from meshrl.rl.envs.registry import DomainMixture, check_single_turn, load_domains
@@ -169,20 +170,6 @@ def check_config(cfg, num_devices: int | None = None) -> None:
       if length % multiple:
         raise ValueError(f"{field} = {length} is not divisible by {multiple} (mesh.sequence={sequence}"
                          f"{', x2 for attention.zigzag' if multiple != sequence else ''}).")
-  check_hosts_config(cfg, jax.process_count())
-
-
-def check_hosts_config(cfg, processes: int) -> None:
-  """With several host processes (sharding/hosts.py): each draws and scores an equal block of the
-  step's prompts (multi-turn: runs the environments of its own episodes; asynchronous RL: keeps its
-  own block of each rollout in flight; partial rollouts: every host draws the same prompts and scores
-  its share of the groups that end); a prompt count that does not split so is refused by name."""
-  if processes == 1:
-    return
-  rl = cfg.rl
-  if rl.prompts_per_step % processes:
-    raise ValueError(f"rl.prompts_per_step={rl.prompts_per_step} does not split over the {processes} "
-                     "host processes (each draws and scores an equal block of prompts).")
 
 
 def _domain_specs(cfg):
@@ -241,15 +228,11 @@ def prompt_stream(source, position: int = 0, *, per_step: int = 1, shared: bool 
   """This host's stream of training examples (grain, rl/prompts.py): its blocks of
   per_step / process_count examples of `source`, so the hosts' blocks side by side are the
   `per_step` prompts one process would draw; with `shared` (partial rollouts, whose groups end
-  unevenly over the hosts) the whole stream on every host."""
+  unevenly over the hosts, or fewer prompts than hosts: rl/step.shared_prompts) the whole stream on
+  every host."""
   hosts = 1 if shared else jax.process_count()
   index = 0 if shared else jax.process_index()
   return PromptStream(source, position, shard=(index, hosts), block=max(per_step // hosts, 1))
-
-
-def shared_prompts(cfg) -> bool:
-  """Whether every host draws the same prompts (partial rollouts: sharding/hosts.py)."""
-  return cfg.rl.rollout_token_budget > 0
 
 
 def skipped_rows(source: TaskMixture) -> str:

@@ -390,9 +390,11 @@ class MultiTurnPrograms:
     return results
 
   def _own_rows(self, batch: int) -> range:
-    """The rows whose environments this host runs: all of them with one process, else its block
-    (hosts.own_block: the rows of its own examples, since examples are gathered in process order)."""
-    own = hosts.own_block(batch)
+    """The rows whose environments this host runs: all of them with one process, else its share
+    (hosts.share: the rows of its own examples, since examples are gathered in process order and
+    split evenly; with rl/step.shared_prompts every host holds every example and a share may be
+    empty)."""
+    own = hosts.share(batch)
     return range(own.start, own.stop)
 
   def _step_envs(self, calls: list[tuple[int, Callable[[], Any]]], batch: int) -> dict[int, StepResult]:

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from meshrl.model.tokenizer import Tokenizer
-from meshrl.rl.batch import batch_metrics, informative_groups, per_domain, select_groups
+from meshrl.rl.batch import batch_metrics, informative_groups, per_domain, select_groups, shared_prompts
 from meshrl.rl.batches import ScoredBatch
 from meshrl.rl.envs import file_tasks
 from meshrl.rl.envs.base import DONE
@@ -58,8 +58,10 @@ def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]
   rounds = 1 + (cfg.max_resample_rounds if cfg.dynamic_sampling else 0)
   scored_rounds, outs, rollout_s = [], [], 0.0
   for round_index in range(rounds):
-    # This host's block of the step's examples, gathered in process order (rl/loop.prompt_stream).
-    drawn = hosts.gather_objects([next(examples) for _ in range(cfg.prompts_per_step // jax.process_count())])
+    # This host's block of the step's examples, gathered in process order (rl/loop.prompt_stream);
+    # with shared_prompts every host's stream is the whole stream and draws them all.
+    drawn = [next(examples) for _ in range(cfg.prompts_per_step)] if shared_prompts(run.cfg) else \
+        hosts.gather_objects([next(examples) for _ in range(cfg.prompts_per_step // jax.process_count())])
     t0 = time.perf_counter()
     out = run.multiturn.rollout(run.state.params, run.state.extra, drawn,
                                 jax.random.fold_in(key, round_index), run.version)

@@ -36,7 +36,7 @@ from meshrl.rl import losses
 from meshrl.rl import packing
 from meshrl.rl import routes
 from meshrl.rl.batch import (batch_metrics, empty_scored, informative_groups, next_prompts, response_columns,
-                            score_rollout, select_groups)
+                            score_rollout, select_groups, shared_prompts)
 from meshrl.rl.batches import (ScoredBatch, UpdateBatch, align_for_update, align_on_devices,
                                device_put_batch, zigzag_batch)
 from meshrl.rl.rewards import compose
@@ -163,23 +163,25 @@ class InFlight:
 def in_flight_state(run: RLRun) -> list[dict]:
   """The rollouts in flight as JSON values, for the checkpoint (waits for them), so a resumed
   asynchronous run trains on exactly the rollouts the uninterrupted one would have. Each host holds
-  only its own block of a rollout's examples; the state has every host's, in process order (every
-  process calls this: the gather is collective)."""
+  only its own block of a rollout's examples (every host all of them with `shared_prompts`); the
+  state has every host's, in process order (every process calls this: the gather is collective)."""
   def to_json(value):
     return array_to_json(value.to_host() if isinstance(value, DeviceRows) else value)
-  return [{"examples": hosts.gather_objects(item.examples), "version": item.version,
-           "arrays": {name: to_json(value) for name, value in item.arrays().items()}}
+  shared = shared_prompts(run.cfg)
+  return [{"examples": list(item.examples) if shared else hosts.gather_objects(item.examples),
+           "version": item.version, "arrays": {name: to_json(value) for name, value in item.arrays().items()}}
           for item in run.in_flight]
 
 
 def restore_in_flight(run: RLRun, state: list[dict]) -> None:
   """Puts `in_flight_state`'s rollouts back in the queue (as host arrays), each host with its own
-  block of their examples (`hosts.own_block`)."""
+  block of their examples (`hosts.own_block`; all of them with `shared_prompts`)."""
   def from_json(name, value):
     array = array_from_json(value)
     return RoutingRows.from_host(array) if name == "routing" else array
+  shared = shared_prompts(run.cfg)
   run.in_flight = collections.deque(
-      InFlight(item["examples"][hosts.own_block(len(item["examples"]))],
+      InFlight(item["examples"] if shared else item["examples"][hosts.own_block(len(item["examples"]))],
                {name: from_json(name, v) for name, v in item["arrays"].items()}, item["version"])
       for item in state)
 
@@ -276,12 +278,13 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
   first_errors = []
   partial_info = {}
 
+  shared = shared_prompts(run.cfg)
+
   def draw(count):
     """This host's block of `count` prompts (its examples), and every host's tokens side by side (a
-    global array of each host's own rows, `hosts.global_rows`). Partial rollouts: every host draws
-    the same `count` prompts (its stream is the whole stream)."""
+    global array of each host's own rows, `hosts.global_rows`). With `shared_prompts` every host
+    draws the same `count` prompts (its stream is the whole stream)."""
     nonlocal rejected, truncated
-    shared = run.partial is not None
     prompts = next_prompts(examples, run.tokenizer, count=count if shared else count // jax.process_count(),
                            max_len=cfg.max_prompt_len, overflow=cfg.prompt_overflow)
     if shared:
@@ -314,7 +317,7 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
     scored = empty_scored(arrays) if not round_examples else score_own_block(
         arrays, round_examples, run.tokenizer, run.pool, group_size=cfg.group_size,
         max_new_tokens=cfg.max_new_tokens, overlong_buffer=cfg.overlong_buffer,
-        overlong_penalty_value=cfg.overlong_penalty, examples_everywhere=run.partial is not None)
+        overlong_penalty_value=cfg.overlong_penalty, examples_everywhere=shared)
     reward_s += time.perf_counter() - t0
     reward_errors += scored.info["reward_errors"]
     reward_timeouts += scored.info["reward_timeouts"]

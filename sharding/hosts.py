@@ -14,10 +14,11 @@ the jitted steps span all devices of all processes. How meshrl's RL loop splits 
             reward workers; rewards, texts and domains are gathered (`gather_rows`,
             `gather_objects`), so every host then makes the same decisions (dynamic sampling, packing)
             on the same global batch and the update's inputs are equal everywhere;
-  partial   partial rollouts (rl/partial.PartialRollouts): the groups that end in a step are not one
-            block per host, so every host draws the same prompts (the whole stream, not a shard) and
-            holds every group's example; each scores its `share` of the groups that ended (as even
-            as their count allows), and the uneven shares are gathered (`gather_rows`);
+  shared    partial rollouts (rl/partial.PartialRollouts: the groups that end in a step are not one
+            block per host), and prompts that do not split evenly over the hosts (more hosts than
+            prompts; rl/batch.shared_prompts): every host draws the same prompts (the whole stream,
+            not a shard) and holds every group's example; each scores its `share` of the groups (as
+            even as their count allows), and the uneven shares are gathered (`gather_rows`);
   episodes  multi-turn (rl/multiturn.py): each host resets and steps the environments of its own
             block of episodes, and their results are gathered after every turn (`gather_objects`);
   outputs   metrics files, evaluations and the config are written by process 0 only

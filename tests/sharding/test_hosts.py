@@ -70,7 +70,8 @@ out["scored_here"] = scored_here
 import collections, types
 from meshrl.rl.step import InFlight, in_flight_state, restore_in_flight
 run = types.SimpleNamespace(in_flight=collections.deque(
-    [InFlight(examples, {"tokens": arrays["tokens"]}, 3)]))
+    [InFlight(examples, {"tokens": arrays["tokens"]}, 3)]),
+    cfg=types.SimpleNamespace(rl=types.SimpleNamespace(rollout_token_budget=0, prompts_per_step=4)))
 saved = json.loads(json.dumps(in_flight_state(run)))  # as the checkpoint's JSON holds it
 restore_in_flight(run, saved)
 out["in_flight"] = {"saved": [item["examples"] for item in saved], "version": run.in_flight[0].version,
@@ -145,15 +146,16 @@ def test_bad_job_descriptions_are_refused_by_name():
   assert not hosts.initialize("", 0, -1)  # no job described: one process, nothing joined
 
 
-def test_what_several_processes_cannot_run_is_refused_by_name():
+def test_prompts_that_do_not_split_over_the_hosts_are_shared():
+  """Every host draws the same prompts and scores its share when they do not split into equal
+  blocks (paper_3t: 8 prompts on the 1,024 hosts of a v5p 16x16x16) or with partial rollouts."""
   from meshrl import configs  # pylint: disable=import-outside-toplevel
-  from meshrl.rl.loop import check_hosts_config  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.batch import shared_prompts  # pylint: disable=import-outside-toplevel
   load = lambda *o: configs.load("configs/tiny.py", ["rl.prompts_per_step=4", *o])  # noqa: E731
-  with pytest.raises(ValueError, match=r"rl.prompts_per_step=4 does not split over the 3 host processes"):
-    check_hosts_config(load(), 3)
-  check_hosts_config(load(*MULTI_TURN), 2)  # multi-turn episodes run on several processes
-  check_hosts_config(load("rl.max_staleness=1"), 2)  # and asynchronous RL
-  check_hosts_config(load("rl.engine=continuous", "rl.rollout_token_budget=64"), 2)  # and partial rollouts
+  assert not shared_prompts(load(), 1) and not shared_prompts(load(), 2) and not shared_prompts(load(), 4)
+  assert shared_prompts(load(), 3) and shared_prompts(load(), 8)
+  assert shared_prompts(configs.load("configs/paper_3t.py"), 1024)
+  assert shared_prompts(load("rl.engine=continuous", "rl.rollout_token_budget=64"), 2)
 
 
 def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
@@ -264,15 +266,21 @@ PARTIAL = ["rl.engine=continuous", "rl.group_size=4", "rl.decode_slots=4", "rl.r
            "rl.max_resample_rounds=0"]
 
 
+# One prompt of 4 samples per step on two hosts: the prompts do not split, so both draw it (shared).
+ONE_PROMPT = ["rl.prompts_per_step=1", "rl.group_size=4"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["rl.max_staleness=1", "rl.tis_level=token"], PARTIAL],
-                         ids=["sync", "async", "partial"])
+@pytest.mark.parametrize("extra", [[], ["rl.max_staleness=1", "rl.tis_level=token"], PARTIAL, ONE_PROMPT,
+                                   ONE_PROMPT + ["rl.max_staleness=1", "rl.tis_level=token"]],
+                         ids=["sync", "async", "partial", "one_prompt", "one_prompt_async"])
 def test_rl_on_two_processes_matches_one_process(tmp_path, extra):
   """scripts/rl.py: 3 RL steps with evaluations and checkpoints, once as one process with 4 CPU
   devices and once as two processes with 2 each (the same 4-device mesh): the same metrics (floats to
   reduction-order noise), files written once, checkpoints from both processes together; also
-  asynchronous RL (rollouts in flight, saved with every host's examples) and partial rollouts
-  (groups carried over steps, ending unevenly over the hosts). ~2 min each."""
+  asynchronous RL (rollouts in flight, saved with every host's examples), partial rollouts (groups
+  carried over steps, ending unevenly over the hosts) and fewer prompts than hosts (every host draws
+  the one prompt and scores its share of the samples), synchronous and asynchronous. ~2 min each."""
   small = ["model.num_layers=2", "model.embed_dim=32", "model.head_dim=8", "model.mlp_dim=32",
            "moe.expert_mlp_dim=16", "rl.max_prompt_len=8", "rl.max_new_tokens=4", "model.max_seq_len=16",
            "rl.prompts_per_step=4", "rl.group_size=2", "rl.sft_steps=0", "log.progress_bar=false",
