@@ -8,7 +8,7 @@ sampling, partial rollouts, packing plans) only ever moves whole samples, so it 
 instead: the device arrays the samples are in and, per sample, its row in them. What the host does
 need of the tokens (the response columns for scoring) it pulls with `to_host(columns=...)`, and the
 update batch is built from the rows on the devices (`gather`, then rl/batches.py `align_on_devices`
-and rl/packing.py `pack_on_devices`).
+and rl/layouts.py's zigzag or packing).
 
 `DeviceRows` behaves like a host [B, ...] array for that code: len, shape, slicing and index arrays
 on the sample axis, `concatenate` with blank samples, `to_host` (a checkpoint's JSON, tests).
