@@ -36,7 +36,6 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from meshrl.model import blockwise as bw
-from meshrl.sharding.mesh import platform
 from meshrl.sharding.rules import batch_axes
 
 IMPLS = ("reference", "blockwise", "ring")
@@ -191,18 +190,13 @@ def _local_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, causal, segments,
 # Reference.
 
 
-SHORT_QUERY_MAX = 1  # query lengths up to this take `short_query_attention` in the reference kernel on CPU
-#                     (measured at 2-4 queries the batched dots were as fast or faster)
-
-
 def reference_attention(q, k, v, *, causal, q_positions, kv_positions, q_segment_ids=None,
-                        kv_segment_ids=None, scale, short_query: bool | None = None):
+                        kv_segment_ids=None, scale):
   """Plain softmax attention in float32 (the whole [T, S] score matrix); rows with no key give 0.
 
-  Shapes as `attend`; segment ids are [B, T] and [B, S] or None. short_query: compute it as
-  `short_query_attention` (None: when T <= SHORT_QUERY_MAX and the default backend is the CPU;
-  `attend` decides by its mesh's platform, so a program compiled for TPU from a CPU host keeps the
-  batched dots).
+  Shapes as `attend`; segment ids are [B, T] and [B, S] or None. Decode (T = 1 against a KV cache)
+  takes this path too: on XLA:CPU its batched dots, transposed cache copies included, measured 2-20x
+  faster than a broadcast-multiply over the cache as laid out, which an earlier kernel used.
   """
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
@@ -212,11 +206,6 @@ def reference_attention(q, k, v, *, causal, q_positions, kv_positions, q_segment
     mask &= q_positions[:, :, None] >= kv_positions[:, None, :]
   if q_segment_ids is not None:
     mask &= q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
-  if short_query is None:
-    short_query = t <= SHORT_QUERY_MAX and jax.default_backend() == "cpu"
-  if short_query:
-    out = short_query_attention(qg, k, v, mask, scale)
-    return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
   hi = lax.Precision.HIGHEST
   s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32), precision=hi) * scale
   s = jnp.where(mask[:, None, None], s, -jnp.inf)
@@ -226,29 +215,6 @@ def reference_attention(q, k, v, *, causal, q_positions, kv_positions, q_segment
   p = p / jnp.where(l > 0, l, 1.0)
   out = jnp.einsum("BKGTS,BSKJ->BTKGJ", p, v.astype(jnp.float32), precision=hi)
   return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
-
-
-def short_query_attention(qg, k, v, mask, scale):
-  """Softmax attention of a few queries (decode) against a KV cache read in its own layout, in float32.
-
-  qg [B, T, K, G, H] grouped queries, k [B, S, K, H], v [B, S, K, J], mask [B, T, S]
-  -> [B, T, K, G, J]; rows with no key give 0. On CPU the batched dots of `reference_attention` are
-  B * K tiny matrices fed by transposed copies of the cache; here the scores [B, T, S, K, G] are one
-  elementwise pass over the keys (a sum of H products, written out so that XLA's CPU backend emits a
-  loop fusion: its reduction of a broadcast product over the minor axis measured ~20x slower), and
-  the outputs one reduction over S of p * v.
-  """
-  k = k.astype(jnp.float32)[:, None, :, :, None]  # [B, 1, S, K, 1, H]
-  qg = qg[:, :, None]  # [B, T, 1, K, G, H]
-  s = qg[..., 0] * k[..., 0]
-  for i in range(1, qg.shape[-1]):
-    s = s + qg[..., i] * k[..., i]
-  s = jnp.where(mask[:, :, :, None, None], s * scale, -jnp.inf)  # [B, T, S, K, G]
-  m = s.max(axis=2, keepdims=True)
-  p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-  l = p.sum(axis=2, keepdims=True)
-  p = p / jnp.where(l > 0, l, 1.0)
-  return jnp.sum(p[..., None] * v.astype(jnp.float32)[:, None, :, :, None], axis=2)  # [B, T, K, G, J]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,11 +321,9 @@ def attend(q, k, v, *, impl: str, mesh: Mesh | None = None, causal: bool = True,
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   q_pos, kv_pos, q_seg, kv_seg, use_segments = _ids(q, k, q_positions, kv_positions, segment_ids)
   if impl == "reference":
-    runs_on = platform(mesh)
     return reference_attention(q, k, v, causal=causal, q_positions=q_pos, kv_positions=kv_pos,
                                q_segment_ids=q_seg if use_segments else None,
-                               kv_segment_ids=kv_seg, scale=scale,
-                               short_query=q.shape[1] <= SHORT_QUERY_MAX and runs_on == "cpu")
+                               kv_segment_ids=kv_seg, scale=scale)
   local = functools.partial(_local_attention, causal=causal, segments=use_segments, scale=scale,
                             block_q=block_q, block_kv=block_kv)
   if impl == "blockwise":
