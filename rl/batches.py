@@ -20,6 +20,7 @@ Axis legend: B sequences, S tokens, L MoE layers, K experts per token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -167,13 +168,9 @@ def align_arrays(fields: dict, valid):
           "old_logprobs": shift(fields["logprobs"].astype(jnp.float32), 0.0)}
 
 
-_ALIGN_PROGRAMS: dict = {}
-
-
+@functools.cache
 def _align_program(sharding):
-  if sharding not in _ALIGN_PROGRAMS:
-    _ALIGN_PROGRAMS[sharding] = jax.jit(align_arrays, out_shardings=sharding)
-  return _ALIGN_PROGRAMS[sharding]
+  return jax.jit(align_arrays, out_shardings=sharding)
 
 
 def zigzag_batch(batch: UpdateBatch, num_shards: int) -> UpdateBatch:

@@ -38,13 +38,21 @@ class SampleLayout:
   from_samples: Callable[[Any], Any]
 
 
-_PROGRAMS: dict = {}
+@functools.cache
+def _unpack_program(shape: tuple[int, int], samples_sharding):
+  return jax.jit(functools.partial(_unpack, num_samples=shape[0], num_columns=shape[1]),
+                 out_shardings=samples_sharding)
 
 
-def _program(key, make):
-  if key not in _PROGRAMS:
-    _PROGRAMS[key] = make()
-  return _PROGRAMS[key]
+@functools.cache
+def _pack_program(batch_sharding):
+  return jax.jit(_pack, out_shardings=batch_sharding)
+
+
+@functools.cache
+def _zigzag_program(mesh, batch_sharding, undo: bool):
+  return jax.jit(functools.partial(unzigzag_on_mesh if undo else zigzag_on_mesh, mesh=mesh, axis=1),
+                 out_shardings=batch_sharding)
 
 
 def _unpack(y, sample, column, *, num_samples: int, num_columns: int):
@@ -78,19 +86,13 @@ def sample_layout(*, plan=None, zigzag_shards: int = 1, mesh=None, batch_shardin
     sample, column = jax.tree.map(jnp.asarray, cells) if batch_sharding is None else \
         jax.device_put(cells, batch_sharding)  # from numpy: every host process passes the same plan
     shape = (plan.num_samples, plan.num_columns)
-    unpack = _program(("unpack", shape, samples_sharding), lambda: jax.jit(
-        functools.partial(_unpack, num_samples=shape[0], num_columns=shape[1]),
-        out_shardings=samples_sharding))
-    pack = _program(("pack", batch_sharding), lambda: jax.jit(_pack, out_shardings=batch_sharding))
+    unpack, pack = _unpack_program(shape, samples_sharding), _pack_program(batch_sharding)
     return SampleLayout(maybe(lambda y: unpack(y, sample, column)),
                         maybe(lambda x: pack(x, sample, column)))
   if zigzag_shards > 1:
     if mesh is None or mesh.shape.get("sequence", 1) != zigzag_shards:
       raise ValueError(f"a zigzag over {zigzag_shards} shards needs the mesh's 'sequence' axis of that "
                        f"size; mesh={None if mesh is None else dict(mesh.shape)}.")
-    unzig = _program(("unzigzag", mesh, batch_sharding), lambda: jax.jit(
-        functools.partial(unzigzag_on_mesh, mesh=mesh, axis=1), out_shardings=batch_sharding))
-    zig = _program(("zigzag", mesh, batch_sharding), lambda: jax.jit(
-        functools.partial(zigzag_on_mesh, mesh=mesh, axis=1), out_shardings=batch_sharding))
+    unzig, zig = _zigzag_program(mesh, batch_sharding, True), _zigzag_program(mesh, batch_sharding, False)
     return SampleLayout(maybe(unzig), maybe(zig))
   return SampleLayout(identity, identity)

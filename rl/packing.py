@@ -32,6 +32,7 @@ K experts per token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -140,13 +141,9 @@ def _spans(real, include, xp):
   return starts, lengths, xp.any(span != (real & (lengths > 0)[:, None]), axis=1)
 
 
-_SPANS: list = []
-
-
+@functools.cache
 def _spans_program():
-  if not _SPANS:
-    _SPANS.append(jax.jit(lambda segment_ids, include: _spans(segment_ids != 0, include, jnp)))
-  return _SPANS[0]
+  return jax.jit(lambda segment_ids, include: _spans(segment_ids != 0, include, jnp))
 
 
 def _checked(starts, lengths, broken) -> tuple[np.ndarray, np.ndarray]:

@@ -99,35 +99,25 @@ def _cells(out, source, cells, columns):
   return jnp.where((cells >= 0)[:, None, :, None], picked, out)
 
 
-_PROGRAMS: dict = {}
-
-
+@functools.cache
 def rows_program(out_sharding: NamedSharding | None, shards: int):
   """jit((out [B, L, S, K], source [L, N, S, K], rows [B]) -> out): the padded assembly's step for
   one source (`out` donated), zigzag over `shards` on S; one program per (output sharding, shards),
   shapes left to jit's cache (rl/aot.py compiles it too)."""
-  key = ("rows", out_sharding, shards)
-  if key not in _PROGRAMS:
-    _PROGRAMS[key] = jax.jit(functools.partial(_rows, shards=shards), out_shardings=out_sharding,
-                             donate_argnums=0)
-  return _PROGRAMS[key]
+  return jax.jit(functools.partial(_rows, shards=shards), out_shardings=out_sharding, donate_argnums=0)
 
 
+@functools.cache
 def cells_program(out_sharding: NamedSharding | None):
   """jit((out [R, L, W, K], source, cells [R, W], columns [R, W]) -> out): the packed assembly's
   step for one source (`out` donated)."""
-  key = ("cells", out_sharding)
-  if key not in _PROGRAMS:
-    _PROGRAMS[key] = jax.jit(_cells, out_shardings=out_sharding, donate_argnums=0)
-  return _PROGRAMS[key]
+  return jax.jit(_cells, out_shardings=out_sharding, donate_argnums=0)
 
 
+@functools.cache
 def zeros_program(shape: tuple[int, ...], out_sharding: NamedSharding | None):
   """jit(() -> zeros [shape] int32) in `out_sharding`: where the assembly starts."""
-  key = ("zeros", shape, out_sharding)
-  if key not in _PROGRAMS:
-    _PROGRAMS[key] = jax.jit(lambda: jnp.zeros(shape, jnp.int32), out_shardings=out_sharding)
-  return _PROGRAMS[key]
+  return jax.jit(lambda: jnp.zeros(shape, jnp.int32), out_shardings=out_sharding)
 
 
 def routes_sharding(sharding: NamedSharding) -> NamedSharding:

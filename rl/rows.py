@@ -101,7 +101,7 @@ class DeviceRows:
   def gather(self, sharding: NamedSharding | None) -> jax.Array:
     """The [B, ...] array (sample axis first; blank samples `fill`) built on the devices in
     `sharding` (None: the default device), one jitted call per source."""
-    out = _full_program(self.shape, self.dtype, self.fill, sharding)()
+    out = _full_program(self.shape, np.dtype(self.dtype), self.fill, sharding)()
     for source, local in per_source(self.sources, np.asarray(self.rows, np.int32), self.axis):
       if (local >= 0).any():
         out = _take_program(self.axis, sharding)(out, jnp.asarray(source), local)
@@ -142,34 +142,31 @@ def concatenate(parts: Sequence[DeviceRows], blank: int = 0) -> DeviceRows:
   return dataclasses.replace(parts[0], sources=tuple(sources), rows=np.concatenate(rows).astype(np.int64))
 
 
-_PROGRAMS: dict = {}
+# The small programs below are built once per static argument (functools.cache; shardings hash) and
+# left to jax.jit's own cache for their input shapes.
 
 
-def _cached(key, build):
-  if key not in _PROGRAMS:
-    _PROGRAMS[key] = build()
-  return _PROGRAMS[key]
-
-
+@functools.cache
 def _column_slicer(axis: int, start, stop, step):
   """jit(source -> source[..., start:stop:step] on the axis after `axis`), on the devices."""
   def cut(source):
     index = [slice(None)] * source.ndim
     index[1 if axis == 0 else 0] = slice(start, stop, step)
     return source[tuple(index)]
-  return _cached(("columns", axis, start, stop, step), lambda: jax.jit(cut))
+  return jax.jit(cut)
 
 
+@functools.cache
 def _take_program(axis: int, sharding: NamedSharding | None):
   """jit((out [B, ...], source, local [B]) -> out with the samples whose local row >= 0 taken from
   source's `axis`; `out` donated)."""
   def take(out, source, local):
     picked = jnp.moveaxis(jnp.take(source, jnp.maximum(local, 0), axis=axis), axis, 0).astype(out.dtype)
     return jnp.where((local >= 0).reshape((-1,) + (1,) * (out.ndim - 1)), picked, out)
-  return _cached(("take", axis, sharding), lambda: jax.jit(take, out_shardings=sharding, donate_argnums=0))
+  return jax.jit(take, out_shardings=sharding, donate_argnums=0)
 
 
-def _full_program(shape: tuple[int, ...], dtype, fill, sharding: NamedSharding | None):
+@functools.cache
+def _full_program(shape: tuple[int, ...], dtype: np.dtype, fill, sharding: NamedSharding | None):
   """jit(() -> [shape] of `fill`) in `sharding`: where a gather starts."""
-  return _cached(("full", shape, np.dtype(dtype).str, fill, sharding),
-                 lambda: jax.jit(functools.partial(jnp.full, shape, fill, dtype), out_shardings=sharding))
+  return jax.jit(functools.partial(jnp.full, shape, fill, dtype), out_shardings=sharding)
