@@ -24,8 +24,11 @@ environment gets `<done>`, so the episode is still graded. A malformed tool call
 error observation, never an exception; an environment that raises or times out ends its episode as an
 environment failure (sample_valid False: no gradient, counted apart from wrong answers).
 
-Output: a RolloutBatch layout of host arrays [B, S], S = Lp + N (rl.max_prompt_len + rl.max_new_tokens):
-the prompt left-padded, then the whole episode (policy turns and observations) right-padded;
+Output: a RolloutBatch layout [B, S], S = Lp + N (rl.max_prompt_len + rl.max_new_tokens), built on the
+devices (`Episodes`, written after every turn and extension; `assemble`) and kept there as rl/rows.py
+DeviceRows split by rows, like the single-turn rollout's: the host keeps each row's length and, for
+the rows whose environments it runs, their tokens (their texts); only those rows' turn tokens come to it.
+The prompt left-padded, then the whole episode (policy turns and observations) right-padded;
 `response_mask` is True ONLY on the policy's own tokens (so rl/batches.py's loss_mask and the update's
 log-probs and loss cover only them), `logprobs` the behaviour log-probs there; the reward is the
 episode's. The cache has `max_obs_tokens` slots of slack past S so a padded extension never wraps.
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Sequence
 
@@ -48,15 +52,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.sharding import NamedSharding
 
 from meshrl.model import kv_cache as kvc
 from meshrl.model.tokenizer import Tokenizer
 from meshrl.model.transformer import Transformer
 from meshrl.rl.envs import file_tasks
 from meshrl.rl.envs.base import DONE, STOP_STRINGS, StepResult, as_text
-from meshrl.rl.rollout import prompt_layout, rollout_model_config
+from meshrl.rl.rollout import prompt_layout, rollout_model_config, rollout_rows
 from meshrl.rl.sampling import Sampler, sample_keys, token_keys
 from meshrl.sharding import hosts
+from meshrl.sharding.rules import logical_to_spec, rules_from_config
 
 OBS_OPEN, OBS_CLOSE = "<out>", "</out>"
 ENDS = ("done", "max_turns", "token_budget", "context", "env_failure")
@@ -274,6 +280,65 @@ def extend(model: Transformer, cache, logits, positions, observations, lengths):
           positions + lengths)
 
 
+# --- the episodes on the devices -----------------------------------------------------------------
+
+
+@struct.dataclass
+class Episodes:
+  """Every row's episode after its prompt, written on the devices turn by turn (so no host holds the
+  batch's tokens): tokens [B, N] int32 (pad_id past the fill), logprobs [B, N] float32 (the behaviour
+  log-probs of policy tokens, else 0), policy [B, N] bool (the policy's own tokens), fill [B] int32
+  (tokens written). Split by rows like the batch (MultiTurnPrograms: the `batch` rule)."""
+  tokens: jax.Array
+  logprobs: jax.Array
+  policy: jax.Array
+  fill: jax.Array
+
+
+def empty_episodes(batch: int, length: int, pad_id: int) -> Episodes:
+  return Episodes(tokens=jnp.full((batch, length), pad_id, jnp.int32),
+                  logprobs=jnp.zeros((batch, length), jnp.float32),
+                  policy=jnp.zeros((batch, length), bool), fill=jnp.zeros((batch,), jnp.int32))
+
+
+def append(episodes: Episodes, new, lengths, logprobs=None, *, policy: bool) -> Episodes:
+  """Row b's first lengths[b] entries of new [B, W] (and of logprobs [B, W]; None: 0) written at its
+  fill, which moves on by lengths[b]; entries that would pass N are dropped (the host's budgets keep
+  an episode within N)."""
+  width, length = new.shape[1], episodes.tokens.shape[1]
+  step = jnp.arange(width)[None, :]
+  columns = jnp.where(step < lengths[:, None], episodes.fill[:, None] + step, length)
+  rows = jnp.arange(new.shape[0])[:, None]
+  put = lambda buffer, value: buffer.at[rows, columns].set(value, mode="drop")  # noqa: E731
+  return Episodes(tokens=put(episodes.tokens, new.astype(jnp.int32)),
+                  logprobs=put(episodes.logprobs, 0.0 if logprobs is None else logprobs),
+                  policy=put(episodes.policy, policy), fill=episodes.fill + lengths)
+
+
+def assemble(prompts, prompt_mask, episodes: Episodes, version, group: int) -> dict:
+  """The RolloutBatch fields (routing absent) of prompts [P, Lp] (left-padded, each shared by its G
+  rows) followed by their rows' episodes: per-token fields [B, S] (S = Lp + N) and lengths [B]
+  (episode tokens); `version` the policy version of the episode's policy tokens."""
+  rep = lambda a: jnp.repeat(a, group, axis=0)  # noqa: E731
+  positions, segments = prompt_layout(prompt_mask)
+  batch, length = episodes.tokens.shape
+  prompt_len = prompts.shape[1]
+  real = jnp.arange(length)[None, :] < episodes.fill[:, None]
+  episode_positions = rep(jnp.sum(prompt_mask, axis=1).astype(jnp.int32))[:, None] + jnp.arange(length)
+  before = lambda value, dtype: jnp.full((batch, prompt_len), value, dtype)  # noqa: E731
+  return {
+      "tokens": jnp.concatenate([rep(prompts), episodes.tokens], axis=1),
+      "positions": jnp.concatenate([rep(positions), jnp.where(real, episode_positions, 0)], axis=1),
+      "segment_ids": jnp.concatenate([rep(segments), real.astype(jnp.int32)], axis=1),
+      "prompt_mask": jnp.concatenate([rep(prompt_mask), jnp.zeros((batch, length), bool)], axis=1),
+      "response_mask": jnp.concatenate([before(False, bool), episodes.policy], axis=1),
+      "logprobs": jnp.concatenate([before(0.0, jnp.float32), episodes.logprobs], axis=1),
+      "policy_version": jnp.concatenate([before(-1, jnp.int32),
+                                         jnp.where(episodes.policy, version, -1).astype(jnp.int32)], axis=1),
+      "lengths": episodes.fill,
+  }
+
+
 # --- the host loop ------------------------------------------------------------------------------
 
 
@@ -290,28 +355,28 @@ class EpisodeStats:
 
 @dataclasses.dataclass
 class MultiTurnRollout:
-  arrays: dict[str, np.ndarray]  # the RolloutBatch fields (host numpy, [B, S] / [B]), routing absent
+  arrays: dict  # the RolloutBatch fields, routing absent: per-token [B, S] as rl/rows.DeviceRows (on
+  #               the devices), lengths and truncated [B] numpy on every host
   episodes: list[EpisodeStats]  # [B]
   texts: list[str]  # [B] the episode after the prompt, as text
   counts: dict[str, int]  # prefill_tokens (prompts, once), extend_tokens (observations), extend_calls, ...
 
 
 class _Row:
-  """Host record of one episode: its environment and its token segments."""
+  """Host record of one episode: its environment, its length and, on the host that runs it, its tokens."""
 
   def __init__(self, env, prompt_len: int):
     self.env, self.prompt_len = env, prompt_len
-    self.tokens: list[int] = []
-    self.policy: list[bool] = []
-    self.logprobs: list[float] = []
+    self.length = 0  # episode tokens so far (policy turns and observations)
+    self.tokens: list[int] = []  # the same tokens, kept by the host that runs the row (for its text)
     self.stats = EpisodeStats()
     self.active = True
     self.max_turns = 1  # the budget's, or the example's own when lower
 
-  def add(self, tokens, *, policy: bool, logprobs=None):
-    self.tokens += [int(t) for t in tokens]
-    self.policy += [policy] * len(tokens)
-    self.logprobs += [float(x) for x in logprobs] if logprobs is not None else [0.0] * len(tokens)
+  def add(self, tokens, *, keep: bool):
+    self.length += len(tokens)
+    if keep:
+      self.tokens += [int(t) for t in tokens]
 
   def finish(self, result, end: str):
     self.active = False
@@ -348,6 +413,8 @@ class MultiTurnPrograms:
                                                                          prompts, mask))
     self.decode_turn = jax.jit(lambda params, extra, *args: decode_turn(merge(params, extra), spec, *args))
     self.extend = jax.jit(lambda params, extra, *args: extend(merge(params, extra), *args))
+    self.mesh, self.rules = mesh, rules_from_config(cfg.mesh)
+    self._episode_programs: dict[int, tuple] = {}
     self._pool = concurrent.futures.ThreadPoolExecutor(spec.env_workers, thread_name_prefix="env")
 
   def close(self) -> None:
@@ -420,6 +487,20 @@ class MultiTurnPrograms:
   def _bucket(self, length: int) -> int:
     return next(b for b in self.buckets if b >= length)
 
+  def _episodes_programs(self, batch: int) -> tuple:
+    """(empty, append_policy, append_observations, assemble) for `batch` rows: jitted, their outputs
+    split by rows over the mesh axes of the `batch` rule that divide B (whole without a mesh)."""
+    if batch not in self._episode_programs:
+      split = None if self.mesh is None else NamedSharding(
+          self.mesh, logical_to_spec(("batch",), self.rules, self.mesh, shape=(batch,)))
+      spec = self.spec
+      self._episode_programs[batch] = (
+          jax.jit(lambda: empty_episodes(batch, spec.episode_len, spec.pad_id), out_shardings=split),
+          jax.jit(functools.partial(append, policy=True), out_shardings=split),
+          jax.jit(functools.partial(append, policy=False), out_shardings=split),
+          jax.jit(functools.partial(assemble, group=spec.group_size), out_shardings=split))
+    return self._episode_programs[batch]
+
   def rollout(self, params, extra, examples: Sequence[dict], key: jax.Array,
               version: int = 0) -> MultiTurnRollout:
     """B = len(examples) * G episodes, example p's on rows p*G .. p*G+G-1."""
@@ -451,12 +532,14 @@ class MultiTurnPrograms:
     counts = {"prefill_tokens": int(mask.sum()), "extend_tokens": 0, "extend_slots": 0, "extend_calls": 0,
               "decode_calls": 0, "prompts_truncated": truncated}
 
+    empty, append_policy, append_observations, assemble_fields = self._episodes_programs(batch)
+    episodes = empty()
     cache, logits, positions = self.prefill(params, extra, prompts, mask)
     for turn in range(spec.max_turns):
       limits = np.zeros(batch, np.int32)
       for b, row in enumerate(rows):
         if row.active:
-          room = spec.episode_len - len(row.tokens)
+          room = spec.episode_len - row.length
           limits[b] = max(0, min(spec.max_turn_tokens, spec.max_episode_tokens - row.stats.policy_tokens,
                                  room))
       self._end(rows, {b: "context" for b, r in enumerate(rows) if r.active and limits[b] < 1})
@@ -465,15 +548,21 @@ class MultiTurnPrograms:
       counts["decode_calls"] += 1
       cache, logits, positions, tokens, logprobs, lengths, _ = self.decode_turn(
           params, extra, cache, logits, positions, jnp.asarray(limits), jax.random.fold_in(key, turn))
-      tokens, logprobs, lengths = (hosts.to_host(x) for x in (tokens, logprobs, lengths))
+      episodes = append_policy(episodes, tokens, lengths, logprobs)
+      # Every host learns every row's turn length; only its own rows' tokens come to it.
+      lengths, own_tokens = hosts.to_host(lengths), hosts.share_to_host(tokens)
       calls = []
       for b in np.flatnonzero(limits > 0):
         row, n = rows[b], int(lengths[b])
-        row.add(tokens[b, :n], policy=True, logprobs=logprobs[b, :n])
         row.stats.turns += 1
         row.stats.policy_tokens += n
-        text, _ = as_text(tok.decode(tokens[b, :n]))
-        calls.append((int(b), (lambda env=row.env, text=text: env.step(text))))
+        if b in own:
+          turn_tokens = own_tokens[b - own.start, :n]
+          row.add(turn_tokens, keep=True)
+          text, _ = as_text(tok.decode(turn_tokens))
+          calls.append((int(b), (lambda env=row.env, text=text: env.step(text))))
+        else:
+          row.add(range(n), keep=False)
       results = self._step_envs(calls, batch)
       observations, ending = {}, {}
       for b, result in results.items():
@@ -487,7 +576,7 @@ class MultiTurnPrograms:
         elif row.stats.policy_tokens >= spec.max_episode_tokens:
           ending[b] = "token_budget"
         else:
-          room = spec.episode_len - len(row.tokens) - 1  # leave room for one more policy token
+          room = spec.episode_len - row.length - 1  # leave room for one more policy token
           ids = self._observation_ids(result.observation, min(room, spec.max_obs_tokens))
           if ids is None:
             ending[b] = "context"
@@ -500,15 +589,19 @@ class MultiTurnPrograms:
         obs_len = np.zeros(batch, np.int32)
         for b, ids in observations.items():
           obs[b, :len(ids)], obs_len[b] = ids, len(ids)
-          rows[b].add(ids, policy=False)
+          rows[b].add(ids, keep=b in own)
           rows[b].stats.obs_tokens += len(ids)
-        cache, logits, positions = self.extend(params, extra, cache, logits, positions, jnp.asarray(obs),
-                                               jnp.asarray(obs_len))
+        obs, obs_len = jnp.asarray(obs), jnp.asarray(obs_len)
+        cache, logits, positions = self.extend(params, extra, cache, logits, positions, obs, obs_len)
+        episodes = append_observations(episodes, obs, obs_len)
         counts["extend_tokens"] += int(obs_len.sum())
         counts["extend_slots"] += batch * span
         counts["extend_calls"] += 1
     self._end(rows, {b: "max_turns" for b, r in enumerate(rows) if r.active})
-    return self._assemble(rows, prompts, mask, version, counts)
+    arrays = rollout_rows(assemble_fields(prompts, mask, episodes, np.int32(version)))
+    arrays["truncated"] = np.asarray([r.stats.end != "done" for r in rows])
+    texts = hosts.gather_objects([tok.decode(rows[b].tokens, stop_at_eos=False) for b in own])
+    return MultiTurnRollout(arrays=arrays, episodes=[r.stats for r in rows], texts=texts, counts=counts)
 
   def _reset(self, example: dict):
     env = self.make_env(example)
@@ -521,36 +614,6 @@ class MultiTurnPrograms:
     results = self._step_envs([(b, (lambda env=rows[b].env: env.step(DONE))) for b in ending], len(rows))
     for b, end in ending.items():
       rows[b].finish(results[b], end)
-
-  def _assemble(self, rows: list[_Row], prompts, mask, version: int, counts: dict) -> MultiTurnRollout:
-    spec = self.spec
-    group, batch = spec.group_size, len(rows)
-    prompt_len, n = spec.prompt_len, spec.episode_len
-    rep = lambda a: np.repeat(a, group, axis=0)  # noqa: E731
-    positions, segments = prompt_layout(np.asarray(mask, bool))
-    tokens = np.full((batch, n), spec.pad_id, np.int32)
-    policy = np.zeros((batch, n), bool)
-    logprobs = np.zeros((batch, n), np.float32)
-    real = np.zeros((batch, n), bool)
-    for b, row in enumerate(rows):
-      length = len(row.tokens)
-      tokens[b, :length], policy[b, :length] = row.tokens, row.policy
-      logprobs[b, :length], real[b, :length] = row.logprobs, True
-    episode_positions = np.asarray([r.prompt_len for r in rows])[:, None] + np.arange(n)
-    arrays = {
-        "tokens": np.concatenate([rep(prompts), tokens], axis=1),
-        "positions": np.concatenate([rep(positions), np.where(real, episode_positions, 0)], axis=1),
-        "segment_ids": np.concatenate([rep(segments), real.astype(np.int32)], axis=1),
-        "prompt_mask": np.concatenate([rep(mask), np.zeros((batch, n), bool)], axis=1),
-        "response_mask": np.concatenate([np.zeros((batch, prompt_len), bool), policy], axis=1),
-        "logprobs": np.concatenate([np.zeros((batch, prompt_len), np.float32), logprobs], axis=1),
-        "lengths": real.sum(axis=1).astype(np.int32),
-        "truncated": np.asarray([r.stats.end != "done" for r in rows]),
-        "policy_version": np.concatenate([np.full((batch, prompt_len), -1, np.int32),
-                                          np.where(policy, version, -1).astype(np.int32)], axis=1),
-    }
-    texts = [self.tokenizer.decode(t[:len(r.tokens)], stop_at_eos=False) for t, r in zip(tokens, rows)]
-    return MultiTurnRollout(arrays=arrays, episodes=[r.stats for r in rows], texts=texts, counts=counts)
 
 
 def make_multiturn(cfg, mesh, tokenizer: Tokenizer, **kwargs) -> MultiTurnPrograms:

@@ -20,7 +20,9 @@ the jitted steps span all devices of all processes. How meshrl's RL loop splits 
             not a shard) and holds every group's example; each scores its `share` of the groups (as
             even as their count allows), and the uneven shares are gathered (`gather_rows`);
   episodes  multi-turn (rl/multiturn.py): each host resets and steps the environments of its own
-            block of episodes, and their results are gathered after every turn (`gather_objects`);
+            block of episodes (its `share`), reading only those rows' turns (`share_to_host`); the
+            results are gathered after every turn (`gather_objects`) and the episodes are written
+            on the devices;
   outputs   metrics files, evaluations and the config are written by process 0 only
             (`is_primary`); orbax checkpoints are written by all processes together.
 
@@ -113,8 +115,55 @@ def own_block(total: int) -> slice:
 def share(total: int) -> slice:
   """This process's share of `total` items that every host holds: contiguous, in process order, as
   even as the count allows (host h of n: [h * total // n, (h + 1) * total // n); some may be empty)."""
-  count, index = jax.process_count(), jax.process_index()
+  return share_of(total, jax.process_index(), jax.process_count())
+
+
+def share_of(total: int, index: int, count: int) -> slice:
+  """Process `index`'s `share` of `total` items among `count` processes."""
   return slice(index * total // count, (index + 1) * total // count)
+
+
+def share_to_host(x: Any) -> np.ndarray:
+  """This process's `share` of the rows of a [B, ...] array, as numpy (numpy input: sliced).
+
+  Read from this process's own shards when every process's devices hold its own share (whole
+  columns; a replicated array qualifies), so no host receives another's rows; else every row is
+  gathered (`to_host`, collective) and sliced. The choice is made from the sharding alone, so every
+  process takes the same branch."""
+  rows = share(x.shape[0])
+  if isinstance(x, np.ndarray) or not is_multihost() or x.is_fully_addressable:
+    return np.asarray(x[rows])
+  if not all(_holds_rows(x.sharding, x.shape, process, share_of(x.shape[0], process, jax.process_count()))
+             for process in range(jax.process_count())):
+    return to_host(x)[rows]
+  pieces = {}
+  for shard in x.addressable_shards:
+    start, stop = shard.index[0].indices(x.shape[0])[:2]
+    if start < rows.stop and stop > rows.start:
+      pieces[start] = (stop, shard.data)
+  out, at = [], rows.start
+  for start in sorted(pieces):
+    stop, data = pieces[start]
+    if stop > at:
+      out.append(np.asarray(data)[max(at, start) - start:min(stop, rows.stop) - start])
+      at = min(stop, rows.stop)
+  return np.concatenate(out) if out else np.zeros((0,) + x.shape[1:], x.dtype)
+
+
+def _holds_rows(sharding, shape: tuple[int, ...], process: int, rows: slice) -> bool:
+  """Whether `process`'s devices hold every row of `rows` (contiguously, whole columns) under
+  `sharding`."""
+  if rows.start == rows.stop:
+    return True
+  here = [index for device, index in sharding.devices_indices_map(shape).items()
+          if device.process_index == process]
+  if not all(i.indices(n)[:2] == (0, n) for index in here for i, n in zip(index[1:], shape[1:])):
+    return False
+  at = rows.start
+  for start, stop in sorted({index[0].indices(shape[0])[:2] for index in here}):
+    if start <= at < stop:
+      at = stop
+  return at >= rows.stop
 
 
 def gather_rows(local: np.ndarray) -> np.ndarray:

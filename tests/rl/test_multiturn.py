@@ -21,7 +21,9 @@ from meshrl.rl.batches import UpdateBatch, align_for_update
 from meshrl.rl.envs.base import StepResult
 from meshrl.rl.envs.file_tasks import FileTaskEnv, copy_task, oracle_turns
 from meshrl.rl.sampling import Sampler
+from meshrl.rl.rows import DeviceRows
 from meshrl.rl.update import rl_loss
+from meshrl.sharding import make_mesh
 from meshrl.train.optim import make_optimizer
 from meshrl.train.state import create_train_state
 
@@ -50,6 +52,11 @@ class ScriptedEnv:
     return StepResult(self.observations[(self.turn - 1) % len(self.observations)], 0.0, False, {})
 
 
+def _host(arrays: dict) -> dict:
+  """A rollout's fields as numpy (the per-token ones stay on the devices as DeviceRows)."""
+  return {k: v.to_host() if isinstance(v, DeviceRows) else v for k, v in arrays.items()}
+
+
 def _setup(*extra):
   cfg = configs.load("configs/tiny.py", SMALL + list(extra))
   model = build_model(ModelConfig.from_config(cfg, None), None)
@@ -70,7 +77,35 @@ def scripted():
 
 def test_response_mask_covers_policy_tokens_only(scripted):
   cfg, _, _, _, out = scripted
-  a, lp = out.arrays, cfg.rl.max_prompt_len
+  _check_episodes(cfg, out)
+
+
+def test_episodes_are_written_on_the_devices_split_by_rows():
+  """On a mesh the episodes are built on the devices: the per-token fields come back as device rows
+  split over the batch axes (data=4: each device holds one of the 4 episodes, no device all of them),
+  and they hold the same episodes as the host records."""
+  cfg, _, state = _setup("mesh.data=4", "mesh.fsdp=2")
+  mesh = make_mesh(cfg.mesh)
+  programs = mt.MultiTurnPrograms(cfg, mesh, TOK, make_env=lambda e: ScriptedEnv())
+  examples = [{"prompt": "do the thing:"}, {"prompt": "another task!"}]
+  out = programs.rollout(state.params, state.extra, examples, jax.random.key(1), version=3)
+  programs.close()
+  for name in ("tokens", "positions", "segment_ids", "prompt_mask", "response_mask", "logprobs",
+               "policy_version"):
+    field = out.arrays[name]
+    assert isinstance(field, DeviceRows), name
+    (source,) = field.sources
+    assert {shard.data.shape[0] for shard in source.addressable_shards} == {1}, name
+  _check_episodes(cfg, out)
+  a = _host(out.arrays)
+  assert out.texts == [TOK.decode(t[cfg.rl.max_prompt_len:][s[cfg.rl.max_prompt_len:] > 0], stop_at_eos=False)
+                       for t, s in zip(a["tokens"], a["segment_ids"])]
+
+
+def _check_episodes(cfg, out):
+  """Each row's fields against its host record: policy tokens under the response mask only, with the
+  rollout's version and their log-probs; the rendered observations between them; the counts."""
+  a, lp = _host(out.arrays), cfg.rl.max_prompt_len
   keep = cfg.rl.max_obs_tokens - len("<out></out>")  # long observations keep their head and the tags
   rendered = [mt.render_observation(o[:keep]) for o in ScriptedEnv().observations]
   for b, episode in enumerate(out.episodes):
@@ -94,7 +129,7 @@ def test_cache_extension_equals_full_reprefill(scripted):
   one forward pass over the whole conversation, so the extended cache is the conversation's."""
   cfg, graphdef, state, _, out = scripted
   model = nnx.merge(graphdef, state.params, state.extra)
-  a = out.arrays
+  a = _host(out.arrays)
   logits = jax.jit(lambda t, p, s: model(t, positions=p, segment_ids=s).logits)(
       jnp.asarray(a["tokens"]), jnp.asarray(a["positions"]), jnp.asarray(a["segment_ids"]))
   full = jax.nn.log_softmax(np.asarray(logits)[:, :-1] / cfg.rl.temperature, axis=-1)
@@ -169,11 +204,10 @@ def test_file_task_episodes_malformed_calls_budgets_and_env_failures():
   programs = mt.MultiTurnPrograms(cfg, None, TOK)
   out = programs.rollout(state.params, state.extra, examples, jax.random.key(2))
   programs.close()
-  lp = cfg.rl.max_prompt_len
+  lp, a = cfg.rl.max_prompt_len, _host(out.arrays)
   for b, episode in enumerate(out.episodes):
     assert episode.malformed_calls >= episode.turns - 1 >= 1
-    observed = TOK.decode(out.arrays["tokens"][b, lp:][(out.arrays["segment_ids"][b, lp:] > 0)
-                                                       & ~out.arrays["response_mask"][b, lp:]])
+    observed = TOK.decode(a["tokens"][b, lp:][(a["segment_ids"][b, lp:] > 0) & ~a["response_mask"][b, lp:]])
     assert observed.startswith("<out>error")
     assert episode.reward == 0.0 and episode.env_failure is None
   cfg2, _, state2 = _setup("rl.max_new_tokens=20", "rl.max_turns=8", "rl.env_timeout_s=0.5")
@@ -221,6 +255,7 @@ def test_oracle_demonstration_solves_file_task():
 def test_update_loss_ignores_observation_tokens(scripted):
   cfg, graphdef, state, _, out = scripted
   scored = mts.scored_batch(out, [{"domain": "a"}, {"domain": "b"}], cfg.rl.group_size)
+  scored.arrays = _host(scored.arrays)
   aligned = align_for_update(scored)
   observation_targets = np.roll((scored.arrays["segment_ids"] > 0) & ~scored.arrays["response_mask"]
                                 & ~scored.arrays["prompt_mask"], -1, axis=1)

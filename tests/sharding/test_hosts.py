@@ -39,6 +39,15 @@ split_rows = hosts.global_rows(own, NamedSharding(mesh, PartitionSpec("x")))  # 
 replicated = hosts.global_rows(own, NamedSharding(mesh, PartitionSpec()))  # rows on every device: gathered
 out["global_rows"] = {"array": isinstance(split_rows, jax.Array), "whole": hosts.to_host(split_rows).tolist(),
                       "replicated": [isinstance(replicated, np.ndarray), np.asarray(replicated).tolist()]}
+table = np.arange(16).reshape(8, 2)
+reverse = Mesh(np.array(jax.devices()[::-1]), ("x",))  # host 0's devices hold rows 4..7: not its share
+gathers, to_host = [], hosts.to_host
+hosts.to_host = lambda x: (gathers.append(x.shape), to_host(x))[1]  # counts the fallback's gathers
+out["share_to_host"] = [hosts.share_to_host(jax.device_put(table, NamedSharding(m, spec))).tolist()
+                        for m, spec in ((mesh, PartitionSpec("x")), (mesh, PartitionSpec()),
+                                        (reverse, PartitionSpec("x")))]  # per host (popped below)
+hosts.to_host = to_host
+out["share_gathers"] = len(gathers)
 out["held_rows"] = np.concatenate([np.asarray(s.data) for s in sorted(
     split_rows.addressable_shards, key=lambda s: s.index[0].start)]).tolist()  # per host (popped below)
 batch = json.loads(sys.argv[3])
@@ -103,7 +112,7 @@ _, params, extra = nnx.split(build_model(ModelConfig.from_config(cfg, None), Non
 programs = make_multiturn(cfg, None, tokenizer, make_env=lambda example: HostEnv())
 episodes = programs.rollout(params, extra, batch["examples"], jax.random.key(0))
 programs.close()
-out["multi_turn"] = {"texts": episodes.texts, "tokens": episodes.arrays["tokens"].tolist(),
+out["multi_turn"] = {"texts": episodes.texts, "tokens": episodes.arrays["tokens"].to_host().tolist(),
                      "rewards": [e.reward for e in episodes.episodes], "resets": resets}
 print("BLOCK " + json.dumps([block.start, block.stop]), flush=True)
 print("RESULT " + json.dumps(out), flush=True)
@@ -176,6 +185,7 @@ def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
   restored = [r.pop("restored_own") for r in results]
   scored_here = [r.pop("scored_here") for r in results]
   held_rows = [r.pop("held_rows") for r in results]
+  shares = [r.pop("share_to_host") for r in results]
   assert results[0] == results[1]  # every host ends with the same global values
   got = results[0]
   assert got["rows"] == [[0, 0, 0]] * 2 + [[1, 1, 1]] * 2  # process order
@@ -187,6 +197,10 @@ def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
   assert got["global_rows"] == {"array": True, "whole": rows_of(0) + rows_of(1),
                                 "replicated": [True, rows_of(0) + rows_of(1)]}
   assert held_rows == [rows_of(0), rows_of(1)]
+  # Each host's share of a row-split, a replicated and a reverse-ordered array (the last gathered).
+  table = np.arange(16).reshape(8, 2)
+  assert shares == [[table[:4].tolist()] * 3, [table[4:].tolist()] * 3]
+  assert got["share_gathers"] == 1  # only the reverse-ordered array was gathered
   blocks = [json.loads(next(l for l in o.splitlines() if l.startswith("BLOCK "))[6:]) for o in outs]
   assert blocks == [[0, 4], [4, 8]]
 
