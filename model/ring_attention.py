@@ -195,8 +195,9 @@ def reference_attention(q, k, v, *, causal, q_positions, kv_positions, q_segment
   """Plain softmax attention in float32 (the whole [T, S] score matrix); rows with no key give 0.
 
   Shapes as `attend`; segment ids are [B, T] and [B, S] or None. Decode (T = 1 against a KV cache)
-  takes this path too: on XLA:CPU its batched dots, transposed cache copies included, measured 2-20x
-  faster than a broadcast-multiply over the cache as laid out, which an earlier kernel used.
+  takes this path too, without the unit query axis: on XLA:CPU its batched dots, transposed cache
+  copies included, measured 2-20x faster than a broadcast-multiply over the cache as laid out (an
+  earlier kernel), and dropping the axis 1.3-1.5x faster than keeping it.
   """
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
@@ -206,14 +207,17 @@ def reference_attention(q, k, v, *, causal, q_positions, kv_positions, q_segment
     mask &= q_positions[:, :, None] >= kv_positions[:, None, :]
   if q_segment_ids is not None:
     mask &= q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+  queries = "T" if t > 1 else ""  # one query (decode): its axis dropped
+  if t == 1:
+    qg, mask = qg[:, 0], mask[:, 0]
   hi = lax.Precision.HIGHEST
-  s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k.astype(jnp.float32), precision=hi) * scale
+  s = jnp.einsum(f"B{queries}KGH,BSKH->BKG{queries}S", qg, k.astype(jnp.float32), precision=hi) * scale
   s = jnp.where(mask[:, None, None], s, -jnp.inf)
   m = s.max(axis=-1, keepdims=True)
   p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
   l = p.sum(axis=-1, keepdims=True)
   p = p / jnp.where(l > 0, l, 1.0)
-  out = jnp.einsum("BKGTS,BSKJ->BTKGJ", p, v.astype(jnp.float32), precision=hi)
+  out = jnp.einsum(f"BKG{queries}S,BSKJ->B{queries}KGJ", p, v.astype(jnp.float32), precision=hi)
   return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
 
 

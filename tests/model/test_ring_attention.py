@@ -55,6 +55,26 @@ def test_reference_matches_jax_dot_product_attention():
   assert float(jnp.max(jnp.abs(got - want))) <= TOL
 
 
+def test_one_query_form_equals_the_many_query_form():
+  """Decode's form (the unit query axis dropped) against the same query computed beside a second
+  one, for GQA with J != H, segment pairs, causal masks, and a row that sees no key (gives 0)."""
+  q, k, v, _ = _inputs(b=3, t=1, s=40, n=6, kv_heads=2, h=16, j=8, seed=3)
+  q_pos = jnp.asarray([[25], [39], [0]], jnp.int32)
+  kv_pos = jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (3, 40))
+  q_seg = jnp.asarray([[1], [2], [5]], jnp.int32)
+  kv_seg = jnp.asarray((np.arange(40)[None] >= np.array([[10], [30], [40]])) + np.array([[0], [1], [1]]),
+                       jnp.int32)  # row 2: no key of segment 5 at all
+  run = lambda q, q_pos, q_seg: ra.reference_attention(  # noqa: E731
+      q, k, v, causal=True, q_positions=q_pos, kv_positions=kv_pos, q_segment_ids=q_seg,
+      kv_segment_ids=kv_seg, scale=0.3)
+  got = run(q, q_pos, q_seg)
+  twice = lambda x: jnp.concatenate([x, x], axis=1)  # noqa: E731
+  want = run(twice(q), twice(q_pos), twice(q_seg))[:, :1]
+  assert got.shape == (3, 1, 6, 8)
+  assert float(jnp.max(jnp.abs(got - want))) <= TOL
+  assert float(jnp.max(jnp.abs(got[2]))) == 0.0 and float(jnp.max(jnp.abs(got[:2]))) > 0.1
+
+
 BLOCKWISE_CASES = {
     # name: (input shapes, attend kwargs)
     "causal_gqa_padded_len200": (dict(t=200, n=4, kv_heads=2), dict(block_q=64, block_kv=32)),
