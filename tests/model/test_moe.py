@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshrl import configs
 from meshrl.model.init import build_model
-from meshrl.model.moe import (MoE, RouterBias, expert_load, load_balancing_loss, route,
+from meshrl.model.moe import (MoE, RouterBias, expert_load, load_balancing_loss, route, top_k_indices,
                               router_z_loss, update_router_bias)
 from meshrl.model.params import sharded_init
 from meshrl.model.transformer import ModelConfig
@@ -112,6 +112,24 @@ def _np_moe(moe, x, experts=None, kept=None, **cfg):
     if moe.shared_gate is not None:
       y[n] += (silu(xs[n] @ _np(moe.shared_gate)) * (xs[n] @ _np(moe.shared_up))) @ _np(moe.shared_down)
   return y.reshape(B, T, D), chosen
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 8])
+def test_top_k_indices_equal_lax_top_k_ties_included(k):
+  """The argmax passes give top_k's experts in top_k's order, ties (scores on a coarse grid) to the
+  lower index."""
+  scores = jnp.asarray(np.random.default_rng(k).integers(0, 4, (64, 8)), jnp.float32) / 4
+  np.testing.assert_array_equal(top_k_indices(scores, k), jax.lax.top_k(scores, k)[1])
+
+
+def test_routing_keeps_token_sharded_scores_split():
+  """Routing tokens split over fsdp (a decode step's) gathers nothing: XLA's CPU partitioner
+  all-gathers the tokens of a sharded lax.top_k, which every layer of every decode step paid."""
+  mesh = make_mesh(configs.load("configs/tiny.py", ["mesh.fsdp=2"]).mesh, jax.devices()[:2])
+  logits = jax.device_put(jnp.asarray(np.random.default_rng(0).normal(size=(32, 8)), jnp.float32),
+                          NamedSharding(mesh, PartitionSpec("fsdp")))
+  compiled = jax.jit(lambda x: route(x, None, k=2)[:2]).lower(logits).compile().as_text()
+  assert "all-gather" not in compiled
 
 
 @pytest.mark.parametrize("cfg", [SOFTMAX, DEEPSEEK], ids=["qwen3_softmax", "deepseek_sigmoid_groups"])
