@@ -365,8 +365,8 @@ class MultiTurnRollout:
 class _Row:
   """Host record of one episode: its environment, its length and, on the host that runs it, its tokens."""
 
-  def __init__(self, env, prompt_len: int):
-    self.env, self.prompt_len = env, prompt_len
+  def __init__(self, env):
+    self.env = env
     self.length = 0  # episode tokens so far (policy turns and observations)
     self.tokens: list[int] = []  # the same tokens, kept by the host that runs the row (for its text)
     self.stats = EpisodeStats()
@@ -487,13 +487,17 @@ class MultiTurnPrograms:
   def _bucket(self, length: int) -> int:
     return next(b for b in self.buckets if b >= length)
 
+  def _rows_sharding(self, rows: int) -> NamedSharding | None:
+    """[rows, ...] split over the mesh axes of the `batch` rule that divide `rows` (None: no mesh)."""
+    if self.mesh is None:
+      return None
+    return NamedSharding(self.mesh, logical_to_spec(("batch",), self.rules, self.mesh, shape=(rows,)))
+
   def _episodes_programs(self, batch: int) -> tuple:
     """(empty, append_policy, append_observations, assemble) for `batch` rows: jitted, their outputs
     split by rows over the mesh axes of the `batch` rule that divide B (whole without a mesh)."""
     if batch not in self._episode_programs:
-      split = None if self.mesh is None else NamedSharding(
-          self.mesh, logical_to_spec(("batch",), self.rules, self.mesh, shape=(batch,)))
-      spec = self.spec
+      split, spec = self._rows_sharding(batch), self.spec
       self._episode_programs[batch] = (
           jax.jit(lambda: empty_episodes(batch, spec.episode_len, spec.pad_id), out_shardings=split),
           jax.jit(functools.partial(append, policy=True), out_shardings=split),
@@ -508,28 +512,37 @@ class MultiTurnPrograms:
     group, batch = spec.group_size, len(examples) * spec.group_size
     per_row = [e for e in examples for _ in range(group)]
     rows: list[_Row] = []
-    # This host resets (and later steps) the environments of its own rows; the first observations
-    # and failures are shared, so every host holds the same prompts and row states.
+    # This host resets (and later steps) the environments of its own rows. When every host's rows
+    # are an equal block of whole groups, each encodes its own groups' prompts (their first
+    # observations) and the prefill gets one global array of them; otherwise (rl/batch.shared_prompts)
+    # the first observations are shared and every host encodes every prompt. Failures are shared.
     own = self._own_rows(batch)
+    local_prompts = hosts.is_multihost() and len(examples) % jax.process_count() == 0
     resets = self._call_envs([(b, (lambda e=e: self._reset(e))) for b, e in enumerate(per_row) if b in own])
     shared = dict(hosts.gather_objects([
-        [b, ["", r.info["env_failure"]] if isinstance(r, _Failed) else [r[1], None]]
+        [b, ["" if local_prompts else None, r.info["env_failure"]] if isinstance(r, _Failed)
+         else [None if local_prompts else r[1], None]]
         for b, r in sorted(resets.items())]))
     prompts_text = []
     for b, example in enumerate(per_row):
       first, failure = shared[b]
-      rows.append(_Row(resets[b][0] if b in resets and failure is None else None, 0))
+      if local_prompts and b in resets and failure is None:
+        first = resets[b][1]
+      rows.append(_Row(resets[b][0] if b in resets and failure is None else None))
       rows[b].max_turns = max(1, min(spec.max_turns, int(example.get("max_turns", spec.max_turns))))
       if failure is not None:
         rows[b].fail(failure)
-      if b % group == 0:
+      if b % group == 0 and (not local_prompts or b in own):
         prompts_text.append(first if first is not None and failure is None
                             else str(example.get("prompt", "")))
     prompts, mask, truncated = self._encode_prompts(prompts_text)
-    prompt_lens = np.repeat(mask.sum(axis=1), group)
-    for row, length in zip(rows, prompt_lens):
-      row.prompt_len = int(length)
-    counts = {"prefill_tokens": int(mask.sum()), "extend_tokens": 0, "extend_slots": 0, "extend_calls": 0,
+    prefill_tokens = int(mask.sum())
+    if local_prompts:
+      split = self._rows_sharding(len(examples))
+      prompts, mask = hosts.global_rows(prompts, split), hosts.global_rows(mask, split)
+      sums = hosts.gather_rows(np.asarray([[truncated, prefill_tokens]])).sum(axis=0)
+      truncated, prefill_tokens = int(sums[0]), int(sums[1])
+    counts = {"prefill_tokens": prefill_tokens, "extend_tokens": 0, "extend_slots": 0, "extend_calls": 0,
               "decode_calls": 0, "prompts_truncated": truncated}
 
     empty, append_policy, append_observations, assemble_fields = self._episodes_programs(batch)

@@ -20,9 +20,9 @@ the jitted steps span all devices of all processes. How meshrl's RL loop splits 
             not a shard) and holds every group's example; each scores its `share` of the groups (as
             even as their count allows), and the uneven shares are gathered (`gather_rows`);
   episodes  multi-turn (rl/multiturn.py): each host resets and steps the environments of its own
-            block of episodes (its `share`), reading only those rows' turns (`share_to_host`); the
-            results are gathered after every turn (`gather_objects`) and the episodes are written
-            on the devices;
+            block of episodes (its `share`), encodes their prompts (`global_rows`, unless the
+            prompts are shared) and reads only those rows' turns (`share_to_host`); the results are
+            gathered after every turn (`gather_objects`) and the episodes are written on the devices;
   outputs   metrics files, evaluations and the config are written by process 0 only
             (`is_primary`); orbax checkpoints are written by all processes together.
 

@@ -110,10 +110,13 @@ class HostEnv:
 cfg = configs.load("configs/tiny.py", json.loads(sys.argv[4]))
 _, params, extra = nnx.split(build_model(ModelConfig.from_config(cfg, None), None), nnx.Param, ...)
 programs = make_multiturn(cfg, None, tokenizer, make_env=lambda example: HostEnv())
+encoded, encode = [], programs._encode_prompts  # pylint: disable=protected-access
+programs._encode_prompts = lambda texts: (encoded.append(list(texts)), encode(texts))[1]
 episodes = programs.rollout(params, extra, batch["examples"], jax.random.key(0))
 programs.close()
 out["multi_turn"] = {"texts": episodes.texts, "tokens": episodes.arrays["tokens"].to_host().tolist(),
-                     "rewards": [e.reward for e in episodes.episodes], "resets": resets}
+                     "rewards": [e.reward for e in episodes.episodes], "resets": resets,
+                     "encoded": encoded, "prefilled": episodes.counts["prefill_tokens"]}
 print("BLOCK " + json.dumps([block.start, block.stop]), flush=True)
 print("RESULT " + json.dumps(out), flush=True)
 jax.distributed.shutdown()
@@ -182,6 +185,7 @@ def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
   assert all(p.returncode == 0 for p in procs), [o[-2000:] for o in outs]
   results = [json.loads(next(l for l in o.splitlines() if l.startswith("RESULT "))[7:]) for o in outs]
   resets = [r["multi_turn"].pop("resets") for r in results]  # the only per-host values
+  encoded = [r["multi_turn"].pop("encoded") for r in results]
   restored = [r.pop("restored_own") for r in results]
   scored_here = [r.pop("scored_here") for r in results]
   held_rows = [r.pop("held_rows") for r in results]
@@ -235,6 +239,12 @@ def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
   # each), and every host holds every row's episode, observations from the host that owns the row.
   assert sorted(resets[0]) == [examples[i]["prompt"] for i in (0, 0, 1, 1)]
   assert sorted(resets[1]) == sorted(examples[i]["prompt"] for i in (2, 2, 3, 3))
+  # ... and encoded only its own examples' prompts (their first observations); the prefill counts
+  # every host's prompt tokens.
+  assert encoded == [[[examples[0]["prompt"], examples[1]["prompt"]]],
+                     [[examples[2]["prompt"], examples[3]["prompt"]]]]
+  assert got["multi_turn"]["prefilled"] == sum(len(ByteTokenizer().encode(ByteTokenizer().render_prompt(
+      e["prompt"]))) for e in examples)
   texts = got["multi_turn"]["texts"]
   assert all("<out>p1" not in t for t in texts[:4]) and all("<out>p0" not in t for t in texts[4:])
   assert any("<out>p0" in t for t in texts[:4]) and any("<out>p1" in t for t in texts[4:])
