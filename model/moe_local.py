@@ -49,6 +49,12 @@ def local_token_count(mesh: Mesh | None, num_tokens: int) -> int | None:
   return num_tokens // shards
 
 
+def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """x marked as varying over those of `axes` it does not vary over yet (inside shard_map)."""
+  missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def run_per_device(name: str, xs: jax.Array, expert_choices: jax.Array, combine_weights: jax.Array,
                    w: ExpertWeights, *, mesh: Mesh, capacity_factor: float,
                    d_axes: tuple[str, ...] = (FSDP_AXIS,)) -> tuple[jax.Array, jax.Array]:
@@ -80,6 +86,10 @@ def run_per_device(name: str, xs: jax.Array, expert_choices: jax.Array, combine_
     if d_split:
       gate_, up_ = (jax.lax.all_gather(x, d_split, axis=1, tiled=True) for x in (gate_, up_))
       down_ = jax.lax.all_gather(down_, d_split, axis=2, tiled=True)
+    # The weights' cotangents are summed over the token axes here, not inside a dispatcher's switch
+    # branches (where the first use with the tokens would put the sum), whose devices may each take
+    # another branch and wait for the others forever.
+    gate_, up_, down_ = (_varying(x, axes) for x in (gate_, up_, down_))
     ys_, dropped_ = moe_dispatch.run(name, xs_, choices_, weights_, ExpertWeights(gate_, up_, down_),
                                      capacity_factor=capacity_factor)
     if tensor:  # each device's hidden F-slice gave a partial sum of every output

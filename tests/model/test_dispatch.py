@@ -136,24 +136,34 @@ def test_buffered_cases_take_both_branches():
   assert counts(skewed).max() > cap(skewed)  # blocks
 
 
-def test_ladder_cases_take_first_last_and_fallback_rungs():
-  """The parity cases above reach the ladder's first rung, its last (every slot on one expert), and a
-  call too big for a full ladder falls back to blocks (so ladder's exactness covers all branches)."""
-  rungs = lambda c: moe_dispatch.ladder_rungs(c.shape[0], c.shape[1], E)
-  counts = lambda c: np.bincount(np.asarray(c).ravel(), minlength=E)
-  balanced, one_expert = _routing("balanced")[0], _routing("one_expert")[0]
+def test_ladder_cases_take_every_kind_of_branch():
+  """ladder against the loop on every kind of branch: the parity cases above hold no spill (balanced:
+  every expert within the first rung), a spill beside the first rung (one_expert_k2) and every slot
+  spilled (one_expert); here a spill beside a higher rung, and `blocks` when two experts outgrow the
+  last rung (16 experts, whose top rung is half the slots)."""
+  counts = lambda c, e=E: np.bincount(np.asarray(c).ravel(), minlength=e)  # noqa: E731
+  rungs = lambda c, e=E: moe_dispatch.ladder_rungs(c.shape[0], c.shape[1], e)  # noqa: E731
+  balanced, skewed, one_expert = (_routing(c)[0] for c in ("balanced", "one_expert_k2", "one_expert"))
   assert counts(balanced).max() <= rungs(balanced)[0]
-  assert rungs(one_expert)[-2] < counts(one_expert).max() == rungs(one_expert)[-1] == one_expert.size
-  big = moe_dispatch.ladder_rungs(2560, 2, 8)
-  assert big[-1] < 2560 * 2 and len(big) >= 2  # past the last rung: blocks
-  second = np.where(np.arange(600) < 100, 2, np.arange(600) % 7 + (np.arange(600) % 7 >= 2))
-  choices = jnp.asarray(np.stack([np.full(600, 2), second], 1), jnp.int32)
-  # 700 slots on expert 2 (100 tokens chose it twice), more than the top rung: 600 tokens x 2 / 8 x 4
-  assert np.bincount(np.asarray(choices).ravel()).max() > moe_dispatch.ladder_rungs(600, 2, E)[-1]
-  weights = jnp.full(choices.shape, 0.5)
-  xs = jax.random.normal(jax.random.key(3), (600, D))
-  ys, _ = jax.jit(moe_dispatch.ladder)(xs, choices, weights, _weights())
-  np.testing.assert_allclose(np.asarray(ys), _np_loop(xs, choices, weights, _weights()), atol=1e-5)
+  assert np.sort(counts(skewed))[-2] <= rungs(skewed)[0] < counts(skewed).max()
+  assert np.sort(counts(one_expert))[-2] == 0 and counts(one_expert).max() == rungs(one_expert)[-1]
+
+  n = np.arange(64)  # expert 1: 60 slots; expert 2: 30, past the first two rungs; the rest 3 .. 7
+  higher = np.stack([np.where(n < 60, 1, 2), np.where(n < 26, 2, n % 5 + 3)], 1)
+  ladder = rungs(higher)
+  assert np.sort(counts(higher))[-2] > ladder[1] and counts(higher).max() > ladder[2]
+  two_busy = np.stack([np.full(600, 2), np.full(600, 5)], 1)  # 600 slots each, top rung 300
+  assert moe_dispatch.ladder_rungs(600, 2, 16)[-1] < 600
+  for choices, experts in ((higher, E), (two_busy, 16)):
+    keys = jax.random.split(jax.random.key(4), 4)
+    w = ExpertWeights(*(jax.random.normal(key, shape) / np.sqrt(shape[1]) for key, shape in
+                        zip(keys, [(experts, D, F), (experts, D, F), (experts, F, D)])))
+    choices = jnp.asarray(choices, jnp.int32)
+    weights = jax.random.uniform(keys[3], choices.shape, minval=0.1, maxval=1.0)
+    xs = jax.random.normal(jax.random.key(3), (choices.shape[0], D))
+    ys, dropped = jax.jit(moe_dispatch.ladder)(xs, choices, weights, w)
+    np.testing.assert_allclose(np.asarray(ys), _np_loop(xs, choices, weights, w), atol=1e-5)
+    assert int(dropped) == 0
 
 
 @pytest.mark.parametrize("tokens,k,experts", [(32, 2, 8), (16, 2, 8), (128, 2, 8), (8, 8, 64)])
