@@ -155,15 +155,12 @@ def _holds_rows(sharding, shape: tuple[int, ...], process: int, rows: slice) -> 
   `sharding`."""
   if rows.start == rows.stop:
     return True
-  here = [index for device, index in sharding.devices_indices_map(shape).items()
-          if device.process_index == process]
-  if not all(i.indices(n)[:2] == (0, n) for index in here for i, n in zip(index[1:], shape[1:])):
-    return False
+  ranges, columns_whole = _row_ranges(sharding, shape, process)
   at = rows.start
-  for start, stop in sorted({index[0].indices(shape[0])[:2] for index in here}):
+  for start, stop in ranges:
     if start <= at < stop:
       at = stop
-  return at >= rows.stop
+  return columns_whole and at >= rows.stop
 
 
 def gather_rows(local: np.ndarray) -> np.ndarray:
@@ -199,13 +196,18 @@ def _holds_own_block(sharding: NamedSharding, shape: tuple[int, ...]) -> bool:
   except ValueError:
     return False
   mine = own_block(shape[0])
+  ranges, columns_whole = _row_ranges(sharding, shape, jax.process_index())
+  contiguous = all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+  return columns_whole and contiguous and ranges[0][0] == mine.start and ranges[-1][1] == mine.stop
+
+
+def _row_ranges(sharding, shape: tuple[int, ...], process: int) -> tuple[list[tuple[int, int]], bool]:
+  """The distinct [start, stop) row ranges `process`'s devices hold under `sharding`, sorted, and
+  whether each of them holds every column."""
   here = [index for device, index in sharding.devices_indices_map(shape).items()
-          if device.process_index == jax.process_index()]
-  rows = {index[0].indices(shape[0])[:2] for index in here}
+          if device.process_index == process]
   columns_whole = all(i.indices(n)[:2] == (0, n) for index in here for i, n in zip(index[1:], shape[1:]))
-  covered = sorted(rows)
-  contiguous = all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
-  return columns_whole and contiguous and covered[0][0] == mine.start and covered[-1][1] == mine.stop
+  return sorted({index[0].indices(shape[0])[:2] for index in here}), columns_whole
 
 
 def _gather_counted(local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
