@@ -5,7 +5,7 @@
                                    per-token fields stay on the devices (rl/rows.DeviceRows)
   prepare        -> UpdateBatch    prediction-aligned arrays, + advantages and the optional parts,
                                    built on the devices (`align_on_devices`; host arrays of
-                                   multi-turn episodes and restored rollouts: `align_for_update`)
+                                   restored rollouts: `align_for_update`)
   update (jit)   <- UpdateBatch    checked against the LossSpec before it is jitted on
 
 An `UpdateBatch` is laid out by *predicting position*: row b, column s holds the input token
@@ -37,8 +37,8 @@ class ScoredBatch:
   """One step's samples, scored (every array [B, ...], groups contiguous).
 
   `arrays` holds the RolloutBatch fields: tokens, positions, segment_ids, prompt_mask, response_mask,
-  logprobs, policy_version [B, S] (rl/rows.DeviceRows on the devices, or numpy from multi-turn
-  episodes and a checkpoint's rollouts in flight); lengths, truncated [B] (numpy); routing,
+  logprobs, policy_version [B, S] (rl/rows.DeviceRows on the devices, or numpy from a checkpoint's
+  rollouts in flight); lengths, truncated [B] (numpy); routing,
   a rl/routes.RoutingRows of [B, L, S, K] on the devices, or absent for a dense model.
   """
   arrays: dict[str, Any]
