@@ -144,10 +144,11 @@ class KernelConfig:
                                           scale=scale, block_q=self.block_q, block_kv=self.block_kv,
                                           interpret=self.backend != "tpu")
 
-  def pin_cache(self, layer_cache: dict) -> dict:
+  def pin_cache(self, layer_cache: dict, per_layer: bool = False) -> dict:
     """One layer's cache entries {name: [B, S, ...]} constrained to kv_cache.CACHE_AXES by the
-    rules (`cache_length` -> `sequence`), so the compiler never picks another layout for them."""
-    return {name: self.constrain(x, kv_cache.CACHE_AXES[name][1:]) for name, x in layer_cache.items()}
+    rules (`cache_length` -> `sequence`), so the compiler never picks another layout for them;
+    per_layer: the entries are in the per-layer form's layouts (kv_cache.entry_axes)."""
+    return {name: self.constrain(x, kv_cache.entry_axes(name, per_layer)) for name, x in layer_cache.items()}
 
   def to_token_order(self, entries: dict) -> dict:
     """New cache entries {name: [B, T, ...]} in token order: put back from the zigzag layout when
@@ -161,19 +162,19 @@ def _write_cache(kernel: KernelConfig, cache: dict, cache_meta, new_entries: dic
   """One layer's cache with `new_entries` {name: [B, T, ...]} written at the write index, in token
   order (the ring prefill's zigzag put back), pinned to kv_cache.CACHE_AXES."""
   length = next(iter(new_entries.values())).shape[1]
-  if kernel.inputs_zigzag and length != next(iter(cache.values())).shape[1]:
+  if kernel.inputs_zigzag and length != cache_meta.length:
     raise ValueError(f"a zigzag-laid-out call (the ring prefill) must fill the whole cache: {length} "
-                     f"tokens into {next(iter(cache.values())).shape[1]} slots.")
-  return kernel.pin_cache(kv_cache.write_layer(cache, kernel.to_token_order(new_entries),
-                                               _write_index(cache_meta, length, cache)))
+                     f"tokens into {cache_meta.length} slots.")
+  written = kv_cache.write_layer(cache, kernel.to_token_order(new_entries), _write_index(cache_meta, length),
+                                 per_layer=cache_meta.per_layer)
+  return kernel.pin_cache(written, cache_meta.per_layer)
 
 
-def _write_index(cache_meta, new_len: int, layer_cache: dict):
+def _write_index(cache_meta, new_len: int):
   """The slot the new entries go to: 0 when they fill the whole cache (a ring prefill), which is
   where dynamic_update_slice's clamping puts them anyway; a static 0 lets the compiler see the
   write is a plain replacement and keep the entries' sharding."""
-  cache_len = next(iter(layer_cache.values())).shape[1]
-  return jnp.zeros((), jnp.int32) if new_len == cache_len else cache_meta.index
+  return jnp.zeros((), jnp.int32) if new_len == cache_meta.length else cache_meta.index
 
 
 class GQAttention(nnx.Module):
@@ -214,7 +215,7 @@ class GQAttention(nnx.Module):
       k = self.kernel.constrain(k, ("batch", "length", "kv_heads", "head_dim"))
       v = self.kernel.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
       cache = _write_cache(self.kernel, cache, cache_meta, {"k": k, "v": v})
-      k, v = kv_cache.read_entry(cache, "k", self.dtype), kv_cache.read_entry(cache, "v", self.dtype)
+      k, v = (kv_cache.read_entry(cache, name, self.dtype, cache_meta.per_layer) for name in ("k", "v"))
       kv_positions = cache_meta.positions
       seg = (segment_ids, cache_meta.segment_ids)
     out = self.kernel(q, k, v, q_positions=positions, kv_positions=kv_positions, segment_ids=seg,

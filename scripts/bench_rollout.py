@@ -29,9 +29,12 @@ Sections (each a function `section_NAME(args, cfg) -> dict` of JSON keys, regist
   ladder    the static rollout at the config's own batch with `ladder`'s capacities 1.3x apart
             against doubling ones, alternating, best of --repeats (`ladder_detail`); e.g.
             --cpu_devices=2 --config=configs/tiny.py:peer --sections ladder --repeats 8
+  cache_layout  the same with the decode loop's per-layer KV cache in the layouts its attention
+            reads (model/kv_cache.py PER_LAYER_ORDER) against token-major (`cache_layout_detail`)
 """
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -44,7 +47,7 @@ from meshrl.configs import cli
 def _flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--json", required=True, help="where to write the results")
   parser.add_argument("--sections", default="rollout", help="comma-separated: " + ",".join(
-      ["rollout", "update", "step", "ladder", "floor"]))
+      ["rollout", "update", "step", "ladder", "floor", "cache_layout"]))
   parser.add_argument("--prompts", type=int, default=32, help="rollout: distinct prompts")
   parser.add_argument("--group_size", type=int, default=8, help="rollout: samples per prompt")
   parser.add_argument("--slots", type=int, default=64, help="rollout: decode slots of the engine")
@@ -308,18 +311,18 @@ def section_step(args, cfg) -> dict:
           "step_detail": detail}
 
 
-def section_ladder(args, cfg) -> dict:
+def _rollout_variants(args, cfg, patches: dict) -> tuple[dict, dict]:
   """The static rollout at the config's own batch (rl.prompts_per_step x rl.group_size, stop tokens
-  off, so every sample runs rl.max_new_tokens) with `ladder`'s rungs 1.3x apart (model/moe_dispatch.py)
-  against doubling rungs, the spacing before; the two programs alternate, A B A B, best of --repeats.
-  The baseline is traced with moe_dispatch.ladder_rungs patched to step=2.0 (benchmark only)."""
+  off, so every sample runs rl.max_new_tokens), once per variant {name: a context manager factory
+  whose patch is in place while that variant traces and compiles (benchmark only), or None}; the
+  compiled programs alternate, A B A B, best of --repeats. Returns ({name: best seconds}, detail):
+  the detail has each variant's seconds and tokens/s, and whether all produced the same tokens."""
   # pylint: disable=import-outside-toplevel
   import functools
 
   import jax
   import numpy as np
 
-  from meshrl.model import moe_dispatch
   from meshrl.model.tokenizer import ByteTokenizer
   from meshrl.rl.rollout import make_rollout
   # pylint: enable=import-outside-toplevel
@@ -329,26 +332,57 @@ def section_ladder(args, cfg) -> dict:
   tokens, mask = _rev_prompts(tok, prompts, cfg.rl.max_prompt_len)
   key = jax.random.key(cfg.seed)
   programs, outputs = {}, {}
-  original = moe_dispatch.ladder_rungs
-  for name, step in (("rungs_1.3x", None), ("rungs_2x", 2.0)):
+  for name, patch in patches.items():
     rollout = make_rollout(cfg, mesh, stop_ids=(), pad_id=tok.pad_id)
     programs[name] = functools.partial(rollout, state.params, state.extra, tokens, mask, key)
-    if step is not None:
-      moe_dispatch.ladder_rungs = functools.partial(original, step=step)
-    try:
-      outputs[name] = jax.block_until_ready(programs[name]())  # traces and compiles with these rungs
-    finally:
-      moe_dispatch.ladder_rungs = original
+    with patch() if patch is not None else contextlib.nullcontext():
+      outputs[name] = jax.block_until_ready(programs[name]())  # traces and compiles under the patch
   best = _alternating_best(programs, args.repeats)
-  generated = int(np.asarray(outputs["rungs_1.3x"].lengths).sum())
+  first = next(iter(outputs.values()))
+  generated = int(np.asarray(first.lengths).sum())
   detail = {name: {"seconds": best[name], "tokens_per_s": generated / best[name]} for name in programs}
   detail.update(samples=prompts * cfg.rl.group_size, max_new_tokens=cfg.rl.max_new_tokens,
-                generated_tokens=generated, speedup=best["rungs_2x"] / best["rungs_1.3x"],
-                same_tokens=bool(np.array_equal(np.asarray(outputs["rungs_1.3x"].tokens),
-                                                np.asarray(outputs["rungs_2x"].tokens))))
+                generated_tokens=generated,
+                same_tokens=all(np.array_equal(np.asarray(first.tokens), np.asarray(out.tokens))
+                                for out in outputs.values()))
   for name in programs:
-    print(f"  {name:<11} {best[name]:8.3f} s  {generated / best[name]:10.0f} tokens/s", flush=True)
+    print(f"  {name:<13} {best[name]:8.3f} s  {generated / best[name]:10.0f} tokens/s", flush=True)
+  return best, detail
+
+
+@contextlib.contextmanager
+def _patched(module, name: str, value):
+  """`module.name` set to `value` for the block (benchmark baselines only)."""
+  original = getattr(module, name)
+  setattr(module, name, value)
+  try:
+    yield
+  finally:
+    setattr(module, name, original)
+
+
+def section_ladder(args, cfg) -> dict:
+  """The static rollout with `ladder`'s rungs 1.3x apart (model/moe_dispatch.py) against doubling
+  rungs, the spacing before (moe_dispatch.ladder_rungs patched to step=2.0 while it traces)."""
+  import functools  # pylint: disable=import-outside-toplevel
+
+  from meshrl.model import moe_dispatch  # pylint: disable=import-outside-toplevel
+  doubling = functools.partial(moe_dispatch.ladder_rungs, step=2.0)
+  best, detail = _rollout_variants(args, cfg, {
+      "rungs_1.3x": None, "rungs_2x": lambda: _patched(moe_dispatch, "ladder_rungs", doubling)})
+  detail["speedup"] = best["rungs_2x"] / best["rungs_1.3x"]
   return {"ladder_detail": detail}
+
+
+def section_cache_layout(args, cfg) -> dict:
+  """The static rollout with the decode loop's per-layer KV cache in the layouts its attention dots
+  read (model/kv_cache.py PER_LAYER_ORDER: keys [B, K, H, S], values [B, K, S, H]) against the
+  token-major layout [B, S, K, H] (PER_LAYER_ORDER emptied while it traces), the layout before."""
+  from meshrl.model import kv_cache  # pylint: disable=import-outside-toplevel
+  best, detail = _rollout_variants(args, cfg, {
+      "per_layer": None, "token_major": lambda: _patched(kv_cache, "PER_LAYER_ORDER", {})})
+  detail["speedup"] = best["token_major"] / best["per_layer"]
+  return {"cache_layout_detail": detail}
 
 
 def _balanced_experts(xs, expert_choices, combine_weights, w, **_):
@@ -426,7 +460,7 @@ def section_floor(args, cfg) -> dict:
 
 
 SECTIONS = {"rollout": section_rollout, "update": section_update, "step": section_step,
-            "ladder": section_ladder, "floor": section_floor}
+            "ladder": section_ladder, "floor": section_floor, "cache_layout": section_cache_layout}
 
 
 def print_table(report: dict) -> None:
@@ -468,6 +502,16 @@ def print_table(report: dict) -> None:
     for name in ("rungs_1.3x", "rungs_2x"):
       print(f"{name:<11} {detail[name]['seconds']:8.3f} {detail[name]['tokens_per_s']:10.0f}")
     print(f"1.3x over 2x: {detail['speedup']:.2f}x faster; same tokens: {detail['same_tokens']}")
+  detail = report.get("cache_layout_detail")
+  if detail:
+    print(f"\nper-layer KV cache layout: static rollout of {detail['samples']} samples x "
+          f"{detail['max_new_tokens']} tokens ({detail['generated_tokens']} generated), best of the "
+          f"alternating calls")
+    print(f"{'layout':<11} {'seconds':>8} {'tokens/s':>10}")
+    for name in ("per_layer", "token_major"):
+      print(f"{name:<11} {detail[name]['seconds']:8.3f} {detail[name]['tokens_per_s']:10.0f}")
+    print(f"per-layer layouts over token-major: {detail['speedup']:.2f}x faster; same tokens: "
+          f"{detail['same_tokens']}")
   detail = report.get("floor_detail")
   if detail:
     print(f"\nsampler floor: static rollout of {detail['samples']} samples x {detail['max_new_tokens']} "

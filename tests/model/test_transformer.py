@@ -1,5 +1,8 @@
 """The decoder: sharded equals unsharded, KV-cache decode equals the full forward, bad input."""
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,6 +110,42 @@ def test_decode_writes_each_layer_slot_like_a_prefill(row_index, layers):
                                err_msg=name)
   np.testing.assert_array_equal(np.asarray(cache.positions), np.asarray(whole.positions))
   np.testing.assert_array_equal(np.asarray(cache.index), np.full(cache.index.shape, 9))
+
+
+def _transposes(hlo: str, size: int) -> list[str]:
+  """The optimised program's transposes (plain, or fusions named after them) of arrays with `size`
+  elements. (Plain copies are left out: a step that writes a cache it was not donated copies it.)"""
+  found = []
+  for line in hlo.splitlines():
+    match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \w+\[([\d,]*)\]\{[\d,]*\} (\w+)\(", line)
+    if match and (match.group(3) == "transpose" or (match.group(3) == "fusion" and match.group(1).startswith(
+        "transpose"))) and math.prod(int(n) for n in match.group(2).split(",") if n) == size:
+      found.append(line.strip()[:160])
+  return found
+
+
+@pytest.mark.parametrize("cache_dtype", ["model", "int8"])
+def test_decode_step_reads_the_per_layer_cache_without_copying_it(cache_dtype):
+  """A decode step on the per-layer form (kv_cache.unstack: keys [B, K, H, S], values [B, K, S, H])
+  holds no transposed copy of a layer's keys or values; the same step on the token-major form does
+  (the dots read the cache in the per-layer form's layouts). The step's logits agree."""
+  model = build_model(ModelConfig.from_config(_cfg("moe.first_k_dense=0", "model.num_kv_heads=2",
+                                                   f"rl.kv_cache_dtype={cache_dtype}")))
+  graphdef, state = nnx.split(model)
+  tokens = _tokens(batch=4, length=6, seed=3)
+  cache = model(tokens[:, :5], cache=model.init_cache(4, 24)).cache
+  weights = jax.jit(lambda s: nnx.merge(graphdef, s).layer_weights())(state)
+  per_layer = jax.jit(lambda s, c: nnx.merge(graphdef, s)(tokens[:, 5:], cache=c, layer_weights=weights).logits)
+  stacked = jax.jit(lambda s, c: nnx.merge(graphdef, s)(tokens[:, 5:], cache=c).logits)
+  entry = cache.layers["moe"]["k"]  # [L, B, S, K, H]
+  size = math.prod(entry.shape[1:])
+  hlo = {name: fn.lower(state, c).compile().as_text() for name, fn, c in (
+      ("per_layer", per_layer, kvc.unstack(cache)), ("stacked", stacked, cache))}
+  assert _transposes(hlo["stacked"], size), "no transpose found in the token-major decode step"
+  assert not _transposes(hlo["per_layer"], size), _transposes(hlo["per_layer"], size)
+  assert kvc.unstack(cache).layers["moe"][0]["k"].shape == (4, 2, 16, 24)  # [B, K, H, S]
+  np.testing.assert_allclose(np.asarray(per_layer(state, kvc.unstack(cache))),
+                             np.asarray(stacked(state, cache)), atol=1e-5)
 
 
 def test_scan_and_loop_and_remat_agree():
