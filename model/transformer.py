@@ -156,6 +156,15 @@ class ModelConfig:
       return self.decode_layers == "unrolled"
     return self.kernel.backend == "cpu"
 
+  @property
+  def merge_dense_axes(self) -> bool:
+    """Whether Dense layers merge an input's leading axes for the matmul (layers.Dense): on CPU,
+    where the backward of a contraction over several axes copies both operands into transposed
+    layouts, unless the mesh splits the sequence (merging a split length axis with the batch made a
+    TPU compile gather more)."""
+    mesh = self.kernel.mesh
+    return self.kernel.backend == "cpu" and (mesh is None or mesh.shape.get("sequence", 1) == 1)
+
   def cache_entry_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
     """{stack: {entry: (layers, *per-token shape)}} for kv_cache.init_cache."""
     if self.attention_type == "mla":
@@ -179,7 +188,8 @@ class Block(nnx.Module):
   """Pre-norm residual block: x + attn(norm(x)), then x + mlp_or_moe(norm(x))."""
 
   def __init__(self, mc: ModelConfig, *, moe: bool, rngs: nnx.Rngs):
-    kw = dict(std=mc.init_std, dtype=mc.dtype, param_dtype=mc.param_dtype, rngs=rngs)
+    kw = dict(std=mc.init_std, dtype=mc.dtype, param_dtype=mc.param_dtype, merge_leading=mc.merge_dense_axes,
+              rngs=rngs)
     self.attn_norm = RMSNorm(mc.embed_dim, eps=mc.norm_eps, param_dtype=mc.param_dtype, rngs=rngs)
     self.mlp_norm = RMSNorm(mc.embed_dim, eps=mc.norm_eps, param_dtype=mc.param_dtype, rngs=rngs)
     if mc.attention_type == "mla":
@@ -251,7 +261,8 @@ class Transformer(nnx.Module):
     self.dense_stack = _stack(mc, mc.num_dense_layers, moe=False, rngs=rngs) if mc.num_dense_layers else None
     self.moe_stack = _stack(mc, mc.num_moe_layers, moe=True, rngs=rngs) if mc.num_moe_layers else None
     self.final_norm = RMSNorm(mc.embed_dim, eps=mc.norm_eps, param_dtype=mc.param_dtype, rngs=rngs)
-    kw = dict(std=mc.init_std, dtype=mc.dtype, param_dtype=mc.param_dtype, rngs=rngs)
+    kw = dict(std=mc.init_std, dtype=mc.dtype, param_dtype=mc.param_dtype, merge_leading=mc.merge_dense_axes,
+              rngs=rngs)
     self.lm_head = None if mc.tie_embeddings else Dense(mc.embed_dim, mc.vocab_size, ("embed", "vocab"), **kw)
     self.value_head = Dense(mc.embed_dim, 1, ("embed", None), **kw) if mc.value_head else None
 

@@ -148,6 +148,38 @@ def test_decode_step_reads_the_per_layer_cache_without_copying_it(cache_dtype):
                              np.asarray(stacked(state, cache)), atol=1e-5)
 
 
+def test_dense_weight_gradient_reads_its_operands_as_they_lie():
+  """The compiled backward of a Dense layer on [B, T, D] inputs with merge_leading (the CPU choice,
+  ModelConfig.merge_dense_axes) holds no transposed copy of the input or of the output gradient; the
+  contraction over both leading axes (merge_leading=False) does, which shows the check sees such
+  copies. Same gradients."""
+  from meshrl.model.layers import Dense  # pylint: disable=import-outside-toplevel
+  x = jax.random.normal(jax.random.key(1), (4, 32, 64))
+  sizes, hlo, grads = (x.size, 4 * 32 * 96), {}, {}
+  for merge in (True, False):
+    graphdef, weights = nnx.split(Dense(64, 96, ("embed", "mlp"), merge_leading=merge, rngs=nnx.Rngs(0)))
+    loss = lambda w, x, graphdef=graphdef: jnp.sum(jnp.tanh(nnx.merge(graphdef, w)(x)))  # noqa: E731
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    hlo[merge], grads[merge] = step.lower(weights, x).compile().as_text(), step(weights, x)
+  assert any(_transposes(hlo[False], size) for size in sizes), "no transposed copy found"
+  assert not any(_transposes(hlo[True], size) for size in sizes), [_transposes(hlo[True], s) for s in sizes]
+  for a, b in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_dense_layers_merge_axes_on_cpu_unless_the_sequence_is_split(devices):
+  """ModelConfig.merge_dense_axes reaches every Dense layer of the model: on for a CPU mesh, off when
+  the mesh splits the sequence (the merged axis would be resharded)."""
+  from meshrl.model.layers import Dense  # pylint: disable=import-outside-toplevel
+  for sequence, expected in ((1, True), (2, False)):
+    cfg = _cfg(f"mesh.fsdp={8 // sequence}", f"mesh.sequence={sequence}", "attention.impl=ring")
+    mc = ModelConfig.from_config(cfg, make_mesh(cfg.mesh))
+    assert mc.merge_dense_axes is expected
+    model = nnx.eval_shape(lambda mc=mc: build_model(mc))
+    flags = {path: module.merge_leading for path, module in nnx.iter_graph(model) if isinstance(module, Dense)}
+    assert len(flags) > 8 and set(flags.values()) == {expected}, flags
+
+
 def test_scan_and_loop_and_remat_agree():
   tokens = _tokens(batch=2)
   ref = build_model(ModelConfig.from_config(_cfg()))(tokens).logits
