@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
+from meshrl.configs.hugepages import reexec_with_hugepages
 from meshrl.configs.loader import ConfigError, load
 
 
@@ -37,7 +38,9 @@ def parse(argv: Sequence[str], add_flags: Callable[[argparse.ArgumentParser], No
   """Parses a script's argv into (argparse namespace, locked config).
 
   On a bad config path, key or value it prints the reason and exits with status 2; nothing is written.
+  First the script may re-execute itself with huge pages for its buffers (configs/hugepages.py).
   """
+  reexec_with_hugepages()
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--config", default=default_config,
                       help="preset file, optionally with an argument: configs/tiny.py[:ARG]")
