@@ -45,7 +45,9 @@ import sys
 import time
 
 from meshrl.configs.cli import simulate_cpu_devices
+from meshrl.configs.hugepages import reexec_with_hugepages
 
+reexec_with_hugepages()  # both sides' processes inherit it: configs/hugepages.py
 simulate_cpu_devices(8)
 
 import jax  # noqa: E402  (after the flags)
