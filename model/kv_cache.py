@@ -21,11 +21,11 @@ the scanned blocks read and write their slice):
 Per-layer form (`unstack`, the decode loops' CPU path): layers[stack] is a tuple with one dict per
 layer, and the entries with a kv-heads axis are stored in the layouts the attention's batched dots
 read (PER_LAYER_ORDER): keys [B, K, H, S], values [B, K, S, H], their int8 scales [B, K, S]. Stored
-token-major, every decode step copied each layer's keys and values into those layouts (at the issue-9
-peer shape, 64 steps x 4 layers of [16, 80, 4, 32] attention: 21 ms token-major, 7.5 ms in these
-layouts, 10.6 ms with keys [B, K, S, H]). `read_entry` gives them back token-major as a transposed
-view, which XLA folds into the dots, so the kernels see one layout. MLA's entries have no heads axis
-and keep theirs.
+token-major, every decode step copied each layer's keys and values into those layouts (the test
+tests/model/test_transformer.py::test_decode_step_reads_the_per_layer_cache_without_copying_it
+finds the copies in the compiled step; scripts/bench_rollout.py --sections cache_layout times the
+rollout both ways). `read_entry` gives them back token-major as a transposed view, which XLA folds
+into the dots, so the kernels see one layout. MLA's entries have no heads axis and keep theirs.
 
 Axis legend: L layers, B batch, S cache length, K kv heads, H head dim, R latent rank.
 """
