@@ -463,6 +463,18 @@ SECTIONS = {"rollout": section_rollout, "update": section_update, "step": sectio
             "ladder": section_ladder, "floor": section_floor, "cache_layout": section_cache_layout}
 
 
+def _print_variants(detail: dict | None, title: str, column: str, names: tuple[str, str], ratio: str) -> None:
+  """The table of a `_rollout_variants` section: seconds and tokens/s per variant, the speedup."""
+  if not detail:
+    return
+  print(f"\n{title}: static rollout of {detail['samples']} samples x {detail['max_new_tokens']} tokens "
+        f"({detail['generated_tokens']} generated), best of the alternating calls")
+  print(f"{column:<11} {'seconds':>8} {'tokens/s':>10}")
+  for name in names:
+    print(f"{name:<11} {detail[name]['seconds']:8.3f} {detail[name]['tokens_per_s']:10.0f}")
+  print(f"{ratio}: {detail['speedup']:.2f}x faster; same tokens: {detail['same_tokens']}")
+
+
 def print_table(report: dict) -> None:
   detail = report.get("rollout_detail")
   if detail:
@@ -494,24 +506,10 @@ def print_table(report: dict) -> None:
       d = detail[name]
       print(f"{name:<6} {d['step_s']:8.3f} {d['reward_s']:10.3f} {d['rollout_wait_s']:15.3f}")
     print(f"async / sync: {detail['async_over_sync']:.2f}")
-  detail = report.get("ladder_detail")
-  if detail:
-    print(f"\nladder rungs: static rollout of {detail['samples']} samples x {detail['max_new_tokens']} "
-          f"tokens ({detail['generated_tokens']} generated), best of the alternating calls")
-    print(f"{'rungs':<11} {'seconds':>8} {'tokens/s':>10}")
-    for name in ("rungs_1.3x", "rungs_2x"):
-      print(f"{name:<11} {detail[name]['seconds']:8.3f} {detail[name]['tokens_per_s']:10.0f}")
-    print(f"1.3x over 2x: {detail['speedup']:.2f}x faster; same tokens: {detail['same_tokens']}")
-  detail = report.get("cache_layout_detail")
-  if detail:
-    print(f"\nper-layer KV cache layout: static rollout of {detail['samples']} samples x "
-          f"{detail['max_new_tokens']} tokens ({detail['generated_tokens']} generated), best of the "
-          f"alternating calls")
-    print(f"{'layout':<11} {'seconds':>8} {'tokens/s':>10}")
-    for name in ("per_layer", "token_major"):
-      print(f"{name:<11} {detail[name]['seconds']:8.3f} {detail[name]['tokens_per_s']:10.0f}")
-    print(f"per-layer layouts over token-major: {detail['speedup']:.2f}x faster; same tokens: "
-          f"{detail['same_tokens']}")
+  _print_variants(report.get("ladder_detail"), "ladder rungs", "rungs", ("rungs_1.3x", "rungs_2x"),
+                  "1.3x over 2x")
+  _print_variants(report.get("cache_layout_detail"), "per-layer KV cache layout", "layout",
+                  ("per_layer", "token_major"), "per-layer layouts over token-major")
   detail = report.get("floor_detail")
   if detail:
     print(f"\nsampler floor: static rollout of {detail['samples']} samples x {detail['max_new_tokens']} "
