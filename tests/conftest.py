@@ -8,7 +8,6 @@ import os
 import shutil
 import tempfile
 
-from meshrl.configs import hugepages  # imports no jax
 from meshrl.configs.cli import simulate_cpu_devices  # imports no jax
 
 # Test programs are tiny and compiled once each, so XLA:CPU's compile time dominates the suite: LLVM
@@ -18,10 +17,10 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=1").strip()
 simulate_cpu_devices(8)
 
-# xdist's workers start after this file has run and inherit its environment: their buffers get huge
-# pages (configs/hugepages.py), and a test that calls cli.parse does not re-execute its process.
-if hugepages.wanted():
-  os.environ["GLIBC_TUNABLES"] = hugepages.tunables()
+# Tests run on 4 KiB pages: huge pages (configs/hugepages.py) did not make the suite faster (its time
+# is compilation), and a script a test starts in a subprocess must not re-execute itself. xdist's
+# workers and those subprocesses inherit this.
+os.environ["MESHRL_HUGEPAGES"] = "0"
 
 import jax  # noqa: E402  (must come after the flags)
 import pytest  # noqa: E402
