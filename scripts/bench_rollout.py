@@ -346,7 +346,7 @@ def _rollout_variants(args, cfg, patches: dict) -> tuple[dict, dict]:
                 same_tokens=all(np.array_equal(np.asarray(first.tokens), np.asarray(out.tokens))
                                 for out in outputs.values()))
   for name in programs:
-    print(f"  {name:<13} {best[name]:8.3f} s  {generated / best[name]:10.0f} tokens/s", flush=True)
+    print(f"  {name:<17} {best[name]:8.3f} s  {generated / best[name]:10.0f} tokens/s", flush=True)
   return best, detail
 
 
@@ -421,41 +421,23 @@ def section_floor(args, cfg) -> dict:
     routing_only      the experts replaced by zeros (router and top-k kept): the rest of the model
   The stand-ins are patched into moe_dispatch.IMPLEMENTATIONS while the program traces (benchmark only).
   `dispatch_overhead_s` = configured - balanced_experts, `experts_floor_s` = balanced - routing_only."""
-  # pylint: disable=import-outside-toplevel
-  import functools
+  from meshrl.model import moe_dispatch  # pylint: disable=import-outside-toplevel
 
-  import jax
-  import numpy as np
-
-  from meshrl.model import moe_dispatch
-  from meshrl.model.tokenizer import ByteTokenizer
-  from meshrl.rl.rollout import make_rollout
-  # pylint: enable=import-outside-toplevel
-  tok = ByteTokenizer()
-  mesh, state = _fresh_state(cfg)
-  tokens, mask = _rev_prompts(tok, cfg.rl.prompts_per_step, cfg.rl.max_prompt_len)
-  key = jax.random.key(cfg.seed)
-  programs, generated = {}, 0
-  original = dict(moe_dispatch.IMPLEMENTATIONS)
-  for name, stand_in in (("configured", None), ("balanced_experts", _balanced_experts),
-                         ("routing_only", _routing_only)):
-    rollout = make_rollout(cfg, mesh, stop_ids=(), pad_id=tok.pad_id)
-    programs[name] = functools.partial(rollout, state.params, state.extra, tokens, mask, key)
-    if stand_in is not None:
-      moe_dispatch.IMPLEMENTATIONS.update({impl: stand_in for impl in original})
+  @contextlib.contextmanager
+  def every_dispatcher(stand_in):
+    original = dict(moe_dispatch.IMPLEMENTATIONS)
+    moe_dispatch.IMPLEMENTATIONS.update({impl: stand_in for impl in original})
     try:
-      out = jax.block_until_ready(programs[name]())  # traces and compiles with the stand-in
+      yield
     finally:
       moe_dispatch.IMPLEMENTATIONS.update(original)
-    generated = max(generated, int(np.asarray(out.lengths).sum()))
-  best = _alternating_best(programs, args.repeats)
-  detail = {name: {"seconds": best[name], "tokens_per_s": generated / best[name]} for name in programs}
-  detail.update(samples=cfg.rl.prompts_per_step * cfg.rl.group_size, max_new_tokens=cfg.rl.max_new_tokens,
-                generated_tokens=generated,
-                dispatch_overhead_s=best["configured"] - best["balanced_experts"],
+
+  best, detail = _rollout_variants(args, cfg, {
+      "configured": None, "balanced_experts": lambda: every_dispatcher(_balanced_experts),
+      "routing_only": lambda: every_dispatcher(_routing_only)})
+  del detail["same_tokens"]  # the stand-ins' outputs are meaningless
+  detail.update(dispatch_overhead_s=best["configured"] - best["balanced_experts"],
                 experts_floor_s=best["balanced_experts"] - best["routing_only"])
-  for name in programs:
-    print(f"  {name:<17} {best[name]:8.3f} s  {generated / best[name]:10.0f} tokens/s", flush=True)
   return {"floor_detail": detail}
 
 
