@@ -168,11 +168,11 @@ def test_dense_weight_gradient_reads_its_operands_as_they_lie():
 
 
 def test_dense_layers_merge_axes_on_cpu_unless_the_sequence_is_split(devices):
-  """ModelConfig.merge_dense_axes reaches every Dense layer of the model: on for a CPU mesh, off when
-  the mesh splits the sequence (the merged axis would be resharded)."""
+  """ModelConfig.merge_dense_axes reaches every Dense layer of the model, GQA or MLA: on for a CPU
+  mesh, off when the mesh splits the sequence (the merged axis would be resharded)."""
   from meshrl.model.layers import Dense  # pylint: disable=import-outside-toplevel
-  for sequence, expected in ((1, True), (2, False)):
-    cfg = _cfg(f"mesh.fsdp={8 // sequence}", f"mesh.sequence={sequence}", "attention.impl=ring")
+  for sequence, expected, attention in ((1, True, []), (2, False, []), (1, True, MLA), (2, False, MLA)):
+    cfg = _cfg(f"mesh.fsdp={8 // sequence}", f"mesh.sequence={sequence}", "attention.impl=ring", *attention)
     mc = ModelConfig.from_config(cfg, make_mesh(cfg.mesh))
     assert mc.merge_dense_axes is expected
     model = nnx.eval_shape(lambda mc=mc: build_model(mc))
