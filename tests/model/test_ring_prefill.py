@@ -94,7 +94,7 @@ def _causal_pairs_per_device(q_pos, q_seg, kv_pos, kv_seg, devices):
   return live.sum(axis=(0, 2)).reshape(devices, -1).sum(axis=1)
 
 
-def test_zigzag_ring_prefill_balances_the_causal_work_and_keeps_the_cache_in_token_order():
+def test_zigzag_ring_prefill_balances_the_causal_work_and_keeps_the_cache_in_token_order(reorder_close):
   """62 prompt tokens + 2 new on sequence=4: with the zigzag layout every device's queries have
   within 10% of the mean causal work (contiguous: the last device 1.6x the mean, the first 0.3x),
   and the cache, logits and routing are those of the contiguous layout (token order)."""
@@ -114,7 +114,7 @@ def test_zigzag_ring_prefill_balances_the_causal_work_and_keeps_the_cache_in_tok
   np.testing.assert_array_equal(np.asarray(zig_cache.positions), np.asarray(cache.positions))
   np.testing.assert_array_equal(np.asarray(zig_cache.segment_ids), np.asarray(cache.segment_ids))
   for a, b in zip(jax.tree.leaves(zig_cache.layers), jax.tree.leaves(cache.layers)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    reorder_close(a, b, what="cache entry")
   assert all(s.spec[2] == "sequence" for s in
              (x.sharding for x in jax.tree.leaves(zig_cache.layers)))
   np.testing.assert_allclose(np.asarray(zig_logits), np.asarray(logits), atol=1e-4)

@@ -150,7 +150,7 @@ def test_model_equals_the_jnp_ring_in_either_layout(attention_cases, zigzag):
     np.testing.assert_allclose(g, g_jnp, atol=1e-5, rtol=1e-4)
 
 
-def test_ring_prefill_with_splash_equals_the_jnp_ring_prefill(attention_cases):
+def test_ring_prefill_with_splash_equals_the_jnp_ring_prefill(attention_cases, reorder_close):
   """Two prompts of up to 500 tokens, left-padded, in a 512-slot cache on data=2 x sequence=2 x
   tensor=2, zigzag: the prefill's block pairs run on splash (keys and values read back from the
   token-order cache and put in the queries' layout) and every layer's cache entries and the next-token
@@ -173,8 +173,8 @@ def test_ring_prefill_with_splash_equals_the_jnp_ring_prefill(attention_cases):
   (cache, logits), (cache_jnp, logits_jnp) = results["splash"], results["jnp"]
   assert cache.max_len == 512
   np.testing.assert_allclose(np.asarray(logits), np.asarray(logits_jnp), atol=1e-4)
-  for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(cache_jnp)):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5)
+  for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(cache_jnp)):  # summed in another order
+    reorder_close(a, b, what="cache entry")
 
 
 @pytest.mark.slow  # a libtpu compile, ~20 s

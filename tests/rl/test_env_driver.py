@@ -2,7 +2,6 @@
 scheduler; a task whose checker crashes is retried, then quarantined and never drawn again."""
 
 import json
-import os
 
 import pytest
 
@@ -12,17 +11,9 @@ from meshrl.rl.envs.episode import Budget
 from meshrl.rl.envs.quality import Quarantine
 from meshrl.rl.envs.registry import DomainMixture, load_domains
 from meshrl.rl.envs.scheduler import Scheduler
-from meshrl.rl.sandbox import SandboxUnavailable, check_bwrap
-from meshrl.rl.sandbox.bwrap import Runtime
-
-try:
-  check_bwrap(Runtime.host(), uid=61000 if os.geteuid() == 0 else None)
-  HAVE_BWRAP = True
-except SandboxUnavailable:
-  HAVE_BWRAP = False
 
 
-@pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap cannot run here")
+@pytest.mark.needs_sandbox
 def test_mixed_batch_with_retries_and_quarantine(tmp_path):
   oracles = {}
   for index in range(2):

@@ -2,22 +2,12 @@
 quarantine list is append-only and fed by environment failures seen in training."""
 
 import json
-import os
 
 import pytest
 
 from meshrl.rl.envs import terminal_tasks
 from meshrl.rl.envs.quality import Quarantine, judge, run_gate
 from meshrl.rl.envs.terminal import StepOutcome, load_task
-from meshrl.rl.sandbox import SandboxUnavailable, check_bwrap
-from meshrl.rl.sandbox.bwrap import Runtime
-
-try:
-  check_bwrap(Runtime.host(), uid=61000 if os.geteuid() == 0 else None)
-  HAVE_BWRAP = True
-except SandboxUnavailable:
-  HAVE_BWRAP = False
-needs_bwrap = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap cannot run here")
 
 
 def _outcome(exit_code=0, timed_out=False):
@@ -46,7 +36,7 @@ def test_judge_names_each_fault(tmp_path):
       "check.sh passes on the empty work directory (setup only)"]
 
 
-@needs_bwrap
+@pytest.mark.needs_sandbox
 def test_gate_quarantines_every_planted_fault_and_no_sound_task(tmp_path):
   faults = terminal_tasks.write_planted_faults(str(tmp_path / "faults"))
   sound = terminal_tasks.write_tasks(str(tmp_path / "sound"), per_family=1, seed=3)
@@ -64,7 +54,7 @@ def test_gate_quarantines_every_planted_fault_and_no_sound_task(tmp_path):
   assert "timeout_s=1" in report["reasons"]["fault-oracle_timeout"]
 
 
-@needs_bwrap
+@pytest.mark.needs_sandbox
 @pytest.mark.slow
 def test_gate_over_all_generated_tasks(tmp_path):
   names = terminal_tasks.write_tasks(str(tmp_path / "tasks"))
@@ -73,7 +63,7 @@ def test_gate_over_all_generated_tasks(tmp_path):
   assert report["quarantined"] == [], report["reasons"]
 
 
-@needs_bwrap
+@pytest.mark.needs_sandbox
 def test_policy_flags_curriculum(tmp_path):
   terminal_tasks.write_tasks(str(tmp_path / "t"), per_family=1, families=("create", "find"))
   report = run_gate([str(tmp_path / "t")], k=1, repeats=2, samples=2, policy=lambda c: "<done>")

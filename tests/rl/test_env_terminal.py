@@ -2,7 +2,6 @@
 directory persists across turns, and terminal episodes end to end (bubblewrap sandboxes)."""
 
 import json
-import os
 
 import pytest
 
@@ -10,15 +9,6 @@ from meshrl.rl.envs import terminal_tasks
 from meshrl.rl.envs.episode import Budget, run_episode
 from meshrl.rl.envs.terminal import (ShellRunner, Step, TaskError, TerminalEnv, load_task, load_tasks,
                                      terminal_reward)
-from meshrl.rl.sandbox import SandboxUnavailable, check_bwrap
-from meshrl.rl.sandbox.bwrap import Runtime
-
-try:
-  check_bwrap(Runtime.host(), uid=61000 if os.geteuid() == 0 else None)
-  HAVE_BWRAP = True
-except SandboxUnavailable:
-  HAVE_BWRAP = False
-needs_bwrap = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap cannot run here")
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +45,7 @@ def test_example_carries_the_task(tmp_path):
   assert json.loads((tmp_path / task.id / "task.json").read_text())["prompt"] == example["prompt"]
 
 
-@needs_bwrap
+@pytest.mark.needs_sandbox
 def test_work_dir_persists_across_commands_processes_do_not(runner):
   first = runner.run([Step("mkdir -p d && echo hi > d/a && chmod 755 d/a && (sleep 30 &) && echo ok", 5)])
   assert first.steps[0].exit_code == 0 and first.steps[0].output == b"ok\n"
@@ -68,7 +58,7 @@ def test_work_dir_persists_across_commands_processes_do_not(runner):
   assert broken.unreadable and broken.env_failure is None
 
 
-@needs_bwrap
+@pytest.mark.needs_sandbox
 def test_episode_solves_a_task_with_the_oracle_commands(tmp_path, runner):
   task, spec = _task(tmp_path, "edit", 3)
   turns = iter(["<cmd>ls; cat settings_3.ini</cmd>", "no call here", f"<cmd>{spec['oracle'].strip()}</cmd>",
@@ -84,7 +74,7 @@ def test_episode_solves_a_task_with_the_oracle_commands(tmp_path, runner):
   assert unsolved.end == "max_turns" and unsolved.reward == 0.0 and unsolved.env_failure is None
 
 
-@needs_bwrap
+@pytest.mark.needs_sandbox
 def test_crashing_check_is_an_env_failure_not_a_wrong_answer(tmp_path, runner):
   task, _ = _task(tmp_path, "create", 1)
   task = task.__class__(**{**task.__dict__, "check": "no_such_tool\n"})
@@ -95,7 +85,7 @@ def test_crashing_check_is_an_env_failure_not_a_wrong_answer(tmp_path, runner):
   assert reported == [(task.id, episode.env_failure)]
 
 
-@needs_bwrap
+@pytest.mark.needs_sandbox
 def test_terminal_reward_is_the_one_step_episode(tmp_path):
   task, spec = _task(tmp_path, "compute", 2)
   example = task.example()

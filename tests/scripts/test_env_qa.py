@@ -30,6 +30,7 @@ def test_make_terminal_tasks_writes_every_family(tmp_path):
     make.main(["--out", str(tmp_path / "tasks")])
 
 
+@pytest.mark.needs_sandbox
 def test_env_qa_writes_report_and_quarantine_list(tmp_path, capsys):
   from meshrl.rl.envs import terminal_tasks
   terminal_tasks.write_tasks(str(tmp_path / "tasks"), per_family=1, families=("create",))
@@ -58,6 +59,7 @@ TINY = ["model.num_layers=1", "model.embed_dim=32", "model.num_heads=2", "model.
         "rl.max_turn_tokens=8", "serve.slots=2", "serve.decode_chunk=8"]
 
 
+@pytest.mark.needs_sandbox
 def test_env_qa_flags_tasks_a_random_checkpoint_never_solves(tmp_path):
   """--checkpoint of a freshly initialised tiny model (saved like a run saves it): every sound task is
   flagged never_solved, the planted fault is still quarantined (and gets no policy episodes)."""
