@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from meshrl.configs import save_config
+from meshrl.configs import checks, save_config
 from meshrl.model import quant, splash
 from meshrl.model.tokenizer import tokenizer_from_config
 from meshrl.rl import advantages as adv_lib
@@ -38,14 +38,15 @@ from meshrl.rl.prompts import ArrayRecordSource, JsonlSource, PromptStream
 from meshrl.rl.packing import update_shape
 from meshrl.rl.rollout import check_generation_layout
 from meshrl.rl.rewards import compose
-from meshrl.rl.rewards.shaping import overlong_penalty
 from meshrl.rl.sampling import Sampler
 from meshrl.rl.step import RLRun, build_run, in_flight_state, restore_in_flight, rl_step
 from meshrl.sharding import MESH_AXES, make_mesh, mesh_shape_for
 from meshrl.sharding.mesh import platform
-from meshrl.sharding.rules import data_parallel_size
+from meshrl.sharding.rules import data_parallel_size, rules_from_config
 from meshrl.train.checkpoint import Checkpointer
 from meshrl.train.init_from import check_initial_model, initial_model
+from meshrl.model.transformer import ModelConfig
+from meshrl.train.optim import check_optim
 from meshrl.train.metrics import CompileCounter, MetricsWriter, peak_flops, plot_curve, truncate_jsonl
 from meshrl.sharding import hosts
 from meshrl.train.preemption import Preemption
@@ -57,14 +58,21 @@ Hook = Callable[[int, RLRun, dict], None]
 # --- one check of every setting, before anything runs ------------------------------------------
 
 
-def _check_file(field: str, path: str) -> None:
-  if path and not os.path.isfile(path):
-    raise ValueError(f"{field}={path!r}: no such file.")
+def check_model_and_optimizer(cfg) -> None:
+  """model.*, moe.*, attention.*, mesh rules and optim.* (both peak rates), by building their specs:
+  ValueError naming the field, as a run would raise it only after writing its config."""
+  ModelConfig.from_config(cfg)
+  rules_from_config(cfg.mesh, "rollout")
+  check_optim(cfg.optim)
+  if cfg.rl.sft_steps:
+    check_optim(cfg.optim, learning_rate=cfg.rl.sft_learning_rate, field="rl.sft_learning_rate")
 
 
 def check_config(cfg, num_devices: int | None = None) -> None:
   """Raises ValueError naming the field for every setting the run would fail on, before the warm
   start, any compilation or any file written. With `num_devices`, also the mesh-dependent checks."""
+  checks.check_sections(cfg, "run", "rl", "moe", "data", "eval", "checkpoint", "log")
+  check_model_and_optimizer(cfg)
   rl = cfg.rl
   estimator = adv_lib.make_estimator(rl.advantage, eps=rl.adv_eps, gamma=rl.gamma, lam=rl.gae_lambda)
   if estimator.needs_groups and rl.group_size < 2:
@@ -105,7 +113,9 @@ def check_config(cfg, num_devices: int | None = None) -> None:
                      f"exceeds model.max_seq_len={cfg.model.max_seq_len}.")
   if rl.prompt_overflow not in ("truncate", "reject"):
     raise ValueError(f"rl.prompt_overflow={rl.prompt_overflow!r}; choose truncate or reject.")
-  overlong_penalty([0], max_len=rl.max_new_tokens, buffer=rl.overlong_buffer, penalty=rl.overlong_penalty)
+  if rl.overlong_buffer > rl.max_new_tokens:
+    raise ValueError(f"rl.overlong_buffer={rl.overlong_buffer} must lie in [0, rl.max_new_tokens="
+                     f"{rl.max_new_tokens}] (the penalty ramps over the last tokens of the budget).")
   check_engine_config(rl)
   quant.check_generation_options(kv_cache_dtype=rl.kv_cache_dtype, generation_weights=rl.generation_weights,
                                  tis_level=rl.tis_level)
@@ -122,22 +132,15 @@ def check_config(cfg, num_devices: int | None = None) -> None:
                      f"{rl.rollout_token_budget} cannot be combined yet: partial rollouts already carry "
                      "off-policy segments; choose one.")
   compose(rl.rewards)
-  _check_file("data.jsonl", cfg.data.jsonl)
-  for path in filter(None, cfg.data.array_record.split(",")):
-    _check_file("data.array_record", path)
-  _check_file("eval.jsonl", cfg.eval.jsonl)
   if cfg.data.domains:
-    _check_file("data.domains", cfg.data.domains)
     _domain_specs(cfg)
+  Quarantine(cfg.data.quarantine)  # a malformed list is named by file and line
   if cfg.data.tasks:
     TaskMixture(cfg.data.tasks, difficulty=cfg.data.difficulty, seed=cfg.seed,
                 pools={**{name: [{}] for name in _pool_names(cfg)}, **episode_pools(cfg)})
   elif not cfg.data.jsonl and not cfg.data.array_record:
     raise ValueError("data.tasks is empty and neither data.jsonl nor data.array_record is set: there "
                      "are no prompts.")
-  if cfg.eval.every < 0 or cfg.eval.num_prompts < 1 or cfg.eval.batch_size < 1 or cfg.eval.pass_k < 0:
-    raise ValueError(f"eval.every={cfg.eval.every} must be >= 0, eval.num_prompts={cfg.eval.num_prompts} "
-                     f"and eval.batch_size={cfg.eval.batch_size} >= 1, eval.pass_k={cfg.eval.pass_k} >= 0.")
   if cfg.eval.every and not cfg.eval.jsonl and not 0.0 < cfg.data.eval_fraction < 1.0:
     raise ValueError(f"data.eval_fraction={cfg.data.eval_fraction} must lie strictly between 0 and 1 "
                      "to hold out evaluation prompts (or give eval.jsonl).")
@@ -443,7 +446,6 @@ def dispatch_summary(cfg, mesh) -> str:
   """One line: which MoE expert dispatch each phase of the RL step runs (moe.dispatch=auto picks
   per backend and phase, model/moe_dispatch.py `choose`), for the run's console summary."""
   from meshrl.model import moe_dispatch  # pylint: disable=import-outside-toplevel
-  from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
   mc = ModelConfig.from_config(cfg, mesh)
   if not mc.num_moe_layers:
     return "moe dispatch: no MoE layers"
@@ -488,7 +490,6 @@ def _run(cfg, workdir: str, mesh, preemption: Preemption) -> list[dict]:
   if primary:
     save_config(cfg, workdir)
   print(dispatch_summary(cfg, mesh))
-  from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
   print(ModelConfig.from_config(cfg, mesh).kernel.summary())  # which attention kernel runs
   tokenizer = tokenizer_from_config(cfg)
   source = train_source(cfg)

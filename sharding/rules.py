@@ -84,7 +84,11 @@ def parse_rules(text: str) -> dict[str, tuple[str, ...]]:
 def rules_from_config(mesh_cfg, kind: str = "train") -> Rules:
   """TRAIN_RULES or ROLLOUT_RULES with `cfg.mesh.{kind}_rules` overrides applied."""
   base = {"train": TRAIN_RULES, "rollout": ROLLOUT_RULES}[kind]
-  overrides = parse_rules(str(mesh_cfg.get(f"{kind}_rules", "") or ""))
+  text = str(mesh_cfg.get(f"{kind}_rules", "") or "")
+  try:
+    overrides = parse_rules(text)
+  except ValueError as error:
+    raise ValueError(f"mesh.{kind}_rules={text!r}: {error}") from None
   return tuple((name, overrides.get(name, axes)) for name, axes in base)
 
 

@@ -244,7 +244,7 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
   """
   num_steps = cfg.rl.sft_steps if num_steps is None else num_steps
   check_shapes(cfg, mesh)
-  tx = make_optimizer(cfg.optim, learning_rate=cfg.rl.sft_learning_rate)
+  tx = make_optimizer(cfg.optim, learning_rate=cfg.rl.sft_learning_rate, rate_field="rl.sft_learning_rate")
   ckpt = None
   if cfg.checkpoint.enabled:
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint.every,

@@ -14,7 +14,7 @@ from meshrl import configs
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESETS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "configs", "*.py"))
                  if not os.path.basename(p).startswith("_")
-                 and os.path.basename(p) not in ("loader.py", "cli.py", "hugepages.py"))
+                 and os.path.basename(p) not in ("loader.py", "cli.py", "hugepages.py", "checks.py"))
 
 
 NEEDS_ARGUMENT = {"hf_qwen3_moe"}  # loaded with a model folder in tests/train/test_init_from.py
