@@ -6,13 +6,18 @@ This module imports no jax: `--cpu_devices` must be applied before jax is first 
 
   args, cfg = cli.parse(sys.argv[1:], add_flags=lambda p: p.add_argument("--steps", type=int))
   import jax  # only now
+
+  if __name__ == "__main__":
+    sys.exit(cli.run(main, sys.argv[1:]))   # errors a user can fix: one line on stderr
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
+import traceback
 from typing import Callable, Sequence
 
 from meshrl.configs.hugepages import reexec_with_hugepages
@@ -79,3 +84,59 @@ def join_job(args) -> None:
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
+
+
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # meshrl's top folder
+
+
+def disk_full(error: BaseException | None) -> bool:
+  """Whether `error`, or an exception it was raised from, is a full disk (ENOSPC, or "No space left
+  on device" as orbax and tensorstore word it)."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def one_line(error: BaseException) -> str:
+  """The message of `error` as the one line a script prints: an OSError's strerror and file, or the
+  first line of the message; ' [MESHRL_TRACEBACK=1 shows where]' when it was not raised by meshrl's
+  own checks (the last frame is outside this package), where a traceback would help."""
+  if isinstance(error, OSError) and error.strerror:
+    text = error.strerror + (f": {error.filename}" if error.filename else "")
+  else:
+    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if type(error).__name__ not in ("ValueError", "ConfigError", "CheckpointError", "WorkdirError"):
+      text = f"{type(error).__name__}: {text}"
+  frames = traceback.extract_tb(error.__traceback__)
+  if frames and not os.path.abspath(frames[-1].filename).startswith(PACKAGE_DIR + os.sep):
+    text += " [MESHRL_TRACEBACK=1 shows where]"
+  return text
+
+
+def run(main: Callable[[Sequence[str]], int], argv: Sequence[str]) -> int:
+  """Runs a script's `main(argv)` and turns what a user can fix into one line on stderr instead of a
+  traceback: bad input (ValueError: a config, file, row or checkpoint; exit 2), a full disk or
+  another OS error (exit 1), a run stopped by non-finite steps (exit 1), and a second Ctrl-C (the
+  first one saves and stops at the end of the step: train/preemption.py; exit 130).
+  MESHRL_TRACEBACK=1 lets every exception through with its traceback."""
+  try:
+    return main(argv)
+  except KeyboardInterrupt:
+    if os.environ.get("MESHRL_TRACEBACK") == "1":
+      raise
+    print("interrupted: stopped at once; checkpoints already written are intact (run the same command "
+          "to resume from the latest).", file=sys.stderr)
+    return 130
+  except Exception as error:  # pylint: disable=broad-except
+    if os.environ.get("MESHRL_TRACEBACK") == "1":
+      raise
+    stop = type(error).__name__ == "NonFiniteError"  # train/stops.py (imports jax, so by name)
+    if not (isinstance(error, (ValueError, OSError)) or stop or disk_full(error)):
+      raise
+    prefix = "error: disk full: " if disk_full(error) and "disk" not in str(error) else "error: "
+    print(prefix + one_line(error), file=sys.stderr)
+    return 2 if isinstance(error, ValueError) and not disk_full(error) else 1

@@ -14,14 +14,15 @@ arXiv:2107.03374, with n = k samples is "any of the k is correct").
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
 
 from meshrl.model.tokenizer import Tokenizer
 from meshrl.rl.batch import next_prompts, response_columns
-from meshrl.rl.envs import TaskMixture, distinct_examples, load_jsonl
+from meshrl.rl.envs import TaskMixture, distinct_examples
+from meshrl.rl.prompts import JsonlSource
 from meshrl.rl.rewards import answer_reward
 from meshrl.rl.rollout import make_rollout, rollout_rows
 from meshrl.rl.scoring import RewardPool
@@ -29,19 +30,30 @@ from meshrl.sharding import hosts
 from meshrl.sharding.rules import data_parallel_size
 
 
-def held_out_examples(cfg, *, train_prompts: Sequence[str] = ()) -> list[dict]:
+def held_out_examples(cfg, *, train_prompts: Sequence[str] = (),
+                      report: Callable[[str], None] = print) -> list[dict]:
   """eval.num_prompts held-out examples with distinct prompts: from eval.jsonl, else from the
   held-out side of the data.domains registry (every domain), else of the data.tasks mixture (fewer when the domain has fewer distinct prompts).
 
-  Raises ValueError naming the file when eval.jsonl shares a prompt with `train_prompts`.
+  eval.jsonl's rows are read as training data's are (rl/prompts.JsonlSource): malformed rows are
+  skipped and `report`ed in one line naming file and line (data.skip_bad_rows=false: refused), and a
+  file without a valid row is refused.
+
+  Raises ValueError naming the file when eval.jsonl shares a prompt with `train_prompts`, has no
+  valid row, or (data.skip_bad_rows=false) has a malformed one.
   """
   if cfg.eval.jsonl:
-    loaded = load_jsonl(cfg.eval.jsonl, skip_bad=cfg.data.skip_bad_rows)
-    overlap = sorted(set(e["prompt"] for e in loaded.examples) & set(train_prompts))
+    source = JsonlSource(cfg.eval.jsonl, skip_bad=cfg.data.skip_bad_rows, field="eval.jsonl")
+    if source.bad:
+      shown = "; ".join(f"{b.file}:{b.line}: {b.reason}" for b in source.bad[:3])
+      report(f"eval.jsonl: skipped {len(source.bad)} malformed rows of {len(source) + len(source.bad)} "
+             f"({shown}{'; ...' if len(source.bad) > 3 else ''}); evaluating the {len(source)} valid ones")
+    examples = list(source)
+    overlap = sorted(set(e["prompt"] for e in examples) & set(train_prompts))
     if overlap:
       raise ValueError(f"eval.jsonl={cfg.eval.jsonl!r} shares {len(overlap)} prompt(s) with the training "
                        f"data, e.g. {overlap[0]!r}; held-out prompts must be disjoint.")
-    return distinct_examples(loaded.examples, cfg.eval.num_prompts, max_draws=len(loaded.examples))
+    return distinct_examples(examples, cfg.eval.num_prompts, max_draws=len(examples))
   if cfg.data.domains:  # the registry's domains, each on the held-out side of its hash split
     from meshrl.rl.envs.quality import Quarantine  # pylint: disable=import-outside-toplevel
     from meshrl.rl.envs.registry import held_out_from_file  # pylint: disable=import-outside-toplevel

@@ -12,9 +12,10 @@ live here and in the hooks.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -43,14 +44,16 @@ from meshrl.rl.step import RLRun, build_run, in_flight_state, restore_in_flight,
 from meshrl.sharding import MESH_AXES, make_mesh, mesh_shape_for
 from meshrl.sharding.mesh import platform
 from meshrl.sharding.rules import data_parallel_size, rules_from_config
-from meshrl.train.checkpoint import Checkpointer
+from meshrl.train.checkpoint import Checkpointer, check_readable, check_saved_config, committed_steps
 from meshrl.train.init_from import check_initial_model, initial_model
 from meshrl.model.transformer import ModelConfig
 from meshrl.train.optim import check_optim
-from meshrl.train.metrics import CompileCounter, MetricsWriter, peak_flops, plot_curve, truncate_jsonl
+from meshrl.train.metrics import CompileCounter, MetricsWriter, peak_flops, plot_curve, read_jsonl, truncate_jsonl
 from meshrl.sharding import hosts
 from meshrl.train.preemption import Preemption
 from meshrl.train.stops import NonFiniteError, NonFiniteStreak  # noqa: F401 (NonFiniteError: loop API)
+from meshrl.configs.cli import disk_full
+from meshrl.train.workdir import check_free_space, check_workdir, clear_outputs, disk_full_message
 
 Hook = Callable[[int, RLRun, dict], None]
 
@@ -465,45 +468,117 @@ def dispatch_summary(cfg, mesh) -> str:
 
 
 
-def run(cfg, workdir: str, *, mesh=None) -> list[dict]:
+def run(cfg, workdir: str, *, mesh=None, overwrite: bool = False) -> list[dict]:
   """Warm start (SFT) if configured, then RL with evaluation and checkpoints; writes into `workdir`:
   config.json, metrics.jsonl, eval.jsonl, tb/, reward_curve.png, sft/ and checkpoints/.
 
-  A SIGTERM at any point (warm start or RL) finishes the step in flight, saves it and returns (the
-  records so far; none when it came during the warm start): running the same command resumes."""
+  Everything that can refuse the run is checked before the first write (`prepare`): the config, a
+  work directory holding another run (refused unless this run resumes it or `overwrite`, which
+  removes that run's outputs first), a damaged checkpoint to resume from, the data and held-out
+  files, the initial model, and room on disk for a checkpoint.
+
+  SIGTERM or Ctrl-C (SIGINT) at any point (warm start or RL) finishes the step in flight, saves it
+  and returns (the records so far; none when it came during the warm start): running the same
+  command resumes. A second Ctrl-C stops at once (KeyboardInterrupt; the last checkpoint stays)."""
   with Preemption() as preemption:
-    return _run(cfg, workdir, mesh, preemption)
+    return _run(cfg, workdir, mesh, preemption, overwrite)
 
 
-def _run(cfg, workdir: str, mesh, preemption: Preemption) -> list[dict]:
+class _Prepared(NamedTuple):
+  mesh: Any
+  tokenizer: Any
+  source: Any
+  held_out: list
+  model: Any
+  resuming: bool
+  leftovers: list  # an earlier run's outputs to remove first (overwrite)
+  checkpoint_bytes: int  # one checkpoint of the train state, for the disk checks
+
+
+def _latest_step_dir(folder: str) -> str | None:
+  steps = committed_steps(folder)
+  return os.path.join(folder, str(steps[-1])) if steps else None
+
+
+def checkpoint_bytes(cfg) -> int:
+  """Bytes of one checkpoint of cfg's train state (train/state.state_bytes; from shapes)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from meshrl.model.transformer import Transformer  # pylint: disable=import-outside-toplevel
+  from meshrl.train.optim import make_optimizer  # pylint: disable=import-outside-toplevel
+  from meshrl.train.state import state_bytes  # pylint: disable=import-outside-toplevel
+  mc = ModelConfig.from_config(cfg)
+  return state_bytes(lambda: Transformer(mc, rngs=nnx.Rngs(0)), make_optimizer(cfg.optim))
+
+
+def prepare(cfg, workdir: str, mesh=None, *, overwrite: bool = False) -> _Prepared:
+  """Every check of a run and what it reads, before anything is written (see `run`)."""
   mesh = make_mesh(cfg.mesh) if mesh is None else mesh
   check_config(cfg, mesh.size)
-  checkpointer, resuming = None, False
-  if cfg.checkpoint.enabled:
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint.every,
-                                max_to_keep=cfg.checkpoint.max_to_keep, async_save=cfg.checkpoint.async_save)
-    resuming = cfg.checkpoint.restore and checkpointer.latest_step() is not None
-    if resuming:  # a checkpoint of another model stops the run before anything is written
-      checkpointer.check_config(cfg)
+  step_dirs = [d for d in (_latest_step_dir(os.path.join(workdir, "checkpoints")),
+                           _latest_step_dir(os.path.join(workdir, "sft", "checkpoints"))) if d]
+  resuming = bool(cfg.checkpoint.enabled and cfg.checkpoint.restore and step_dirs and not overwrite)
+  leftovers = check_workdir(workdir, cfg, resuming=resuming, overwrite=overwrite)
+  if resuming:  # a damaged checkpoint, or one of another model, stops the run here
+    for step_dir in step_dirs:
+      check_readable(step_dir)
+      check_saved_config(step_dir, cfg)
+  tokenizer = tokenizer_from_config(cfg)
+  source = train_source(cfg)
+  if skipped_rows(source):
+    print(skipped_rows(source))
+  held_out = []
+  if cfg.eval.every:
+    held_out = (multiturn_held_out if wants_multi_turn(cfg) else held_out_examples)(
+        cfg, train_prompts=train_prompts(source))
+    if not held_out:
+      raise ValueError("eval.every > 0 but there are no held-out prompts (eval.jsonl, data.eval_fraction).")
+  size = checkpoint_bytes(cfg)
+  if cfg.checkpoint.enabled and hosts.is_primary():
+    check_free_space(workdir, size)
+  model = initial_model(cfg, mesh)
+  return _Prepared(mesh, tokenizer, source, held_out, model, resuming, leftovers, size)
+
+
+def _run(cfg, workdir: str, mesh, preemption: Preemption, overwrite: bool) -> list[dict]:
+  ready = prepare(cfg, workdir, mesh, overwrite=overwrite)
+  mesh = ready.mesh
   primary = hosts.is_primary()  # process 0 writes the run's files; every process checkpoints
+  if primary:
+    clear_outputs(workdir, ready.leftovers)
   os.makedirs(workdir, exist_ok=True)
   if primary:
     save_config(cfg, workdir)
   print(dispatch_summary(cfg, mesh))
   print(ModelConfig.from_config(cfg, mesh).kernel.summary())  # which attention kernel runs
-  tokenizer = tokenizer_from_config(cfg)
-  source = train_source(cfg)
-  if skipped_rows(source):
-    print(skipped_rows(source))
-  multi_turn = wants_multi_turn(cfg)
-  held_out = ((multiturn_held_out if multi_turn else held_out_examples)(
-      cfg, train_prompts=train_prompts(source)) if cfg.eval.every else [])
-  model = initial_model(cfg, mesh)
+  checkpointer = None
+  if cfg.checkpoint.enabled:
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint.every,
+                                max_to_keep=cfg.checkpoint.max_to_keep, async_save=cfg.checkpoint.async_save)
+  try:
+    return _train(cfg, workdir, ready, checkpointer, preemption)
+  except Exception as error:  # pylint: disable=broad-except
+    if not disk_full(error):
+      raise
+    latest = committed_steps(os.path.join(workdir, "checkpoints"))
+    raise OSError(errno.ENOSPC, disk_full_message(workdir, ready.checkpoint_bytes,
+                                                  latest[-1] if latest else None)) from error
+
+
+def _train(cfg, workdir: str, ready: _Prepared, checkpointer: Checkpointer | None,
+           preemption: Preemption) -> list[dict]:
+  """The warm start, then RL steps with their hooks (after `prepare` and the first writes)."""
+  mesh, tokenizer, source, model = ready.mesh, ready.tokenizer, ready.source, ready.model
+  multi_turn, primary = wants_multi_turn(cfg), hosts.is_primary()
   if cfg.rl.sft_steps:
     from meshrl.train.sft import run_sft  # pylint: disable=import-outside-toplevel
-    warm = run_sft(cfg, os.path.join(workdir, "sft"), mesh=mesh, model=model,
-                   source=Demonstrations(source) if multi_turn else source,
-                   tokenizer=tokenizer, preemption=preemption)
+    try:
+      warm = run_sft(cfg, os.path.join(workdir, "sft"), mesh=mesh, model=model,
+                     source=Demonstrations(source) if multi_turn else source,
+                     tokenizer=tokenizer, preemption=preemption)
+    except BaseException:
+      if checkpointer is not None:
+        checkpointer.close()
+      raise
     if warm.preempted:
       if checkpointer is not None:
         checkpointer.close()
@@ -512,36 +587,38 @@ def _run(cfg, workdir: str, mesh, preemption: Preemption) -> list[dict]:
   rl_run = build_run(cfg, mesh, model, tokenizer)
   prompts = prompt_stream(source, per_step=cfg.rl.prompts_per_step, shared=shared_prompts(cfg))
   hooks, start_step, restored = [], 0, None
-  if checkpointer is not None and resuming:
-    restored = checkpointer.restore(rl_run.state)
-    rl_run.state, start_step = restored.state, restored.step
-    prompts.set_state(restored.data_state)
-    restore_carried_state(rl_run, restored.extra_state)
-    print(f"resumed from {checkpointer.directory} at step {start_step}")
   evaluator = None
-  if cfg.eval.every:
-    evaluator = (MultiTurnEvaluator if multi_turn else Evaluator)(cfg, mesh, tokenizer, held_out)
-    eval_path = os.path.join(workdir, "eval.jsonl") if primary else None
-    if start_step == 0:
-      initial = evaluator(rl_run.state.params, rl_run.state.extra)
-      if eval_path:
-        with open(eval_path, "w", encoding="utf-8") as f:
-          f.write(json.dumps({"step": 0, **initial}) + "\n")
-      print(f"held-out greedy accuracy before RL: {initial['eval/accuracy']:.3f} "
-            f"({initial['eval/num_prompts']} prompts)")
-    elif eval_path:
-      truncate_jsonl(eval_path, start_step)  # evaluations after the checkpoint are redone
-    hooks.append(eval_hook(evaluator, cfg.eval.every, cfg.rl.num_steps, eval_path))
-  save = None
-  if checkpointer is not None:
-    save = checkpoint_hook(checkpointer, prompts, extra_state=lambda: carried_state(rl_run))
-  phase_cost = PhaseCost(rl_run, peak_flops(mesh.devices.flat))
   try:
-    with MetricsWriter(workdir, tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar,
-                       total_steps=cfg.rl.num_steps, resume_step=start_step,
-                       bar_keys=("reward_mean", "kl", "entropy", "tokens_per_s")) as writer:
-      records = train_steps(rl_run, prompts, start_step=start_step, hooks=tuple(hooks), writer=writer,
-                            checkpoint=save, preemption=preemption, phase_cost=phase_cost)
+    if checkpointer is not None and checkpointer.latest_step() is not None and cfg.checkpoint.restore:
+      restored = checkpointer.restore(rl_run.state)
+      rl_run.state, start_step = restored.state, restored.step
+      prompts.set_state(restored.data_state)
+      restore_carried_state(rl_run, restored.extra_state)
+      print(f"resumed from {checkpointer.directory} at step {start_step}")
+    if cfg.eval.every:
+      evaluator = (MultiTurnEvaluator if multi_turn else Evaluator)(cfg, mesh, tokenizer, ready.held_out)
+      eval_path = os.path.join(workdir, "eval.jsonl") if primary else None
+      if start_step == 0:
+        initial = evaluator(rl_run.state.params, rl_run.state.extra)
+        if eval_path:
+          with open(eval_path, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"step": 0, **initial}) + "\n")
+        print(f"held-out greedy accuracy before RL: {initial['eval/accuracy']:.3f} "
+              f"({initial['eval/num_prompts']} prompts)")
+      elif eval_path:
+        truncate_jsonl(eval_path, start_step)  # evaluations after the checkpoint are redone
+      hooks.append(eval_hook(evaluator, cfg.eval.every, cfg.rl.num_steps, eval_path))
+    save = None
+    if checkpointer is not None:
+      save = checkpoint_hook(checkpointer, prompts, extra_state=lambda: carried_state(rl_run))
+    records = []
+    if start_step < cfg.rl.num_steps:
+      phase_cost = PhaseCost(rl_run, peak_flops(mesh.devices.flat))
+      with MetricsWriter(workdir, tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar,
+                         total_steps=cfg.rl.num_steps, resume_step=start_step,
+                         bar_keys=("reward_mean", "kl", "entropy", "tokens_per_s")) as writer:
+        records = train_steps(rl_run, prompts, start_step=start_step, hooks=tuple(hooks), writer=writer,
+                              checkpoint=save, preemption=preemption, phase_cost=phase_cost)
   finally:
     if checkpointer is not None:
       checkpointer.wait()
@@ -549,9 +626,9 @@ def _run(cfg, workdir: str, mesh, preemption: Preemption) -> list[dict]:
     rl_run.close()
     if evaluator is not None:
       evaluator.close()
-  if cfg.log.plot and primary:
-    plot_curve(os.path.join(workdir, "metrics.jsonl"), "reward_mean",
-               os.path.join(workdir, "reward_curve.png"))
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  if cfg.log.plot and primary and os.path.exists(metrics_path) and read_jsonl(metrics_path):
+    plot_curve(metrics_path, "reward_mean", os.path.join(workdir, "reward_curve.png"))
   return records
 
 

@@ -35,7 +35,9 @@ and scripts/resume_check.py kills whole runs, many times, during saves and betwe
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from typing import Any, NamedTuple
 
@@ -136,9 +138,22 @@ def check_readable(step_dir: str) -> None:
       raise damaged(step_dir, f"{item}/metadata: {one_line(error)}") from None
 
 
+@contextlib.contextmanager
+def _quiet_absl():
+  """Orbax logs a warning per missing optional metadata file while it reads; the caller reports."""
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
 def _read_shapes(state_dir: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
   try:
-    meta = ocp.PyTreeCheckpointer().metadata(state_dir)
+    with _quiet_absl():
+      meta = ocp.PyTreeCheckpointer().metadata(state_dir)
   except Exception as e:  # pylint: disable=broad-except  (orbax raises many kinds)
     raise CheckpointError(f"its array metadata cannot be read: {one_line(e)}") from None
   tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
@@ -181,6 +196,20 @@ def _architecture_diff(saved: dict, config: dict) -> list[str]:
     diffs += [f"{section}.{k}={mine[k]!r} (checkpoint: {theirs[k]!r})" for k in sorted(mine)
               if k in theirs and theirs[k] != mine[k]]
   return diffs
+
+
+def check_saved_config(step_dir: str, config: Any) -> None:
+  """CheckpointError when the config saved in `step_dir` is of another model than `config` (a
+  model.* / moe.* field that gives the parameters another meaning differs). Reads one small file."""
+  saved = _read_json(os.path.join(step_dir, "config"))
+  # The fields a checkpoint may differ in (how the model computes, not what its parameters mean),
+  # as for model.init_from; train/init_from.py imports this module, hence the late import.
+  from meshrl.train.init_from import _RUN_FIELDS  # pylint: disable=import-outside-toplevel
+  diffs = [d for d in _architecture_diff(saved, _config_dict(config)) if d.split("=")[0] not in _RUN_FIELDS]
+  if diffs:
+    raise CheckpointError(f"checkpoint {step_dir} was saved by a run of another model: {', '.join(diffs)}. "
+                          "Give this run another work directory (--workdir), or pass --overwrite to "
+                          "replace the run there; nothing was changed.")
 
 
 def _read_json(path: str) -> dict:
@@ -325,16 +354,7 @@ class Checkpointer:
     if step is None:
       return
     check_complete(self.step_dir(step))
-    saved = _read_json(os.path.join(self.step_dir(step), "config"))
-    # The fields a checkpoint may differ in (how the model computes, not what its parameters mean),
-    # as for model.init_from; train/init_from.py imports this module, hence the late import.
-    from meshrl.train.init_from import _RUN_FIELDS  # pylint: disable=import-outside-toplevel
-    diffs = [d for d in _architecture_diff(saved, _config_dict(config))
-             if d.split("=")[0] not in _RUN_FIELDS]
-    if diffs:
-      raise CheckpointError(f"checkpoint {self.step_dir(step)} was saved by a run of another model: "
-                            f"{', '.join(diffs)}. Give this run another work directory (--workdir), or "
-                            "pass --overwrite to replace the run there; nothing was changed.")
+    check_saved_config(self.step_dir(step), config)
 
   def restore(self, target: Any, *, step: int | None = None) -> Restored | None:
     """Reads a checkpoint into the layout and shardings of `target`.
