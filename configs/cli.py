@@ -38,6 +38,19 @@ def simulate_cpu_devices(count: int) -> None:
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse whose errors are one line, "error: <what> (--help lists the flags)", exit status 2
+  (argparse prints the whole usage first, many lines for a script with many flags); --help keeps
+  the description's line breaks."""
+
+  def __init__(self, *args, **kwargs):
+    kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+    super().__init__(*args, **kwargs)
+
+  def error(self, message: str):
+    self.exit(2, f"error: {message} (--help lists the flags)\n")
+
+
 def parse(argv: Sequence[str], add_flags: Callable[[argparse.ArgumentParser], None] | None = None,
           default_config: str = "configs/tiny.py", description: str | None = None):
   """Parses a script's argv into (argparse namespace, locked config).
@@ -46,7 +59,7 @@ def parse(argv: Sequence[str], add_flags: Callable[[argparse.ArgumentParser], No
   First the script may re-execute itself with huge pages for its buffers (configs/hugepages.py).
   """
   reexec_with_hugepages()
-  parser = argparse.ArgumentParser(description=description)
+  parser = ArgumentParser(description=description)
   parser.add_argument("--config", default=default_config,
                       help="preset file, optionally with an argument: configs/tiny.py[:ARG]")
   parser.add_argument("--cpu_devices", type=int, default=0,

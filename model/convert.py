@@ -527,6 +527,17 @@ def _shard(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
   return shards
 
 
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # can hold the weights as they are
+
+
+def check_export_dtype(dtype: str | None, field: str = "dtype") -> None:
+  """ValueError unless `dtype` (None = the parameters' own) is a float type that holds the weights:
+  an integer type without scales rounds weights of magnitude ~0.02 to 0 (int8 wrote 99.7% zeros)."""
+  if dtype is not None and dtype not in EXPORT_DTYPES:
+    raise ValueError(f"{field}={dtype!r} cannot hold the weights (an integer type without scales rounds "
+                     f"them to zero); choose one of {', '.join(EXPORT_DTYPES)}.")
+
+
 def export_checkpoint(model_or_state: nnx.Module | nnx.State, cfg: ml_collections.ConfigDict,
                       out_dir: str, architecture: str, *, dtype: str | None = None,
                       max_shard_bytes: int = 5 * 2**30) -> list[str]:
@@ -555,6 +566,7 @@ def export_checkpoint(model_or_state: nnx.Module | nnx.State, cfg: ml_collection
            for path, v in expected if path not in leaves or leaves[path].shape != v.shape]
   if wrong:
     raise ValueError(f"the state does not fit cfg (pass the whole nnx.state(model)): {', '.join(wrong[:20])}")
+  check_export_dtype(dtype)
   out_dtype = jnp.dtype(dtype or leaves[("embed", "embedding")].dtype)
   hf_config.update(architectures=[architecture], dtype=out_dtype.name, torch_dtype=out_dtype.name)
   shards = _shard(_export_entries(leaves, mc, architecture, out_dtype), max_shard_bytes)

@@ -37,7 +37,8 @@ from meshrl.configs import cli
 
 
 def _add_flags(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v5p:16x16x16")
+  parser.add_argument("--topology", default="",
+                      help="TPU topology, e.g. v5e:2x2, v5p:16x16x16 (needed unless --count_params)")
   parser.add_argument("--num_slices", type=int, default=1, help="slices joined over DCN")
   parser.add_argument("--step", default="all", help="update, prefill, decode, sft, reshard (rl.generation_layout's one-off cost), routes (routing replay's routes built on the devices), a comma list, or all")
   parser.add_argument("--json", default="", help="write the reports here")
@@ -57,6 +58,11 @@ def main(argv) -> int:
         f"per token (from shapes)", flush=True)
   if args.count_params:
     return 0
+  if not args.topology:
+    raise ValueError("--topology is needed to compile (e.g. --topology=v5e:2x2); --count_params alone "
+                     "needs none.")
+  if args.num_slices < 1:
+    raise ValueError(f"--num_slices={args.num_slices} must be at least 1.")
   steps = list(aot.default_steps(cfg)) if args.step == "all" else [s.strip() for s in args.step.split(",") if s.strip()]
   if cfg.mesh.num_slices != args.num_slices:
     cfg.unlock()
@@ -99,4 +105,4 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(cli.run(main, sys.argv[1:]))

@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 
+from meshrl.configs import cli
 from meshrl.configs.cli import simulate_cpu_devices
 from meshrl.configs.hugepages import reexec_with_hugepages
 
@@ -502,7 +503,7 @@ def _print_splash_ring(rows):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--json", required=True, help="where to write the results")
   parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
   parser.add_argument("--seq-lens", default="2048,4096,8192")

@@ -13,7 +13,6 @@ starts while the current program runs); then runs per second at pool sizes 1, 2,
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import os
@@ -23,6 +22,7 @@ import time
 
 import numpy as np
 
+from meshrl.configs import cli
 from meshrl.rl.sandbox import Limits, Sandbox, SandboxPool
 
 TRIVIAL = {"true": ["true"], "python": ["python3", "-c", "pass"]}
@@ -75,7 +75,7 @@ def throughput(argv: list[str], workers: int, runs: int, limits: Limits) -> dict
 
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--json", help="write the figures here")
   parser.add_argument("--runs", type=int, default=40, help="runs per latency measurement")
   args = parser.parse_args(argv)

@@ -26,7 +26,6 @@ ratio); every timed call is compiled and warmed first, and the best of --repeats
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
@@ -36,6 +35,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from meshrl.configs import cli
 from meshrl.model.layers import RopeConfig
 from meshrl.model.transformer import ModelConfig, Transformer
 from meshrl.rl import speculative as sp
@@ -225,7 +225,7 @@ SECTIONS = {"speculative": bench_speculative, "ngram": bench_ngram, "int8": benc
 
 
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli.ArgumentParser(description=__doc__)
   parser.add_argument("--json", default="", help="write the figures here")
   parser.add_argument("--only", default="", help=f"comma-separated sections of {sorted(SECTIONS)}")
   parser.add_argument("--batch", type=int, default=1, help="rows decoded together (latency: 1)")

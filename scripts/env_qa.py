@@ -19,13 +19,13 @@ when tasks are quarantined; 2 for bad flags.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
 import sys
 import time
 
+from meshrl.configs import cli
 from meshrl.rl.envs.quality import Quarantine, run_gate
 
 
@@ -115,7 +115,7 @@ class CheckpointPolicy:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tasks", nargs="+", required=True)
   parser.add_argument("--json", required=True)
   parser.add_argument("--quarantine", default="")

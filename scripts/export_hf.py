@@ -52,8 +52,11 @@ def _check(args, cfg) -> tuple[str, int, str]:
   from meshrl.model import convert  # pylint: disable=import-outside-toplevel
   from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
   from meshrl.train import init_from  # pylint: disable=import-outside-toplevel
+  convert.check_export_dtype(args.dtype, field="--dtype")
+  if os.path.exists(args.out) and not os.path.isdir(args.out):
+    raise ValueError(f"--out={args.out!r} is a file; give a new or empty folder.")
   if os.path.isdir(args.out) and os.listdir(args.out):
-    raise ValueError(f"--out={args.out!r} exists and is not empty.")
+    raise ValueError(f"--out={args.out!r} exists and is not empty; give a new or empty folder.")
   if not os.path.exists(args.checkpoint):
     raise ValueError(f"--checkpoint={args.checkpoint!r} does not exist.")
   folder = init_from.checkpoint_dir(args.checkpoint)
@@ -108,12 +111,8 @@ def main(argv):
   from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
   from meshrl.sharding import make_mesh  # pylint: disable=import-outside-toplevel
   from meshrl.train import init_from  # pylint: disable=import-outside-toplevel
-  try:
-    folder, step, architecture = _check(args, cfg)
-    mesh = make_mesh(cfg.mesh)
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  folder, step, architecture = _check(args, cfg)  # bad input: one line (cli.run), nothing written
+  mesh = make_mesh(cfg.mesh)
   model = init_from.restore_params(folder, ModelConfig.from_config(cfg, mesh), mesh, step=step)
   written = convert.export_checkpoint(model, cfg, args.out, architecture, dtype=args.dtype)
   if cfg.model.tokenizer != "byte":
@@ -125,4 +124,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(cli.run(main, sys.argv[1:]))

@@ -11,6 +11,7 @@ Routes: /v1/completions, /v1/chat/completions (stream or not), /v1/models, /heal
 """
 
 import os
+import socket
 import sys
 
 from meshrl.configs import cli
@@ -51,21 +52,38 @@ def build(cfg, mesh=None):
   return engine, tokenizer, cfg.serve.model_name or cfg.name
 
 
+def check_address(host: str, port: int) -> None:
+  """ValueError in one line unless `port` is a TCP port (1..65535) that `host` can listen on now (a
+  port out of range was reported as given and listened on modulo 65536; one in use failed only after
+  the model had loaded)."""
+  if not 1 <= port <= 65535:
+    raise ValueError(f"--port={port} must lie in 1..65535.")
+  try:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+      probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      probe.bind((host, port))
+  except OSError as error:
+    raise ValueError(f"--host={host} --port={port}: cannot listen there ({error.strerror or error}); choose "
+                     "another --port (or --host).") from None
+
+
 def main(argv):
   args, cfg = cli.parse(argv, add_flags=_flags, description=__doc__)
   # pylint: disable=import-outside-toplevel
   import uvicorn
 
+  from meshrl.configs import checks
   from meshrl.serve.app import make_app
   from meshrl.sharding import make_mesh
   # pylint: enable=import-outside-toplevel
+  check_address(args.host, args.port)
+  checks.check_sections(cfg, "serve")
   if args.checkpoint:
+    if not os.path.exists(args.checkpoint):
+      raise ValueError(f"--checkpoint={args.checkpoint!r} does not exist.")
     cfg.model.init_from = os.path.abspath(args.checkpoint)
-  try:
-    engine, tokenizer, name = build(cfg, make_mesh(cfg.mesh))
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  engine, tokenizer, name = build(cfg, make_mesh(cfg.mesh))  # bad input: one line (cli.run)
   engine.start()
   print(f"serving {name!r} ({cfg.model.init_from or 'random init'}) on http://{args.host}:{args.port}/v1 "
         f"with {engine.spec.slots} slots, context {engine.spec.max_len}", flush=True)
@@ -78,4 +96,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(cli.run(main, sys.argv[1:]))

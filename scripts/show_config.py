@@ -78,4 +78,4 @@ def print_dispatch_plan(config, mesh) -> None:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(cli.run(main, sys.argv[1:]))

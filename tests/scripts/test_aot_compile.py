@@ -132,7 +132,7 @@ def _script(*args):
                                                                                    "aot_compile.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.main(list(args))
+  return module.cli.run(module.main, list(args))
 
 
 @pytest.mark.slow
@@ -159,6 +159,20 @@ def test_script_rejects_unknown_topology_mismatched_mesh_and_step(aot, capsys):
   assert "4 chips" in err and "fsdp=8" in err
   assert _script("--config=configs/tiny.py", "--topology=v5e:2x2", "--step=update,rollout") == 2
   assert "['rollout']" in capsys.readouterr().err
+  assert _script("--config=configs/tiny.py", "--step=update") == 2
+  assert capsys.readouterr().err == ("error: --topology is needed to compile (e.g. --topology=v5e:2x2); "
+                                     "--count_params alone needs none.\n")
+
+
+def test_count_params_needs_no_topology(capsys):
+  """The README's `aot_compile.py --config=configs/paper_3t.py --count_params` exited 2 (--topology
+  was required even to count)."""
+  from meshrl import configs  # pylint: disable=import-outside-toplevel
+  from meshrl.rl import aot  # pylint: disable=import-outside-toplevel
+  assert _script("--config=configs/paper_3t.py", "--count_params") == 0
+  counts = aot.parameter_counts_of(configs.load("configs/paper_3t.py"))
+  assert capsys.readouterr().out == (f"# configs/paper_3t.py: {counts['total']:.4g} parameters, "
+                                     f"{counts['active_per_token']:.4g} active per token (from shapes)\n")
 
 
 def test_generation_layout_trades_a_reshard_for_gather_free_decode_steps(aot):

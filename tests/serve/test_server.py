@@ -186,7 +186,49 @@ def test_serve_script_exits_2_naming_a_bad_field_or_checkpoint(tmp_path, capsys)
   spec = importlib.util.spec_from_file_location("serve_script", path)
   script = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(script)
-  assert script.main(["--config=configs/tiny.py", "--config.serve.slots=0"]) == 2
-  assert "serve.slots=0" in capsys.readouterr().err
-  assert script.main(["--config=configs/tiny.py", f"--checkpoint={tmp_path / 'missing'}"]) == 2
-  assert "model.init_from" in capsys.readouterr().err
+  import socket  # pylint: disable=import-outside-toplevel
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    cases = {  # each one line; before issue 31, --port=70000 was reported as given and listened on 4464
+        "error: serve.slots=0 must be at least 1.": ["--config.serve.slots=0"],
+        f"error: --checkpoint={str(tmp_path / 'missing')!r} does not exist.": [
+            f"--checkpoint={tmp_path / 'missing'}"],
+        "error: --port=70000 must lie in 1..65535.": ["--port=70000"],
+        "error: --port=0 must lie in 1..65535.": ["--port=0"],
+        f"error: --host=127.0.0.1 --port={busy}: cannot listen there": [f"--port={busy}"],
+        "error: --host=no.such.host.invalid --port=8000: cannot listen there": ["--host=no.such.host.invalid"],
+    }
+    for fragment, argv in cases.items():
+      assert script.cli.run(script.main, ["--config=configs/tiny.py", *argv]) == 2, fragment
+      err = capsys.readouterr().err
+      assert err.startswith(fragment) and err.count("\n") == 1, (fragment, err)
+
+
+def test_serve_script_names_the_intact_step_before_a_damaged_checkpoint(tmp_path, capsys):
+  """The server loading a damaged checkpoint printed a 134-line storage dump and no word of the
+  intact step before it; now one line names both, and nothing is served."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  from meshrl.configs import load  # pylint: disable=import-outside-toplevel
+  from meshrl.model.init import build_model  # pylint: disable=import-outside-toplevel
+  from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
+  from meshrl.train.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from meshrl.train.optim import make_optimizer  # pylint: disable=import-outside-toplevel
+  from meshrl.train.state import create_train_state  # pylint: disable=import-outside-toplevel
+  cfg = load("configs/tiny.py")
+  _, state = create_train_state(build_model(ModelConfig.from_config(cfg)), make_optimizer(cfg.optim))
+  with Checkpointer(str(tmp_path / "checkpoints"), async_save=False) as ckpt:
+    for step in (1, 2):
+      ckpt.save(step, state, config=cfg, force=True)
+  (tmp_path / "checkpoints" / "2" / "state" / "manifest.ocdbt").write_bytes(b"")
+  path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "serve.py")
+  spec = importlib.util.spec_from_file_location("serve_script", path)
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  assert script.cli.run(script.main, ["--config=configs/tiny.py", f"--checkpoint={tmp_path}"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1, err
+  assert f"checkpoint {tmp_path / 'checkpoints' / '2'} is damaged (" in err
+  assert "step 1 before it is intact" in err
