@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 from typing import Any, Callable, NamedTuple
 
@@ -398,6 +399,15 @@ class PhaseCost:
     return out
 
 
+def without_unmeasured(metrics: dict) -> dict:
+  """A step's metrics without the update's measurements when no minibatch was applied (every one
+  empty or non-finite: rl/update.py reports NaN for them): a record holds nothing for what did not
+  run (it had reported entropy=0)."""
+  if metrics.get("updated_minibatches", 1.0) > 0:
+    return metrics
+  return {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
+
+
 def train_steps(run: RLRun, prompts: PromptStream, *, start_step: int = 0, num_steps: int | None = None,
                 hooks: tuple[Hook, ...] = (), writer: MetricsWriter | None = None,
                 checkpoint: Hook | None = None, preemption: Preemption | None = None,
@@ -418,7 +428,7 @@ def train_steps(run: RLRun, prompts: PromptStream, *, start_step: int = 0, num_s
   run.version = start_step  # one policy update per RL step
   try:
     for step in range(start_step + 1, num_steps + 1):
-      metrics = rl_step(run, prompts, jax.random.fold_in(key, step))
+      metrics = without_unmeasured(rl_step(run, prompts, jax.random.fold_in(key, step)))
       if phase_cost is not None:
         metrics.update(phase_cost(metrics))
       metrics["compiles"] = counter.count()

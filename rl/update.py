@@ -121,14 +121,41 @@ def _minibatches(batch: UpdateBatch, key: jax.Array, num: int) -> UpdateBatch:
   return jax.tree.map(lambda x: x[order].reshape((num, size // num) + x.shape[1:]), batch)
 
 
+COUNTS = ("skipped_minibatches", "nonfinite_minibatches", "expert_load")  # over every minibatch
+
+
+def _update_metrics(per_minibatch: dict) -> dict:
+  """[epochs, minibatches] metrics -> the update's: counts (COUNTS) averaged over every minibatch;
+  measurements (loss, entropy, ratios, grad norm ...) over the minibatches that were applied only,
+  NaN when none was (nothing was measured: rl/loop.py leaves such a value out of the record, where
+  a 0 had been reported as an entropy), and `updated_minibatches`, the applied share. The *_first
+  metrics are the first minibatch's of the first epoch (NaN when it was not applied)."""
+  applied = per_minibatch.pop("applied")  # [epochs, minibatches]
+  count = jnp.sum(applied)
+  def measured(m):
+    weights = applied.reshape(applied.shape + (1,) * (m.ndim - 2))
+    return jnp.where(count > 0, jnp.sum(m * weights, axis=(0, 1)) / jnp.maximum(count, 1.0), jnp.nan)
+  metrics = {k: jnp.mean(m, axis=(0, 1)) if k in COUNTS else measured(m) for k, m in per_minibatch.items()}
+  metrics["updated_minibatches"] = jnp.mean(applied)
+  first = {k: jnp.where(applied[0, 0] > 0, m[0, 0], jnp.nan) for k, m in per_minibatch.items()
+           if k in ("ratio_mean", "logprob_diff_max", "clip_frac_low", "clip_frac_high")}
+  metrics["ratio_mean_first"] = first["ratio_mean"]
+  del metrics["logprob_diff_max"]  # a max is only meaningful on-policy, before any step
+  metrics["logprob_diff_max_first"] = first["logprob_diff_max"]
+  metrics["clip_frac_first"] = first["clip_frac_low"] + first["clip_frac_high"]
+  return metrics
+
+
 def make_update(spec: losses.LossSpec, graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
                 batch_size: int, num_minibatches: int = 1, epochs: int = 1,
                 aux_free_bias: bool = False, bias_update_rate: float = 0.0):
   """Returns jitted `update(state, batch: UpdateBatch, key) -> (state, metrics)`; the state is donated.
 
-  metrics: every loss metric averaged over epochs x minibatches, plus `ratio_mean_first` and
-  `clip_frac_first` of the first minibatch of the first epoch (on-policy: ratio 1, nothing clipped,
-  when the rollout's and the update's log-probs agree).
+  metrics: every loss metric averaged over the applied minibatches of epochs x minibatches (NaN
+  when none was applied; `_update_metrics`), `updated_minibatches`, `skipped_minibatches` and
+  `nonfinite_minibatches` (shares of all), plus `ratio_mean_first` and `clip_frac_first` of the
+  first minibatch of the first epoch (on-policy: ratio 1, nothing clipped, when the rollout's and
+  the update's log-probs agree).
 
   Raises ValueError when `num_minibatches` does not divide `batch_size` sequences.
   """
@@ -152,11 +179,12 @@ def make_update(spec: losses.LossSpec, graphdef: nnx.GraphDef, tx: optax.Gradien
     finite = step_is_finite(metrics["loss"], grad_norm)
     params, opt_state = keep_unless(has_tokens & finite, (params, opt_state),
                                     (state.params, state.opt_state))
-    metrics["grad_norm"] = jnp.where(finite, grad_norm, 0.0)
+    applied = has_tokens & finite
+    metrics = {k: v if k == "expert_load" else jnp.where(applied, v, 0.0) for k, v in metrics.items()}
+    metrics["grad_norm"] = jnp.where(applied, grad_norm, 0.0)
+    metrics["applied"] = applied.astype(jnp.float32)
     metrics["skipped_minibatches"] = 1.0 - has_tokens.astype(jnp.float32)
     metrics["nonfinite_minibatches"] = 1.0 - finite.astype(jnp.float32)
-    metrics = {k: v if k in ("nonfinite_minibatches", "expert_load") else jnp.where(finite, v, 0.0)
-               for k, v in metrics.items()}
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   def update(state: TrainState, batch: UpdateBatch, key: jax.Array):
@@ -164,12 +192,7 @@ def make_update(spec: losses.LossSpec, graphdef: nnx.GraphDef, tx: optax.Gradien
       return jax.lax.scan(minibatch_step, state, _minibatches(batch, epoch_key, num_minibatches))
 
     state, per_minibatch = jax.lax.scan(epoch, state, jax.random.split(key, epochs))
-    first = jax.tree.map(lambda m: m[0, 0], per_minibatch)
-    metrics = jax.tree.map(lambda m: jnp.mean(m, axis=(0, 1)), per_minibatch)  # epochs x minibatches
-    metrics["ratio_mean_first"] = first["ratio_mean"]
-    del metrics["logprob_diff_max"]  # a max is only meaningful on-policy, before any step
-    metrics["logprob_diff_max_first"] = first["logprob_diff_max"]
-    metrics["clip_frac_first"] = first["clip_frac_low"] + first["clip_frac_high"]
+    metrics = _update_metrics(per_minibatch)
     if aux_free_bias and "expert_load" in metrics:
       state = state.replace(extra=update_router_bias(state.extra, metrics["expert_load"],
                                                      bias_update_rate))
