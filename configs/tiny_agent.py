@@ -1,7 +1,7 @@
 """The agent demo: a tiny dense model learns a two-step tool episode by GRPO on multi-turn rollouts.
 
 Run it:  python scripts/rl.py --config=configs/tiny_agent.py
-Expect (measured once, 2 shared cores, README "Multi-turn episodes and the agent demo"): held-out greedy
+Expect (measured once, 2 shared cores, docs/benchmarks.md "The multi-turn agent demo"): held-out greedy
 multi-turn success 12.5% after the warm start -> 51.6% after 80 GRPO steps; 3.5-4.5 minutes in all.
 Task (rl/envs/file_tasks.py, "files_copy"): "copy q.txt to f.txt:" with one of 16 words in q.txt that
 the prompt does not show; solved by <cmd>cat q.txt</cmd> -> "owl", <cmd>echo owl > f.txt</cmd>, <done>.

@@ -537,7 +537,7 @@ def compile_steps(cfg, topology: str, steps: Sequence[str], num_slices: int = 1,
 
 
 def markdown_table(reports: Sequence[StepReport]) -> str:
-  """The README's "Will it fit?" table."""
+  """The "Will it fit?" table of docs/benchmarks.md."""
   gib = lambda b: f"{b / 2 ** 30:.1f}"  # noqa: E731
   lines = ["| step | topology | chips | argument GiB | temp GiB | total GiB / chip | HBM GiB | "
            "fits (<= 90%) | model PFLOP | projected s (MFU 40%) |",

@@ -42,7 +42,7 @@ def _add_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--num_slices", type=int, default=1, help="slices joined over DCN")
   parser.add_argument("--step", default="all", help="update, prefill, decode, sft, reshard (rl.generation_layout's one-off cost), routes (routing replay's routes built on the devices), a comma list, or all")
   parser.add_argument("--json", default="", help="write the reports here")
-  parser.add_argument("--markdown", default="", help="write the README table here")
+  parser.add_argument("--markdown", default="", help="write the markdown table (docs/benchmarks.md's) here")
   parser.add_argument("--count_params", action="store_true",
                       help="print total and active parameters (from shapes) and exit")
 

@@ -13,7 +13,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.ab
 @pytest.mark.slow
 def test_killed_and_resumed_run_equals_the_uninterrupted_one(tmp_path):
   """4 SIGKILLs (2 while a checkpoint is written) on a short demo: every kill resumed, metrics and
-  final arrays identical, no corrupt checkpoint. About 8 minutes on 2 cores; the README's figures
+  final arrays identical, no corrupt checkpoint. About 8 minutes on 2 cores; docs/benchmarks.md's figures
   come from the same script with --kills 20."""
   spec = importlib.util.spec_from_file_location("resume_check", SCRIPT)
   module = importlib.util.module_from_spec(spec)

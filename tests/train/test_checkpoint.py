@@ -228,15 +228,15 @@ def test_load_params_onto_one_cpu_device_equals_the_saved_values(saved_sharded):
   assert set(both) == {"params", "extra"}
 
 
-def test_readme_restore_snippet_runs_in_a_fresh_process(saved_sharded, tmp_path):
-  """The README's "Restore a checkpoint" code, run as written (only the path replaced) in a new
-  process, reads exactly the saved parameters onto one CPU device."""
+def test_documented_restore_snippet_runs_in_a_fresh_process(saved_sharded, tmp_path):
+  """docs/real-checkpoints.md's "Restore a checkpoint" code, run as written (only the path replaced)
+  in a new process, reads exactly the saved parameters onto one CPU device."""
   import re  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
   from pathlib import Path  # pylint: disable=import-outside-toplevel
-  readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-  section = readme[readme.index("### Restore a checkpoint"):]
+  guide = (Path(__file__).resolve().parents[2] / "docs" / "real-checkpoints.md").read_text()
+  section = guide[guide.index("## Restore a checkpoint"):]
   code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
   workdir, saved = saved_sharded
   state_dir = workdir / "checkpoints" / "5" / "state"
