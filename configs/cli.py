@@ -81,6 +81,8 @@ def parse(argv: Sequence[str], add_flags: Callable[[argparse.ArgumentParser], No
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     raise SystemExit(2) from None
+  if args.cpu_devices < 0:
+    parser.error(f"--cpu_devices={args.cpu_devices} must be >= 0 (0 = the devices there are)")
   if args.cpu_devices:
     simulate_cpu_devices(args.cpu_devices)
   args.overrides = overrides

@@ -114,11 +114,17 @@ class ArrayRecordSource:
     if not paths:
       raise ValueError(f"{field} names no file.")
     self.paths = paths
+    counts = []
+    for path in paths:  # the reader raises RuntimeError (and more) on a file that is not ArrayRecord
+      try:
+        counts.append(len(grain.sources.ArrayRecordDataSource([path])))
+      except Exception as error:  # pylint: disable=broad-except
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise ValueError(f"{field}={path!r} is not a readable ArrayRecord file ({first}).") from None
     self._source = grain.sources.ArrayRecordDataSource(paths)
     self.bad: list[BadRow] = []
     valid, base = [], 0
-    for path in paths:
-      count = len(grain.sources.ArrayRecordDataSource([path]))
+    for path, count in zip(paths, counts):
       for number in range(count):
         try:
           check_row(json.loads(self._source[base + number]))

@@ -56,7 +56,8 @@ def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = 
   gloo.
 
   Raises:
-    ValueError: a coordinator without the process count and id (or ids out of range).
+    ValueError: a coordinator without the process count and id (or ids out of range), or a process
+      count or id without a coordinator (each process would otherwise run the whole job alone).
   """
   coordinator = coordinator or os.environ.get(COORDINATOR_ENV, "")
   num_processes = num_processes or int(os.environ.get(NUM_PROCESSES_ENV, "0") or 0)
@@ -76,6 +77,10 @@ def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = 
   if os.environ.get(TPU_POD_ENV) == "1":
     jax.distributed.initialize()  # a TPU pod slice: coordinator and ids come from the TPU metadata
     return True
+  if num_processes > 1 or process_id > 0:  # a job described without its coordinator: run alone? no
+    raise ValueError(f"--num_processes={num_processes} / --process_id={process_id} describe a "
+                     "multi-process job but no coordinator was given: add --coordinator=HOST:PORT (or "
+                     f"{COORDINATOR_ENV}); on a Cloud TPU pod slice use scripts/launch_tpu_pod.sh.")
   return False
 
 
