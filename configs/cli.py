@@ -50,6 +50,19 @@ class ArgumentParser(argparse.ArgumentParser):
   def error(self, message: str):
     self.exit(2, f"error: {message} (--help lists the flags)\n")
 
+  def parse_args(self, args=None, namespace=None):
+    """argparse's, and a report file flag (--json, --markdown) that names a folder is refused here,
+    not when the report is written at the end of a long run."""
+    parsed = super().parse_args(args, namespace)
+    for name in OUTPUT_FILE_FLAGS:
+      value = getattr(parsed, name, None)
+      if isinstance(value, str) and value and os.path.isdir(value):
+        self.error(f"--{name}={value!r} is a folder; give the path of the file to write")
+    return parsed
+
+
+OUTPUT_FILE_FLAGS = ("json", "markdown")  # flags that name a report file a script writes
+
 
 def parse(argv: Sequence[str], add_flags: Callable[[argparse.ArgumentParser], None] | None = None,
           default_config: str = "configs/tiny.py", description: str | None = None):

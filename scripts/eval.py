@@ -39,8 +39,6 @@ def main(argv):
     if not os.path.exists(args.checkpoint):
       raise ValueError(f"--checkpoint={args.checkpoint!r} does not exist.")
     cfg.model.init_from = os.path.abspath(args.checkpoint)
-  if args.json and os.path.isdir(args.json):
-    raise ValueError(f"--json={args.json!r} is a folder; give the path of the JSON file to write.")
   check_initial_model(cfg)
   mesh = make_mesh(cfg.mesh)
   source = train_source(cfg)

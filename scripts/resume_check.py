@@ -151,8 +151,6 @@ def check_inputs(args, overrides) -> None:
   if os.path.isdir(workdir) and os.listdir(workdir) and not os.path.exists(os.path.join(workdir, MARKER)):
     raise ValueError(f"--workdir={workdir!r} holds files this script did not make; give a new or empty "
                      "folder (it is emptied and reused on every run).")
-  if os.path.isdir(os.path.abspath(args.json)):
-    raise ValueError(f"--json={args.json!r} is a folder; give the path of the JSON file to write.")
 
 
 def fresh_scratch(workdir: str) -> None:

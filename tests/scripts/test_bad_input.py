@@ -104,6 +104,9 @@ def _cases():
       ("resume_check", ["--json", "{folder}/r.json", "--workdir", "{full}"], "holds files this script did not make"),
       ("env_qa", ["--tasks", "{folder}/missing", "--json", "{folder}/qa.json"], "--tasks '{folder}/missing': no such directory"),
       ("env_qa", ["--tasks", "{a_dir}", "--json", "{folder}/qa.json", "--k", "0"], "--k, --workers and --samples must be >= 1"),
+      ("aot_compile", [TINY, "--topology=v5e:2x2", "--json={a_dir}"], "--json='{a_dir}' is a folder"),
+      ("resume_check", ["--json", "{a_dir}", "--workdir", "{folder}/scratch"], "--json='{a_dir}' is a folder"),
+      ("env_qa", ["--tasks", "{a_dir}", "--json", "{a_dir}"], "--json='{a_dir}' is a folder"),
       ("make_terminal_tasks", ["--out", "{full}"], "is not empty; give a new or empty folder"),
       ("make_terminal_tasks", ["--out", "{folder}/tasks", "--per-family", "0"], "--per-family=0 must be >= 1"),
   ]
