@@ -73,6 +73,7 @@ def _cases():
       rl("--config.model.init_from={folder}/missing") + ("model.init_from='{folder}/missing' does not exist",),
       rl("--config.data.tasks=nosuchtask:1.0") + ("'nosuchtask' is unknown; choose from",),
       rl("--config.rl.rewards=nosuch:1.0") + ("'nosuch' is unknown; choose from",),
+      rl("--config.rl.rewards=answer:-1") + ("rl.rewards='answer:-1': weight -1.0 of 'answer' must be positive",),
       # the command line itself
       rl("--cpu_devices=-2") + ("--cpu_devices=-2 must be >= 0",),
       rl("--num_processes=2") + ("--num_processes=2 / --process_id=-1 describe a multi-process job but no coordinator",),
