@@ -19,15 +19,16 @@ from typing import Callable, Sequence
 from meshrl.rl.envs.base import SingleTurnEnv
 from meshrl.rl.envs.episode import Budget, Episode, Generate, run_episode
 from meshrl.rl.envs.scheduler import EnvFailure, JobResult, Scheduler
-from meshrl.rl.envs.terminal import ShellRunner, TaskError, TerminalEnv
+from meshrl.rl.envs.terminal import TaskError, TerminalEnv
+from meshrl.rl.sandbox import SandboxUnavailable, SessionPool, SessionStartError
 
 TERMINAL = "terminal"
 
 
-def env_for(example: dict, runner: ShellRunner | None = None):
+def env_for(example: dict, sessions: SessionPool | None = None):
   """The environment of an example: TerminalEnv for verifier "terminal", else SingleTurnEnv."""
   if example.get("verifier") == TERMINAL:
-    return TerminalEnv(runner, call_timeout_s=float(example.get("timeout_s", 10.0)))
+    return TerminalEnv(sessions, call_timeout_s=float(example.get("timeout_s", 10.0)))
   from meshrl.rl.rewards import answer_reward  # pylint: disable=import-outside-toplevel
   return SingleTurnEnv(answer_reward)
 
@@ -40,17 +41,17 @@ def budget_for(example: dict, base: Budget) -> Budget:
 
 
 def run_batch(examples: Sequence[dict], generate: Generate, *, scheduler: Scheduler,
-              budget: Budget = Budget(), runner: ShellRunner | None = None,
+              budget: Budget = Budget(), sessions: SessionPool | None = None,
               make_env: Callable[[dict], object] | None = None) -> list[JobResult]:
   """One episode per example, dispatched by `scheduler` (domains = the examples' "domain");
   JobResult.value is the Episode, or None with `failure` set when the environment kept failing."""
-  make_env = make_env or (lambda example: env_for(example, runner))
+  make_env = make_env or (lambda example: env_for(example, sessions))
 
   def one(example: dict) -> Episode:
     try:
       env = make_env(example)
       episode = run_episode(env, example, generate, budget_for(example, budget))
-    except TaskError as error:
+    except (TaskError, SandboxUnavailable, SessionStartError) as error:
       raise EnvFailure(f"task {example.get('task_id')}: {error}") from None
     if episode.env_failure:
       raise EnvFailure(episode.env_failure)

@@ -174,12 +174,12 @@ def inspect_task(task: TerminalTask, runner: ShellRunner, *, k: int = 3, repeats
   return Verdict(task.id, tuple(reasons), time.monotonic() - started)
 
 
-def curriculum_flag(task: TerminalTask, policy: Callable, *, samples: int, runner: ShellRunner,
+def curriculum_flag(task: TerminalTask, policy: Callable, *, samples: int,
                     budget: Budget | None = None) -> tuple[str | None, str | None]:
   """(flag, env failure) from `samples` policy episodes: "always_solved", "never_solved" or None."""
   solved = 0
   for _ in range(samples):
-    env = TerminalEnv(runner)
+    env = TerminalEnv()
     episode = run_episode(env, task, policy, budget or Budget(max_turns=task.max_turns))
     if episode.env_failure:
       return None, episode.env_failure
@@ -206,7 +206,7 @@ def run_gate(paths: Sequence[str], *, k: int = 3, repeats: int = 5, workers: int
     verdict = inspect_task(task, runner, k=k, repeats=repeats)
     flag = None
     if policy is not None and not verdict.reasons:
-      flag, failure = curriculum_flag(task, policy, samples=samples, runner=runner)
+      flag, failure = curriculum_flag(task, policy, samples=samples)
       if failure:
         return dataclasses.replace(verdict, reasons=(f"environment failure in a policy episode: "
                                                      f"{failure}",))

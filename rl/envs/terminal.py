@@ -11,11 +11,16 @@ A task is a directory anyone can write:
 `load_task(dir)` raises TaskError with the reason a directory is broken; `load_tasks(paths)` returns
 the good tasks and {folder name: reason} for the broken ones, never raising for one bad directory.
 
-Each episode has its own work directory, kept across turns as a `WorkState` (files, modes, links).
-Every command runs in a fresh bubblewrap sandbox (rl/sandbox) that gets the state, runs the command
-with bash in /work under the per-call timeout (terminal_harness.py) and hands back the new state:
-files persist between turns, processes and the current directory do not. check.sh and oracle.sh are
-never in the work directory, so the policy cannot read or change them.
+Each episode runs in one persistent sandbox session (rl/sandbox/session.py): the task's setup/ is
+written into /work, every command runs in the session's shell under the per-call timeout, so files,
+the current directory, variables and background processes persist between turns (a task may say
+"start the service, then query it"); at the end check.sh runs in the same session, beside the shell,
+its verdict taken where the policy cannot forge it, and the session is closed (`TerminalEnv.close()`
+also ends it, e.g. when an episode is abandoned). check.sh and oracle.sh are never in the work
+directory, so the policy cannot read them.
+
+`ShellRunner` runs `Step`s over a `WorkState` in one fresh one-shot sandbox per call (the quality
+gate's repeated oracle and check runs, rl/envs/quality.py).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Sequence
 from meshrl.rl.envs.base import StepResult, parse_action
 from meshrl.rl.sandbox import Limits, Sandbox
 from meshrl.rl.sandbox import result as sandbox_result
+from meshrl.rl.sandbox.session import SESSION_ENDED, CommandResult, Session, SessionPool, SessionSpec
 
 _HARNESS = (pathlib.Path(__file__).parent / "terminal_harness.py").read_text()
 TASK_FIELDS = {"id": str, "domain": str, "prompt": str, "max_turns": int, "timeout_s": (int, float)}
@@ -333,61 +339,126 @@ def default_runner() -> ShellRunner:
   return _DEFAULT_RUNNER
 
 
-# --- the environment --------------------------------------------------------------------------
+# --- the environment ---------------------------------------------------------------------------
+
+# Per-process and per-session limits of an episode's session (per-command timeouts come per call).
+EPISODE_LIMITS = Limits(timeout_s=10.0, cpu_s=60.0, memory_mb=1024, max_processes=64, disk_mb=256,
+                        max_files=20000, max_output_bytes=64 << 10)
+# A session that ends for one of these did so because of what the policy ran (reward 0, not an
+# environment failure); any other end (sandbox_error: ...) is the environment's.
+POLICY_SESSION_ENDS = ("session_timeout", "file_count_limit", "output_limit", "shell_failed")
+_DEFAULT_SESSIONS: SessionPool | None = None
+_DEFAULT_LOCK = threading.Lock()
 
 
-def observation_text(outcome: StepOutcome, cap: int) -> tuple[str, bool]:
+def default_sessions() -> SessionPool:
+  """The process-wide pool of warm episode sessions (EPISODE_LIMITS, work dir /work)."""
+  global _DEFAULT_SESSIONS  # pylint: disable=global-statement
+  with _DEFAULT_LOCK:
+    if _DEFAULT_SESSIONS is None:
+      _DEFAULT_SESSIONS = SessionPool(SessionSpec(EPISODE_LIMITS), warm=2)
+    return _DEFAULT_SESSIONS
+
+
+def observation_text(outcome: StepOutcome | CommandResult, cap: int) -> tuple[str, bool]:
   """(what the policy sees of a command, whether its output was UTF-8); long output keeps its head
   and tail."""
+  output = outcome.output if isinstance(outcome, StepOutcome) else outcome.stdout + outcome.stderr
   try:
-    text, valid = outcome.output.decode("utf-8"), True
+    text, valid = output.decode("utf-8"), True
   except UnicodeDecodeError:
-    text, valid = outcome.output.decode("utf-8", errors="replace"), False
+    text, valid = output.decode("utf-8", errors="replace"), False
   if len(text) > cap:
     text = text[:cap // 2] + "\n...\n" + text[-cap // 2:]
-  if outcome.truncated:
+  truncated = outcome.truncated if isinstance(outcome, StepOutcome) else (
+      outcome.stdout_truncated or outcome.stderr_truncated)
+  if truncated:
     text += "\n[output truncated]"
-  return f"{text}[{outcome.describe()}]", valid
+  note = ""
+  if isinstance(outcome, CommandResult) and outcome.shell_restarted:
+    note = "; the shell was restarted in the work directory"
+  return f"{text}[{outcome.describe()}{note}]", valid
+
+
+def session_end(result: CommandResult) -> tuple[str | None, str | None]:
+  """(policy end, environment failure) of a command whose session ended (both None if it lives)."""
+  reason = result.killed_reason or ""
+  if not reason.startswith(SESSION_ENDED):
+    return None, None
+  why = reason[len(SESSION_ENDED) + 2:]
+  return (why, None) if why in POLICY_SESSION_ENDS else (None, f"sandbox session: {why}")
+
+
+def session_timeout_s(max_turns: int, call_timeout_s: float, check_timeout_s: float) -> float:
+  """Wall clock of an episode's session: every turn at its timeout, the check, and slack."""
+  return max_turns * (call_timeout_s + 2.0) + check_timeout_s + 30.0
 
 
 class TerminalEnv:
-  """A terminal task as an environment: tool calls run in the episode's own work directory; `<done>`,
-  or the task's max_turns, runs check.sh (reward 1 solved, 0 not; a checker error is an env failure).
+  """A terminal task as an environment: tool calls run in the episode's persistent session; `<done>`,
+  or the task's max_turns, runs check.sh there (reward 1 solved, 0 not; a checker error is an env
+  failure) and ends the session.
 
   Args:
-    runner: the sandbox runner (default: a shared one).
+    sessions: where sessions come from (default: `default_sessions()`).
     call_timeout_s: seconds one command may run (capped by the task's timeout_s).
     observation_chars: most characters of a command's output shown to the policy.
   """
 
-  def __init__(self, runner: ShellRunner | None = None, *, call_timeout_s: float = 10.0,
+  def __init__(self, sessions: SessionPool | None = None, *, call_timeout_s: float = 10.0,
                observation_chars: int = 2000):
-    self.runner = runner or default_runner()
+    self.sessions = sessions
     self.call_timeout_s, self.observation_chars = float(call_timeout_s), int(observation_chars)
     self.task: TerminalTask | None = None
-    self.state, self.turns, self.invalid_utf8 = WorkState(), 0, 0
+    self.session: Session | None = None
+    self.turns, self.invalid_utf8 = 0, 0
 
   def reset(self, task) -> str:
-    """`task`: a TerminalTask, or a mixture example with "task_dir" (TaskError if it is broken)."""
+    """`task`: a TerminalTask, or a mixture example with "task_dir" (TaskError if it is broken).
+    Starts the episode's session (an environment failure raises RuntimeError/SandboxUnavailable)."""
     if isinstance(task, dict):
       task = load_task(task["task_dir"])
     if not isinstance(task, TerminalTask):
       raise ValueError(f"TerminalEnv.reset takes a TerminalTask or an example with 'task_dir', "
                        f"got {type(task).__name__}.")
-    self.task, self.state, self.turns, self.invalid_utf8 = task, task.setup, 0, 0
+    self.close()
+    pool = self.sessions or default_sessions()
+    timeout = min(self.call_timeout_s, task.timeout_s)
+    self.session = pool.acquire(session_timeout_s=session_timeout_s(task.max_turns, timeout,
+                                                                    task.timeout_s))
+    try:
+      self.session.write_entries(task.setup.entries)
+    except BaseException:
+      self.close()
+      raise
+    self.task, self.turns, self.invalid_utf8 = task, 0, 0
     return task.prompt
 
+  def close(self) -> None:
+    """Ends the episode's session (every process and file of it); safe to call twice."""
+    if self.session is not None:
+      self.session.close()
+      self.session = None
+
+  def _finish(self, reward: float, info: dict) -> StepResult:
+    self.task = None
+    self.close()
+    return StepResult("", reward, True, {"turns": self.turns, "invalid_utf8_outputs": self.invalid_utf8,
+                                         **info})
+
   def _check(self) -> StepResult:
-    task, self.task = self.task, None
-    report = self.runner.run([Step(task.check, task.timeout_s)], self.state, snapshot=False)
-    info = {"turns": self.turns, "invalid_utf8_outputs": self.invalid_utf8}
-    failure = report.env_failure or report.unreadable
-    if failure is None and report.steps[0].check_status == "error":
-      failure = f"check.sh: {report.steps[0].describe()}"
+    task = self.task
+    result = self.session.check(["bash", "-c", task.check, "check.sh"], timeout_s=task.timeout_s)
+    ended, failure = session_end(result)
+    if ended is not None:
+      return self._finish(0.0, {"solved": False, "session_ended": ended})
+    if failure is None and (result.timed_out or result.exit_code is None
+                            or result.exit_code in CHECK_ERROR_EXITS):
+      failure = f"check.sh: {result.describe()}"
     if failure is not None:
-      return StepResult("", 0.0, True, {**info, "env_failure": failure, "task_id": task.id})
-    solved = report.steps[0].check_status == "pass"
-    return StepResult("", 1.0 if solved else 0.0, True, {**info, "solved": solved})
+      return self._finish(0.0, {"env_failure": failure, "task_id": task.id})
+    solved = result.exit_code == 0
+    return self._finish(1.0 if solved else 0.0, {"solved": solved})
 
   def step(self, action_text: str) -> StepResult:
     if self.task is None:
@@ -400,18 +471,15 @@ class TerminalEnv:
       result = StepResult(f"error: {action.error}", 0.0, False, {"error": action.error})
     else:
       timeout = min(self.call_timeout_s, self.task.timeout_s)
-      report = self.runner.run([Step(action.command, timeout)], self.state)
-      if report.env_failure:
-        self.task = None
-        return StepResult("", 0.0, True, {"env_failure": report.env_failure})
-      if report.unreadable:  # the command broke the harness: the policy's doing, state unchanged
-        result = StepResult(f"error: the command's result could not be read ({report.unreadable:.200})",
-                            0.0, False, {"command_error": report.unreadable})
-      else:
-        self.state = report.state
-        text, valid = observation_text(report.steps[0], self.observation_chars)
-        self.invalid_utf8 += not valid
-        result = StepResult(text, 0.0, False, {})
+      outcome = self.session.run(action.command, timeout_s=timeout)
+      ended, failure = session_end(outcome)
+      if failure is not None:
+        return self._finish(0.0, {"env_failure": failure, "task_id": self.task.id})
+      if ended is not None:  # the policy's doing: the episode ends unsolved
+        return self._finish(0.0, {"solved": False, "session_ended": ended})
+      text, valid = observation_text(outcome, self.observation_chars)
+      self.invalid_utf8 += not valid
+      result = StepResult(text, 0.0, False, {})
     if self.turns >= self.task.max_turns:
       return self._check()
     return result
@@ -419,13 +487,16 @@ class TerminalEnv:
 
 def terminal_reward(completion: str, example: dict) -> float:
   """The one-step episode as a reward `(completion, example) -> float`, for the single-turn loop:
-  runs the completion's tool call (if any) in the task's work directory, then check.sh. Raises on an
+  runs the completion's tool call (if any) in the task's session, then check.sh. Raises on an
   environment failure, which the reward pool counts as an error, not as a wrong answer."""
   env = TerminalEnv()
-  env.reset(example)
-  result = env.step(completion)
-  if not result.done:
-    result = env.step("<done>")
+  try:
+    env.reset(example)
+    result = env.step(completion)
+    if not result.done:
+      result = env.step("<done>")
+  finally:
+    env.close()
   if result.info.get("env_failure"):
     raise RuntimeError(f"terminal task {example.get('task_id')}: {result.info['env_failure']}")
   return result.reward

@@ -64,6 +64,10 @@ MAX_COMMAND_BYTES = 128 << 10  # the shell reads its input a byte at a time
 SESSION_ENDED = "session_ended"  # "session_ended: <why>": every later call reads the same
 
 
+class SessionStartError(RuntimeError):
+  """A session that could not be started (an environment failure, never the policy's)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class CommandResult:
   """What one command (or check) of a session did.
@@ -184,13 +188,16 @@ class Session:
   @classmethod
   def launch(cls, spec: SessionSpec, *, env: Mapping[str, str] | None = None) -> "Session":
     """Starts a session whose wall clock is not yet running (`begin` starts it); raises
-    SandboxUnavailable where bubblewrap cannot run, RuntimeError if it does not come up."""
+    SandboxUnavailable where bubblewrap cannot run, SessionStartError if it does not come up."""
     runtime = spec.runtime or Runtime.host()
     bwrap = check_bwrap(runtime, uid=UID_BASE if os.geteuid() == 0 else None)
     argv = bwrap_argv(runtime, disk_mb=spec.limits.disk_mb, work=spec.work,
                       extra_writable=tuple(spec.extra_writable))
     argv[0] = bwrap
-    session = _SPAWNER.call(lambda: cls._popen(spec, argv, runtime))
+    try:
+      session = _SPAWNER.call(lambda: cls._popen(spec, argv, runtime))
+    except (OSError, RuntimeError) as error:  # bwrap not startable, every sandbox uid in use
+      raise SessionStartError(f"a sandbox session did not start: {error}") from None
     limits = spec.limits
     rlimits = [(n, s + 1, h + 1) if n == "RLIMIT_NPROC" else (n, s, h)  # +1: the shell
                for n, s, h in limits.rlimits()]
@@ -204,7 +211,7 @@ class Session:
     reply = session._receive(None, time.monotonic() + START_TIMEOUT_S)
     if not (isinstance(reply, dict) and reply.get("ready") is True):
       session._kill(f"sandbox_error: the session did not start ({reply!r:.200})")
-      raise RuntimeError(f"a sandbox session did not start: {session.ended}")
+      raise SessionStartError(f"a sandbox session did not start: {session.ended}")
     return session
 
   @classmethod
@@ -242,7 +249,9 @@ class Session:
     """Starts the session's wall clock (`session_timeout_s`) and exports `env` into its shell."""
     if not (isinstance(session_timeout_s, (int, float)) and 0 < session_timeout_s < float("inf")):
       raise ValueError(f"session_timeout_s={session_timeout_s!r} must be a positive number.")
-    self._call({"op": "start", "timeout_s": float(session_timeout_s)}, START_TIMEOUT_S)
+    reply = self._call({"op": "start", "timeout_s": float(session_timeout_s)}, START_TIMEOUT_S)
+    if reply is None or "fatal" in reply:
+      raise SessionStartError(f"a sandbox session did not start: {self.ended}")
     if env:
       self.set_env(env)
 
