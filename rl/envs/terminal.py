@@ -35,7 +35,9 @@ import stat
 import threading
 from typing import Sequence
 
-from meshrl.rl.envs.base import StepResult, parse_action
+from meshrl.model.tool_calls import plain_tool_results
+from meshrl.rl.envs.base import DONE, StepResult, parse_action
+from meshrl.rl.envs.tools import Toolbox
 from meshrl.rl.sandbox import Limits, Sandbox
 from meshrl.rl.sandbox import result as sandbox_result
 from meshrl.rl.sandbox.session import SESSION_ENDED, CommandResult, Session, SessionPool, SessionSpec
@@ -395,19 +397,25 @@ def session_timeout_s(max_turns: int, call_timeout_s: float, check_timeout_s: fl
 
 
 class TerminalEnv:
-  """A terminal task as an environment: tool calls run in the episode's persistent session; `<done>`,
-  or the task's max_turns, runs check.sh there (reward 1 solved, 0 not; a checker error is an env
-  failure) and ends the session.
+  """A terminal task as an environment: actions run in the episode's persistent session; `<done>`
+  (or a `submit` call), or the task's max_turns, runs check.sh there (reward 1 solved, 0 not; a
+  checker error is an env failure) and ends the session.
+
+  Actions are `<cmd>...</cmd>` turns (base.parse_action), or with a `toolbox` (rl/envs/tools.py)
+  JSON tool calls: `env.tools` are the schemas to render into the prompt, each observation is the
+  plain rendering of the turn's tool results and `info["tool_messages"]` the results themselves, for
+  a loop that renders them with the tokenizer's chat template (Toolbox.observation).
 
   Args:
     sessions: where sessions come from (default: `default_sessions()`).
     call_timeout_s: seconds one command may run (capped by the task's timeout_s).
     observation_chars: most characters of a command's output shown to the policy.
+    toolbox: tool-call actions instead of `<cmd>` (e.g. Toolbox.standard()).
   """
 
   def __init__(self, sessions: SessionPool | None = None, *, call_timeout_s: float = 10.0,
-               observation_chars: int = 2000):
-    self.sessions = sessions
+               observation_chars: int = 2000, toolbox: Toolbox | None = None):
+    self.sessions, self.toolbox = sessions, toolbox
     self.call_timeout_s, self.observation_chars = float(call_timeout_s), int(observation_chars)
     self.task: TerminalTask | None = None
     self.session: Session | None = None
@@ -460,9 +468,40 @@ class TerminalEnv:
     solved = result.exit_code == 0
     return self._finish(1.0 if solved else 0.0, {"solved": solved})
 
+  @property
+  def tools(self) -> list[dict]:
+    """The tool schemas to offer the policy ([] for `<cmd>` actions)."""
+    return self.toolbox.schemas() if self.toolbox is not None else []
+
+  def _tool_step(self, action_text) -> StepResult:
+    timeout = min(self.call_timeout_s, self.task.timeout_s)
+    outcome = self.toolbox.step(action_text, self.session, timeout_s=timeout, turn=self.turns)
+    if not self.session.alive:
+      ended, failure = session_end(CommandResult(None, b"", b"", False, False, False,
+                                                 f"{SESSION_ENDED}: {self.session.ended}", 0.0))
+      if failure is not None:
+        return self._finish(0.0, {"env_failure": failure, "task_id": self.task.id})
+      return self._finish(0.0, {"solved": False, "session_ended": ended})
+    info = {"tool_messages": outcome.messages, "tool_errors": outcome.errors}
+    if outcome.errors and outcome.errors >= outcome.calls:  # nothing usable: a malformed turn
+      info["error"] = outcome.messages[0]["content"]
+    if outcome.submitted:
+      result = self._check()
+      result.info.update(info, answer=outcome.answer)
+      return result
+    return StepResult(plain_tool_results(outcome.messages), 0.0, False, info)
+
   def step(self, action_text: str) -> StepResult:
     if self.task is None:
       raise RuntimeError("step() before reset() or after the episode ended.")
+    if self.toolbox is not None:
+      self.turns += 1
+      if action_text == DONE:  # the episode driver ends a turn-limited episode this way
+        return self._check()
+      result = self._tool_step(action_text)
+      if not result.done and self.turns >= self.task.max_turns:
+        return self._check()
+      return result
     action = parse_action(action_text)
     self.turns += 1
     if action.kind == "done":

@@ -363,23 +363,24 @@ class Session:
                           "timeout": timeout}, timeout + ESCALATION_S)
       return self._result(reply, time.monotonic() - started)
 
-  def write_files(self, files: Mapping[str, str | bytes]) -> None:
-    """Writes files (paths relative to the work directory, or absolute inside a writable mount);
-    ValueError for a bad path, RuntimeError naming the files that could not be written."""
+  def write_files(self, files: Mapping[str, str | bytes], *, relative_to: str = "work") -> None:
+    """Writes files (absolute paths inside a writable mount, or relative to the work directory, or
+    with relative_to="shell" to the shell's current directory); ValueError for a bad path, OSError
+    naming the files the sandbox could not write, RuntimeError if the session has ended."""
+    if relative_to not in ("work", "shell"):
+      raise ValueError(f"relative_to={relative_to!r}: choose 'work' or 'shell'.")
     with self._lock:
-      failure = self._write(_entries(files))
-    if failure is not None:
-      raise RuntimeError(f"writing files into the session: {failure.killed_reason}")
+      failure = self._write(_entries(files, strict=relative_to == "work"), base=relative_to)
+    _raise_write(failure)
 
   def write_entries(self, entries: Sequence[tuple[str, str, int, object]]) -> None:
     """Writes (relative path, "d"/"f"/"l", mode, bytes or link target) entries (a WorkState's)."""
     with self._lock:
       failure = self._write([(p, k, int(m), d) for p, k, m, d in entries])
-    if failure is not None:
-      raise RuntimeError(f"writing files into the session: {failure.killed_reason}")
+    _raise_write(failure)
 
-  def _write(self, entries) -> CommandResult | None:
-    reply = self._call({"op": "write", "entries": entries}, 30.0)
+  def _write(self, entries, base: str = "work") -> CommandResult | None:
+    reply = self._call({"op": "write", "entries": entries, "base": base}, 30.0)
     if reply is None or "fatal" in reply:
       return _ended(self.ended or "closed")
     if reply.get("errors"):
@@ -454,6 +455,14 @@ class Session:
     self.close()
 
 
+def _raise_write(failure: CommandResult | None) -> None:
+  if failure is None:
+    return
+  if failure.killed_reason.startswith(res.SETUP_ERROR):
+    raise OSError(failure.killed_reason[len(res.SETUP_ERROR) + 2:])
+  raise RuntimeError(f"writing files into the session: {failure.killed_reason}")
+
+
 class _Handle:
   """The host's hold on a session's sandbox: bwrap's process, the pipes, the leased uid."""
 
@@ -492,14 +501,18 @@ class _Handle:
     self.uid = None
 
 
-def _entries(files: Mapping[str, str | bytes]) -> list[tuple[str, str, int, bytes]]:
+def _entries(files: Mapping[str, str | bytes], *, strict: bool = True) -> list[tuple[str, str, int, bytes]]:
+  """[(path, "f", 0o644, bytes)]; `strict`: paths must be normalised, without '..' (setup files);
+  otherwise any non-empty path without NUL (a tool call's, resolved in the sandbox)."""
   if not isinstance(files, Mapping):
     raise ValueError(f"files must be a mapping of path -> str or bytes, got {type(files).__name__}.")
   entries = []
   for path, data in files.items():
-    if not isinstance(path, str) or not path or "\0" in path or posixpath.normpath(path) != path.rstrip("/") \
-        or path.startswith("../") or path == "..":
-      raise ValueError(f"files path {path!r} must be a normalised path without '..' or NUL.")
+    if not isinstance(path, str) or not path or "\0" in path:
+      raise ValueError(f"files path {path!r} must be a non-empty string without NUL.")
+    if strict and (posixpath.normpath(path) != path.rstrip("/") or path.startswith("../")
+                   or path == ".."):
+      raise ValueError(f"files path {path!r} must be a normalised path without '..'.")
     if isinstance(data, str):
       data = data.encode()
     if not isinstance(data, (bytes, bytearray)):

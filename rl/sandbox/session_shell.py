@@ -22,7 +22,8 @@ Ops (each answered by one line with the same "id"):
          its exit status from waitpid here (nothing in the sandbox can forge it), its own timeout
          (the process group, then everything it started, is killed), RLIMIT_NPROC raised by
          CHECK_PROCESS_RESERVE so processes left by the policy cannot keep it from starting.
-  write  files and folders into the sandbox's writable mounts (paths relative to the work dir).
+  write  files and folders into the sandbox's writable mounts (relative paths from the work dir, or
+         with "base": "shell" from the shell's current directory).
   read   the first max_bytes of a file (relative to the shell's current directory).
   env    exports variables in the shell, and into the environment of later shells and checks.
   start  arms the session's wall clock (a warm session is started before its episode is known).
@@ -455,10 +456,17 @@ class Supervisor:
   def _path(self, path, base):
     return path if path.startswith("/") else os.path.join(base, path)
 
+  def _shell_cwd(self):
+    try:
+      return os.readlink("/proc/%d/cwd" % self.shell)
+    except OSError:
+      return self.workdir
+
   def write(self, request):
     errors = []
+    base = self._shell_cwd() if request.get("base") == "shell" else self.workdir
     for path, kind, mode, data in request["entries"]:
-      full = self._path(path, self.workdir)
+      full = self._path(path, base)
       try:
         os.makedirs(os.path.dirname(full), exist_ok=True)
         if kind == "d":
@@ -478,11 +486,7 @@ class Supervisor:
     return {"errors": errors}
 
   def read(self, request):
-    try:
-      cwd = os.readlink("/proc/%d/cwd" % self.shell)
-    except OSError:
-      cwd = self.workdir
-    full = self._path(request["path"], cwd)
+    full = self._path(request["path"], self._shell_cwd())
     try:
       fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK)
       try:
