@@ -3,7 +3,8 @@
   report = run_gate(["tasks/"], k=3, repeats=5)      # scripts/env_qa.py
   -> {"tasks": n, "quarantined": [ids], "reasons": {id: reason}, "curriculum": {id: flag}, ...}
 
-Per task (terminal directory format, rl/envs/terminal.py), in one sandbox run:
+Per task (terminal directory format, rl/envs/terminal.py), in one sandbox run (Terminal-Bench task
+directories, rl/envs/tbench.py, get the same checks in sandbox sessions: `inspect_tbench_task`):
   - the oracle, each time in a fresh work directory, must make check.sh pass k out of k times, and
     must itself exit 0;
   - check.sh on the work directory as set up (the empty solution) must fail;
@@ -187,10 +188,23 @@ def curriculum_flag(task: TerminalTask, policy: Callable, *, samples: int,
   return ("never_solved" if solved == 0 else "always_solved" if solved == samples else None), None
 
 
+def inspect_tbench_task(task, *, k: int, repeats: int, runtime: str) -> Verdict:
+  """The gate on one Terminal-Bench task (rl/envs/tbench.py `gate_task`, in sandbox sessions)."""
+  from meshrl.rl.envs import tbench  # pylint: disable=import-outside-toplevel
+  started = time.monotonic()
+  try:
+    task = task.with_runtime(tbench.resolve_runtime(task.environment.runtime, runtime))
+    reasons = tbench.gate_task(task, k=k, repeats=repeats)
+  except (ValueError, RuntimeError, OSError) as error:  # a runtime that cannot be had, a sandbox
+    reasons = [f"could not be checked: {error}"]
+  return Verdict(task.id, tuple(reasons), time.monotonic() - started)
+
+
 def run_gate(paths: Sequence[str], *, k: int = 3, repeats: int = 5, workers: int = 2,
              runner: ShellRunner | None = None, policy: Callable | None = None, samples: int = 4,
-             quarantine: Quarantine | None = None) -> dict:
-  """The gate over every task directory under `paths` (see the module docstring).
+             quarantine: Quarantine | None = None, runtime: str = "build") -> dict:
+  """The gate over every task directory under `paths` (see the module docstring); Terminal-Bench
+  task directories get their runtimes by `runtime` ("build" or "host", rl/envs/tbench.py).
 
   Returns {"tasks": n, "quarantined": [ids or folder names], "reasons": {id: reason},
   "curriculum": {id: flag}, "seconds": {id: s}}; quarantined ids are also added to `quarantine`.
@@ -203,7 +217,13 @@ def run_gate(paths: Sequence[str], *, k: int = 3, repeats: int = 5, workers: int
   seconds, curriculum = {}, {}
 
   def one(task):
-    verdict = inspect_task(task, runner, k=k, repeats=repeats)
+    if isinstance(task, TerminalTask):
+      verdict = inspect_task(task, runner, k=k, repeats=repeats)
+    else:
+      verdict = inspect_tbench_task(task, k=k, repeats=repeats, runtime=runtime)
+      if not verdict.reasons:
+        from meshrl.rl.envs import tbench  # pylint: disable=import-outside-toplevel
+        task = task.with_runtime(tbench.resolve_runtime(task.environment.runtime, runtime))
     flag = None
     if policy is not None and not verdict.reasons:
       flag, failure = curriculum_flag(task, policy, samples=samples)

@@ -4,9 +4,11 @@ One JSON object per line (JSONL: no new dependency, and an error can name the li
   {"name": "arith_easy", "source": "generator:arithmetic", "reward": "numeric", "weight": 2.0,
    "priority": 1, "quota": 0.1, "timeout_s": 10, "max_turns": 1, "difficulty": 1}
 Required: name, source, reward, weight. Optional: priority (0), quota (0: none; least share of every
-batch), timeout_s (30), max_turns (1), difficulty (1; generators only). Unknown fields are errors.
+batch), timeout_s (30), max_turns (1), difficulty (1; generators only), runtime ("build" or "host":
+how Terminal-Bench task directories get their runtime, rl/envs/tbench.py). Unknown fields are errors.
   source  "generator:<family>" (rl/envs/mixture.py DOMAINS), "jsonl:<path>" or "tasks:<dir>" (terminal
-          task directories, rl/envs/terminal.py); paths relative to the domain file
+          task directories, rl/envs/terminal.py, and Terminal-Bench task directories, run as
+          multi-turn terminal tasks); paths relative to the domain file
   reward  a verifier name (rl.rewards VERIFIERS) stamped on every example as its "verifier"; task
           directories take "terminal" (check.sh after the episode)
 
@@ -37,7 +39,8 @@ from meshrl.rl.envs.terminal import load_tasks
 TERMINAL_REWARD = "terminal"
 REQUIRED = {"name": str, "source": str, "reward": str, "weight": (int, float)}
 OPTIONAL = {"priority": (int, 0), "quota": ((int, float), 0.0), "timeout_s": ((int, float), 30.0),
-            "max_turns": (int, 1), "difficulty": (int, 1)}
+            "max_turns": (int, 1), "difficulty": (int, 1), "runtime": (str, "build")}
+RUNTIMES = ("build", "host")  # how Terminal-Bench task directories get their runtime (rl/envs/tbench.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,7 @@ class DomainSpec:
   timeout_s: float = 30.0
   max_turns: int = 1
   difficulty: int = 1
+  runtime: str = "build"
 
   @property
   def policy(self) -> DomainPolicy:
@@ -107,6 +111,8 @@ def parse_domain(row, where: str, base_dir: str, rewards: Container[str]) -> Dom
     _fail(where, name, f"field 'weight'={row['weight']} must be positive.")
   if not 0 <= values["quota"] <= 1:
     _fail(where, name, f"field 'quota'={values['quota']} must lie in [0, 1].")
+  if values["runtime"] not in RUNTIMES:
+    _fail(where, name, f"field 'runtime'={values['runtime']!r}: choose one of {list(RUNTIMES)}.")
   if not values["timeout_s"] > 0 or values["max_turns"] < 1:
     _fail(where, name, f"timeout_s={values['timeout_s']} must be > 0 and "
                        f"max_turns={values['max_turns']} >= 1.")
@@ -115,7 +121,7 @@ def parse_domain(row, where: str, base_dir: str, rewards: Container[str]) -> Dom
   return DomainSpec(name=name, kind=kind, target=target, reward=reward, weight=float(row["weight"]),
                     priority=values["priority"], quota=float(values["quota"]),
                     timeout_s=float(values["timeout_s"]), max_turns=values["max_turns"],
-                    difficulty=values["difficulty"])
+                    difficulty=values["difficulty"], runtime=values["runtime"])
 
 
 def load_domains(path: str, *, rewards: Container[str] | None = None) -> list[DomainSpec]:
@@ -156,7 +162,8 @@ def _pool(spec: DomainSpec) -> tuple[list[dict], dict]:
     tasks, broken = load_tasks([spec.target])
     rows = [task.example() for task in tasks]
   rows = [{**row, "domain": spec.name, "verifier": spec.reward, "max_turns": spec.max_turns,
-           "timeout_s": spec.timeout_s} for row in rows]
+           "timeout_s": spec.timeout_s, **({"runtime": spec.runtime} if spec.kind == "tasks" else {})}
+          for row in rows]
   return rows, broken
 
 

@@ -40,7 +40,8 @@ from meshrl.rl.envs.base import DONE, StepResult, parse_action
 from meshrl.rl.envs.tools import Toolbox
 from meshrl.rl.sandbox import Limits, Sandbox
 from meshrl.rl.sandbox import result as sandbox_result
-from meshrl.rl.sandbox.session import SESSION_ENDED, CommandResult, Session, SessionPool, SessionSpec
+from meshrl.rl.sandbox.session import (SESSION_ENDED, CommandResult, PoolSet, Session, SessionPool,
+                                       SessionSpec)
 
 _HARNESS = (pathlib.Path(__file__).parent / "terminal_harness.py").read_text()
 TASK_FIELDS = {"id": str, "domain": str, "prompt": str, "max_turns": int, "timeout_s": (int, float)}
@@ -123,6 +124,21 @@ class TerminalTask:
             "task_dir": self.directory, "verifier": "terminal", "max_turns": self.max_turns,
             "timeout_s": self.timeout_s}
 
+  # What TerminalEnv needs of a task (rl/envs/tbench.py's TBenchTask has the same).
+  def session_spec(self, limits: Limits) -> SessionSpec:
+    return SessionSpec(limits)
+
+  @property
+  def setup_entries(self) -> tuple:
+    return self.setup.entries
+
+  @property
+  def env(self) -> dict:
+    return {}
+
+  def check_call(self) -> dict:
+    return {"argv": ["bash", "-c", self.check, "check.sh"], "timeout_s": self.timeout_s}
+
 
 def _read_text(path: str, name: str) -> str:
   if not os.path.isfile(path):
@@ -176,7 +192,7 @@ def load_task(directory: str) -> TerminalTask:
 
 def _is_task_dir(path: str) -> bool:
   return any(os.path.lexists(os.path.join(path, name))
-             for name in ("task.json", "check.sh", "oracle.sh", "setup"))
+             for name in ("task.json", "check.sh", "oracle.sh", "setup", "task.yaml", "run-tests.sh"))
 
 
 def task_dirs(paths: Sequence[str]) -> list[str]:
@@ -193,14 +209,16 @@ def task_dirs(paths: Sequence[str]) -> list[str]:
   return found
 
 
-def load_tasks(paths: Sequence[str]) -> tuple[list[TerminalTask], dict[str, str]]:
-  """(good tasks, {folder name: reason} of the broken ones). A second task with an id already seen
-  is broken too (ids name tasks in quarantine lists and metrics)."""
+def load_tasks(paths: Sequence[str]) -> tuple[list, dict[str, str]]:
+  """(good tasks, {folder name: reason} of the broken ones): TerminalTasks and Terminal-Bench tasks
+  (rl/envs/tbench.py; runtimes not resolved). A second task with an id already seen is broken too
+  (ids name tasks in quarantine lists and metrics)."""
+  from meshrl.rl.envs import tbench  # pylint: disable=import-outside-toplevel  (tbench imports this module)
   tasks, broken, seen = [], {}, {}
   for directory in task_dirs(paths):
     name = os.path.basename(os.path.normpath(directory))
     try:
-      task = load_task(directory)
+      task = tbench.load_tbench_task(directory) if tbench.is_tbench_dir(directory) else load_task(directory)
     except (TaskError, OSError) as error:
       broken[name] = str(error)
       continue
@@ -349,17 +367,35 @@ EPISODE_LIMITS = Limits(timeout_s=10.0, cpu_s=60.0, memory_mb=1024, max_processe
 # A session that ends for one of these did so because of what the policy ran (reward 0, not an
 # environment failure); any other end (sandbox_error: ...) is the environment's.
 POLICY_SESSION_ENDS = ("session_timeout", "file_count_limit", "output_limit", "shell_failed")
-_DEFAULT_SESSIONS: SessionPool | None = None
+_DEFAULT_SESSIONS: PoolSet | None = None
 _DEFAULT_LOCK = threading.Lock()
 
 
-def default_sessions() -> SessionPool:
-  """The process-wide pool of warm episode sessions (EPISODE_LIMITS, work dir /work)."""
+def default_sessions() -> PoolSet:
+  """The process-wide warm episode sessions, one pool per session spec (runtime, work dir)."""
   global _DEFAULT_SESSIONS  # pylint: disable=global-statement
   with _DEFAULT_LOCK:
     if _DEFAULT_SESSIONS is None:
-      _DEFAULT_SESSIONS = SessionPool(SessionSpec(EPISODE_LIMITS), warm=2)
+      _DEFAULT_SESSIONS = PoolSet(warm=2)
     return _DEFAULT_SESSIONS
+
+
+def load_any_task(example_or_dir, *, runtime_mode: str = "build"):
+  """A TerminalTask (task.json layout) or a Terminal-Bench task (task.yaml layout, its runtime
+  resolved: rl/envs/tbench.py) from a directory or a mixture example with "task_dir" (and an optional
+  "runtime": "build" | "host"); TaskError for a broken one."""
+  from meshrl.rl.envs import tbench  # pylint: disable=import-outside-toplevel  (tbench imports this module)
+  if isinstance(example_or_dir, dict):
+    directory = example_or_dir["task_dir"]
+    runtime_mode = example_or_dir.get("runtime", runtime_mode)
+  else:
+    directory = example_or_dir
+  if not tbench.is_tbench_dir(directory):
+    return load_task(directory)
+  task = tbench.load_tbench_task(directory)
+  if isinstance(example_or_dir, dict) and example_or_dir.get("max_turns"):
+    task = dataclasses.replace(task, max_turns=int(example_or_dir["max_turns"]))
+  return task.with_runtime(tbench.resolve_runtime(task.environment.runtime, runtime_mode))
 
 
 def observation_text(outcome: StepOutcome | CommandResult, cap: int) -> tuple[str, bool]:
@@ -413,34 +449,46 @@ class TerminalEnv:
     toolbox: tool-call actions instead of `<cmd>` (e.g. Toolbox.standard()).
   """
 
-  def __init__(self, sessions: SessionPool | None = None, *, call_timeout_s: float = 10.0,
-               observation_chars: int = 2000, toolbox: Toolbox | None = None):
-    self.sessions, self.toolbox = sessions, toolbox
+  def __init__(self, sessions: SessionPool | PoolSet | None = None, *, call_timeout_s: float = 10.0,
+               observation_chars: int = 2000, toolbox: Toolbox | None = None,
+               limits: Limits = EPISODE_LIMITS):
+    self.sessions, self.toolbox, self.limits = sessions, toolbox, limits
     self.call_timeout_s, self.observation_chars = float(call_timeout_s), int(observation_chars)
-    self.task: TerminalTask | None = None
+    self.task = None
     self.session: Session | None = None
     self.turns, self.invalid_utf8 = 0, 0
 
   def reset(self, task) -> str:
-    """`task`: a TerminalTask, or a mixture example with "task_dir" (TaskError if it is broken).
-    Starts the episode's session (an environment failure raises RuntimeError/SandboxUnavailable)."""
+    """`task`: a TerminalTask, a Terminal-Bench task (rl/envs/tbench.py, its runtime resolved), or a
+    mixture example with "task_dir" (TaskError if it is broken). Starts the episode's session (one
+    that cannot start raises SessionStartError / SandboxUnavailable: an environment failure)."""
     if isinstance(task, dict):
-      task = load_task(task["task_dir"])
-    if not isinstance(task, TerminalTask):
-      raise ValueError(f"TerminalEnv.reset takes a TerminalTask or an example with 'task_dir', "
+      task = load_any_task(task)
+    if not hasattr(task, "session_spec"):
+      raise ValueError(f"TerminalEnv.reset takes a terminal task or an example with 'task_dir', "
                        f"got {type(task).__name__}.")
     self.close()
-    pool = self.sessions or default_sessions()
     timeout = min(self.call_timeout_s, task.timeout_s)
-    self.session = pool.acquire(session_timeout_s=session_timeout_s(task.max_turns, timeout,
-                                                                    task.timeout_s))
+    budget = session_timeout_s(task.max_turns, timeout, getattr(task, "test_timeout_s", task.timeout_s))
+    self.session = self._acquire(task.session_spec(self.limits), task.env, budget)
     try:
-      self.session.write_entries(task.setup.entries)
+      self.session.write_entries(task.setup_entries)
     except BaseException:
       self.close()
       raise
     self.task, self.turns, self.invalid_utf8 = task, 0, 0
     return task.prompt
+
+  def _acquire(self, spec: SessionSpec, env: dict, budget: float) -> Session:
+    if isinstance(self.sessions, SessionPool):
+      given = self.sessions.spec
+      if (given.work, given.runtime, tuple(given.extra_writable)) != (
+          spec.work, spec.runtime, tuple(spec.extra_writable)):
+        raise ValueError(f"the TerminalEnv's session pool is for work dir {given.work} and runtime "
+                         f"{given.runtime}, the task needs {spec.work} and {spec.runtime}: pass a "
+                         f"PoolSet (or None) to serve tasks of several runtimes.")
+      return self.sessions.acquire(env=env, session_timeout_s=budget)
+    return (self.sessions or default_sessions()).acquire(spec, env=env, session_timeout_s=budget)
 
   def close(self) -> None:
     """Ends the episode's session (every process and file of it); safe to call twice."""
@@ -456,7 +504,9 @@ class TerminalEnv:
 
   def _check(self) -> StepResult:
     task = self.task
-    result = self.session.check(["bash", "-c", task.check, "check.sh"], timeout_s=task.timeout_s)
+    call = task.check_call()
+    result = self.session.check(call["argv"], files=call.get("files"), env=call.get("env"),
+                                timeout_s=call["timeout_s"])
     ended, failure = session_end(result)
     if ended is not None:
       return self._finish(0.0, {"solved": False, "session_ended": ended})

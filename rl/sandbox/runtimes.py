@@ -9,8 +9,8 @@ A declaration is a Debian suite, Debian packages and pip requirements. Its `dige
 of its canonical JSON (sorted, de-duplicated lists, the always-installed `BASE_PACKAGES`, the
 architecture and `BUILDER_VERSION`), so the same declaration names the same tree on every machine and
 a changed one never reuses a stale tree. Building happens on the host, outside any sandbox (the only
-step with network): `mmdebstrap` installs the Debian packages (and their dependencies) from
-Debian's archive into a fresh directory with SOURCE_DATE_EPOCH fixed (reproducible output, Debian's
+step with network): `mmdebstrap` installs Debian's "required" packages (as a -slim image holds
+them) and the declared ones, with their dependencies, from Debian's archive into a fresh directory with SOURCE_DATE_EPOCH fixed (reproducible output, Debian's
 `mmdebstrap` manual), then `pip install` runs in a chroot of it (`--no-compile`: no bytecode whose
 bytes depend on the build). The directory is renamed into the cache only when complete (a manifest
 records the declaration, the installed Debian versions and pip's freeze), under a per-digest lock,
@@ -43,15 +43,15 @@ from typing import Callable, Sequence
 
 from meshrl.rl.sandbox.bwrap import Runtime
 
-BUILDER_VERSION = 1  # bump when the build recipe changes what a declaration produces
+BUILDER_VERSION = 2  # bump when the build recipe changes what a declaration produces
 BASE_PACKAGES = ("bash", "coreutils", "python3")  # the session supervisor and shell need these
 PIP_PACKAGE = "python3-pip"  # added when pip requirements are declared
 SUITES = ("bookworm", "trixie")  # Debian suites the archive serves (and mmdebstrap here can build)
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 SOURCE_DATE_EPOCH = "1700000000"
 MANIFEST = "meshrl-runtime.json"
-_DEBIAN_NAME = re.compile(r"^[a-z0-9][a-z0-9+.-]+(=[A-Za-z0-9.+~:-]+)?$")
-_PIP_REQUIREMENT = re.compile(
+DEBIAN_NAME = re.compile(r"^[a-z0-9][a-z0-9+.-]+(=[A-Za-z0-9.+~:-]+)?$")
+PIP_REQUIREMENT = re.compile(
     r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?(\[[A-Za-z0-9._,-]+\])?"
     r"((==|>=|<=|~=|!=|<|>)[A-Za-z0-9.*+!-]+(,(==|>=|<=|~=|!=|<|>)[A-Za-z0-9.*+!-]+)*)?$")
 
@@ -80,9 +80,9 @@ class RuntimeSpec:
     if self.suite not in SUITES:
       raise ValueError(f"runtime suite={self.suite!r} is not one of {list(SUITES)} (the Debian "
                        f"suites this builder takes from Debian's archive).")
-    for field, pattern, what in (("debian", _DEBIAN_NAME, "a Debian package name (name or "
+    for field, pattern, what in (("debian", DEBIAN_NAME, "a Debian package name (name or "
                                   "name=version)"),
-                                 ("pip", _PIP_REQUIREMENT, "a pip requirement (name, name==1.2, "
+                                 ("pip", PIP_REQUIREMENT, "a pip requirement (name, name==1.2, "
                                   "name[extra]>=1); URLs, paths and options are not allowed")):
       values = getattr(self, field)
       if isinstance(values, str) or not all(isinstance(v, str) for v in values):
@@ -295,7 +295,8 @@ def mmdebstrap_build(spec: RuntimeSpec, rootfs: str, log) -> dict:
                             "mmdebstrap (Debian/Ubuntu)")
   canonical = spec.canonical()
   env = dict(os.environ, SOURCE_DATE_EPOCH=SOURCE_DATE_EPOCH, LC_ALL="C.UTF-8")
-  argv = [tool, "--variant=essential", f"--include={','.join(canonical['debian'])}",
+  # minbase: the "required" packages (awk, apt, ...) as a -slim Debian image has them, then ours
+  argv = [tool, "--variant=minbase", f"--include={','.join(canonical['debian'])}",
           f"--architectures={canonical['architecture']}", "--format=directory"]
   if os.geteuid() == 0:
     argv.append("--mode=root")

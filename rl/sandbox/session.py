@@ -601,3 +601,35 @@ class SessionPool:
     self.close()
 
 
+
+
+class PoolSet:
+  """One SessionPool per SessionSpec, made on first use (tasks of different runtimes or work
+  directories need different sandboxes); thread-safe; a context manager."""
+
+  def __init__(self, *, warm: int = 1):
+    self.warm = warm
+    self._pools: dict[SessionSpec, SessionPool] = {}
+    self._lock = threading.Lock()
+
+  def pool(self, spec: SessionSpec) -> SessionPool:
+    with self._lock:
+      if spec not in self._pools:
+        self._pools[spec] = SessionPool(spec, warm=self.warm)
+      return self._pools[spec]
+
+  def acquire(self, spec: SessionSpec, *, env: Mapping[str, str] | None = None,
+              session_timeout_s: float = DEFAULT_SESSION_S) -> Session:
+    return self.pool(spec).acquire(env=env, session_timeout_s=session_timeout_s)
+
+  def close(self):
+    with self._lock:
+      pools, self._pools = list(self._pools.values()), {}
+    for pool in pools:
+      pool.close()
+
+  def __enter__(self) -> "PoolSet":
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
