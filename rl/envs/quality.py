@@ -22,7 +22,9 @@ gates environments before training.
 
 `Quarantine(path)` is the list (JSONL of {"id", "reason", "source"}) the domain mixture honours
 (rl/envs/registry.py); `Quarantine.record_failure` is the hook the episode driver and the scheduler
-call with environment failures seen during training: a task that fails `threshold` times joins it.
+call with environment failures seen during training (rl/envs/driver.py `env_scheduler` wires it): a
+task that fails `threshold` times joins it. `state()` / `restore()` carry the list and the failure
+counts through a checkpoint.
 """
 
 from __future__ import annotations
@@ -87,6 +89,28 @@ class Quarantine:
         with open(self.path, "a", encoding="utf-8") as f:
           f.write(json.dumps({"id": task_id, "reason": reason, "source": source}) + "\n")
       return True
+
+  def state(self) -> dict:
+    """What a checkpoint keeps: the quarantined ids with their reasons and the failure counts of
+    tasks not (yet) quarantined (JSON-serialisable)."""
+    with self._lock:
+      return {"reasons": dict(self.reasons), "failures": dict(self.failures),
+              "threshold": self.threshold}
+
+  def restore(self, state: dict) -> None:
+    """Resumes from `state()`: quarantined ids come back (and are appended to the file if it lacks
+    them), failure counts go on from where they were. ValueError for a malformed state."""
+    if not isinstance(state, dict) or not isinstance(state.get("reasons"), dict) \
+        or not isinstance(state.get("failures"), dict):
+      raise ValueError(f"a quarantine state is {{'reasons': {{id: reason}}, 'failures': {{id: count}}}}, "
+                       f"got {str(state)[:80]!r}.")
+    for task_id, reason in state["reasons"].items():
+      self.add(str(task_id), str(reason), source="checkpoint")
+    with self._lock:
+      for task_id, count in state["failures"].items():
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+          raise ValueError(f"quarantine state: failures[{task_id!r}]={count!r} must be a count.")
+        self.failures[str(task_id)] = max(self.failures.get(str(task_id), 0), count)
 
   def record_failure(self, task, reason: str) -> bool:
     """An environment failure of `task` (an id, a TerminalTask or an example with "task_id") seen
