@@ -423,7 +423,11 @@ def session_end(result: CommandResult) -> tuple[str | None, str | None]:
   reason = result.killed_reason or ""
   if not reason.startswith(SESSION_ENDED):
     return None, None
-  why = reason[len(SESSION_ENDED) + 2:]
+  return classify_end(reason[len(SESSION_ENDED) + 2:])
+
+
+def classify_end(why: str) -> tuple[str | None, str | None]:
+  """(policy end, environment failure) of a session that ended for `why` (Session.ended)."""
   return (why, None) if why in POLICY_SESSION_ENDS else (None, f"sandbox session: {why}")
 
 
@@ -527,8 +531,7 @@ class TerminalEnv:
     timeout = min(self.call_timeout_s, self.task.timeout_s)
     outcome = self.toolbox.step(action_text, self.session, timeout_s=timeout, turn=self.turns)
     if not self.session.alive:
-      ended, failure = session_end(CommandResult(None, b"", b"", False, False, False,
-                                                 f"{SESSION_ENDED}: {self.session.ended}", 0.0))
+      ended, failure = classify_end(self.session.ended or "sandbox_error: the sandbox exited")
       if failure is not None:
         return self._finish(0.0, {"env_failure": failure, "task_id": self.task.id})
       return self._finish(0.0, {"solved": False, "session_ended": ended})

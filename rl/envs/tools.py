@@ -2,7 +2,7 @@
 episode's sandbox session (rl/sandbox/session.py). The format (rendering, parsing, JSON schemas) is
 model/tool_calls.py's.
 
-  toolbox = Toolbox.standard(extra=[TaskTool("run_tests", "Run the tests.", {...}, "pytest -q")])
+  toolbox = Toolbox.standard(extra=[task_tool("run_tests", "Run the tests.", {...}, "pytest -q")])
   prompt = toolbox.render(template, [{"role": "user", "content": task}])   # tools offered
   outcome = toolbox.step(action_text, session, timeout_s=10.0)              # parse, check, run
   outcome.messages        # [{"role": "tool", "tool_call_id", "name", "content"}], one per call
@@ -10,7 +10,7 @@ model/tool_calls.py's.
 
 Standard tools: `bash` (a command in the session's shell: cwd, variables and background jobs
 persist), `read_file` and `write_file` (paths relative to the shell's current directory), `submit`
-(ends the episode; the environment then grades it). A task-defined tool (`TaskTool`) runs its shell
+(ends the episode; the environment then grades it). A task-defined tool (`task_tool`) runs its shell
 command in the session with the call's arguments as JSON in $MESHRL_TOOL_ARGS (and each scalar
 argument as $TOOL_<NAME>), in a subshell so it leaves the shell's state alone.
 
@@ -104,7 +104,7 @@ SUBMIT = Tool("submit", "Finish the task; it is then checked.",
 STANDARD = (BASH, READ_FILE, WRITE_FILE, SUBMIT)
 
 
-def TaskTool(name: str, description: str, parameters: dict, command: str) -> Tool:  # pylint: disable=invalid-name
+def task_tool(name: str, description: str, parameters: dict, command: str) -> Tool:
   """A task-defined tool running `command` in the session (see the module docstring)."""
   if not isinstance(command, str) or not command.strip():
     raise ValueError(f"task tool {name!r}: command must be a non-empty shell command.")

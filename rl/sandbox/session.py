@@ -582,8 +582,13 @@ class SessionPool:
           candidate.close()
       self.taken += 1
     self._fill()
-    if session is None:
-      session = Session.launch(self.spec)
+    if session is not None:
+      try:
+        session.begin(session_timeout_s, env)
+        return session
+      except SessionStartError:  # it died while it waited: start one now
+        session.close()
+    session = Session.launch(self.spec)
     session.begin(session_timeout_s, env)
     return session
 

@@ -400,17 +400,22 @@ class Supervisor:
     out, err = Stream(out_r, self.cap), Stream(err_r, self.cap)
     deadline = started + request["timeout"]
     reason, open_fds, ended = None, {out_r, err_r}, None
-    while open_fds and (ended is None or _now() < ended + INTERRUPT_GRACE_S):
-      # Done when the check has exited and its pipes are closed (or, if something it started
-      # holds them, INTERRUPT_GRACE_S after it exited).
-      left = deadline - _now()
-      if left <= 0 or max(out.seen, err.seen) > self.kill_bytes:
-        reason = "timeout" if left <= 0 else "output_limit"
+    while True:
+      # Done when the check has exited and its pipes are closed, or INTERRUPT_GRACE_S after it
+      # exited if something it started still holds them (a check may close its own output early
+      # and go on working: its exit, not its pipes, ends it).
+      now = _now()
+      if pid in self.statuses:
+        ended = now if ended is None else ended
+        if not open_fds or now >= ended + INTERRUPT_GRACE_S:
+          break
+      if now >= deadline or max(out.seen, err.seen) > self.kill_bytes:
+        reason = "timeout" if now >= deadline else "output_limit"
         break
       ready, _, _ = select.select(list(open_fds) + [self.wake_r, self.out.fd, self.err.fd,
-                                                    self.noise.fd], [], [], min(left, 0.05))
+                                                    self.noise.fd], [], [], min(deadline - now, 0.05))
       for stream in (out, err):
-        if stream.fd in ready and not stream.pump():
+        if stream.fd in ready and stream.fd in open_fds and not stream.pump():
           open_fds.discard(stream.fd)
       if self.wake_r in ready:
         try:
@@ -418,8 +423,6 @@ class Supervisor:
         except BlockingIOError:
           pass
       self._reap()
-      if ended is None and pid in self.statuses:
-        ended = _now()
       self._drain_background()
       self.check_session_limits()
     try:

@@ -11,7 +11,7 @@ from meshrl.model.chat_template import load_chat_template
 from meshrl.model.tool_calls import format_call
 from meshrl.rl.envs.episode import Budget, run_episode
 from meshrl.rl.envs.terminal import EPISODE_LIMITS, TerminalEnv, load_task
-from meshrl.rl.envs.tools import BASH, TaskTool, Toolbox
+from meshrl.rl.envs.tools import BASH, task_tool, Toolbox
 from meshrl.rl.sandbox import SandboxUnavailable, Session, SessionPool, SessionSpec
 
 
@@ -45,7 +45,7 @@ def test_standard_tools_share_the_session_and_its_directory(session):
 
 
 def test_bad_calls_become_error_observations(session):
-  toolbox = Toolbox.standard(extra=[TaskTool("greet", "Greets.", {
+  toolbox = Toolbox.standard(extra=[task_tool("greet", "Greets.", {
       "type": "object", "properties": {"who": {"type": "string"}}, "required": ["who"]},
       "echo \"hi $TOOL_WHO\"; echo \"$MESHRL_TOOL_ARGS\"")])
   out = toolbox.step(_turn(("nope", {}), ("bash", {"cmd": "ls"}), ("read_file", {"path": "missing"}),

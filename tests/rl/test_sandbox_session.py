@@ -155,6 +155,10 @@ while True:  # the supervisor's report pipe is one of PID 1's descriptors
   assert hung.timed_out and hung.exit_code is None and hung.seconds < 3
   missing = session.check(["no-such-tool"])
   assert missing.exit_code == 127
+  quiet = session.check(["bash", "-c", "exec >/tmp/check.log 2>&1; sleep 0.6; exit 4"])
+  assert quiet.exit_code == 4 and quiet.seconds >= 0.6  # its exit ends it, not its closed pipes
+  leaves = session.check(["bash", "-c", "sleep 30 & echo done"], timeout_s=5)
+  assert leaves.ok and leaves.stdout == b"done\n" and leaves.seconds < 2  # a child holding the pipe
   assert session.run(ASK.format(port=9000)).stdout == b"svc\n"  # the policy's processes live on
 
 
