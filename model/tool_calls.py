@@ -316,7 +316,8 @@ def text_outside_calls(text: str) -> str:
 
 def format_call(name: str, arguments: dict) -> str:
   """A call as Qwen3's template writes it in an assistant turn (what a model learns to emit)."""
-  return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CALL_CLOSE}"
+  body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+  return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
 
 
 # --- rendering ------------------------------------------------------------------------------------

@@ -238,8 +238,9 @@ class _Parser:
                     f"({', '.join(sorted(flags))}).")
       else:
         if not (DEBIAN_NAME if kind == "Debian" else PIP_REQUIREMENT).match(word):
-          self.fail(f"RUN `{shown}`: {word!r} is not a {kind} package name"
-                    f"{' (name or name=version)' if kind == 'Debian' else ' (name, name==1.2; no URLs, paths or options)'}.")
+          form = ("name or name=version" if kind == "Debian"
+                  else "name, name==1.2; no URLs, paths or options")
+          self.fail(f"RUN `{shown}`: {word!r} is not a {kind} package name ({form}).")
         names.append(word)
     if not names:
       self.fail(f"RUN `{shown}`: installs no {kind} package.")

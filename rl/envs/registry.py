@@ -17,9 +17,9 @@ same hash split of prompts into train and eval sides, per-domain held-out exampl
 (`held_out(per_domain)`), batches composed by the scheduler's quotas (rl/envs/scheduler.py
 `plan_batch`) when given `batch_size`, a quarantine (rl/envs/quality.py): quarantined task ids
 are never drawn, including ids added while training runs, and the gate's curriculum flags: tasks a
-policy always or never solves are drawn less (`flagged_weight`, a floor above zero). Every example's "domain" is the domain's
-name, so the RL step's reward_mean/<domain> and the evaluator's eval/accuracy/<domain> are per
-registry domain.
+policy always or never solves are drawn less (`flagged_weight`, a floor above zero). Every
+example's "domain" is the domain's name, so the RL step's reward_mean/<domain> and the evaluator's
+eval/accuracy/<domain> are per registry domain.
 """
 
 from __future__ import annotations

@@ -203,7 +203,8 @@ _LOCKS: dict[tuple[str, str], threading.Lock] = {}
 _LOCKS_LOCK = threading.Lock()
 
 
-def resolve_runtime(spec: RuntimeSpec, mode: str = "build", *, cache: RuntimeCache | None = None) -> Runtime:
+def resolve_runtime(spec: RuntimeSpec, mode: str = "build", *,
+                    cache: RuntimeCache | None = None) -> Runtime:
   """The sandbox runtime of a declaration: "build" (built once, cached by its hash) or "host" (the
   host's /usr; ValueError listing what the host lacks). Remembered per process; different
   declarations resolve in parallel, one declaration once."""
@@ -254,11 +255,13 @@ def test_status(result: CommandResult) -> tuple[str, str]:
   return "fail", f"run-tests.sh: exit {result.exit_code}: {result.output_text.strip()[-200:]!r}"
 
 
-def start_session(task: TBenchTask, limits: Limits = EPISODE_LIMITS, *, turns: int | None = None) -> Session:
+def start_session(task: TBenchTask, limits: Limits = EPISODE_LIMITS, *,
+                  turns: int | None = None) -> Session:
   """A session set up for `task` (runtime, work dir, ENV, copied files); its wall clock covers the
   episode and the tests."""
   if task.runtime is None:
-    raise ValueError(f"task {task.id}: resolve its runtime first (task.with_runtime(resolve_runtime(...))).")
+    raise ValueError(f"task {task.id}: resolve its runtime first "
+                     f"(task.with_runtime(resolve_runtime(...))).")
   budget = session_timeout_s(turns or task.max_turns, min(limits.timeout_s, task.agent_timeout_s),
                              task.test_timeout_s) + task.agent_timeout_s
   session = Session.start(task.session_spec(limits), env=task.env, session_timeout_s=budget)

@@ -10,8 +10,8 @@ of its canonical JSON (sorted, de-duplicated lists, the always-installed `BASE_P
 architecture and `BUILDER_VERSION`), so the same declaration names the same tree on every machine and
 a changed one never reuses a stale tree. Building happens on the host, outside any sandbox (the only
 step with network): `mmdebstrap` installs Debian's "required" packages (as a -slim image holds
-them) and the declared ones, with their dependencies, from Debian's archive into a fresh directory with SOURCE_DATE_EPOCH fixed (reproducible output, Debian's
-`mmdebstrap` manual), then `pip install` runs in a chroot of it (`--no-compile`: no bytecode whose
+them) and the declared ones, with their dependencies, from Debian's archive into a fresh directory
+with SOURCE_DATE_EPOCH fixed (reproducible output, Debian's `mmdebstrap` manual), then `pip install` runs in a chroot of it (`--no-compile`: no bytecode whose
 bytes depend on the build). The directory is renamed into the cache only when complete (a manifest
 records the declaration, the installed Debian versions and pip's freeze), under a per-digest lock,
 so concurrent builders wait for one build. `tree_digest(path)` hashes a tree's paths, kinds, modes,

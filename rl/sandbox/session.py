@@ -332,8 +332,9 @@ class Session:
     """
     data = command.encode() if isinstance(command, str) else command
     if not isinstance(data, bytes) or b"\0" in data or len(data) > MAX_COMMAND_BYTES:
+      size = len(data) if isinstance(data, bytes) else "?"
       raise ValueError(f"command must be str or bytes of at most {MAX_COMMAND_BYTES} bytes without "
-                       f"NUL, got {type(command).__name__} of {len(data) if isinstance(data, bytes) else '?'}.")
+                       f"NUL, got {type(command).__name__} of {size}.")
     if stderr not in ("merge", "separate"):
       raise ValueError(f"stderr={stderr!r}: choose 'merge' or 'separate'.")
     timeout = self._timeout(timeout_s)
@@ -426,7 +427,8 @@ class Session:
       if "fatal" in reply:  # the session ended during the command: what it wrote until then
         reply = dict(reply, exit=None, killed=f"{SESSION_ENDED}: {self.ended}", timed_out=False)
       exit_code, killed = reply["exit"], reply["killed"]
-      if not (exit_code is None or type(exit_code) is int) or not (killed is None or isinstance(killed, str)):
+      if not (exit_code is None or type(exit_code) is int) \
+          or not (killed is None or isinstance(killed, str)):
         raise ValueError("bad status")
       return CommandResult(exit_code=None if killed else exit_code, stdout=stdout, stderr=stderr,
                            stdout_truncated=int(reply["stdout_seen"]) > len(stdout),
