@@ -49,8 +49,7 @@ import weakref
 from typing import Mapping, Sequence
 
 from meshrl.rl.sandbox import result as res
-from meshrl.rl.sandbox.bwrap import (WORK, Runtime, SandboxUnavailable, base_env, bwrap_argv,
-                                     check_bwrap, check_mounts)
+from meshrl.rl.sandbox.bwrap import WORK, Runtime, base_env, bwrap_argv, check_bwrap, check_mounts
 from meshrl.rl.sandbox.limits import HOST_GRACE_S, OUTPUT_KILL_FACTOR, Limits
 from meshrl.rl.sandbox.runner import UID_BASE, _UIDS, _kill_sandbox, _wait_or_kill
 

@@ -166,7 +166,7 @@ def test_runtime_from_rootfs_binds_usr_etc_opt_and_recreates_links(tmp_path):
 @pytest.mark.skipif(not os.path.exists("/etc/debian_version"), reason="the host is not Debian")
 def test_host_missing_names_what_the_host_lacks():
   host = RuntimeSpec(suite=_host_suite() or "bookworm", debian=("bash",))
-  assert host_missing(host) == ([] if _host_suite() else [f"suite bookworm (the host is unknown)"])
+  assert host_missing(host) == ([] if _host_suite() else ["suite bookworm (the host is unknown)"])
   lacking = RuntimeSpec(suite=host.suite, debian=("nosuchpkg-meshrl",), pip=("nosuchpip-meshrl==1",))
   assert [m for m in host_missing(lacking) if "suite" not in m] == [
       "Debian package nosuchpkg-meshrl", "pip package nosuchpip-meshrl==1"]
