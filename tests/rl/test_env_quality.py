@@ -84,3 +84,43 @@ def test_quarantine_file_is_append_only_and_fed_by_failures(tmp_path):
   path.write_text("not json\n")
   with pytest.raises(ValueError, match="q.jsonl:1"):
     Quarantine(str(path))
+
+
+def test_dataset_gate_flags_wrong_references_permissive_verifiers_and_duplicates(tmp_path):
+  """JSONL rows: a reference its verifier rejects, a verifier that passes a blank answer, a duplicate
+  prompt, a verifier that raises and a malformed line are each flagged; sound rows are not; flagged
+  rows with ids join the quarantine."""
+  from meshrl.rl.envs.dataset_gate import gate_jsonl  # pylint: disable=import-outside-toplevel
+  rows = [{"id": "ok", "prompt": "2+2=", "answer": "4", "verifier": "numeric"},
+          {"id": "ok2", "prompt": "reverse abc", "answer": "cba", "verifier": "exact"},
+          {"id": "wrong_ref", "prompt": "countdown", "answer": "1+1", "verifier": "countdown",
+           "numbers": [3, 5], "target": 8},
+          {"id": "dupe", "prompt": " 2+2= ", "answer": "4", "verifier": "numeric"},
+          {"id": "crash", "prompt": "x", "answer": "1", "verifier": "nope"}]
+  path = tmp_path / "rows.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{not json}\n"
+                  + json.dumps({"prompt": "3+3=", "answer": "6"}) + "\n")
+  quarantine = Quarantine(str(tmp_path / "q.jsonl"))
+  report = gate_jsonl(str(path), quarantine=quarantine, workers=1)
+  assert report["rows"] == 7
+  assert sorted(report["quarantined"]) == ["crash", "dupe", "line 6", "wrong_ref"], report["reasons"]
+  assert report["reasons"]["dupe"] == "duplicate prompt of ok"
+  assert "the reference answer scores 0" in report["reasons"]["wrong_ref"]
+  assert "verifier 'nope' raised" in report["reasons"]["crash"]
+  assert report["reasons"]["line 6"].startswith("malformed row")
+  assert quarantine.ids == {"crash", "dupe", "wrong_ref"}  # "line 6" has no id to name it by
+
+
+def test_dataset_gate_catches_a_verifier_that_passes_anything_and_checks_code_tasks():
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.envs.dataset_gate import check_examples  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.envs.mixture import make_example  # pylint: disable=import-outside-toplevel
+  lenient = check_examples([{"prompt": "p", "answer": "a"}], ["p"], reward=lambda c, e: 1.0)
+  assert lenient["reasons"] == {"p": "a blank answer scores 1 by verifier 'default' (must be 0)"}
+  if not HAVE_BWRAP:
+    pytest.skip("code verifiers need bubblewrap (apt-get install -y bubblewrap)")
+  examples = [make_example("code", np.random.default_rng(i), difficulty=1) for i in range(3)]
+  broken = dict(examples[1], answer=examples[1]["answer"].replace("return", "return None and"))
+  report = check_examples(examples + [broken], ["c0", "c1", "c2", "c1-broken"])
+  assert report["quarantined"] == ["c1-broken"], report["reasons"]
+  assert "the reference answer scores 0 by verifier 'code'" in report["reasons"]["c1-broken"]
