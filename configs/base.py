@@ -131,10 +131,10 @@ def get_config(arg=None):
   config.rl.top_k = 0  # Top-k sampling (0 = off).
   config.rl.top_p = 1.0  # Nucleus sampling (1 = off).
   config.rl.stop_tokens = ""  # Extra stop token ids, comma separated (eos always stops).
-  config.rl.engine = "static"  # Rollout: "static" (one batch until its longest sample ends) or "continuous" (decode slots, rl/engine.py).
+  config.rl.engine = "static"  # Rollout: "static" (one batch until its longest sample ends) or "continuous" (decode slots refilled as samples end; multi-turn: no episode waits for another; rl/generation).
   config.rl.decode_slots = 0  # Continuous engine: decode slots (0 = one per sample of the step's batch).
-  config.rl.rollout_token_budget = 0  # Continuous engine: tokens per RL step (decode_slots x steps); unfinished groups carry over (0 = off).
-  config.rl.speculative = "none"  # Speculative decoding (static rollout or continuous engine): "none", "draft" (a small model) or "ngram" (prompt lookup).
+  config.rl.rollout_token_budget = 0  # Continuous engine: tokens per RL step (decode_slots x steps); unfinished groups (and episodes, with their environments) carry over (0 = off).
+  config.rl.speculative = "none"  # Speculative decoding (any engine, multi-turn included; the samples equal plain decoding's): "none", "draft" (a small model) or "ngram" (prompt lookup).
   config.rl.speculative_k = 4  # Speculative decoding: tokens proposed per target forward (>= 1).
   config.rl.ngram_n = 3  # N-gram speculation: length of the suffix looked up in the row's context.
   config.rl.draft_config = ""  # Draft model for rl.speculative="draft": "path[:arg];a.b=value;..." (same vocab as the target).

@@ -356,7 +356,7 @@ class Transformer(nnx.Module):
   def layer_weights(self) -> dict[str, tuple]:
     """The blocks' parameters one layer at a time: {stack name: (layer 0's state, layer 1's, ...)}.
 
-    Generation loops (rl/rollout.py, rl/engine.py) take these once, outside their decode loop, and
+    Generation loops (rl/generation) take these once, outside their decode loop, and
     pass them as `layer_weights=` at every step: the step then reads each layer's weights as they are
     instead of slicing them out of the stacked [L, ...] arrays (a copy per layer per step on XLA:CPU).
     Costs one copy of the blocks' weights for the loop's lifetime (`ModelConfig.unrolled_decode`).

@@ -7,7 +7,7 @@ and XLA compiles the same jitted programs a run executes:
   update   rl/update.py `make_update`: epochs x minibatches of the RL loss, its gradient and the
            optimizer step, on an UpdateBatch of rl.prompts_per_step * rl.group_size rows of
            rl.max_prompt_len + rl.max_new_tokens tokens (TRAIN rules).
-  prefill  the prefill of rl/rollout.py `generate`: rl.prompts_per_step prompts of rl.max_prompt_len
+  prefill  the prefill of generation engine (rl/generation/core.py `prefill_prompts`): rl.prompts_per_step prompts of rl.max_prompt_len
            tokens written into an empty KV cache of the full length, last logits kept, and the
            prompt's MoE routes with routing replay (ROLLOUT rules;
            with attention.impl="ring" and mesh.sequence > 1 the ring prefill, `length` split over
@@ -65,7 +65,9 @@ from meshrl.rl import advantages as adv_lib
 from meshrl.rl import losses
 from meshrl.rl import routes
 from meshrl.rl.batches import ALIGNED_FROM, UpdateBatch, align_arrays
-from meshrl.rl.rollout import RolloutSpec, prefill_prompts, rollout_model_config
+from meshrl.rl.generation import core
+from meshrl.rl.generation.state import Counters, Pool, Slots
+from meshrl.rl.spec import generation_spec, rollout_model_config
 from meshrl.rl.update import make_update
 from meshrl.sharding.mesh import make_mesh, mesh_shape_for
 from meshrl.sharding.rules import generation_shardings, logical_to_spec, rules_from_config
@@ -252,17 +254,17 @@ def reshard_program(cfg, mesh: Mesh) -> Program:
 
 
 def prefill_program(cfg, mesh: Mesh) -> Program:
-  """The prefill of rl/rollout.py `generate` (`prefill_prompts`): P prompts of Lp tokens into an empty
-  full-length cache; with attention.impl="ring" and mesh.sequence > 1 the ring prefill into the
-  sequence-sharded cache."""
+  """The prompt prefill of the generation core (rl/generation/core.prefill_prompts): P prompts of Lp
+  tokens into an empty full-length cache; with attention.impl="ring" and mesh.sequence > 1 the ring
+  prefill into the sequence-sharded cache."""
   mc, graphdef, params, extra = _rollout_state(cfg, mesh)
   rules = rules_from_config(cfg.mesh, "rollout")
   prompts_n, prompt_len = cfg.rl.prompts_per_step, cfg.rl.max_prompt_len
-  total = prompt_len + cfg.rl.max_new_tokens
+  total = generation_spec(cfg, stop_ids=(0,), pad_id=0).cache_len
 
   def prefill(params, extra, prompts, prompt_mask):
     model = nnx.merge(graphdef, params, extra)
-    cache, logits, routing = prefill_prompts(model, prompts, prompt_mask, total)
+    cache, logits, routing = core.prefill_prompts(model, prompts, prompt_mask, total)
     return cache, logits, routing if cfg.rl.replay_routing else None  # the prompt's routes, kept
 
   prompts = _struct(mesh, rules, (prompts_n, prompt_len), jnp.int32, ("batch", "length"))
@@ -273,28 +275,41 @@ def prefill_program(cfg, mesh: Mesh) -> Program:
 
 
 def decode_program(cfg, mesh: Mesh) -> Program:
-  """One decode step of rl/rollout.py `generate` for B = prompts x group rows against a full cache:
-  sample from the last logits, run the new tokens through the model, write them into the cache."""
+  """One decode step of the generation core (rl/generation/core.decode_step) for B = prompts x group
+  slots against a full cache, in the static scheduler's form (one shared write index): draw from the
+  last logits, run the new tokens through the model, write them into the cache and the samples'
+  buffers (tokens, log-probs, versions and, with routing replay, the MoE routes)."""
   mc, graphdef, params, extra = _rollout_state(cfg, mesh)
   rules = rules_from_config(cfg.mesh, "rollout")
   rows = cfg.rl.prompts_per_step * cfg.rl.group_size
-  total = cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
-  spec = RolloutSpec.from_config(cfg, stop_ids=(0,), pad_id=0)
+  gen = generation_spec(cfg, stop_ids=(0,), pad_id=0, multi_turn=False)
+  width = cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
+  batch = lambda shape, dtype, names: _struct(mesh, rules, shape, dtype, names)  # noqa: E731
+  per_token = lambda dtype: batch((rows, width), dtype, ("batch", None))  # noqa: E731
+  per_sample = lambda dtype: batch((rows,), dtype, ("batch",))  # noqa: E731
+  routing = None
+  if cfg.rl.replay_routing and mc.num_experts and mc.num_moe_layers:
+    routing = _struct(mesh, rules, (mc.num_moe_layers, rows, width, mc.num_experts_per_tok), jnp.int32,
+                      (None, "batch", None, None))
+  key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+  pool = Pool(tokens=per_token(jnp.int32), logprobs=per_token(jnp.float32), versions=per_token(jnp.int32),
+              policy=per_token(jnp.bool_), pad=per_sample(jnp.int32), count=per_sample(jnp.int32),
+              generated=per_sample(jnp.int32), turn_start=per_sample(jnp.int32), max_lengths=per_sample(jnp.int32),
+              keys=batch((rows,) + key_data.shape, key_data.dtype, ("batch", None)),
+              group_of=per_sample(jnp.int32), priority=per_sample(jnp.int32), done=per_sample(jnp.bool_),
+              stopped=per_sample(jnp.bool_), paused=per_sample(jnp.bool_), routing=routing)
+  slots = Slots(sid=per_sample(jnp.int32), cache=abstract_cache(mc, mesh, rules, rows, gen.cache_len),
+                draft_cache=None, logits=batch((rows, mc.vocab_size), jnp.float32, ("batch", "vocab")),
+                position=per_sample(jnp.int32), window=None, sampling=None)
+  version = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
 
-  def decode(params, extra, cache, logits, positions, key):
-    model = nnx.merge(graphdef, params, extra)
-    token = spec.sampler(logits, key)  # [B]
-    logprob = spec.sampler.log_probs(logits, token)  # [B]
-    out = model(token[:, None], positions=positions[:, None],
-                segment_ids=jnp.ones((rows, 1), jnp.int32), cache=cache)
-    return out.cache, out.logits[:, 0], token, logprob
+  def decode(params, extra, slots, pool, version):
+    models = core.bind(nnx.merge(graphdef, params, extra), unrolled=False)
+    slots, pool, _ = core.decode_step(models, gen.step, slots, pool, version, Counters.zeros(rows), lockstep=True)
+    return slots, pool
 
-  cache = abstract_cache(mc, mesh, rules, rows, total)
-  logits = _struct(mesh, rules, (rows, mc.vocab_size), jnp.float32, ("batch", "vocab"))
-  positions = _struct(mesh, rules, (rows,), jnp.int32, ("batch",))
-  key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, PartitionSpec()))
-  return Program(jax.jit(decode, donate_argnums=(2,)), (params, extra, cache, logits, positions, key),
-                 rows, rows * model_flops_per_token(mc, seq_len=total, causal=False, training=False))
+  return Program(jax.jit(decode, donate_argnums=(2, 3)), (params, extra, slots, pool, version),
+                 rows, rows * model_flops_per_token(mc, seq_len=width, causal=False, training=False))
 
 
 def sft_program(cfg, mesh: Mesh) -> Program:

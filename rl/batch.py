@@ -17,7 +17,7 @@ from meshrl.model.tokenizer import Tokenizer
 from meshrl.rl import rows as rows_lib
 from meshrl.rl.batches import ScoredBatch
 from meshrl.rl.rewards import overlong_penalty
-from meshrl.rl.rollout import PAD_FILL
+from meshrl.rl.rows import PAD_FILL
 from meshrl.rl.rows import DeviceRows
 from meshrl.rl.scoring import RewardPool
 
@@ -179,3 +179,14 @@ def batch_metrics(first: ScoredBatch, batch: ScoredBatch, lengths: np.ndarray, g
       **per_domain(first.correct, first.domains, "reward_mean"),
       **per_domain(lengths, first.domains, "response_len"),
   }
+
+
+def staleness(arrays: dict, version: int, max_new_tokens: int) -> dict[str, float]:
+  """Policy versions behind the current one, over the batch's generated tokens (in the response
+  columns: the prompt's have version -1 and no response mask)."""
+  columns = response_columns(arrays, max_new_tokens, ("policy_version", "response_mask"))
+  versions = columns["policy_version"][columns["response_mask"]]
+  if versions.size == 0:
+    return {"staleness_mean": 0.0, "staleness_max": 0.0}
+  behind = version - versions
+  return {"staleness_mean": float(behind.mean()), "staleness_max": float(behind.max())}

@@ -24,8 +24,9 @@ from meshrl.rl.batch import next_prompts, response_columns
 from meshrl.rl.envs import TaskMixture, distinct_examples
 from meshrl.rl.prompts import JsonlSource
 from meshrl.rl.rewards import answer_reward
-from meshrl.rl.rollout import make_rollout, rollout_rows
+from meshrl.rl.rows import rollout_rows
 from meshrl.rl.scoring import RewardPool
+from meshrl.rl.spec import make_generator
 from meshrl.sharding import hosts
 from meshrl.sharding.rules import data_parallel_size
 
@@ -82,11 +83,13 @@ class Evaluator:
     shards = data_parallel_size(mesh.shape) if mesh is not None else 1
     self.batch = -(-min(cfg.eval.batch_size, len(self.examples)) // shards) * shards
     stop_ids, pad = tokenizer.stop_ids, tokenizer.pad_id
-    self.greedy = make_rollout(cfg, mesh, stop_ids=stop_ids, pad_id=pad, group_size=1, temperature=0.0)
+    self.greedy = make_generator(cfg, mesh, stop_ids=stop_ids, pad_id=pad, group_size=1, temperature=0.0,
+                                 multi_turn=False, complete=True)
     self.pass_k = int(cfg.eval.pass_k)
     self.sampled = None
     if self.pass_k > 1:
-      self.sampled = make_rollout(cfg, mesh, stop_ids=stop_ids, pad_id=pad, group_size=self.pass_k)
+      self.sampled = make_generator(cfg, mesh, stop_ids=stop_ids, pad_id=pad, group_size=self.pass_k,
+                                    multi_turn=False, complete=True)
     self.pool = RewardPool(answer_reward, num_workers=cfg.rl.reward_workers,
                            timeout_s=cfg.rl.reward_timeout_s)
 

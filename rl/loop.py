@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from meshrl.configs import checks, save_config
-from meshrl.model import quant, splash
+from meshrl.model import splash
 from meshrl.model.tokenizer import tokenizer_from_config
 from meshrl.rl import advantages as adv_lib
 from meshrl.rl import losses
@@ -31,16 +31,14 @@ from meshrl.rl.batch import shared_prompts
 from meshrl.rl.envs import TaskMixture
 from meshrl.rl.envs.quality import Quarantine
 from meshrl.rl.envs.registry import DomainMixture, check_single_turn, load_domains
-from meshrl.rl.engine import check_engine_config
 from meshrl.rl.evaluation import Evaluator, held_out_examples
-from meshrl.rl.multiturn import EPISODE_FAMILIES, check_multiturn_config, episode_pools, wants_multi_turn
+from meshrl.rl.multiturn import EPISODE_FAMILIES, episode_pools, wants_multi_turn
 from meshrl.rl.multiturn_step import Demonstrations, MultiTurnEvaluator
 from meshrl.rl.multiturn_step import held_out as multiturn_held_out
 from meshrl.rl.prompts import ArrayRecordSource, JsonlSource, PromptStream
 from meshrl.rl.packing import update_shape
-from meshrl.rl.rollout import check_generation_layout
 from meshrl.rl.rewards import compose
-from meshrl.rl.sampling import Sampler
+from meshrl.rl.spec import check_generation
 from meshrl.rl.step import RLRun, build_run, in_flight_state, restore_in_flight, rl_step
 from meshrl.sharding import MESH_AXES, make_mesh, mesh_shape_for
 from meshrl.sharding.mesh import platform
@@ -85,11 +83,6 @@ def check_config(cfg, num_devices: int | None = None) -> None:
   if estimator.needs_critic and not cfg.model.value_head:
     raise ValueError("rl.advantage='gae' needs a critic: set model.value_head=true.")
   losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic)
-  Sampler(rl.temperature, rl.top_k, rl.top_p)
-  if rl.speculative != "none":  # rl/speculative.py: method, k, engine and sampler checks
-    from meshrl.rl import speculative  # pylint: disable=import-outside-toplevel
-    speculative.SpecConfig.from_config(cfg)
-    speculative.check_sampler(Sampler(rl.temperature, rl.top_k, rl.top_p))
   for field in ("prompts_per_step", "group_size", "max_prompt_len", "max_new_tokens", "epochs",
                 "reward_workers"):
     if rl[field] < 1:
@@ -120,11 +113,10 @@ def check_config(cfg, num_devices: int | None = None) -> None:
   if rl.overlong_buffer > rl.max_new_tokens:
     raise ValueError(f"rl.overlong_buffer={rl.overlong_buffer} must lie in [0, rl.max_new_tokens="
                      f"{rl.max_new_tokens}] (the penalty ramps over the last tokens of the budget).")
-  check_engine_config(rl)
-  quant.check_generation_options(kv_cache_dtype=rl.kv_cache_dtype, generation_weights=rl.generation_weights,
-                                 tis_level=rl.tis_level)
-  check_generation_layout(rl.generation_layout)
-  check_multiturn_config(cfg)
+  check_generation(cfg)  # scheduler, proposer, sampler, int8 and layout options, cache length
+  if not wants_multi_turn(cfg) and episode_pools(cfg):
+    raise ValueError(f"data.tasks={cfg.data.tasks!r} names multi-turn families {sorted(episode_pools(cfg))}: "
+                     "set rl.multi_turn=true.")
   splash.check_local_kernel(cfg.attention.local_kernel, cfg.attention.impl)
   if rl.max_staleness < 0:
     raise ValueError(f"rl.max_staleness={rl.max_staleness} must be >= 0 (0 = synchronous RL).")
@@ -164,7 +156,7 @@ def check_config(cfg, num_devices: int | None = None) -> None:
   if rl.pack_updates and (rows // rl.num_minibatches) % shards:
     raise ValueError(f"rl.packed_rows={rows} / rl.num_minibatches={rl.num_minibatches} packed rows per "
                      f"minibatch are not divisible by the data-parallel axes data*fsdp*expert = {shards}.")
-  check_engine_config(rl, data_parallel=shards)
+  check_generation(cfg, data_parallel=shards)
   if rl.sft_steps and rl.sft_batch_size % shards:
     raise ValueError(f"rl.sft_batch_size={rl.sft_batch_size} is not divisible by the data-parallel axes "
                      f"data*fsdp*expert = {shards}.")

@@ -9,6 +9,7 @@ environments) is rl/multiturn.py.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from typing import Any, Callable, Sequence
 
@@ -16,11 +17,11 @@ import jax
 import numpy as np
 
 from meshrl.model.tokenizer import Tokenizer
-from meshrl.rl.batch import batch_metrics, informative_groups, per_domain, select_groups, shared_prompts
+from meshrl.rl.batch import batch_metrics, informative_groups, per_domain, select_groups, shared_prompts, staleness
 from meshrl.rl.batches import ScoredBatch
 from meshrl.rl.envs import file_tasks
 from meshrl.rl.envs.base import DONE
-from meshrl.rl.multiturn import (ENDS, EpisodeStats, MultiTurnPrograms, MultiTurnRollout, default_env,
+from meshrl.rl.multiturn import (ENDS, EpisodeStats, MultiTurnRollout, default_env,
                                  episode_pools, render_observation)
 from meshrl.sharding import hosts
 
@@ -51,20 +52,65 @@ def scored_batch(out: MultiTurnRollout, examples: Sequence[dict], group_size: in
                            "first_errors": failures[:1]})
 
 
+def _draw(run, examples) -> list[dict]:
+  """This host's block of a step's examples, gathered in process order (rl/loop.prompt_stream); with
+  shared_prompts every host's stream is the whole stream and draws them all."""
+  count = run.cfg.rl.prompts_per_step
+  if shared_prompts(run.cfg):
+    return [next(examples) for _ in range(count)]
+  return hosts.gather_objects([next(examples) for _ in range(count // jax.process_count())])
+
+
+def _restored(item) -> MultiTurnRollout:
+  """A rollout in flight restored from a checkpoint (host arrays, the episodes' stats and texts)."""
+  return MultiTurnRollout(arrays=item.batch, episodes=[EpisodeStats(**e) for e in item.episodes["stats"]],
+                          texts=list(item.episodes["texts"]), counts={"prompts_truncated": 0, "extend_tokens": 0})
+
+
+def next_episodes_in_flight(run, examples, key: jax.Array):
+  """Asynchronous multi-turn RL: tops the queue of episode rollouts up to rl.max_staleness + 1 and
+  pops the oldest -> (its examples, MultiTurnRollout, the wait in seconds). New rollouts run in a
+  thread beside the step (their environments step and their turns decode while the host scores and the
+  devices update), on a snapshot of the current generation weights (the update donates the train
+  state's), stamped with the current version."""
+  from meshrl.rl.step import InFlight  # pylint: disable=import-outside-toplevel
+  cfg = run.cfg.rl
+  if run.episode_thread is None:
+    run.episode_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="episodes")
+  while len(run.in_flight) < cfg.max_staleness + 1:
+    drawn = _draw(run, examples)
+    weights = run.multiturn.weights(run.state.params, run.state.extra)
+    future = run.episode_thread.submit(run.multiturn.rollout, None, None, drawn,
+                                       jax.random.fold_in(key, 1000 + len(run.in_flight)), run.version, weights=weights)
+    run.in_flight.append(InFlight(drawn, future, run.version))
+  item = run.in_flight.popleft()
+  t0 = time.perf_counter()
+  out = _restored(item) if item.episodes is not None else item.batch.result()
+  return item.examples, out, time.perf_counter() - t0
+
+
 def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]:
   """rl/step.py's `collect` for multi-turn episodes (run.multiturn): one rollout round, plus up to
-  rl.max_resample_rounds more with dynamic sampling (DAPO) until prompts_per_step groups differ."""
+  rl.max_resample_rounds more with dynamic sampling (DAPO) until prompts_per_step groups differ.
+  With rl.max_staleness > 0 the first round is the oldest episode rollout in flight
+  (`next_episodes_in_flight`); with rl.rollout_token_budget the batch is the groups whose episodes
+  finished in this step's budget (rl/multiturn.PartialEpisodes), padded with blank groups."""
   cfg = run.cfg.rl
   rounds = 1 + (cfg.max_resample_rounds if cfg.dynamic_sampling else 0)
-  scored_rounds, outs, rollout_s = [], [], 0.0
+  scored_rounds, outs, rollout_s, partial_info = [], [], 0.0, {}
   for round_index in range(rounds):
-    # This host's block of the step's examples, gathered in process order (rl/loop.prompt_stream);
-    # with shared_prompts every host's stream is the whole stream and draws them all.
-    drawn = [next(examples) for _ in range(cfg.prompts_per_step)] if shared_prompts(run.cfg) else \
-        hosts.gather_objects([next(examples) for _ in range(cfg.prompts_per_step // jax.process_count())])
     t0 = time.perf_counter()
-    out = run.multiturn.rollout(run.state.params, run.state.extra, drawn,
-                                jax.random.fold_in(key, round_index), run.version)
+    round_key = jax.random.fold_in(key, round_index)
+    if run.partial is not None:
+      out, drawn, partial_info = run.partial.step(run.state.params, run.state.extra,
+                                                  lambda count: [next(examples) for _ in range(count)], round_key,
+                                                  run.version)
+    elif round_index == 0 and cfg.max_staleness > 0:
+      drawn, out, waited = next_episodes_in_flight(run, examples, key)
+      t0 = time.perf_counter() - waited
+    else:
+      drawn = _draw(run, examples)
+      out = run.multiturn.rollout(run.state.params, run.state.extra, drawn, round_key, run.version)
     rollout_s += time.perf_counter() - t0
     outs.append(out)
     scored = scored_batch(out, drawn, cfg.group_size)
@@ -77,18 +123,23 @@ def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]
                         dynamic=cfg.dynamic_sampling)
   batch.sample_valid &= batch.arrays.pop("env_ok")  # select_groups keeps groups, not samples' validity
   first, first_out = scored_rounds[0], outs[0]
+  if not first.texts:  # partial episodes: no group finished in this step
+    first = batch
   policy_tokens = np.asarray([e.policy_tokens for e in first_out.episodes], np.float32)
   metrics = {
-      **batch_metrics(first, batch, policy_tokens, cfg.group_size),
+      **batch_metrics(first, batch, policy_tokens if len(policy_tokens) else batch.arrays["lengths"], cfg.group_size),
       "reward_errors": sum(r.info["reward_errors"] for r in scored_rounds), "reward_timeouts": 0,
       "rollout_rounds": len(scored_rounds),
-      "prompts_rejected": 0, "prompts_truncated": sum(o.counts["prompts_truncated"] for o in outs),
+      "prompts_rejected": 0, "prompts_truncated": sum(o.counts.get("prompts_truncated", 0) for o in outs),
       "rollout_s": rollout_s, "reward_s": 0.0,
       "generated_tokens": int(sum(sum(e.policy_tokens for e in o.episodes) for o in outs)),
-      "extend_tokens": sum(o.counts["extend_tokens"] for o in outs),
-      "staleness_mean": 0.0, "staleness_max": 0.0,
+      "extend_tokens": sum(o.counts.get("extend_tokens", 0) for o in outs),
+      **staleness(batch.arrays, run.version, cfg.max_new_tokens), **partial_info,
       **episode_metrics(first_out.episodes),
   }
+  if cfg.speculative != "none" and "tokens_per_forward" in first_out.counts:
+    metrics.update(spec_acceptance_rate=first_out.counts["acceptance_rate"],
+                   spec_tokens_per_forward=first_out.counts["tokens_per_forward"])
   failures = [f for r in scored_rounds for f in r.info["first_errors"]]
   if failures:
     metrics["first_reward_error"] = failures[0][:200]
@@ -107,8 +158,9 @@ class MultiTurnEvaluator:
     self.examples = list(examples)
     processes = jax.process_count()  # each host runs the environments of an equal block of rows
     self.batch_size = -(-min(cfg.eval.batch_size, len(examples)) // processes) * processes
-    self.programs = MultiTurnPrograms(cfg, mesh, tokenizer, group_size=1, temperature=0.0,
-                                      make_env=make_env)
+    from meshrl.rl.spec import episode_runner  # pylint: disable=import-outside-toplevel
+    self.programs = episode_runner(cfg, mesh, tokenizer, group_size=1, temperature=0.0, make_env=make_env,
+                                   complete=True)
 
   def __call__(self, params, extra, key: jax.Array | None = None) -> dict[str, float]:
     key = jax.random.key(0) if key is None else key

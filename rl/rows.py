@@ -170,3 +170,25 @@ def _take_program(axis: int, sharding: NamedSharding | None):
 def _full_program(shape: tuple[int, ...], dtype: np.dtype, fill, sharding: NamedSharding | None):
   """jit(() -> [shape] of `fill`) in `sharding`: where a gather starts."""
   return jax.jit(functools.partial(jnp.full, shape, fill, dtype), out_shardings=sharding)
+
+
+# RolloutBatch's per-token fields, [B, S = Lp + N], and the fill of a blank sample's (a group kept
+# only for the batch's static shape) where it is not 0 / False.
+PER_TOKEN_FIELDS = ("tokens", "positions", "segment_ids", "prompt_mask", "response_mask", "logprobs",
+                    "policy_version")
+PAD_FILL = {"policy_version": -1}
+
+
+def rollout_rows(fields: dict, rows: np.ndarray | None = None) -> dict:
+  """A RolloutBatch's fields {name: device array} (routing left out) as the host side of an RL step
+  holds them: the per-token fields [B, S] stay on the devices as rl/rows.DeviceRows (the host moves
+  samples by row, pulls the response columns it scores, and the update batch is built on the
+  devices), the per-sample fields (lengths, truncated [B]) come to every host (`hosts.to_host`).
+  rows: the samples to keep (default all, in order)."""
+  out = {}
+  for name, value in fields.items():
+    if name in PER_TOKEN_FIELDS:
+      out[name] = DeviceRows.of(value, rows, fill=PAD_FILL.get(name, 0))
+    else:
+      out[name] = hosts.to_host(value) if rows is None else hosts.to_host(value)[rows]
+  return out

@@ -36,16 +36,16 @@ from meshrl.rl import losses
 from meshrl.rl import packing
 from meshrl.rl import routes
 from meshrl.rl.batch import (batch_metrics, empty_scored, informative_groups, next_prompts, response_columns,
-                            score_rollout, select_groups, shared_prompts)
+                            score_rollout, select_groups, shared_prompts, staleness)
 from meshrl.rl.batches import (ScoredBatch, UpdateBatch, align_for_update, align_on_devices,
                                device_put_batch, zigzag_batch)
 from meshrl.rl.rewards import compose
-from meshrl.rl.engine import make_engine
 from meshrl.rl.layouts import sample_layout
 from meshrl.rl.partial import PartialRollouts
-from meshrl.rl.multiturn import make_multiturn, wants_multi_turn
+from meshrl.rl.multiturn import PartialEpisodes, wants_multi_turn
 from meshrl.rl.multiturn_step import collect_multiturn
-from meshrl.rl.rollout import make_rollout, rollout_rows
+from meshrl.rl.rows import rollout_rows
+from meshrl.rl.spec import episode_runner, make_generator
 from meshrl.rl.routes import RoutingRows
 from meshrl.rl.rows import DeviceRows
 from meshrl.rl.scoring import RewardPool
@@ -77,14 +77,17 @@ class RLRun:
   batch_sharding: Any  # NamedSharding of [B, S] update arrays, or None without a mesh
   zigzag_shards: int  # > 1: update batches are laid out zigzag over the sequence axis
   samples_sharding: Any = None  # NamedSharding of [samples, S] contiguous arrays (packed updates' advantages)
-  partial: Any = None  # rl/partial.PartialRollouts when rl.rollout_token_budget > 0 (groups carried over)
+  partial: Any = None  # rl/partial.PartialRollouts (multi-turn: rl/multiturn.PartialEpisodes) when
+  #                      rl.rollout_token_budget > 0: groups carried over
   version: int = 0  # policy version: RL updates applied so far (restored with the checkpoint's step)
   in_flight: collections.deque = dataclasses.field(default_factory=collections.deque)  # InFlight
-  multiturn: Any = None  # rl/multiturn.MultiTurnPrograms when episodes are multi-turn (else None)
-  speculative: Any = None  # the speculating rollout / engine / partial rollouts, whose `.metrics` the step reports
+  multiturn: Any = None  # rl/multiturn.EpisodeRunner when episodes are multi-turn (else None)
+  episode_thread: Any = None  # asynchronous multi-turn RL: the executor running episodes beside the update
 
   def close(self) -> None:
     self.pool.close()
+    if self.episode_thread is not None:
+      self.episode_thread.shutdown(wait=True)
     if self.multiturn is not None:
       self.multiturn.close()
 
@@ -105,15 +108,23 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
     sharding = split(packing.update_shape(cfg))
     samples_sharding = split((cfg.rl.prompts_per_step * cfg.rl.group_size,
                               cfg.rl.max_prompt_len + cfg.rl.max_new_tokens))
-  rollout = (make_engine if cfg.rl.engine == "continuous" else make_rollout)(
-      cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id)
-  partial = PartialRollouts(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id) \
-      if cfg.rl.rollout_token_budget else None
+  multiturn = rollout = partial = None
+  if wants_multi_turn(cfg):
+    if cfg.rl.max_staleness and jax.process_count() > 1:
+      raise ValueError(f"rl.max_staleness={cfg.rl.max_staleness} with rl.multi_turn on {jax.process_count()} "
+                       "processes: asynchronous episodes gather their environments' answers across hosts from a "
+                       "second thread, whose collectives could interleave differently on each host; run "
+                       "multi-turn RL synchronously (rl.max_staleness=0) on several hosts.")
+    multiturn = episode_runner(cfg, mesh, tokenizer)
+    partial = PartialEpisodes(multiturn, cfg.rl.prompts_per_step) if cfg.rl.rollout_token_budget else None
+  else:
+    rollout = make_generator(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id)
+    partial = PartialRollouts(rollout, cfg.rl.prompts_per_step) if cfg.rl.rollout_token_budget else None
   return RLRun(
       cfg=cfg, mesh=mesh, graphdef=graphdef, state=state,
       ref_params=jax.tree.map(jnp.copy, state.params) if spec.kl_metric else None,
       spec=spec, estimator=estimator,
-      rollout=rollout, speculative=(rollout if partial is None else partial) if cfg.rl.speculative != "none" else None,
+      rollout=rollout,
       partial=partial,
       update=make_update(spec, graphdef, tx, batch_size=packing.update_rows(cfg),
                          num_minibatches=cfg.rl.num_minibatches, epochs=cfg.rl.epochs,
@@ -125,7 +136,7 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
       pool=RewardPool(compose(cfg.rl.rewards), num_workers=cfg.rl.reward_workers,
                       timeout_s=cfg.rl.reward_timeout_s),
       batch_sharding=sharding, samples_sharding=samples_sharding, zigzag_shards=zigzag_over,
-      multiturn=make_multiturn(cfg, mesh, tokenizer) if wants_multi_turn(cfg) else None)
+      multiturn=multiturn)
 
 
 def _rollout_arrays(batch, keep_on_devices: bool = False) -> dict:
@@ -149,15 +160,28 @@ def _rollout_arrays(batch, keep_on_devices: bool = False) -> dict:
 class InFlight:
   """A rollout dispatched ahead of the step that consumes it (asynchronous RL, rl.max_staleness)."""
   examples: list  # the P task examples of its groups
-  batch: Any  # RolloutBatch on the devices, possibly still being computed (host arrays once restored)
+  batch: Any  # RolloutBatch on the devices, possibly still being computed (host arrays once restored);
+  #             for multi-turn episodes a Future of rl/multiturn.MultiTurnRollout, run in a thread
   version: int  # policy version of the parameters that generated it
+  episodes: Any = None  # multi-turn: the episodes' stats and texts (JSON) once restored from a checkpoint
 
   def arrays(self) -> dict:
     """The rollout's fields as `collect` uses them: per-token fields kept on the devices (host arrays
     once restored from a checkpoint)."""
     if isinstance(self.batch, dict):
       return self.batch
+    if hasattr(self.batch, "result"):  # multi-turn episodes
+      return self.batch.result().arrays
     return _rollout_arrays(self.batch, keep_on_devices=True)
+
+  def episodes_state(self) -> dict | None:
+    """Multi-turn: {"stats": [...], "texts": [...]} of the episodes (waits for them); None otherwise."""
+    if self.episodes is not None:
+      return self.episodes
+    if hasattr(self.batch, "result"):
+      out = self.batch.result()
+      return {"stats": [dataclasses.asdict(e) for e in out.episodes], "texts": list(out.texts)}
+    return None
 
 
 def in_flight_state(run: RLRun) -> list[dict]:
@@ -169,7 +193,8 @@ def in_flight_state(run: RLRun) -> list[dict]:
     return array_to_json(value.to_host() if isinstance(value, DeviceRows) else value)
   shared = shared_prompts(run.cfg)
   return [{"examples": list(item.examples) if shared else hosts.gather_objects(item.examples),
-           "version": item.version, "arrays": {name: to_json(value) for name, value in item.arrays().items()}}
+           "version": item.version, "arrays": {name: to_json(value) for name, value in item.arrays().items()},
+           **({"episodes": item.episodes_state()} if item.episodes_state() is not None else {})}
           for item in run.in_flight]
 
 
@@ -182,7 +207,8 @@ def restore_in_flight(run: RLRun, state: list[dict]) -> None:
   shared = shared_prompts(run.cfg)
   run.in_flight = collections.deque(
       InFlight(item["examples"] if shared else item["examples"][hosts.own_block(len(item["examples"]))],
-               {name: from_json(name, v) for name, v in item["arrays"].items()}, item["version"])
+               {name: from_json(name, v) for name, v in item["arrays"].items()}, item["version"],
+               episodes=item.get("episodes"))
       for item in state)
 
 
@@ -203,17 +229,6 @@ def next_in_flight(run: RLRun, draw, key: jax.Array) -> InFlight:
                         jax.random.fold_in(key, 1000 + len(run.in_flight)), None, run.version)
     run.in_flight.append(InFlight(examples, batch, run.version))
   return run.in_flight.popleft()
-
-
-def _staleness(arrays: dict, version: int, max_new_tokens: int) -> dict[str, float]:
-  """Policy versions behind the current one, over the batch's generated tokens (in the response
-  columns: the prompt's have version -1 and no response mask)."""
-  columns = response_columns(arrays, max_new_tokens, ("policy_version", "response_mask"))
-  versions = columns["policy_version"][columns["response_mask"]]
-  if versions.size == 0:
-    return {"staleness_mean": 0.0, "staleness_max": 0.0}
-  behind = version - versions
-  return {"staleness_mean": float(behind.mean()), "staleness_max": float(behind.max())}
 
 
 def score_own_block(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool: RewardPool, *,
@@ -328,11 +343,12 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
       break
   batch = select_groups(scored_rounds, num_groups=cfg.prompts_per_step, group_size=cfg.group_size,
                         dynamic=cfg.dynamic_sampling)
-  partial_info.update(_staleness(batch.arrays, run.version, cfg.max_new_tokens))
-  if run.speculative is not None and run.speculative.metrics is not None:  # the last rollout's
-    spec = jax.device_get(run.speculative.metrics)
-    partial_info.update(spec_acceptance_rate=float(spec.acceptance_rate),
-                        spec_tokens_per_forward=float(spec.tokens_per_forward))
+  partial_info.update(staleness(batch.arrays, run.version, cfg.max_new_tokens))
+  generator = run.partial if run.partial is not None else run.rollout
+  if run.cfg.rl.speculative != "none" and generator.metrics is not None:  # the last rollout's
+    spec = jax.device_get(generator.metrics)
+    partial_info.update(spec_acceptance_rate=float(spec["acceptance_rate"]),
+                        spec_tokens_per_forward=float(spec["tokens_per_forward"]))
   first = scored_rounds[0]  # the first round is an unbiased sample of the policy: report it
   if not first.texts:  # partial rollouts: no group ended in this step
     first = batch

@@ -8,7 +8,7 @@
 The mesh (cfg.mesh, per slice) is laid over the topology's compile-only devices by `make_mesh`;
 inputs are abstract (shapes and shardings, nothing allocated); the programs are the ones a run
 jits: the RL update (rl/update.py), the prefill of a prompt of rl.max_prompt_len tokens and one
-decode step against a cache of rl.max_prompt_len + rl.max_new_tokens slots (rl/rollout.py), and the
+decode step against a cache of rl.max_prompt_len + rl.max_new_tokens slots (rl/generation/core.py), and the
 SFT step (train/sft.py). See rl/aot.py for what each figure means.
 
 JSON: a list with one object per step: {step, topology, chips, mesh, per_chip: {argument, output,

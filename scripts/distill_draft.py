@@ -1,5 +1,5 @@
 """Distils a speculative-decoding draft from a target policy on the target's own completions of the
-run's training prompts (train/distill.py), and saves it as a checkpoint rl.draft_checkpoint reads.
+run's training prompts (rl/distill.py), and saves it as a checkpoint rl.draft_checkpoint reads.
 
   python scripts/distill_draft.py --config=configs/tiny.py --config.model.init_from=runs/tiny \\
       --draft_config="configs/tiny.py:dense;model.num_layers=1;model.embed_dim=64" --out=runs/tiny_draft
@@ -53,11 +53,11 @@ def main(argv):
 
   from meshrl.model.tokenizer import tokenizer_from_config
   from meshrl.rl.loop import prompt_stream, train_source
-  from meshrl.rl.rollout import RolloutSpec
-  from meshrl.rl.speculative import check_compatible, draft_run_config
+  from meshrl.rl.distill import DistillConfig, distill, teacher_data
+  from meshrl.rl.generation.generator import check_draft
+  from meshrl.rl.spec import draft_run_config, make_generator
   from meshrl.sharding import make_mesh
   from meshrl.train.checkpoint import Checkpointer
-  from meshrl.train.distill import DistillConfig, distill, teacher_data
   from meshrl.train.init_from import check_initial_model, initial_model
   from meshrl.train.state import split_model
   # pylint: enable=import-outside-toplevel
@@ -68,14 +68,14 @@ def main(argv):
   check_initial_model(cfg)
   mesh = make_mesh(cfg.mesh)
   target, draft = initial_model(cfg, mesh), initial_model(draft_cfg, mesh)
-  check_compatible(target.config, draft.config)
+  check_draft(target.config, draft.config)
   tokenizer = tokenizer_from_config(cfg)
   stream = prompt_stream(train_source(cfg))
   texts = [tokenizer.render_prompt(next(stream)["prompt"]) for _ in range(args.prompts)]
   prompts, mask = tokenizer.encode_batch(texts, length=cfg.rl.max_prompt_len, padding="left")
-  spec = RolloutSpec.from_config(cfg, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
-                                 group_size=args.group_size)
-  batch = teacher_data(target, spec, prompts, mask, jax.random.key(cfg.seed))
+  generator = make_generator(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
+                             group_size=args.group_size, multi_turn=False, complete=True)
+  batch = teacher_data(generator, target, prompts, mask, jax.random.key(cfg.seed))
   history = distill(target, draft, batch, jax.random.key(cfg.seed + 1), dc)
   for i in sorted({0, len(history) // 2, len(history) - 1}):
     print(f"step {i:>5}  loss {history[i]['loss']:.4f}  greedy agreement {history[i]['greedy_agreement']:.3f}")

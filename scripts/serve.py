@@ -26,14 +26,15 @@ def _flags(parser):
 def build(cfg, mesh=None):
   """(engine, tokenizer, model name) for cfg: the model of model.init_from (random when empty) in the
   rollout layout with rl.kv_cache_dtype and rl.generation_weights, an engine of cfg.serve's numbers
-  (not started)."""
+  speculating as rl.speculative says (a draft from rl.draft_config / rl.draft_checkpoint), not started."""
   # pylint: disable=import-outside-toplevel  (jax only after --cpu_devices)
   from flax import nnx
 
-  from meshrl.model import quant
   from meshrl.model.tokenizer import tokenizer_from_config
   from meshrl.model.transformer import Transformer
-  from meshrl.rl.rollout import rollout_model_config
+  from meshrl.rl.generation.proposers import ProposerSpec
+  from meshrl.rl.generation.weights import WeightsSpec, make_prepare
+  from meshrl.rl.spec import load_draft, rollout_model_config
   from meshrl.serve.engine import Engine, EngineSpec
   from meshrl.sharding.rules import rules_from_config
   from meshrl.train.init_from import check_initial_model, initial_model
@@ -45,10 +46,18 @@ def build(cfg, mesh=None):
   _, params, extra = split_model(initial_model(cfg, mesh))
   mc = rollout_model_config(cfg, mesh)  # the rollout's layout and rl.kv_cache_dtype
   graphdef, abstract, _ = nnx.split(nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(0))), nnx.Param, ...)
-  if cfg.rl.generation_weights != "full":  # int8 weights, as rl/rollout.py's with_generation_weights
-    params = quant.make_weight_quantizer(abstract, mesh, rules_from_config(cfg.mesh))(params)
+  # int8 weights / the gathered layout: the generation weights every generator reads
+  params = make_prepare(WeightsSpec(cfg.rl.generation_weights, cfg.rl.generation_layout), abstract, mesh,
+                        rules_from_config(cfg.mesh))(params)
+  proposer = ProposerSpec(cfg.rl.speculative, cfg.rl.speculative_k, cfg.rl.ngram_n)
+  draft = None
+  if proposer.method == "draft":
+    draft_mc, draft_params = load_draft(cfg, mesh)
+    draft_graph, _, draft_rest = nnx.split(nnx.eval_shape(lambda: Transformer(draft_mc, rngs=nnx.Rngs(0))),
+                                           nnx.Param, ...)
+    draft = nnx.merge(draft_graph, draft_params, draft_rest)
   engine = Engine(nnx.merge(graphdef, params, extra), spec, stop_ids=tokenizer.stop_ids,
-                  pad_id=tokenizer.pad_id)
+                  pad_id=tokenizer.pad_id, proposer=proposer, draft=draft)
   return engine, tokenizer, cfg.serve.model_name or cfg.name
 
 

@@ -27,13 +27,13 @@ nothing is written. Exit 0 otherwise, whatever the pass rate.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import os
 import sys
 import time
 
+from meshrl.configs import cli
 from meshrl.rl.envs import tbench
 from meshrl.rl.envs.episode import Budget, run_episode
 from meshrl.rl.envs.terminal import TaskError, TerminalEnv, task_dirs
@@ -82,7 +82,7 @@ def policy_run(task, policy, max_turns: int) -> tbench.TaskRun:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tasks", nargs="+", required=True)
   parser.add_argument("--json", required=True)
   mode = parser.add_mutually_exclusive_group(required=True)

@@ -1,4 +1,4 @@
-"""Ring-attention prefill into a sequence-sharded KV cache (rl/rollout.py `prefill_prompts`, issue 14
+"""Ring-attention prefill into a sequence-sharded KV cache (rl/generation/core.py `prefill_prompts`, issue 14
 part 5): on 8 simulated devices (data=2 x sequence=4) it equals the unsharded prefill and greedy
 rollout in both layouts (zigzag, the default, and contiguous), the zigzag layout gives every device
 the same causal work, its cache is split over `sequence`, and its compiled program gathers no
@@ -18,7 +18,8 @@ from meshrl.model.attention import KernelConfig
 from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig, Transformer
-from meshrl.rl.rollout import make_rollout, prefill_prompts, uses_ring_prefill
+from meshrl.rl.generation.core import prefill_prompts, uses_ring_prefill
+from meshrl.rl.spec import make_generator
 from meshrl.sharding import make_mesh
 
 TOK = ByteTokenizer()
@@ -53,8 +54,8 @@ def test_ring_prefill_and_decode_equal_the_unsharded_rollout(zigzag, attention):
 
   # Ring prefill + sequence-sharded decode (log-sum-exp merge) vs one device, greedy: the same tokens,
   # and the same log-probabilities (so the same logits) at every step.
-  ring = make_rollout(cfg, mesh, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id)
-  ref = make_rollout(ref_cfg, None, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id)
+  ring = make_generator(cfg, mesh, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id)
+  ref = make_generator(ref_cfg, None, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id)
   a = ring(params, extra, prompts, mask, jax.random.key(0))
   b = ref(params, extra, prompts, mask, jax.random.key(0))
   np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))

@@ -112,7 +112,7 @@ def _with_kernel(mc: ModelConfig, local_kernel: str) -> ModelConfig:
 
 @pytest.mark.slow  # about 15 s on a quiet 2-core machine (two models' forward + backward compile)
 def test_model_with_splash_equals_jnp_on_rollout_layout(attention_cases):
-  """The RL update's layout (rl/rollout.py): left-padded prompts and an invalid tail, both segment
+  """The RL update's layout (rl/generation/core.py): left-padded prompts and an invalid tail, both segment
   0 at position 0, real tokens segment 1. Splash and jnp agree on every real token's logits and on
   the gradient of a loss over real tokens (pad rows may differ: no real token sees them)."""
   mc = ModelConfig.from_config(configs.load("configs/tiny.py", TINY))

@@ -111,14 +111,17 @@ def test_dataset_gate_flags_wrong_references_permissive_verifiers_and_duplicates
   assert quarantine.ids == {"crash", "dupe", "wrong_ref"}  # "line 6" has no id to name it by
 
 
-def test_dataset_gate_catches_a_verifier_that_passes_anything_and_checks_code_tasks():
+def test_dataset_gate_catches_a_verifier_that_passes_anything():
+  from meshrl.rl.envs.dataset_gate import check_examples  # pylint: disable=import-outside-toplevel
+  lenient = check_examples([{"prompt": "p", "answer": "a"}], ["p"], reward=lambda c, e: 1.0)
+  assert lenient["reasons"] == {"p": "a blank answer scores 1 by verifier 'default' (must be 0)"}
+
+
+@pytest.mark.needs_sandbox
+def test_dataset_gate_checks_code_tasks_by_their_own_tests():
   import numpy as np  # pylint: disable=import-outside-toplevel
   from meshrl.rl.envs.dataset_gate import check_examples  # pylint: disable=import-outside-toplevel
   from meshrl.rl.envs.mixture import make_example  # pylint: disable=import-outside-toplevel
-  lenient = check_examples([{"prompt": "p", "answer": "a"}], ["p"], reward=lambda c, e: 1.0)
-  assert lenient["reasons"] == {"p": "a blank answer scores 1 by verifier 'default' (must be 0)"}
-  if not HAVE_BWRAP:
-    pytest.skip("code verifiers need bubblewrap (apt-get install -y bubblewrap)")
   examples = [make_example("code", np.random.default_rng(i), difficulty=1) for i in range(3)]
   broken = dict(examples[1], answer=examples[1]["answer"].replace("return", "return None and"))
   report = check_examples(examples + [broken], ["c0", "c1", "c2", "c1-broken"])

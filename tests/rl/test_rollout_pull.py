@@ -12,7 +12,7 @@ import pytest
 from meshrl import configs
 from meshrl.rl import loop
 from meshrl.rl import step as step_lib
-from meshrl.rl.rollout import PER_TOKEN_FIELDS
+from meshrl.rl.rows import PER_TOKEN_FIELDS
 from meshrl.rl.rows import DeviceRows
 from meshrl.sharding import hosts
 

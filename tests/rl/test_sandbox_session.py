@@ -9,6 +9,7 @@ attack tests (test_sandbox_attacks_*.py) also run against sessions (their fixtur
 import concurrent.futures
 import os
 import secrets
+import threading
 import time
 
 import pytest
@@ -220,12 +221,14 @@ def test_eight_concurrent_sessions_cannot_see_each_other():
   except sb.SandboxUnavailable as error:
     pytest.skip(f"bubblewrap unavailable: {error}")
   tokens = [secrets.token_hex(6) for _ in range(8)]
+  everyone_up = threading.Barrier(8)
 
   def episode(token):
     session = pool.acquire()
     try:
       session.write_files({"server.py": SERVER, "mine": token + "\n"})
       outputs = [session.run(f"python3 server.py 8000 {token} >/dev/null 2>&1 & SECRET={token}").stdout]
+      everyone_up.wait(timeout=120)  # all 8 sessions live at once, however slowly a busy machine starts them
       started = time.monotonic()
       for _ in range(3):
         outputs.append(session.run("sleep 0.3; " + ASK.format(port=8000) + "; echo $SECRET; cat mine; "

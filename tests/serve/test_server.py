@@ -3,6 +3,7 @@ completions and chat (streamed and whole) agree with the engine, stop strings, m
 errors that name the problem, a disconnecting client frees its slot, and a concurrent load test."""
 
 import json
+import threading
 import time
 
 import httpx
@@ -11,6 +12,7 @@ import pytest
 
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.serve.app import ServerThread, make_app
+from meshrl.serve.engine import Request
 from meshrl.serve.loadtest import load_test
 from meshrl.serve.openai_api import render_chat
 
@@ -84,7 +86,7 @@ def test_bad_input_gets_a_4xx_naming_the_problem(server):
   cases = [
       ("/v1/completions", "{not json", 400, "JSON"),
       ("/v1/completions", {**ok, "model": "gpt-9"}, 404, "gpt-9"),
-      ("/v1/completions", {**ok, "n": 2}, 400, "`n`"),
+      ("/v1/completions", {**ok, "n": 17}, 400, "`n`"),
       ("/v1/completions", {**ok, "logprobs": 3}, 400, "`logprobs`"),
       ("/v1/completions", {**ok, "frobnicate": 1}, 400, "frobnicate"),
       ("/v1/completions", {**ok, "prompt": "x" * 80}, 400, "context length"),
@@ -102,10 +104,45 @@ def test_bad_input_gets_a_4xx_naming_the_problem(server):
     assert reply.status_code == status, (body, reply.text)
     error = reply.json()["error"]
     assert needle in error["message"] and error["type"], (body, error)
-  assert post("/v1/completions", {**ok, "n": 2}).json()["error"]["param"] == "n"
+  assert post("/v1/completions", {**ok, "n": 0}).json()["error"]["param"] == "n"
   with pytest.raises(openai.BadRequestError, match="best_of"):
     client.completions.create(model=NAME, prompt="hi", best_of=3)
   assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_n_samples_and_logprobs(server, tiny_served):
+  """n=3 answers three samples (a seeded request repeats them; its samples differ), each with its
+  chosen tokens' log-probs; greedy log-probs are the model's own (a full forward), streamed choices
+  carry their index."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  _, _, client = server
+  kw = dict(model=NAME, prompt="rev abc=", max_tokens=8, temperature=1.0, seed=5, n=3, logprobs=0)
+  first, again = client.completions.create(**kw), client.completions.create(**kw)
+  texts = [c.text for c in first.choices]
+  assert [c.index for c in first.choices] == [0, 1, 2] and texts == [c.text for c in again.choices]
+  assert len(set(texts)) > 1
+  for choice in first.choices:
+    assert "".join(choice.logprobs.tokens) == choice.text or choice.finish_reason == "stop"
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+  chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                        temperature=0, logprobs=True)
+  content = chat.choices[0].logprobs.content
+  prompt = TOK.encode(render_chat(TOK, [{"role": "user", "content": "hi"}]))
+  engine = tiny_served[2]
+  events = []
+  done = threading.Event()
+  engine.submit(Request(prompt=prompt, max_tokens=6, emit=lambda e: (events.append(e), e.finish_reason and done.set())))
+  assert done.wait(60)
+  tokens = [t for e in events for t in e.tokens]
+  want = [lp for e in events for lp in e.logprobs]
+  assert [c.logprob for c in content] == pytest.approx(want, abs=1e-6) and len(want) == len(tokens) == 6
+  ids = np.asarray([prompt + tokens])  # the engine's log-probs are the model's own
+  logits = np.asarray(jax.nn.log_softmax(tiny_served[1](ids).logits[0], axis=-1))
+  np.testing.assert_allclose(want, [logits[len(prompt) - 1 + i, t] for i, t in enumerate(tokens)], atol=1e-4)
+  streamed = client.completions.create(**{**kw, "stream": True})
+  indices = {choice.index for event in streamed for choice in event.choices}
+  assert indices == {0, 1, 2}
 
 
 def test_client_disconnecting_mid_stream_frees_its_slot(server):

@@ -94,7 +94,7 @@ from meshrl import configs
 from meshrl.model.init import build_model
 from meshrl.model.transformer import ModelConfig
 from meshrl.rl.envs.base import StepResult
-from meshrl.rl.multiturn import make_multiturn
+from meshrl.rl.spec import episode_runner
 resets = []
 
 class HostEnv:
@@ -109,7 +109,7 @@ class HostEnv:
 
 cfg = configs.load("configs/tiny.py", json.loads(sys.argv[4]))
 _, params, extra = nnx.split(build_model(ModelConfig.from_config(cfg, None), None), nnx.Param, ...)
-programs = make_multiturn(cfg, None, tokenizer, make_env=lambda example: HostEnv())
+programs = episode_runner(cfg, None, tokenizer, make_env=lambda example: HostEnv())
 encoded, encode = [], programs._encode_prompts  # pylint: disable=protected-access
 programs._encode_prompts = lambda texts: (encoded.append(list(texts)), encode(texts))[1]
 episodes = programs.rollout(params, extra, batch["examples"], jax.random.key(0))

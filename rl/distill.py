@@ -1,10 +1,11 @@
 """Distilling a draft model for speculative decoding from the target's own completions.
 
-The target completes the task prompts (greedy or sampled, rl/rollout.generate); the draft then learns
+The target completes the task prompts (greedy or sampled, through the generation engine: an
+rl/generation Generator); the draft then learns
 the target's next-token distribution on those sequences, token by token: KL(p_target || q_draft) over
 the positions that predict a response token ("kl", as DistillSpec, Zhou et al. 2024, does on
 on-policy data), or cross-entropy on the target's sampled tokens ("ce"). A draft whose distribution is
-closer to the target's accepts more proposals (rl/speculative.py).
+closer to the target's accepts more proposals (rl/generation/proposers.py).
 
 Axis legend: B sequences, T length, V vocab.
 """
@@ -19,8 +20,8 @@ import optax
 from flax import nnx
 
 from meshrl.model.transformer import Transformer
-from meshrl.rl.rollout import RolloutBatch, RolloutSpec, generate
-from meshrl.rl.speculative import check_compatible
+from meshrl.rl.generation.generator import check_draft
+from meshrl.rl.generation.output import RolloutBatch
 
 LOSSES = ("kl", "ce")
 
@@ -59,17 +60,19 @@ def distill_loss(draft: Transformer, batch: RolloutBatch, target_logits: jax.Arr
   return jnp.sum(per_token * mask) / count, {"greedy_agreement": jnp.sum(agree * mask) / count}
 
 
-def teacher_data(target: Transformer, spec: RolloutSpec, prompts: jax.Array, prompt_mask: jax.Array,
+def teacher_data(generator, target: Transformer, prompts: jax.Array, prompt_mask: jax.Array,
                  key: jax.Array) -> RolloutBatch:
-  """The target's completions of prompts [P, Lp] (spec: group size, length, temperature), jitted."""
-  return jax.jit(lambda: generate(target, spec, prompts, prompt_mask, key))()
+  """The target's completions of prompts [P, Lp] by `generator` (a Generator of the target's model:
+  its group size, length and temperature)."""
+  _, params, extra = nnx.split(target, nnx.Param, ...)
+  return generator(params, extra, prompts, prompt_mask, key)
 
 
 def distill(target: Transformer, draft: Transformer, batch: RolloutBatch, key: jax.Array,
             dc: DistillConfig = DistillConfig()):
   """Trains `draft` (in place: its params are updated) on the target's completions `batch`
   (`teacher_data`) -> list of per-step metric dicts (host floats)."""
-  check_compatible(target.config, draft.config)
+  check_draft(target.config, draft.config)
   target_logits = jax.jit(lambda b: jax.lax.stop_gradient(
       target(b.tokens, positions=b.positions, segment_ids=b.segment_ids).logits))(batch)
   graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
