@@ -16,7 +16,6 @@ Options: `configs/tiny_agent.py:quick` runs 10 RL steps (a smoke run).
 """
 
 from meshrl.configs.loader import load_preset
-from meshrl.rl.envs import file_tasks
 
 
 def get_config(arg=None):
@@ -29,7 +28,11 @@ def get_config(arg=None):
   config.model.head_dim = 32
   config.model.mlp_dim = 256
   config.model.max_seq_len = 136  # prompt 24 + episode 96 + observation slack 16
-  config.moe.num_experts = 0
+  config.moe.num_experts = 4  # an MoE policy: 4 experts, top-2, each half the dense width (the same active MLP)
+  config.moe.num_experts_per_tok = 2
+  config.moe.expert_mlp_dim = 128
+  config.moe.first_k_dense = 0
+  config.rl.replay_routing = True  # the update replays the experts of every token of every turn
   config.attention.impl = "reference"
   config.optim.learning_rate = 1e-4  # 3e-4 rose faster, then collapsed at step 40 (measured)
   config.rl.multi_turn = True
@@ -38,6 +41,9 @@ def get_config(arg=None):
   config.rl.max_obs_tokens = 16
   config.rl.env_workers = 2
   config.rl.env_timeout_s = 10.0
+  config.rl.engine = "continuous"  # episodic: an episode's slot pauses for its environment, the others decode on
+  config.rl.max_staleness = 1  # asynchronous: batch k+1's episodes run while batch k is scored and updated
+  config.rl.tis_level = "token"  # importance-correct the one-update-old samples
   config.rl.num_steps = 80
   config.rl.prompts_per_step = 8
   config.rl.group_size = 8
@@ -49,7 +55,7 @@ def get_config(arg=None):
   config.rl.sft_steps = 200
   config.rl.sft_batch_size = 16
   config.data.seq_len = 128
-  config.data.tasks = f"{file_tasks.FAMILY}:1.0"
+  config.data.tasks = "files_copy:1.0"  # rl/envs/file_tasks.py (presets import nothing but configs)
   config.eval.every = 10
   config.eval.num_prompts = 64
   config.eval.batch_size = 64
