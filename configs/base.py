@@ -160,7 +160,7 @@ def get_config(arg=None):
   config.rl.epochs = 1  # Passes over each rollout batch (sample reuse).
   config.rl.replay_routing = True  # Update replays the experts the rollout chose (MoE stability).
   config.rl.num_minibatches = 1  # Minibatches per epoch.
-  config.rl.pack_updates = False  # Update on trajectories packed into rows with segment ids (rl/packing.py).
+  config.rl.pack_updates = False  # Update on trajectories packed into rows with segment ids (rl/batches/packing.py).
   config.rl.packed_row_len = 0  # Packed update: tokens per row (0 = max_prompt_len + max_new_tokens).
   config.rl.packed_rows = 0  # Packed update: rows per batch, static; must hold every step's tokens (0 = one per sample).
   config.rl.tis_level = "none"  # Truncated importance weights vs the behaviour policy: "none", "token", "sequence".
@@ -171,13 +171,13 @@ def get_config(arg=None):
   config.rl.overlong_buffer = 0  # Overlong shaping: penalty ramps over the last N tokens (0 = off).
   config.rl.overlong_penalty = 1.0  # Overlong shaping: penalty at the budget.
   config.rl.rewards = "answer:1.0"  # Reward functions and weights: "name:weight,..." (rl/rewards).
-  config.rl.reward_workers = 8  # Threads scoring a batch's rewards concurrently (rl/scoring.py).
+  config.rl.reward_workers = 8  # Threads scoring a batch's rewards concurrently (rl/rewards/pool.py).
   config.rl.reward_timeout_s = 30.0  # Per-sample reward time limit; a sample past it scores 0 (counted).
   config.rl.max_nonfinite_steps = 3  # Stop, checkpointed, after this many all-non-finite steps in a row (0 = never).
   config.rl.sft_steps = 200  # Supervised warm-start steps before RL (0 = none).
   config.rl.sft_learning_rate = 1e-3  # Warm-start learning rate.
   config.rl.sft_batch_size = 16  # Warm-start sequences per step.
-  config.rl.multi_turn = False  # Multi-turn tool episodes (rl/multiturn.py): turn, env step, observation into the KV cache; rl.max_new_tokens is the episode's budget after the prompt.
+  config.rl.multi_turn = False  # Multi-turn tool episodes (rl/step/episodes.py): turn, env step, observation into the KV cache; rl.max_new_tokens is the episode's budget after the prompt.
   config.rl.max_turns = 4  # Multi-turn: policy turns per episode (an example's own max_turns may be lower).
   config.rl.max_turn_tokens = 32  # Multi-turn: tokens of one policy turn.
   config.rl.max_obs_tokens = 64  # Multi-turn: observation tokens appended per turn (longer keep their head); also the KV cache's slack.
@@ -197,7 +197,7 @@ def get_config(arg=None):
   config.data.seq_len = 128  # SFT: packed sequence length.
   config.data.num_workers = 0  # grain worker processes (0 = in-process).
 
-  # --- eval: held-out evaluation (rl/evaluation.py, scripts/eval.py).
+  # --- eval: held-out evaluation (rl/step/evaluation.py, scripts/eval.py).
   config.eval = ml_collections.ConfigDict()
   config.eval.every = 0  # RL steps between evaluations (0 = off); also after the warm start and at the end.
   config.eval.num_prompts = 200  # Held-out prompts (distinct; fewer if the domain has fewer).

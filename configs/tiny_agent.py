@@ -10,7 +10,7 @@ file-name pairs training never sees (data.eval_fraction of the 650, by hash).
 
 Recipe: a short warm start (SFT, rl.sft_steps) on oracle episodes cut at each policy turn
 (rl/multiturn_step.Demonstrations) leaves the greedy policy solving part of the held-out episodes; GRPO on
-multi-turn episodes (rl/multiturn.py: turn, environment step, observation into the KV cache; loss on the
+multi-turn episodes (rl/step/episodes.py: turn, environment step, observation into the KV cache; loss on the
 policy's own tokens) then raises held-out success.
 Options: `configs/tiny_agent.py:quick` runs 10 RL steps (a smoke run).
 """

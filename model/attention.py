@@ -42,9 +42,9 @@ class KernelConfig:
 
   `zigzag` (attention.zigzag) asks ring attention to run causal sequences in the zigzag layout
   (ring_attention.zigzag) for load balance: training batches are laid out so by their callers
-  (rl/step.py, train/sft.py), the ring prefill by rl/rollout.py. `inputs_zigzag` says that this copy
+  (rl/step/program.py, train/sft.py), the ring prefill by rl/generation/core.py. `inputs_zigzag` says that this copy
   of the model gets its tokens in the zigzag layout over `sequence` (`Transformer.with_kernel`): set
-  by the callers that lay them out so (the RL update and log-probs, rl/update.py; SFT; the ring
+  by the callers that lay them out so (the RL update and log-probs, rl/algo/update.py; SFT; the ring
   prefill, rl/generation/core.py `prefill_prompts`, whose cache is written in token order: positions, segment
   ids and each layer's keys/values put back by ring_attention.unzigzag_on_mesh, no gather). Splash's
   ring (`_ring_splash`) masks by index, so it reads the layout from this flag; a model called

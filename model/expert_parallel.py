@@ -21,9 +21,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from meshrl.model.blockwise import match_vma
 from meshrl.model.moe_dispatch import EXPERT_AXIS, ExpertWeights, combine_slots, rank_in_group
-from meshrl.sharding.mesh import MESH_AXES
+from meshrl.sharding.mesh import EXPERT_AXIS, FSDP_AXIS, MESH_AXES, TENSOR_AXIS
 
-FSDP_AXIS, TENSOR_AXIS = "fsdp", "tensor"
 EXCHANGES = ("auto", "all_to_all", "ragged")
 WEIGHT_LAYOUTS = ("auto", "sharded", "gathered")
 

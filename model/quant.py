@@ -18,7 +18,7 @@ Both are symmetric absmax quantisation, int8 values in [-127, 127] times a scale
 Training never sees any of this: the train state keeps full-precision parameters, and
 `make_weight_quantizer` derives the int8 copy from them for each rollout (rl/generation/core.py). Behaviour
 and training numerics then differ, so rl.generation_weights = "int8" requires rl.tis_level != "none"
-(the update's truncated importance correction, rl/losses.py, covers the mismatch).
+(the update's truncated importance correction, rl/algo/losses.py, covers the mismatch).
 
 rl/generation/quality.py measures what the int8 paths cost against full precision (scripts/quant_report.py).
 

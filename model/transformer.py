@@ -27,6 +27,7 @@ from meshrl.model import expert_parallel, moe_dispatch, quant
 from meshrl.model import moe as moe_lib
 from meshrl.model.moe import MoE
 from meshrl.sharding.rules import rules_from_config
+from meshrl.sharding.mesh import FSDP_AXIS, SEQUENCE_AXIS, axis_size
 
 DECODE_LAYERS = ("auto", "scan", "unrolled")
 
@@ -84,7 +85,7 @@ class ModelConfig:
   aux_free_bias: bool = False
   ep_exchange: str = "auto"
   ep_weights: str = "auto"
-  ep_d_axes: tuple[str, ...] = ("fsdp",)  # mesh axes the parameter rules split the experts' D over
+  ep_d_axes: tuple[str, ...] = (FSDP_AXIS,)  # mesh axes the parameter rules split the experts' D over
   kv_cache_dtype: str = "model"  # KV cache entries: "model" (dtype) or "int8" (model/quant.py)
 
   def __post_init__(self):
@@ -167,7 +168,7 @@ class ModelConfig:
     layouts, unless the mesh splits the sequence (merging a split length axis with the batch made a
     TPU compile gather more)."""
     mesh = self.kernel.mesh
-    return self.kernel.backend == "cpu" and (mesh is None or mesh.shape.get("sequence", 1) == 1)
+    return self.kernel.backend == "cpu" and axis_size(mesh, SEQUENCE_AXIS) == 1
 
   def cache_entry_shapes(self) -> dict[str, dict[str, tuple[int, ...]]]:
     """{stack: {entry: (layers, *per-token shape)}} for kv_cache.init_cache."""

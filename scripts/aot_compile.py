@@ -7,9 +7,9 @@
 
 The mesh (cfg.mesh, per slice) is laid over the topology's compile-only devices by `make_mesh`;
 inputs are abstract (shapes and shardings, nothing allocated); the programs are the ones a run
-jits: the RL update (rl/update.py), the prefill of a prompt of rl.max_prompt_len tokens and one
+jits: the RL update (rl/algo/update.py), the prefill of a prompt of rl.max_prompt_len tokens and one
 decode step against a cache of rl.max_prompt_len + rl.max_new_tokens slots (rl/generation/core.py), and the
-SFT step (train/sft.py). See rl/aot.py for what each figure means.
+SFT step (train/sft.py). See rl/step/aot.py for what each figure means.
 
 JSON: a list with one object per step: {step, topology, chips, mesh, per_chip: {argument, output,
 temp, code, alias, total}, hbm_per_chip, fits, flops, model_flops, tokens, collective_bytes,
@@ -52,7 +52,7 @@ def main(argv) -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  from meshrl.rl import aot  # pylint: disable=import-outside-toplevel  (imports jax)
+  from meshrl.rl.step import aot  # pylint: disable=import-outside-toplevel  (imports jax)
   counts = aot.parameter_counts_of(cfg)
   print(f"# {args.config}: {counts['total']:.4g} parameters, {counts['active_per_token']:.4g} active "
         f"per token (from shapes)", flush=True)

@@ -128,7 +128,7 @@ def section_rollout(args, cfg) -> dict:
   import numpy as np
 
   from meshrl.model.tokenizer import ByteTokenizer
-  from meshrl.rl.spec import make_generator
+  from meshrl.rl.step.spec import make_generator
   # pylint: enable=import-outside-toplevel
   cfg = copy.deepcopy(cfg)  # the settings below are this section's own; other sections see the given cfg
   tok = ByteTokenizer()
@@ -183,7 +183,7 @@ def _synthetic_scored(cfg, lengths, seed: int):
   import numpy as np
 
   from meshrl.model.tokenizer import ByteTokenizer
-  from meshrl.rl.batches import ScoredBatch
+  from meshrl.rl.batches.handover import ScoredBatch
   # pylint: enable=import-outside-toplevel
   tok, rng = ByteTokenizer(), np.random.default_rng(seed)
   batch, lp, n = len(lengths), cfg.rl.max_prompt_len, cfg.rl.max_new_tokens
@@ -208,7 +208,7 @@ def _synthetic_scored(cfg, lengths, seed: int):
 
 
 def section_update(args, cfg) -> dict:
-  """Update seconds of the same long-tailed trajectories, padded [B, S] vs packed [R, W] (rl/packing.py).
+  """Update seconds of the same long-tailed trajectories, padded [B, S] vs packed [R, W] (rl/batches/packing.py).
 
   Trajectories: --prompts x --group_size samples, responses of log-normal lengths (--median_len,
   --sigma, budget --max_new_tokens, as the rollout section). Both runs start from the same params
@@ -225,7 +225,7 @@ def section_update(args, cfg) -> dict:
   from meshrl.model.init import build_model
   from meshrl.model.tokenizer import ByteTokenizer
   from meshrl.model.transformer import ModelConfig
-  from meshrl.rl.step import build_run, prepare
+  from meshrl.rl.step.program import build_run, prepare
   from meshrl.sharding import make_mesh
   from meshrl.sharding.rules import data_parallel_size
   # pylint: enable=import-outside-toplevel
@@ -285,10 +285,10 @@ def section_step(args, cfg) -> dict:
   import numpy as np
 
   from meshrl import configs
-  from meshrl.rl import loop
+  from meshrl.rl.step import driver as loop
   from meshrl.rl.rewards import compose
-  from meshrl.rl.scoring import RewardPool
-  from meshrl.rl.step import rl_step
+  from meshrl.rl.rewards.pool import RewardPool
+  from meshrl.rl.step.program import rl_step
 
   base = list(args.overrides) + ["rl.sft_steps=0", "rl.dynamic_sampling=false", "rl.tis_level=token"]
   workers = args.reward_workers
@@ -335,7 +335,7 @@ def _rollout_variants(args, cfg, patches: dict) -> tuple[dict, dict]:
   import numpy as np
 
   from meshrl.model.tokenizer import ByteTokenizer
-  from meshrl.rl.spec import make_generator
+  from meshrl.rl.step.spec import make_generator
   # pylint: enable=import-outside-toplevel
   tok = ByteTokenizer()
   mesh, state = _fresh_state(cfg)
@@ -478,7 +478,7 @@ def section_episodic(args, cfg) -> dict:
   import numpy as np
 
   from meshrl.model.tokenizer import ByteTokenizer
-  from meshrl.rl.spec import episode_runner
+  from meshrl.rl.step.spec import episode_runner
   # pylint: enable=import-outside-toplevel
   tok = ByteTokenizer()
   rng = np.random.default_rng(cfg.seed)

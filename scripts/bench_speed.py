@@ -11,7 +11,7 @@ returns flat JSON-ready figures; the table prints them all, ratios beside the ab
 speculative: a configs/tiny.py-like dense target made larger (--target_layers x --target_width),
   trained for --target_steps on the task (text of a random Markov chain: one likely successor per
   token), and a 1-layer narrow draft distilled on the target's own greedy completions of other prompts
-  of the task (rl/distill.py); both then decode held-out prompts: decode tokens/s, time to first
+  of the task (rl/algo/distill.py); both then decode held-out prompts: decode tokens/s, time to first
   token, identical output, acceptance rate, tokens per target forward. The task is easy on purpose
   (the target's greedy text follows the chain's likeliest successors), so acceptance is near 1: the
   figure shows what verification and the loop cost, not how good a real draft is.
@@ -43,7 +43,7 @@ from flax import nnx
 from meshrl.configs import cli
 from meshrl.model.layers import RopeConfig
 from meshrl.model.transformer import ModelConfig, Transformer
-from meshrl.rl.distill import DistillConfig, distill
+from meshrl.rl.algo.distill import DistillConfig, distill
 from meshrl.rl.generation.core import StepConfig
 from meshrl.rl.generation.generator import Generator
 from meshrl.rl.generation.proposers import ProposerSpec

@@ -1,5 +1,5 @@
 """Distils a speculative-decoding draft from a target policy on the target's own completions of the
-run's training prompts (rl/distill.py), and saves it as a checkpoint rl.draft_checkpoint reads.
+run's training prompts (rl/algo/distill.py), and saves it as a checkpoint rl.draft_checkpoint reads.
 
   python scripts/distill_draft.py --config=configs/tiny.py --config.model.init_from=runs/tiny \\
       --draft_config="configs/tiny.py:dense;model.num_layers=1;model.embed_dim=64" --out=runs/tiny_draft
@@ -52,10 +52,10 @@ def main(argv):
   import jax
 
   from meshrl.model.tokenizer import tokenizer_from_config
-  from meshrl.rl.loop import prompt_stream, train_source
-  from meshrl.rl.distill import DistillConfig, distill, teacher_data
+  from meshrl.rl.step.driver import prompt_stream, train_source
+  from meshrl.rl.algo.distill import DistillConfig, distill, teacher_data
   from meshrl.rl.generation.generator import check_draft
-  from meshrl.rl.spec import draft_run_config, make_generator
+  from meshrl.rl.step.spec import draft_run_config, make_generator
   from meshrl.sharding import make_mesh
   from meshrl.train.checkpoint import Checkpointer
   from meshrl.train.init_from import check_initial_model, initial_model

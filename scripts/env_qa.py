@@ -16,7 +16,7 @@ flags the tasks it always or never solves ("curriculum"): --policy names a facto
 `() -> generate(conversation)`; --checkpoint is a meshrl checkpoint (a step folder, checkpoints/ or a
 work dir) of the model of --config (preset and overrides, as scripts/rl.py takes them), loaded onto one
 device and decoded by serve/engine.py's Engine at rl.temperature (0 = greedy), rl.max_turn_tokens
-tokens per turn, its conversation rendered as rl/multiturn.py renders an episode. Exit status 0 even
+tokens per turn, its conversation rendered as rl/step/episodes.py renders an episode. Exit status 0 even
 when tasks are quarantined; 2 for bad flags.
 """
 
@@ -40,9 +40,9 @@ def _policy(spec: str):
 
 
 def render_conversation(tokenizer, conversation) -> str:
-  """An episode's messages as the policy reads them in rl/multiturn.py: the task as the rendered
+  """An episode's messages as the policy reads them in rl/step/episodes.py: the task as the rendered
   prompt, then the policy's turns as generated and each observation between `<out>` tags."""
-  from meshrl.rl.multiturn import render_observation  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.episodes import render_observation  # pylint: disable=import-outside-toplevel
   if not conversation or conversation[0]["role"] != "user":
     raise ValueError("a conversation starts with the task's user message")
   parts = [tokenizer.render_prompt(conversation[0]["content"])]

@@ -27,8 +27,8 @@ def main(argv):
   import jax
 
   from meshrl.model.tokenizer import tokenizer_from_config
-  from meshrl.rl.evaluation import Evaluator, held_out_examples
-  from meshrl.rl.loop import check_config, train_prompts, train_source
+  from meshrl.rl.step.evaluation import Evaluator, held_out_examples
+  from meshrl.rl.step.driver import check_config, train_prompts, train_source
   from meshrl.sharding import make_mesh
   from meshrl.train.init_from import check_initial_model, initial_model
   from meshrl.train.state import split_model

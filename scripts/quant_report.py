@@ -32,7 +32,7 @@ def main(argv):
   from meshrl.model.tokenizer import tokenizer_from_config
   from meshrl.model.transformer import ModelConfig
   from meshrl.rl.generation.quality import int8_quality
-  from meshrl.rl.loop import prompt_stream, train_source
+  from meshrl.rl.step.driver import prompt_stream, train_source
   from meshrl.train.init_from import check_initial_model, initial_model
   from meshrl.train.state import split_model
   # pylint: enable=import-outside-toplevel

@@ -141,7 +141,7 @@ def check_inputs(args, overrides) -> None:
   new, empty or a scratch folder of an earlier resume_check (it deleted whatever --workdir held
   before finding a bad override)."""
   from meshrl.configs import load  # pylint: disable=import-outside-toplevel
-  from meshrl.rl.loop import check_config  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.driver import check_config  # pylint: disable=import-outside-toplevel
   if args.kills < 1:
     raise ValueError(f"--kills={args.kills} must be at least 1.")
   check_config(load(os.path.join(REPO, "configs", "tiny.py"), overrides))
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
             "identical_metrics": False, "identical_params": False,
             "corrupt_checkpoints": len(corrupt)}
   if finished:
-    from meshrl.rl.loop import metrics_equal  # pylint: disable=import-outside-toplevel
+    from meshrl.rl.step.driver import metrics_equal  # pylint: disable=import-outside-toplevel
     result["identical_metrics"] = all(
         metrics_equal(_records(reference, name), _records(killed, name))
         for name in ("metrics.jsonl", "sft/metrics.jsonl", "eval.jsonl"))

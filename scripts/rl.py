@@ -28,7 +28,7 @@ def main(argv):
                         help="replace a run found in the work directory instead of refusing")
   args, cfg = cli.parse(argv, add_flags=flags, description=__doc__)
   cli.join_job(args)  # several processes (a pod): join the job before jax touches a device
-  from meshrl.rl import loop  # pylint: disable=import-outside-toplevel  (after --cpu_devices)
+  from meshrl.rl.step import driver as loop  # pylint: disable=import-outside-toplevel  (after --cpu_devices)
   workdir = args.workdir or cfg.workdir.format(name=cfg.name)
   records = loop.run(cfg, workdir, overwrite=args.overwrite)
   if records:

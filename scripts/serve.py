@@ -34,7 +34,7 @@ def build(cfg, mesh=None):
   from meshrl.model.transformer import Transformer
   from meshrl.rl.generation.proposers import ProposerSpec
   from meshrl.rl.generation.weights import WeightsSpec, make_prepare
-  from meshrl.rl.spec import load_draft, rollout_model_config
+  from meshrl.rl.step.spec import load_draft, rollout_model_config
   from meshrl.serve.engine import Engine, EngineSpec
   from meshrl.sharding.rules import rules_from_config
   from meshrl.train.init_from import check_initial_model, initial_model

@@ -30,7 +30,7 @@ def main(argv):
   # pylint: disable=import-outside-toplevel  (jax only now, after --cpu_devices)
   from meshrl.model.tokenizer import tokenizer_from_config
   from meshrl.model.transformer import ModelConfig
-  from meshrl.rl.loop import checkpoint_bytes, skipped_rows, train_source
+  from meshrl.rl.step.driver import checkpoint_bytes, skipped_rows, train_source
   from meshrl.sharding import make_mesh
   from meshrl.train import checkpoint, workdir as workdir_lib
   from meshrl.train.init_from import check_initial_model

@@ -4,12 +4,12 @@ A pod runs one process per host (TPU VM worker); every process runs the same Pyt
 the jitted steps span all devices of all processes. How meshrl's RL loop splits the host work:
 
   prompts   each host draws its own block of the step's prompts from its own shard of the data
-            (rl/prompts.py), and the rollout gets them as one global array built from each host's
+            (rl/envs/prompts.py), and the rollout gets them as one global array built from each host's
             own rows (`global_rows`), so no host holds another's prompts (gathered in host order
             instead, `gather_rows`, when the mesh does not put each host's block on its devices);
-  rollout   the per-token outputs [B, S] stay on the devices (rl/rows.py: the host moves rows, and
+  rollout   the per-token outputs [B, S] stay on the devices (rl/batches/rows.py: the host moves rows, and
             pulls their response columns for scoring), as do the MoE routes of routing replay
-            ([B, L, S, K], rl/routes.py); per-sample outputs ([B]) come to every host (`to_host`);
+            ([B, L, S, K], rl/batches/routes.py); per-sample outputs ([B]) come to every host (`to_host`);
   scoring   each host scores only its own block of groups (`own_block`) with its own examples and
             reward workers; rewards, texts and domains are gathered (`gather_rows`,
             `gather_objects`), so every host then makes the same decisions (dynamic sampling, packing)
@@ -19,7 +19,7 @@ the jitted steps span all devices of all processes. How meshrl's RL loop splits 
             prompts; rl/batch.shared_prompts): every host draws the same prompts (the whole stream,
             not a shard) and holds every group's example; each scores its `share` of the groups (as
             even as their count allows), and the uneven shares are gathered (`gather_rows`);
-  episodes  multi-turn (rl/multiturn.py): each host resets and steps the environments of its own
+  episodes  multi-turn (rl/step/episodes.py): each host resets and steps the environments of its own
             block of episodes (its `share`), encodes their prompts (`global_rows`, unless the
             prompts are shared) and reads only those rows' turns (`share_to_host`); the results are
             gathered after every turn (`gather_objects`) and the episodes are written on the devices;

@@ -19,7 +19,14 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
+# The mesh axes, by name; only sharding/ spells them: every other module uses these constants.
+DATA_AXIS, FSDP_AXIS, EXPERT_AXIS, SEQUENCE_AXIS, TENSOR_AXIS = "data", "fsdp", "expert", "sequence", "tensor"
+MESH_AXES = (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS, SEQUENCE_AXIS, TENSOR_AXIS)
+
+
+def axis_size(mesh, axis: str) -> int:
+  """Devices on `axis` of `mesh`; 1 without a mesh or without that axis."""
+  return 1 if mesh is None else int(mesh.shape.get(axis, 1))
 
 
 def mesh_shape_for(mesh_cfg, num_devices: int) -> tuple[int, ...]:
@@ -57,7 +64,7 @@ def mesh_shape_for(mesh_cfg, num_devices: int) -> tuple[int, ...]:
 
 def platform(mesh: Mesh | None) -> str:
   """The platform a program for `mesh` compiles for ("cpu", "tpu", "gpu"): its devices', or JAX's
-  default backend without a mesh. A mesh of compile-only TPU devices (rl/aot.py) says "tpu" on a CPU
+  default backend without a mesh. A mesh of compile-only TPU devices (rl/step/aot.py) says "tpu" on a CPU
   host, so kernels are picked for where the program will run, not where it is traced."""
   return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 

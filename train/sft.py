@@ -46,6 +46,7 @@ from meshrl.train.preemption import Preemption
 from meshrl.train.state import (TrainState, abstract_train_state, create_train_state, merge_batch_model,
                                 merge_model, shardings_of, update_router_bias)
 from meshrl.train.stops import NonFiniteStreak, keep_unless, step_is_finite
+from meshrl.sharding.mesh import SEQUENCE_AXIS, axis_size
 
 
 MODEL_FIELDS = ("tokens", "positions", "segment_ids", "targets", "weights")
@@ -79,7 +80,7 @@ def zigzag_shards(cfg, mesh: Mesh | None) -> int:
   """mesh.sequence when ring attention runs with attention.zigzag, else 1."""
   if mesh is None or not cfg.attention.zigzag or cfg.attention.impl != "ring":
     return 1
-  return int(mesh.shape["sequence"])
+  return axis_size(mesh, SEQUENCE_AXIS)
 
 
 def _cross_entropy(model, batch: dict, targets, weights, logits_chunk: int):
@@ -199,7 +200,7 @@ def check_shapes(cfg, mesh: Mesh | None) -> None:
   if batch_size % rows:
     raise ValueError(f"rl.sft_batch_size={batch_size} is not divisible by the {rows} batch shards "
                      f"(mesh data * fsdp * expert = {dict(mesh.shape)}).")
-  sequence = mesh.shape["sequence"]
+  sequence = axis_size(mesh, SEQUENCE_AXIS)
   multiple = sequence * (2 if zigzag_shards(cfg, mesh) > 1 else 1)
   if seq_len % multiple:
     twice = ", x2 for attention.zigzag" if multiple > sequence else ""

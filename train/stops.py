@@ -6,7 +6,7 @@ keep failing stops with a checkpoint and a clear message.
   streak = NonFiniteStreak(limit=cfg.rl.max_nonfinite_steps)    # in the host loop
   if streak.update(all_nonfinite):  -> save, then raise streak.error(...)
 
-Used by the RL update (rl/update.py, per minibatch; rl/loop.py counts steps in which every minibatch
+Used by the RL update (rl/algo/update.py, per minibatch; rl/step/driver.py counts steps in which every minibatch
 was skipped) and by SFT (train/sft.py). A skipped step leaves parameters and optimiser state
 bit-identical (a select, not a zero update: Adam's moments and count do not move either).
 """

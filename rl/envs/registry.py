@@ -341,7 +341,7 @@ def write_many_domains(path: str, count: int = 300, *, seed: int = 0) -> list[di
 
 def check_single_turn(specs: Sequence[DomainSpec]) -> list[DomainSpec]:
   """`specs`, after checking the single-turn RL loop can score them: terminal task domains need the
-  multi-turn rollout (issue 11, part 2), which rl/step.py does not run yet."""
+  multi-turn rollout (issue 11, part 2), which rl/step/program.py does not run yet."""
   from meshrl.rl.rewards import VERIFIERS  # pylint: disable=import-outside-toplevel
   terminal = [s.name for s in specs if s.reward == TERMINAL_REWARD and TERMINAL_REWARD not in VERIFIERS]
   if terminal:

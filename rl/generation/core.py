@@ -41,6 +41,7 @@ from meshrl.model.ring_attention import unzigzag_on_mesh, zigzag
 from meshrl.rl.generation.proposers import ProposerSpec, draft_propose, ngram_propose
 from meshrl.rl.generation.sampling import Sampler, token_keys
 from meshrl.rl.generation.state import Counters, Pool, Slots
+from meshrl.sharding.mesh import SEQUENCE_AXIS, axis_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,13 +333,13 @@ def uses_ring_prefill(mc) -> bool:
   """Whether prompts are prefilled by ring attention into a sequence-sharded cache: attention.impl
   = "ring" on a mesh whose `sequence` axis has more than one device."""
   mesh = mc.kernel.mesh
-  return mc.kernel.impl == "ring" and mesh is not None and mesh.shape.get("sequence", 1) > 1
+  return mc.kernel.impl == "ring" and axis_size(mesh, SEQUENCE_AXIS) > 1
 
 
 def ring_prefill_length(mc, total: int) -> int:
   """The cache length of a ring prefill: `total` rounded up to a multiple of the `sequence` axis
   (of twice it with the zigzag layout, attention.zigzag: two chunks per device)."""
-  shards = mc.kernel.mesh.shape["sequence"]
+  shards = axis_size(mc.kernel.mesh, SEQUENCE_AXIS)
   multiple = 2 * shards if mc.kernel.zigzag else shards
   length = -(-total // multiple) * multiple
   if length > mc.max_seq_len:
@@ -375,11 +376,11 @@ def prefill_prompts(model, prompts: jax.Array, prompt_mask: jax.Array, total: in
   tokens = jnp.concatenate([prompts.astype(jnp.int32), jnp.zeros(tail, jnp.int32)], axis=1)
   positions = jnp.concatenate([positions, jnp.full(tail, kvc.EMPTY_POSITION, jnp.int32)], axis=1)
   segment_ids = jnp.concatenate([segment_ids, jnp.full(tail, kvc.EMPTY_SEGMENT, jnp.int32)], axis=1)
-  rules = tuple((name, ("sequence",) if name == "length" else axes) for name, axes in mc.kernel.rules)
+  rules = tuple((name, (SEQUENCE_AXIS,) if name == "length" else axes) for name, axes in mc.kernel.rules)
   prefill = model.with_kernel(rules=rules, inputs_zigzag=mc.kernel.zigzag)  # length split like the cache
   last_column = prompt_len - 1  # where the last prompt token is in the layout the model runs
   if mc.kernel.zigzag:
-    shards = mc.kernel.mesh.shape["sequence"]
+    shards = axis_size(mc.kernel.mesh, SEQUENCE_AXIS)
     tokens, positions, segment_ids = (zigzag(x, shards) for x in (tokens, positions, segment_ids))
     last_column = int(np.flatnonzero(zigzag(np.arange(length), shards, axis=0) == prompt_len - 1)[0])
   out = prefill(tokens, positions=positions, segment_ids=segment_ids, cache=prefill.init_cache(num_prompts, length),

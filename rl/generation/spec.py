@@ -1,6 +1,6 @@
 """The frozen numbers of one generator: what every scheduler and proposer of rl/generation/ reads.
 
-Built once from a run's config (rl/spec.py) or by a caller that knows its numbers (the server, a
+Built once from a run's config (rl/step/spec.py) or by a caller that knows its numbers (the server, a
 script); checked when built, so a generator that exists can run.
 """
 

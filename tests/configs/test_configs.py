@@ -48,7 +48,7 @@ def test_preset_argument_through_base():
 
 def test_peer_preset_is_the_issue_shape_and_passes_the_run_check():
   """configs/tiny.py:peer holds the shape issue 9 times the peers at, and a run would accept it."""
-  from meshrl.rl.loop import check_config  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.driver import check_config  # pylint: disable=import-outside-toplevel
   cfg = configs.load("configs/tiny.py:peer")
   m, moe, rl = cfg.model, cfg.moe, cfg.rl
   assert (m.num_layers, m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim) == (4, 256, 8, 4, 32)

@@ -20,7 +20,7 @@ from meshrl.model.params import state_shardings
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig, Transformer
 from meshrl.rl.generation.quality import int8_quality
-from meshrl.rl.spec import make_generator, rollout_model_config
+from meshrl.rl.step.spec import make_generator, rollout_model_config
 from meshrl.sharding import make_mesh
 from meshrl.sharding.rules import logical_to_spec, rules_from_config
 

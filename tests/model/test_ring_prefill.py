@@ -19,7 +19,7 @@ from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig, Transformer
 from meshrl.rl.generation.core import prefill_prompts, uses_ring_prefill
-from meshrl.rl.spec import make_generator
+from meshrl.rl.step.spec import make_generator
 from meshrl.sharding import make_mesh
 
 TOK = ByteTokenizer()
@@ -124,8 +124,8 @@ def test_zigzag_ring_prefill_balances_the_causal_work_and_keeps_the_cache_in_tok
 
 def _prefill_gathers(cfg, length):
   """All-gathers of floating-point arrays with a `length`-long axis (the cache's keys/values) in the
-  compiled prefill of rl/aot.py, and the compiled program."""
-  from meshrl.rl import aot  # pylint: disable=import-outside-toplevel
+  compiled prefill of rl/step/aot.py, and the compiled program."""
+  from meshrl.rl.step import aot  # pylint: disable=import-outside-toplevel
   program = aot.prefill_program(cfg, make_mesh(cfg.mesh))
   compiled = program.fn.lower(*program.args).compile()
   gathers = re.findall(r"= ((?:f32|bf16)\[[\d,]*\]).*? all-gather(?:-start)?\(", compiled.as_text())
@@ -168,7 +168,7 @@ def test_ring_prefill_compiles_for_tpu_without_gathering_keys_or_values():
   """The ring prefill lowers for TPU (v5p 2x2x1: expert=2 x sequence=2): the keys/values move only
   round the ring (collective-permute); what is all-gathered is smaller than one layer's prompt K/V."""
   pytest.importorskip("libtpu", reason="compiling for TPU topologies needs libtpu (the tpu extra)")
-  from meshrl.rl import aot  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step import aot  # pylint: disable=import-outside-toplevel
   cfg = configs.load("configs/tiny.py", [
       "rl.prompts_per_step=4", "rl.max_prompt_len=8", "rl.max_new_tokens=8", "model.max_seq_len=16",
       "mesh.expert=2", "mesh.sequence=2", "attention.impl=ring"])

@@ -99,7 +99,7 @@ def test_bad_local_kernel_names_the_field_and_choices():
                                        r"splash"):
     KernelConfig("blockwise", local_kernel="flash")
   KernelConfig("ring", local_kernel="splash")  # ring block pairs: tests/model/test_splash_ring.py
-  from meshrl.rl.loop import check_config  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.driver import check_config  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match=r"attention.local_kernel='pallas'"):
     check_config(configs.load("configs/tiny.py", ["attention.local_kernel=pallas"]))
   with pytest.raises(ValueError, match=r"needs attention.impl='blockwise' or 'ring', got 'reference'"):
@@ -146,7 +146,7 @@ def test_blockwise_model_compiles_splash_for_v5p():
   forward + backward compiles through libtpu with splash's three Pallas kernels in the program."""
   pytest.importorskip("libtpu", reason="compiling for TPU topologies needs libtpu (the tpu extra)")
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
-  from meshrl.rl import aot  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step import aot  # pylint: disable=import-outside-toplevel
   from meshrl.sharding.rules import rules_from_config  # pylint: disable=import-outside-toplevel
   from meshrl.train.optim import make_optimizer  # pylint: disable=import-outside-toplevel
   from meshrl.train.state import abstract_train_state  # pylint: disable=import-outside-toplevel

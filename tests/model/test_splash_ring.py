@@ -185,7 +185,7 @@ def test_ring_model_compiles_splash_for_v5p():
   pytest.importorskip("libtpu", reason="compiling for TPU topologies needs libtpu (the tpu extra)")
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
   from meshrl.model.transformer import Transformer  # pylint: disable=import-outside-toplevel
-  from meshrl.rl import aot  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step import aot  # pylint: disable=import-outside-toplevel
   from meshrl.sharding.rules import rules_from_config  # pylint: disable=import-outside-toplevel
   from meshrl.train.optim import make_optimizer  # pylint: disable=import-outside-toplevel
   from meshrl.train.state import abstract_train_state  # pylint: disable=import-outside-toplevel
@@ -231,9 +231,9 @@ def test_the_rl_update_and_log_probs_tell_the_splash_ring_their_batches_are_zigz
   log-prob program and loss (rl_loss with the run's LossSpec, as make_update calls it) on it equal the
   jnp ring's under splash (a splash ring left at token order gives other numbers)."""
   from meshrl.model.tokenizer import ByteTokenizer  # pylint: disable=import-outside-toplevel
-  from meshrl.rl.batches import UpdateBatch, zigzag_batch  # pylint: disable=import-outside-toplevel
-  from meshrl.rl.step import build_run  # pylint: disable=import-outside-toplevel
-  from meshrl.rl.update import rl_loss  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.batches.handover import UpdateBatch, zigzag_batch  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.program import build_run  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.algo.update import rl_loss  # pylint: disable=import-outside-toplevel
   base = SMALL + ["mesh.fsdp=2", "mesh.sequence=2", "mesh.tensor=2", "rl.max_prompt_len=500",
                   "rl.max_new_tokens=12", "rl.prompts_per_step=2", "rl.group_size=2", "rl.kl_coef=0.0"]
   rng = np.random.RandomState(0)

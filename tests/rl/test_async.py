@@ -11,9 +11,9 @@ import pytest
 
 from meshrl import configs
 from meshrl.model.tokenizer import ByteTokenizer
-from meshrl.rl import loop
-from meshrl.rl.scoring import RewardPool
-from meshrl.rl.step import RLRun, collect
+from meshrl.rl.step import driver as loop
+from meshrl.rl.rewards.pool import RewardPool
+from meshrl.rl.step.program import RLRun, collect
 
 SMALL = ["rl.max_prompt_len=8", "rl.max_new_tokens=4", "model.max_seq_len=16", "rl.prompts_per_step=2",
          "rl.group_size=2", "rl.sft_steps=0", "rl.dynamic_sampling=false"]

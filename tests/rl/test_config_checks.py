@@ -8,7 +8,7 @@ import pytest
 
 from meshrl import configs
 from meshrl.configs import checks
-from meshrl.rl import loop
+from meshrl.rl.step import driver as loop
 
 # (override, fragment the one-line error must contain). Each was accepted, or failed with another
 # exception after the run had written its config, before issue 31.

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from meshrl import configs
-from meshrl.rl import loop
+from meshrl.rl.step import driver as loop
 from meshrl.rl.envs import terminal_tasks
 from meshrl.rl.envs.quality import Quarantine
 from meshrl.rl.envs.registry import DomainMixture, held_out_from_file, load_domains, write_many_domains
 from meshrl.rl.rewards import answer_reward
-from meshrl.rl.scoring import RewardPool
+from meshrl.rl.rewards.pool import RewardPool
 
 GOOD = {"name": "add", "source": "generator:arithmetic", "reward": "numeric", "weight": 1.0}
 

@@ -7,8 +7,8 @@ from meshrl import configs
 from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
-from meshrl.rl.evaluation import Evaluator
-from meshrl.rl.spec import make_generator
+from meshrl.rl.step.evaluation import Evaluator
+from meshrl.rl.step.spec import make_generator
 from meshrl.sharding import make_mesh
 from meshrl.train.state import split_model
 

@@ -18,17 +18,17 @@ from meshrl.model.init import build_model
 from meshrl.model.layers import RopeConfig
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig, Transformer
-from meshrl.rl import loop
-from meshrl.rl.distill import DistillConfig, distill
+from meshrl.rl.step import driver as loop
+from meshrl.rl.algo.distill import DistillConfig, distill
 from meshrl.rl.generation import core
 from meshrl.rl.generation.core import StepConfig
 from meshrl.rl.generation.generator import Generator
 from meshrl.rl.generation.proposers import ProposerSpec, ngram_propose
 from meshrl.rl.generation.sampling import Sampler
 from meshrl.rl.generation.spec import GenerationSpec
-from meshrl.rl.partial import PartialRollouts
-from meshrl.rl.spec import check_generation, make_generator, rollout_model_config
-from meshrl.rl.step import rl_step
+from meshrl.rl.step.partial import PartialRollouts
+from meshrl.rl.step.spec import check_generation, make_generator, rollout_model_config
+from meshrl.rl.step.program import rl_step
 from meshrl.sharding import make_mesh
 from meshrl.train.optim import make_optimizer
 from meshrl.train.state import create_train_state

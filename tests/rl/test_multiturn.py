@@ -1,4 +1,4 @@
-"""Multi-turn rollout (rl/multiturn.py): stop strings, observation masking, cache extension = full
+"""Multi-turn rollout (rl/step/episodes.py): stop strings, observation masking, cache extension = full
 re-prefill, budgets, malformed calls, and an update loss blind to observation tokens."""
 
 import dataclasses
@@ -14,16 +14,16 @@ from meshrl.model import kv_cache as kvc
 from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
-from meshrl.rl import losses
-from meshrl.rl import multiturn as mt
-from meshrl.rl import multiturn_step as mts
-from meshrl.rl.batches import UpdateBatch, align_for_update
+from meshrl.rl.algo import losses
+from meshrl.rl.step import episodes as mt
+from meshrl.rl.step import episode_collect as mts
+from meshrl.rl.batches.handover import UpdateBatch, align_for_update
 from meshrl.rl.envs.base import StepResult
 from meshrl.rl.envs.file_tasks import FileTaskEnv, copy_task, oracle_turns
 from meshrl.rl.generation.sampling import Sampler
-from meshrl.rl.spec import episode_runner
-from meshrl.rl.rows import DeviceRows
-from meshrl.rl.update import rl_loss
+from meshrl.rl.step.spec import episode_runner
+from meshrl.rl.batches.rows import DeviceRows
+from meshrl.rl.algo.update import rl_loss
 from meshrl.sharding import make_mesh
 from meshrl.train.optim import make_optimizer
 from meshrl.train.state import create_train_state
@@ -292,7 +292,7 @@ def test_update_loss_ignores_observation_tokens(scripted):
 def test_config_refuses_only_what_no_engine_could_serve():
   """Every generation option composes with multi-turn episodes (the core serves them all); what is
   refused is a cache too short for an observation's slack and a budget below one turn, by name."""
-  from meshrl.rl.spec import check_generation  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.spec import check_generation  # pylint: disable=import-outside-toplevel
   for extra in (["rl.engine=continuous", "rl.decode_slots=2"], ["rl.kv_cache_dtype=int8"],
                 ["rl.generation_weights=int8", "rl.tis_level=token"], ["rl.generation_layout=gathered"],
                 ["rl.speculative=ngram", "rl.speculative_k=4"], ["rl.pack_updates=true"],
@@ -308,8 +308,8 @@ def test_config_refuses_only_what_no_engine_could_serve():
 @pytest.mark.slow
 def test_agent_demo_runs_rl_steps_end_to_end(tmp_path):
   """configs/tiny_agent.py shrunk: warm start on demonstrations, two GRPO steps on multi-turn episodes
-  through rl/step.py (collect -> prepare -> update), multi-turn evaluation (about a minute)."""
-  from meshrl.rl import loop  # pylint: disable=import-outside-toplevel
+  through rl/step/program.py (collect -> prepare -> update), multi-turn evaluation (about a minute)."""
+  from meshrl.rl.step import driver as loop  # pylint: disable=import-outside-toplevel
   cfg = configs.load("configs/tiny_agent.py", [
       "rl.sft_steps=4", "rl.num_steps=2", "eval.every=1", "eval.num_prompts=8", "eval.batch_size=8",
       "rl.prompts_per_step=2", "rl.group_size=4", "log.progress_bar=false", "log.tensorboard=false",

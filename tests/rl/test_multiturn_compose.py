@@ -12,11 +12,11 @@ import pytest
 
 from meshrl import configs
 from meshrl.model.tokenizer import ByteTokenizer
-from meshrl.rl import loop
-from meshrl.rl import step as step_lib
+from meshrl.rl.step import driver as loop
+from meshrl.rl.step import program as step_lib
 from meshrl.rl.envs.file_tasks import copy_task
-from meshrl.rl.rows import DeviceRows
-from meshrl.rl.spec import episode_runner
+from meshrl.rl.batches.rows import DeviceRows
+from meshrl.rl.step.spec import episode_runner
 
 TOK = ByteTokenizer()
 SMALL = ["model.num_layers=2", "model.embed_dim=32", "model.num_heads=2", "model.num_kv_heads=1",

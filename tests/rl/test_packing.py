@@ -1,4 +1,4 @@
-"""Packed updates (rl/packing.py): the plan maps both ways, rows are token-balanced, bad input is
+"""Packed updates (rl/batches/packing.py): the plan maps both ways, rows are token-balanced, bad input is
 refused by name, and on real rollouts a packed update equals the padded one (loss, gradients,
 parameters after a step) while segment ids keep packed samples apart."""
 
@@ -12,10 +12,10 @@ from meshrl.model.init import build_model
 from meshrl.model.ring_attention import unzigzag
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
-from meshrl.rl import packing
-from meshrl.rl.batches import ScoredBatch, UpdateBatch, align_for_update
-from meshrl.rl.loop import check_config
-from meshrl.rl.step import _rollout_arrays, build_run, prepare
+from meshrl.rl.batches import packing
+from meshrl.rl.batches.handover import ScoredBatch, UpdateBatch, align_for_update
+from meshrl.rl.step.driver import check_config
+from meshrl.rl.step.program import _rollout_arrays, build_run, prepare
 from meshrl.sharding import make_mesh
 
 TOK = ByteTokenizer()

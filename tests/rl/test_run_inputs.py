@@ -14,8 +14,8 @@ import pytest
 
 from meshrl import configs
 from meshrl.configs import cli
-from meshrl.rl import loop
-from meshrl.rl.evaluation import held_out_examples
+from meshrl.rl.step import driver as loop
+from meshrl.rl.step.evaluation import held_out_examples
 from meshrl.train import workdir as workdir_lib
 from meshrl.train.preemption import Preemption
 

@@ -11,9 +11,9 @@ import pytest
 
 from meshrl import configs
 from meshrl.model.tokenizer import ByteTokenizer
-from meshrl.rl import loop
-from meshrl.rl.scoring import RewardPool
-from meshrl.rl.step import rl_step
+from meshrl.rl.step import driver as loop
+from meshrl.rl.rewards.pool import RewardPool
+from meshrl.rl.step.program import rl_step
 
 TOK = ByteTokenizer()
 SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",

@@ -12,10 +12,10 @@ from meshrl import configs
 from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
-from meshrl.rl import losses
-from meshrl.rl.batches import ScoredBatch, UpdateBatch
-from meshrl.rl.step import _rollout_arrays, build_run, prepare
-from meshrl.rl.update import make_update, rl_loss
+from meshrl.rl.algo import losses
+from meshrl.rl.batches.handover import ScoredBatch, UpdateBatch
+from meshrl.rl.step.program import _rollout_arrays, build_run, prepare
+from meshrl.rl.algo.update import make_update, rl_loss
 from meshrl.sharding import make_mesh
 from meshrl.train.optim import make_optimizer
 
@@ -221,7 +221,7 @@ def test_importance_weights_follow_the_behaviour_policy(tis_case):
   behaviour, by the cap when old - behaviour = 1 (e > 2), by e^-1 when it is -1; the update reports
   the mean weight and the truncated fraction."""
   run, scored, batch, loss_and_grad = tis_case
-  from meshrl.rl.batches import align_for_update  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.batches.handover import align_for_update  # pylint: disable=import-outside-toplevel
   np.testing.assert_array_equal(np.asarray(batch.behaviour_logprobs), align_for_update(scored)["old_logprobs"])
   mask = np.asarray(batch.loss_mask)
   assert np.abs(np.asarray(batch.old_logprobs) - np.asarray(batch.behaviour_logprobs))[mask].max() < 1e-4
@@ -250,8 +250,8 @@ def test_update_metrics_average_the_applied_minibatches_only():
   """2 epochs x 2 minibatches, the second of each empty (dynamic sampling dropped its groups): its
   zeros must not halve the entropy; with none applied there is no value, and the step's record
   leaves the key out (rl/loop.without_unmeasured)."""
-  from meshrl.rl.loop import without_unmeasured  # pylint: disable=import-outside-toplevel
-  from meshrl.rl.update import _update_metrics  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.driver import without_unmeasured  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.algo.update import _update_metrics  # pylint: disable=import-outside-toplevel
   per = {"entropy": jnp.array([[2.0, 0.0], [4.0, 0.0]]), "ratio_mean": jnp.array([[1.0, 0.0], [1.1, 0.0]]),
          "logprob_diff_max": jnp.zeros((2, 2)), "clip_frac_low": jnp.zeros((2, 2)),
          "clip_frac_high": jnp.zeros((2, 2)), "skipped_minibatches": jnp.array([[0.0, 1.0], [0.0, 1.0]]),

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from meshrl.rl.loop import metrics_equal
+from meshrl.rl.step.driver import metrics_equal
 from meshrl.train.checkpoint import committed_steps, load_params
 from meshrl.train.metrics import read_jsonl
 

@@ -16,7 +16,7 @@ from meshrl import configs
 from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
-from meshrl.rl.spec import make_generator
+from meshrl.rl.step.spec import make_generator
 from meshrl.serve.engine import Engine, EngineSpec, Request
 from meshrl.serve.prefix_cache import PrefixCache, block_hashes
 

@@ -14,12 +14,12 @@ import jax
 import numpy as np
 
 from meshrl.model.tokenizer import Tokenizer
-from meshrl.rl import rows as rows_lib
-from meshrl.rl.batches import ScoredBatch
+from meshrl.rl.batches import rows as rows_lib
+from meshrl.rl.batches.handover import ScoredBatch
 from meshrl.rl.rewards import overlong_penalty
-from meshrl.rl.rows import PAD_FILL
-from meshrl.rl.rows import DeviceRows
-from meshrl.rl.scoring import RewardPool
+from meshrl.rl.batches.rows import PAD_FILL
+from meshrl.rl.batches.rows import DeviceRows
+from meshrl.rl.rewards.pool import RewardPool
 
 
 @dataclasses.dataclass
@@ -136,7 +136,7 @@ def select_groups(rollouts: list[ScoredBatch], *, num_groups: int, group_size: i
   def gather(get, fill=0):
     values = [get(rollout) for rollout in rollouts]
     on_devices = [isinstance(v, DeviceRows) for v in values]
-    if all(on_devices):  # the samples stay on the devices: rows only (rl/rows.py)
+    if all(on_devices):  # the samples stay on the devices: rows only (rl/batches/rows.py)
       return rows_lib.concatenate([values[r][rows(r, g)] for r, g, _ in pieces] or [values[0][:0]], blank)
     if any(on_devices):  # a round restored from a checkpoint (host arrays) among rounds on the devices
       values = [v.to_host() if isinstance(v, DeviceRows) else v for v in values]

@@ -1,10 +1,10 @@
-"""Multi-turn episodes in the RL step and around it: `collect_multiturn` (rl/step.py's collect for a
-multi-turn run: rollout rounds of rl/multiturn.py, dynamic sampling, the step's metrics), the
+"""Multi-turn episodes in the RL step and around it: `collect_multiturn` (rl/step/program.py's collect for a
+multi-turn run: rollout rounds of rl/step/episodes.py, dynamic sampling, the step's metrics), the
 held-out evaluation (`MultiTurnEvaluator`), the warm start's oracle episodes (`Demonstrations`) and
 the held-out examples of a multi-turn run (`held_out`).
 
 The rollout itself (jitted prefill / decode_turn / extend and the host loop that steps the
-environments) is rl/multiturn.py.
+environments) is rl/step/episodes.py.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import jax
 import numpy as np
 
 from meshrl.model.tokenizer import Tokenizer
-from meshrl.rl.batch import batch_metrics, informative_groups, per_domain, select_groups, shared_prompts, staleness
-from meshrl.rl.batches import ScoredBatch
+from meshrl.rl.step.groups import batch_metrics, informative_groups, per_domain, select_groups, shared_prompts, staleness
+from meshrl.rl.batches.handover import ScoredBatch
 from meshrl.rl.envs import file_tasks
 from meshrl.rl.envs.base import DONE
-from meshrl.rl.multiturn import (ENDS, EpisodeStats, MultiTurnRollout, default_env,
+from meshrl.rl.step.episodes import (ENDS, EpisodeStats, MultiTurnRollout, default_env,
                                  episode_pools, render_observation)
 from meshrl.sharding import hosts
 
@@ -73,7 +73,7 @@ def next_episodes_in_flight(run, examples, key: jax.Array):
   thread beside the step (their environments step and their turns decode while the host scores and the
   devices update), on a snapshot of the current generation weights (the update donates the train
   state's), stamped with the current version."""
-  from meshrl.rl.step import InFlight  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.program import InFlight  # pylint: disable=import-outside-toplevel
   cfg = run.cfg.rl
   if run.episode_thread is None:
     run.episode_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="episodes")
@@ -90,7 +90,7 @@ def next_episodes_in_flight(run, examples, key: jax.Array):
 
 
 def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]:
-  """rl/step.py's `collect` for multi-turn episodes (run.multiturn): one rollout round, plus up to
+  """rl/step/program.py's `collect` for multi-turn episodes (run.multiturn): one rollout round, plus up to
   rl.max_resample_rounds more with dynamic sampling (DAPO) until prompts_per_step groups differ.
   With rl.max_staleness > 0 the first round is the oldest episode rollout in flight
   (`next_episodes_in_flight`); with rl.rollout_token_budget the batch is the groups whose episodes
@@ -158,7 +158,7 @@ class MultiTurnEvaluator:
     self.examples = list(examples)
     processes = jax.process_count()  # each host runs the environments of an equal block of rows
     self.batch_size = -(-min(cfg.eval.batch_size, len(examples)) // processes) * processes
-    from meshrl.rl.spec import episode_runner  # pylint: disable=import-outside-toplevel
+    from meshrl.rl.step.spec import episode_runner  # pylint: disable=import-outside-toplevel
     self.programs = episode_runner(cfg, mesh, tokenizer, group_size=1, temperature=0.0, make_env=make_env,
                                    complete=True)
 
@@ -224,7 +224,7 @@ def held_out(cfg, *, train_prompts: Sequence[str] = ()) -> list[dict]:
   """Held-out examples for a multi-turn run: a data.domains registry's held-out side (terminal
   domains included, quarantine honoured), the eval side of data.tasks with its multi-turn families
   (`episode_pools`), else rl/evaluation.held_out_examples."""
-  from meshrl.rl.evaluation import held_out_examples  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.evaluation import held_out_examples  # pylint: disable=import-outside-toplevel
   if cfg.data.domains and not cfg.eval.jsonl:
     from meshrl.rl.envs.quality import Quarantine  # pylint: disable=import-outside-toplevel
     from meshrl.rl.envs.registry import DomainMixture, load_domains  # pylint: disable=import-outside-toplevel

@@ -1,6 +1,6 @@
 """The typed hand-over between the RL stages: RolloutBatch -> ScoredBatch -> UpdateBatch.
 
-  rollout (jit)  -> RolloutBatch   tokens and behaviour log-probs, per generated token (rollout.py)
+  rollout (jit)  -> RolloutBatch   tokens and behaviour log-probs, per generated token (rl/generation)
   score (host)   -> ScoredBatch    + rewards, per-sample domains and texts, valid samples; the
                                    per-token fields stay on the devices (rl/rows.DeviceRows)
   prepare        -> UpdateBatch    prediction-aligned arrays, + advantages and the optional parts,
@@ -29,7 +29,7 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshrl.model.ring_attention import zigzag
-from meshrl.rl.routes import routes_sharding
+from meshrl.rl.batches.routes import routes_sharding
 
 
 @dataclasses.dataclass
@@ -68,7 +68,7 @@ class UpdateBatch:
   old_values and returns [B, S] (critic), routing [B, L, S, K] int32 (MoE routing replay),
   behaviour_logprobs [B, S] (truncated importance weights: the rollout's log-probs, while
   old_logprobs are then the proximal policy's, recomputed before the update), sequence_ids [B, S]
-  int32 (packed rows, rl/packing.py: the sample of each token, -1 on padding).
+  int32 (packed rows, rl/batches/packing.py: the sample of each token, -1 on padding).
 
   `old_logprobs` is the proximal policy of the clipped ratio: the rollout's log-probs when no
   importance correction is on.
@@ -132,7 +132,7 @@ def align_for_update(scored: ScoredBatch) -> dict[str, np.ndarray]:
       "loss_mask": _shift_left(response, False),
       "old_logprobs": _shift_left(arrays["logprobs"].astype(np.float32), 0.0),
   }
-  if arrays.get("routing") is not None:  # RoutingRows: the routes stay on the devices (rl/routes.py)
+  if arrays.get("routing") is not None:  # RoutingRows: the routes stay on the devices (rl/batches/routes.py)
     aligned["routing"] = arrays["routing"]
   return aligned
 
@@ -151,14 +151,14 @@ def align_on_devices(scored: ScoredBatch, sharding) -> dict[str, Any]:
   else:  # every host process passes the same flags
     valid = jax.device_put(np.asarray(scored.sample_valid, bool), NamedSharding(sharding.mesh, PartitionSpec()))
   aligned = _align_program(sharding)(fields, valid)
-  if arrays.get("routing") is not None:  # RoutingRows, assembled by rl/routes.py
+  if arrays.get("routing") is not None:  # RoutingRows, assembled by rl/batches/routes.py
     aligned["routing"] = arrays["routing"]
   return aligned
 
 
 def align_arrays(fields: dict, valid):
   """align_for_update's arithmetic on jax arrays: `ALIGNED_FROM` fields [B, S] and valid [B] -> the
-  aligned fields (traced inside jit: `align_on_devices`, rl/aot.py's `batch` step)."""
+  aligned fields (traced inside jit: `align_on_devices`, rl/step/aot.py's `batch` step)."""
   jnp = jax.numpy
   shift = lambda x, fill: jnp.concatenate([x[:, 1:], jnp.full_like(x[:, :1], fill)], axis=1)  # noqa: E731
   tokens = fields["tokens"].astype(jnp.int32)

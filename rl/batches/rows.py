@@ -7,12 +7,12 @@ is the whole batch, [B, 1M] per field, on every host. But the host side of a ste
 sampling, partial rollouts, packing plans) only ever moves whole samples, so it carries `DeviceRows`
 instead: the device arrays the samples are in and, per sample, its row in them. What the host does
 need of the tokens (the response columns for scoring) it pulls with `to_host(columns=...)`, and the
-update batch is built from the rows on the devices (`gather`, then rl/batches.py `align_on_devices`
-and rl/layouts.py's zigzag or packing).
+update batch is built from the rows on the devices (`gather`, then rl/batches/handover.py `align_on_devices`
+and rl/batches/layouts.py's zigzag or packing).
 
 `DeviceRows` behaves like a host [B, ...] array for that code: len, shape, slicing and index arrays
 on the sample axis, `concatenate` with blank samples, `to_host` (a checkpoint's JSON, tests).
-rl/routes.py's `RoutingRows` is the same for the routes, whose sample axis is 1.
+rl/batches/routes.py's `RoutingRows` is the same for the routes, whose sample axis is 1.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ observation into the KV cache.
 
   runner = EpisodeRunner(cfg, mesh, tokenizer)                # the generator and its slot engine
   out = runner.rollout(params, extra, examples, key, version)  # B = P * G episodes -> MultiTurnRollout
-  scored, metrics = collect_multiturn(run, examples, key)      # rl/multiturn_step.py: the step's collect
+  scored, metrics = collect_multiturn(run, examples, key)      # rl/step/episode_collect.py: the step's collect
 
 An episode is one sample of the generation pool (rl/generation/state.py) and has its own environment
 (rl/envs: FileTaskEnv, TerminalEnv with its own sandbox session, SingleTurnEnv, ...). The episodic
@@ -27,7 +27,7 @@ observation, never an exception; an environment that raises or times out ends it
 environment failure (sample_valid False: no gradient, counted apart from wrong answers).
 
 Output: a RolloutBatch layout [B, S], S = Lp + N, built on the devices from the pool and kept there as
-rl/rows.py DeviceRows; `response_mask` is True ONLY on the policy's own tokens.
+rl/batches/rows.py DeviceRows; `response_mask` is True ONLY on the policy's own tokens.
 
 The stop strings are matched as token sequences: exact for the byte-level tokenizer; a BPE tokenizer
 that merges `</cmd>` with neighbouring text may miss one (the turn then ends at its token limit).
@@ -55,7 +55,7 @@ from meshrl.rl.envs.base import DONE, StepResult, as_text
 from meshrl.rl.generation.episodic import EpisodicScheduler, Turn
 from meshrl.rl.generation.output import rollout_batch
 from meshrl.rl.generation.sampling import sample_keys
-from meshrl.rl.rows import rollout_rows
+from meshrl.rl.batches.rows import rollout_rows
 from meshrl.sharding import hosts
 from meshrl.sharding.rules import logical_to_spec
 
@@ -229,7 +229,7 @@ class EpisodeRunner:
   once per run; compiles on first use.
 
   generator: rl/generation/generator.Generator whose spec has pause_on_stop and the turn limit
-  (rl/spec.py builds it); budget: the host's budgets; tokenizer; make_env(example) -> environment."""
+  (rl/step/spec.py builds it); budget: the host's budgets; tokenizer; make_env(example) -> environment."""
 
   def __init__(self, generator, budget: EpisodeBudget, tokenizer: Tokenizer, *, mesh=None, rules=None,
                make_env: Callable[[dict], Any] = default_env):
@@ -430,7 +430,7 @@ class EpisodeRunner:
     chosen = [stats_of[int(b)] for b in rows]
     arrays["truncated"] = np.asarray([s.end != "done" for s in chosen], bool)
     if routing is not None:
-      from meshrl.rl.routes import RoutingRows  # pylint: disable=import-outside-toplevel
+      from meshrl.rl.batches.routes import RoutingRows  # pylint: disable=import-outside-toplevel
       arrays["routing"] = RoutingRows.of_rollout(routing, rows)
     tokens, count = hosts.share_to_host(pool.tokens), hosts.to_host(pool.count)
     lp, tok = self.spec.prompt_len, self.tokenizer
@@ -450,7 +450,7 @@ class PartialEpisodes:
   pool, its environment (with whatever its sandbox session holds), and an environment step still
   running when the step's budget ran out, whose answer is fed at the next step. Its tokens resume
   under the next step's parameters, re-prefilled from the pool (rl/generation/core.resume), as
-  single-turn partial rollouts do (rl/partial.py)."""
+  single-turn partial rollouts do (rl/step/partial.py)."""
 
   def __init__(self, runner: EpisodeRunner, num_groups: int):
     spec = runner.spec
@@ -491,7 +491,7 @@ class PartialEpisodes:
       self.pool = self.runner.generator.new_pool(jnp.asarray(self.prompts), jnp.asarray(self.prompt_mask),
                                                  sample_keys(key, jnp.arange(self.num_groups * group)))
       self.pool = self.pool.replace(done=jnp.ones_like(self.pool.done))
-    from meshrl.rl.partial import _place_groups  # pylint: disable=import-outside-toplevel
+    from meshrl.rl.step.partial import _place_groups  # pylint: disable=import-outside-toplevel
     self.pool = self.runner.split_rows(_place_groups(self.pool, fresh, free, group))
     self.prompts[free], self.prompt_mask[free] = prompts, mask
     for i, g in enumerate(free):

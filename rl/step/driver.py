@@ -4,9 +4,9 @@ checkpoints.
   check_config(cfg, num_devices)    every config error a run would hit, before anything runs
   run(cfg, workdir)                 the whole job (scripts/rl.py)
   setup(cfg, mesh=, model=)         the RLRun and its prompt stream, for tests and benchmarks
-  train_steps(run, prompts, ...)    RL steps (rl/step.py) with hooks at the edge
+  train_steps(run, prompts, ...)    RL steps (rl/step/program.py) with hooks at the edge
 
-Plain Python around the jitted programs of rl/step.py; side effects (files, threads, the progress bar)
+Plain Python around the jitted programs of rl/step/program.py; side effects (files, threads, the progress bar)
 live here and in the hooks.
 """
 
@@ -25,23 +25,23 @@ from jax.sharding import NamedSharding
 from meshrl.configs import checks, save_config
 from meshrl.model import splash
 from meshrl.model.tokenizer import tokenizer_from_config
-from meshrl.rl import advantages as adv_lib
-from meshrl.rl import losses
-from meshrl.rl.batch import shared_prompts
+from meshrl.rl.algo import advantages as adv_lib
+from meshrl.rl.algo import losses
+from meshrl.rl.step.groups import shared_prompts
 from meshrl.rl.envs import TaskMixture
 from meshrl.rl.envs.quality import Quarantine
 from meshrl.rl.envs.registry import DomainMixture, check_single_turn, load_domains
-from meshrl.rl.evaluation import Evaluator, held_out_examples
-from meshrl.rl.multiturn import EPISODE_FAMILIES, episode_pools, wants_multi_turn
-from meshrl.rl.multiturn_step import Demonstrations, MultiTurnEvaluator
-from meshrl.rl.multiturn_step import held_out as multiturn_held_out
-from meshrl.rl.prompts import ArrayRecordSource, JsonlSource, PromptStream
-from meshrl.rl.packing import update_shape
+from meshrl.rl.step.evaluation import Evaluator, held_out_examples
+from meshrl.rl.step.episodes import EPISODE_FAMILIES, episode_pools, wants_multi_turn
+from meshrl.rl.step.episode_collect import Demonstrations, MultiTurnEvaluator
+from meshrl.rl.step.episode_collect import held_out as multiturn_held_out
+from meshrl.rl.envs.prompts import ArrayRecordSource, JsonlSource, PromptStream
+from meshrl.rl.batches.packing import update_shape
 from meshrl.rl.rewards import compose
-from meshrl.rl.spec import check_generation
-from meshrl.rl.step import RLRun, build_run, in_flight_state, restore_in_flight, rl_step
+from meshrl.rl.step.spec import check_generation
+from meshrl.rl.step.program import RLRun, build_run, in_flight_state, restore_in_flight, rl_step
 from meshrl.sharding import MESH_AXES, make_mesh, mesh_shape_for
-from meshrl.sharding.mesh import platform
+from meshrl.sharding.mesh import DATA_AXIS, EXPERT_AXIS, SEQUENCE_AXIS, axis_size, platform
 from meshrl.sharding.rules import data_parallel_size, rules_from_config
 from meshrl.train.checkpoint import Checkpointer, check_readable, check_saved_config, committed_steps
 from meshrl.train.init_from import check_initial_model, initial_model
@@ -148,7 +148,7 @@ def check_config(cfg, num_devices: int | None = None) -> None:
   if num_devices is None:
     return
   sizes = dict(zip(MESH_AXES, mesh_shape_for(cfg.mesh, num_devices)))
-  sizes["data"] *= cfg.mesh.num_slices
+  sizes[DATA_AXIS] *= cfg.mesh.num_slices
   shards = data_parallel_size(sizes)
   if batch % shards:
     raise ValueError(f"the rollout batch of {batch} sequences (rl.prompts_per_step * rl.group_size) is "
@@ -160,7 +160,7 @@ def check_config(cfg, num_devices: int | None = None) -> None:
   if rl.sft_steps and rl.sft_batch_size % shards:
     raise ValueError(f"rl.sft_batch_size={rl.sft_batch_size} is not divisible by the data-parallel axes "
                      f"data*fsdp*expert = {shards}.")
-  sequence = sizes["sequence"]
+  sequence = sizes[SEQUENCE_AXIS]
   if sequence > 1:
     multiple = 2 * sequence if cfg.attention.zigzag and cfg.attention.impl == "ring" else sequence
     for field, length in (("rl.max_prompt_len + rl.max_new_tokens", total),
@@ -191,7 +191,7 @@ def _pool_names(cfg) -> list[str]:
 
 
 def file_sources(cfg) -> dict:
-  """The pools of file rows (grain random-access sources, rl/prompts.py): data.jsonl as "jsonl",
+  """The pools of file rows (grain random-access sources, rl/envs/prompts.py): data.jsonl as "jsonl",
   data.array_record as "array_record"; malformed rows are skipped and listed in each `.bad`."""
   pools = {}
   if cfg.data.jsonl:
@@ -224,7 +224,7 @@ def train_source(cfg) -> TaskMixture | DomainMixture:
 
 
 def prompt_stream(source, position: int = 0, *, per_step: int = 1, shared: bool = False) -> PromptStream:
-  """This host's stream of training examples (grain, rl/prompts.py): its blocks of
+  """This host's stream of training examples (grain, rl/envs/prompts.py): its blocks of
   per_step / process_count examples of `source`, so the hosts' blocks side by side are the
   `per_step` prompts one process would draw; with `shared` (partial rollouts, whose groups end
   unevenly over the hosts, or fewer prompts than hosts: rl/step.shared_prompts) the whole stream on
@@ -393,7 +393,7 @@ class PhaseCost:
 
 def without_unmeasured(metrics: dict) -> dict:
   """A step's metrics without the update's measurements when no minibatch was applied (every one
-  empty or non-finite: rl/update.py reports NaN for them): a record holds nothing for what did not
+  empty or non-finite: rl/algo/update.py reports NaN for them): a record holds nothing for what did not
   run (it had reported entropy=0)."""
   if metrics.get("updated_minibatches", 1.0) > 0:
     return metrics
@@ -458,10 +458,10 @@ def dispatch_summary(cfg, mesh) -> str:
   rows = rl.prompts_per_step * rl.group_size
   tokens = {"train": rows * (rl.max_prompt_len + rl.max_new_tokens) // rl.num_minibatches,
             "prefill": rl.prompts_per_step * rl.max_prompt_len, "decode": rows}
-  if mesh.shape["expert"] > 1:
+  if axis_size(mesh, EXPERT_AXIS) > 1:
     from meshrl.model.moe import ep_weights_plan  # pylint: disable=import-outside-toplevel
     layouts = ", ".join(f"{p} {layout}" for p, (layout, _) in ep_weights_plan(mc, mesh, tokens).items())
-    return (f"moe dispatch: expert_parallel all-to-all over {mesh.shape['expert']} devices ({mc.dispatch}); "
+    return (f"moe dispatch: expert_parallel all-to-all over {axis_size(mesh, EXPERT_AXIS)} devices ({mc.dispatch}); "
             f"expert weights ({mc.ep_weights}): {layouts}")
   backend = platform(mesh)
   chosen = moe_dispatch.plan(mc.dispatch, backend=backend, k=mc.num_experts_per_tok,

@@ -11,7 +11,7 @@ columns, so its cost follows the longest sample. Packing puts the real tokens of
 Each trajectory keeps its positions (0.. over its real tokens) and gets its own segment id
 (sample index + 1, 0 on padding), so the attention kernels never let one sample see another
 (model/attention.py masks by segment ids and positions alone). `sequence_ids` (sample index, -1 on
-padding) lets the losses reduce per sample (rl/losses.py `Sequences`).
+padding) lets the losses reduce per sample (rl/algo/losses.py `Sequences`).
 
 The packed shape [R, W] is static per run (`rl.packed_rows`, `rl.packed_row_len`): one compile.
 Rows are filled longest trajectory first into the least-loaded row (LPT), so their token counts
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshrl.model.ring_attention import zigzag
-from meshrl.rl.batches import UpdateBatch
+from meshrl.rl.batches.handover import UpdateBatch
 from meshrl.sharding import hosts
 
 
@@ -125,7 +125,7 @@ def trajectory_spans(segment_ids: np.ndarray, include: np.ndarray) -> tuple[np.n
 
 
 def device_spans(segment_ids: jax.Array, include: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """`trajectory_spans` of [B, S] segment ids on the devices (kept there, rl/rows.py): only the
+  """`trajectory_spans` of [B, S] segment ids on the devices (kept there, rl/batches/rows.py): only the
   three [B] vectors come to the host."""
   starts, lengths, broken = _spans_program()(segment_ids, jnp.asarray(np.asarray(include, bool)))
   return _checked(*(hosts.to_host(x) for x in (starts, lengths, broken)))

@@ -4,7 +4,7 @@ libtpu describes any TPU topology ("v5p:16x16x16") as compile-only devices. `mak
 mesh over them, every input is a `jax.ShapeDtypeStruct` carrying its sharding (nothing is allocated),
 and XLA compiles the same jitted programs a run executes:
 
-  update   rl/update.py `make_update`: epochs x minibatches of the RL loss, its gradient and the
+  update   rl/algo/update.py `make_update`: epochs x minibatches of the RL loss, its gradient and the
            optimizer step, on an UpdateBatch of rl.prompts_per_step * rl.group_size rows of
            rl.max_prompt_len + rl.max_new_tokens tokens (TRAIN rules).
   prefill  the prefill of generation engine (rl/generation/core.py `prefill_prompts`): rl.prompts_per_step prompts of rl.max_prompt_len
@@ -18,11 +18,11 @@ and XLA compiles the same jitted programs a run executes:
   reshard  the one-off cost of rl.generation_layout = "gathered": the train-layout weights resharded
            into the generation layout (split over tensor/expert only) once per rollout; "decode" then
            reads its weights in that layout (no per-token all-gather over fsdp).
-  routes   rl/routes.py: the update batch's MoE routes (routing replay) built on the devices from the
+  routes   rl/batches/routes.py: the update batch's MoE routes (routing replay) built on the devices from the
            rollout's, rows in any order (dynamic sampling, partial rollouts), so they never cross
            the host.
-  batch    the update batch's per-token fields built on the devices from the rollout's (rl/rows.py,
-           rl/batches.py `align_on_devices`, zigzag when the update is), rows in any order, so no
+  batch    the update batch's per-token fields built on the devices from the rollout's (rl/batches/rows.py,
+           rl/batches/handover.py `align_on_devices`, zigzag when the update is), rows in any order, so no
            host holds the batch's tokens.
 
 A step's report (`StepReport`) is read off the compiled program: `memory_analysis()` gives the bytes
@@ -61,14 +61,14 @@ from meshrl.model import kv_cache as kvc
 from meshrl.model.init import parameter_counts
 from meshrl.model.ring_attention import zigzag_on_mesh
 from meshrl.model.transformer import ModelConfig, Transformer
-from meshrl.rl import advantages as adv_lib
-from meshrl.rl import losses
-from meshrl.rl import routes
-from meshrl.rl.batches import ALIGNED_FROM, UpdateBatch, align_arrays
+from meshrl.rl.algo import advantages as adv_lib
+from meshrl.rl.algo import losses
+from meshrl.rl.batches import routes
+from meshrl.rl.batches.handover import ALIGNED_FROM, UpdateBatch, align_arrays
 from meshrl.rl.generation import core
 from meshrl.rl.generation.state import Counters, Pool, Slots
-from meshrl.rl.spec import generation_spec, rollout_model_config
-from meshrl.rl.update import make_update
+from meshrl.rl.step.spec import generation_spec, rollout_model_config
+from meshrl.rl.algo.update import make_update
 from meshrl.sharding.mesh import make_mesh, mesh_shape_for
 from meshrl.sharding.rules import generation_shardings, logical_to_spec, rules_from_config
 from meshrl.train.metrics import model_flops_per_token, peak_flops
@@ -206,7 +206,7 @@ def _model(cfg, mesh: Mesh, rules=None) -> tuple[ModelConfig, Callable[[], Trans
 
 
 def update_program(cfg, mesh: Mesh) -> Program:
-  """rl/update.py `make_update` over the abstract train state and UpdateBatch."""
+  """rl/algo/update.py `make_update` over the abstract train state and UpdateBatch."""
   estimator = adv_lib.make_estimator(cfg.rl.advantage, eps=cfg.rl.adv_eps, gamma=cfg.rl.gamma,
                                      lam=cfg.rl.gae_lambda)
   spec = dataclasses.replace(losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic),
@@ -329,7 +329,7 @@ def sft_program(cfg, mesh: Mesh) -> Program:
 
 
 def routes_program(cfg, mesh: Mesh) -> Program:
-  """rl/routes.py's padded assembly: the update batch's MoE routes [B, L, S, K] (donated, filled in)
+  """rl/batches/routes.py's padded assembly: the update batch's MoE routes [B, L, S, K] (donated, filled in)
   built on the devices from a rollout's [L, B, S, K] (taken to be split like the update batch, batch
   axes x `sequence`), rows in any order, zigzag when the update is. Only with routing replay of an
   MoE model."""
@@ -353,7 +353,7 @@ def batch_program(cfg, mesh: Mesh) -> Program:
   """The update batch's per-token fields [B, S] built on the devices from a rollout's (taken to be
   split like the update batch, batch axes x `sequence`): rows gathered in any order (dynamic
   sampling), shifted to predicting positions (`align_arrays`), zigzag when the update is. A run
-  calls the gathers (rl/rows.py), the alignment and the zigzag (rl/layouts.py) as separate programs;
+  calls the gathers (rl/batches/rows.py), the alignment and the zigzag (rl/batches/layouts.py) as separate programs;
   here they are one, which needs at least as much as any of them."""
   rules = rules_from_config(cfg.mesh)
   rows, length = cfg.rl.prompts_per_step * cfg.rl.group_size, cfg.rl.max_prompt_len + cfg.rl.max_new_tokens

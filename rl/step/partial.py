@@ -29,8 +29,8 @@ import numpy as np
 from meshrl.rl.generation.output import rollout_batch
 from meshrl.rl.generation.sampling import sample_keys
 from meshrl.rl.generation.state import Pool
-from meshrl.rl.routes import RoutingRows
-from meshrl.rl.rows import rollout_rows
+from meshrl.rl.batches.routes import RoutingRows
+from meshrl.rl.batches.rows import rollout_rows
 from meshrl.sharding import hosts
 from meshrl.train.checkpoint import array_from_json, array_to_json
 
@@ -48,7 +48,7 @@ class PartialRollouts:
 
   Several host processes: `draw` gives every host the same prompts, so every host holds the same
   pool bookkeeping and every group's example; the ended groups' per-token fields stay on the devices
-  (rl/rows.rollout_rows: rows of the pool's batch), and rl/step.py scores each host's share of them.
+  (rl/rows.rollout_rows: rows of the pool's batch), and rl/step/program.py scores each host's share of them.
   """
 
   def __init__(self, generator, num_groups: int):
@@ -122,8 +122,8 @@ class PartialRollouts:
     rows = (ended[:, None] * group + np.arange(group)).reshape(-1)
     arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
     routing = arrays.pop("routing")
-    arrays = rollout_rows(arrays, rows)  # the ended rows, kept on the devices (rl/rows.py)
-    if routing is not None:  # stays on the devices (rl/routes.py)
+    arrays = rollout_rows(arrays, rows)  # the ended rows, kept on the devices (rl/batches/rows.py)
+    if routing is not None:  # stays on the devices (rl/batches/routes.py)
       arrays["routing"] = RoutingRows.of_rollout(routing, rows)
     examples = [self.examples[g] for g in ended]
     self.live[ended] = False

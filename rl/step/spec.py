@@ -147,7 +147,7 @@ def episode_runner(cfg, mesh: Mesh | None, tokenizer, *, group_size: int | None 
   """The multi-turn episode runner of cfg (rl.multi_turn): its generator and budgets. complete: no
   token budget (evaluation). With asynchronous RL (rl.max_staleness > 0) its generation weights are
   copies, since episodes run beside the update that donates the train state's."""
-  from meshrl.rl import multiturn  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step import episodes as multiturn  # pylint: disable=import-outside-toplevel
   rl = cfg.rl
   generator = make_generator(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, group_size=group_size,
                              temperature=temperature, draft=draft, multi_turn=True,

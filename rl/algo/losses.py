@@ -7,7 +7,7 @@ one of `RATIOS` (token-level PPO or sequence-level GSPO, cfg.rl.policy_loss via
 `POLICY_LOSS_RATIOS`); the KL estimator is one of `KL_ESTIMATORS` (cfg.rl.kl_estimator). Numeric
 options (clip ranges, names) are static Python values, not traced arrays.
 
-Sequences: a row of a padded batch is one sequence; a row of a packed batch (rl/packing.py) holds
+Sequences: a row of a padded batch is one sequence; a row of a packed batch (rl/batches/packing.py) holds
 several, told apart by `Sequences.ids` [B, T] (the sample of each token). Every per-sequence
 reduction (sequence aggregations, the GSPO ratio, sequence-level importance weights) takes an
 optional `sequences` and reduces per sample, so the packed and the padded layout give the same loss.
@@ -59,7 +59,7 @@ def _zero_masked(mask: Array, *arrays: Array) -> tuple[Array, ...]:
 
 
 class Sequences(NamedTuple):
-  """Which sequence each token of a packed batch belongs to (rl/packing.py)."""
+  """Which sequence each token of a packed batch belongs to (rl/batches/packing.py)."""
   ids: Array  # [B, T] int32: the sample of each token, -1 on padding
   count: int  # static: number of samples the ids range over
   norm_count: int  # static: sequences per minibatch of the padded layout (constant_norm's B)
@@ -424,7 +424,7 @@ def value_loss(values: Array, old_values: Array, returns: Array, mask: Array, *,
 class LossSpec:
   """Every number and switch of the RL objective, resolved once from the config.
 
-  The jitted loss (rl/update.py) receives this, never config sections, so which terms are on is
+  The jitted loss (rl/algo/update.py) receives this, never config sections, so which terms are on is
   decided here and `UpdateBatch.check(spec)` refuses a batch that lacks what a term needs.
   """
   temperature: float  # log-probs are recomputed at the sampling temperature
@@ -446,12 +446,12 @@ class LossSpec:
   z_loss_coef: float
   tis_level: str = "none"  # truncated importance weights vs the behaviour policy: one of TIS_LEVELS
   tis_cap: float = 2.0  # their truncation
-  packed: bool = False  # update batches are packed rows (rl/packing.py) carrying sequence_ids
+  packed: bool = False  # update batches are packed rows (rl/batches/packing.py) carrying sequence_ids
   num_sequences: int = 0  # samples per update batch (the range of sequence_ids)
   minibatch_sequences: int = 0  # samples per minibatch of the padded layout (constant_norm's B)
   logits_chunk: int = 0  # > 0: log-probs and entropy chunk by chunk, no [tokens, vocab] logits
   zigzag_inputs: bool = False  # update batches are laid out zigzag over `sequence` (set with the mesh:
-  #                              rl/step.py build_run, rl/aot.py), which splash's ring must be told
+  #                              rl/step/program.py build_run, rl/step/aot.py), which splash's ring must be told
 
   @classmethod
   def from_config(cls, cfg, *, needs_critic: bool) -> "LossSpec":

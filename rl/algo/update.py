@@ -1,6 +1,6 @@
 """The policy (and critic) update: `make_update(spec, graphdef, tx, ...) -> update(state, batch, key)`.
 
-One jitted call runs `epochs` passes over an `UpdateBatch` (rl/batches.py), each split into
+One jitted call runs `epochs` passes over an `UpdateBatch` (rl/batches/handover.py), each split into
 `num_minibatches` shuffled minibatches (sample reuse, as PPO does): `lax.scan` over epochs, then
 over minibatches. The loss recomputes the log-probs of the sampled tokens under the current
 parameters at the sampling temperature, replaying the rollout's MoE routes when
@@ -10,7 +10,7 @@ is checked against it (`UpdateBatch.check`) before the first call.
 With `spec.logits_chunk > 0` (attention.logits_chunk, the knob SFT uses for the same memory
 problem) the log-probs and entropies come chunk by chunk from the final hidden states
 (train/chunked_loss.py), so [B, S, V] logits never exist; the KL estimators need only the sampled
-tokens' log-probs. With `spec.packed` the batch is packed rows (rl/packing.py) and every
+tokens' log-probs. With `spec.packed` the batch is packed rows (rl/batches/packing.py) and every
 per-sequence reduction goes by `batch.sequence_ids`; with `spec.tis_level` the policy loss is
 weighted by truncated importance ratios of the proximal (`old_logprobs`) to the behaviour policy.
 
@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from meshrl.rl import losses
-from meshrl.rl.batches import UpdateBatch
+from meshrl.rl.algo import losses
+from meshrl.rl.batches.handover import UpdateBatch
 from meshrl.train import chunked_loss
 from meshrl.train.state import TrainState, merge_batch_model, update_router_bias
 from meshrl.train.stops import keep_unless, step_is_finite
@@ -127,7 +127,7 @@ COUNTS = ("skipped_minibatches", "nonfinite_minibatches", "expert_load")  # over
 def _update_metrics(per_minibatch: dict) -> dict:
   """[epochs, minibatches] metrics -> the update's: counts (COUNTS) averaged over every minibatch;
   measurements (loss, entropy, ratios, grad norm ...) over the minibatches that were applied only,
-  NaN when none was (nothing was measured: rl/loop.py leaves such a value out of the record, where
+  NaN when none was (nothing was measured: rl/step/driver.py leaves such a value out of the record, where
   a 0 had been reported as an entropy), and `updated_minibatches`, the applied share. The *_first
   metrics are the first minibatch's of the first epoch (NaN when it was not applied)."""
   applied = per_minibatch.pop("applied")  # [epochs, minibatches]

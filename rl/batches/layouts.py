@@ -1,7 +1,7 @@
 """Between the update batch's layout and one contiguous row per sample, on the devices.
 
 The update batch is laid out for the model: zigzag over the `sequence` axis for ring attention, or
-packed into rows (rl/packing.py). The advantage estimators read a sample's tokens in order (the
+packed into rows (rl/batches/packing.py). The advantage estimators read a sample's tokens in order (the
 outcome reward goes on its last loss token, GAE scans columns), so `prepare` takes the batch's
 per-token arrays to the samples' layout and the advantages back:
 
@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshrl.model.ring_attention import unzigzag_on_mesh, zigzag_on_mesh
+from meshrl.sharding.mesh import SEQUENCE_AXIS, axis_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +91,7 @@ def sample_layout(*, plan=None, zigzag_shards: int = 1, mesh=None, batch_shardin
     return SampleLayout(maybe(lambda y: unpack(y, sample, column)),
                         maybe(lambda x: pack(x, sample, column)))
   if zigzag_shards > 1:
-    if mesh is None or mesh.shape.get("sequence", 1) != zigzag_shards:
+    if axis_size(mesh, SEQUENCE_AXIS) != zigzag_shards:
       raise ValueError(f"a zigzag over {zigzag_shards} shards needs the mesh's 'sequence' axis of that "
                        f"size; mesh={None if mesh is None else dict(mesh.shape)}.")
     unzig, zig = _zigzag_program(mesh, batch_sharding, True), _zigzag_program(mesh, batch_sharding, False)

@@ -20,13 +20,13 @@ import jax
 import numpy as np
 
 from meshrl.model.tokenizer import Tokenizer
-from meshrl.rl.batch import next_prompts, response_columns
+from meshrl.rl.step.groups import next_prompts, response_columns
 from meshrl.rl.envs import TaskMixture, distinct_examples
-from meshrl.rl.prompts import JsonlSource
+from meshrl.rl.envs.prompts import JsonlSource
 from meshrl.rl.rewards import answer_reward
-from meshrl.rl.rows import rollout_rows
-from meshrl.rl.scoring import RewardPool
-from meshrl.rl.spec import make_generator
+from meshrl.rl.batches.rows import rollout_rows
+from meshrl.rl.rewards.pool import RewardPool
+from meshrl.rl.step.spec import make_generator
 from meshrl.sharding import hosts
 from meshrl.sharding.rules import data_parallel_size
 

@@ -336,7 +336,7 @@ def make_advantages(cfg):
   estimator = make_estimator(rl.advantage, eps=rl.adv_eps, gamma=rl.gamma, lam=rl.gae_lambda)
   group_size = int(rl.group_size)
   kl_in_reward, coef, kind = bool(rl.kl_in_reward), float(rl.kl_coef), rl.kl_estimator
-  from meshrl.rl.losses import kl_reward_penalty, masked_mean  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.algo.losses import kl_reward_penalty, masked_mean  # pylint: disable=import-outside-toplevel
 
   def advantages_fn(rewards, loss_mask, sample_valid, old_logprobs, ref_logprobs, values):
     mask = loss_mask.astype(bool) & sample_valid[:, None]

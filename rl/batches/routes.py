@@ -34,12 +34,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshrl.model.ring_attention import zigzag
-from meshrl.rl.rows import DeviceRows, per_source
+from meshrl.rl.batches.rows import DeviceRows, per_source
 
 
 @dataclasses.dataclass(frozen=True)
 class RoutingRows(DeviceRows):
-  """The routes [B, L, S, K] of B samples, kept where the rollouts left them (rl/rows.py).
+  """The routes [B, L, S, K] of B samples, kept where the rollouts left them (rl/batches/rows.py).
 
   sources: [L, N_i, S, K] int32 arrays (on the devices; numpy after a restore from JSON), the
     rollouts' routing as the rollout programs return it (sample axis 1).
@@ -103,7 +103,7 @@ def _cells(out, source, cells, columns):
 def rows_program(out_sharding: NamedSharding | None, shards: int):
   """jit((out [B, L, S, K], source [L, N, S, K], rows [B]) -> out): the padded assembly's step for
   one source (`out` donated), zigzag over `shards` on S; one program per (output sharding, shards),
-  shapes left to jit's cache (rl/aot.py compiles it too)."""
+  shapes left to jit's cache (rl/step/aot.py compiles it too)."""
   return jax.jit(functools.partial(_rows, shards=shards), out_shardings=out_sharding, donate_argnums=0)
 
 

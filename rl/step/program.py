@@ -11,10 +11,10 @@
   prepare   ScoredBatch -> UpdateBatch: prediction-aligned arrays, reference log-probs and critic
             values (jit), advantages (jit, `advantages.make_advantages`), zigzag for ring attention
             or packing, built on the devices from the rows; routing replay's MoE routes assembled
-            there too (rl/routes.py), never on the host
-  update    the jitted policy/critic update over epochs x minibatches (rl/update.py)
+            there too (rl/batches/routes.py), never on the host
+  update    the jitted policy/critic update over epochs x minibatches (rl/algo/update.py)
 
-Logging, evaluation and checkpoints are hooks of the driver (rl/loop.py), not part of the step. The
+Logging, evaluation and checkpoints are hooks of the driver (rl/step/driver.py), not part of the step. The
 rollout and the update read and replace the same `run.state.params` arrays on the one mesh.
 """
 
@@ -31,25 +31,25 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshrl.model.tokenizer import Tokenizer
-from meshrl.rl import advantages as adv_lib
-from meshrl.rl import losses
-from meshrl.rl import packing
-from meshrl.rl import routes
-from meshrl.rl.batch import (batch_metrics, empty_scored, informative_groups, next_prompts, response_columns,
+from meshrl.rl.algo import advantages as adv_lib
+from meshrl.rl.algo import losses
+from meshrl.rl.batches import packing
+from meshrl.rl.batches import routes
+from meshrl.rl.step.groups import (batch_metrics, empty_scored, informative_groups, next_prompts, response_columns,
                             score_rollout, select_groups, shared_prompts, staleness)
-from meshrl.rl.batches import (ScoredBatch, UpdateBatch, align_for_update, align_on_devices,
+from meshrl.rl.batches.handover import (ScoredBatch, UpdateBatch, align_for_update, align_on_devices,
                                device_put_batch, zigzag_batch)
 from meshrl.rl.rewards import compose
-from meshrl.rl.layouts import sample_layout
-from meshrl.rl.partial import PartialRollouts
-from meshrl.rl.multiturn import PartialEpisodes, wants_multi_turn
-from meshrl.rl.multiturn_step import collect_multiturn
-from meshrl.rl.rows import rollout_rows
-from meshrl.rl.spec import episode_runner, make_generator
-from meshrl.rl.routes import RoutingRows
-from meshrl.rl.rows import DeviceRows
-from meshrl.rl.scoring import RewardPool
-from meshrl.rl.update import make_logprob_fn, make_update
+from meshrl.rl.batches.layouts import sample_layout
+from meshrl.rl.step.partial import PartialRollouts
+from meshrl.rl.step.episodes import PartialEpisodes, wants_multi_turn
+from meshrl.rl.step.episode_collect import collect_multiturn
+from meshrl.rl.batches.rows import rollout_rows
+from meshrl.rl.step.spec import episode_runner, make_generator
+from meshrl.rl.batches.routes import RoutingRows
+from meshrl.rl.batches.rows import DeviceRows
+from meshrl.rl.rewards.pool import RewardPool
+from meshrl.rl.algo.update import make_logprob_fn, make_update
 from meshrl.sharding import hosts
 from meshrl.sharding.rules import logical_to_spec, rules_from_config
 from meshrl.train.checkpoint import array_from_json, array_to_json
@@ -141,7 +141,7 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
 
 def _rollout_arrays(batch, keep_on_devices: bool = False) -> dict:
   """RolloutBatch (device) -> the host's dict of its fields; the routing stays on the devices (a
-  RoutingRows of [B, L, S, K], rl/routes.py) or is dropped.
+  RoutingRows of [B, L, S, K], rl/batches/routes.py) or is dropped.
 
   keep_on_devices: the per-token fields [B, S] stay where they are too, as rl/rows.DeviceRows (the
   host moves samples by row; scoring pulls the response columns, `prepare` builds the update batch on
@@ -368,7 +368,7 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
   """ScoredBatch -> UpdateBatch on the devices, with everything `run.spec` needs, checked.
 
   Padded: one row per sample (zigzag for ring attention). Packed (rl.pack_updates): the valid
-  samples' tokens packed into rl.packed_rows rows (rl/packing.py); advantages are computed per
+  samples' tokens packed into rl.packed_rows rows (rl/batches/packing.py); advantages are computed per
   sample and packed, reference log-probs and values are computed packed and unpacked for them.
   With rl.tis_level the rollout's log-probs become `behaviour_logprobs` and `old_logprobs` are
   recomputed under the current params (the proximal policy)."""
@@ -387,7 +387,7 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
     metrics.update(packing.packing_metrics(plan))
   layout = sample_layout(plan=plan, zigzag_shards=run.zigzag_shards, mesh=run.mesh,
                          batch_sharding=run.batch_sharding, samples_sharding=run.samples_sharding)
-  if on_devices:  # the samples' rows never left the devices: laid out there (rl/layouts.py)
+  if on_devices:  # the samples' rows never left the devices: laid out there (rl/batches/layouts.py)
     fields = {name: layout.from_samples(value) for name, value in aligned.items()}
     if plan is not None:
       fields.update(packing.plan_ids(plan, run.batch_sharding))
@@ -396,7 +396,7 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
     host = UpdateBatch(**aligned, advantages=np.zeros_like(aligned["old_logprobs"]))
     host = zigzag_batch(host, run.zigzag_shards) if plan is None else packing.pack_batch(host, plan)
     batch = device_put_batch(host, run.batch_sharding)
-  if routing is not None:  # built on the devices, in the batch's layout (rl/routes.py)
+  if routing is not None:  # built on the devices, in the batch's layout (rl/batches/routes.py)
     batch = batch.replace(routing=routes.assemble(routing, run.batch_sharding, zigzag_shards=run.zigzag_shards,
                                                   plan=plan))
   ref_logprobs = values = None
@@ -408,7 +408,7 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
       batch = batch.replace(behaviour_logprobs=batch.old_logprobs, old_logprobs=proximal)
   # Advantages per sample in contiguous order ([B, S], the estimators' layout: GAE scans columns in
   # order), then in the batch's layout (packed, or zigzag for ring attention).
-  # On the devices (rl/layouts.py): nothing of the batch's size goes through the host.
+  # On the devices (rl/batches/layouts.py): nothing of the batch's size goes through the host.
   to_samples = layout.to_samples
   valid = jnp.asarray(scored.sample_valid)
   advantages, returns, adv_metrics = run.advantages_fn(
