@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from meshrl.model.tokenizer import Tokenizer
-from meshrl.rl.step.groups import batch_metrics, informative_groups, per_domain, select_groups, shared_prompts, staleness
+from meshrl.rl.step.groups import batch_metrics, enough_groups, per_domain, shared_prompts, staleness, step_groups
 from meshrl.rl.batches.handover import ScoredBatch
 from meshrl.rl.envs import file_tasks
 from meshrl.rl.envs.base import DONE
@@ -116,11 +116,9 @@ def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]
     scored = scored_batch(out, drawn, cfg.group_size)
     scored.arrays = {**scored.arrays, "env_ok": scored.sample_valid}
     scored_rounds.append(scored)
-    useful = sum(int(informative_groups(r.rewards, cfg.group_size).sum()) for r in scored_rounds)
-    if not cfg.dynamic_sampling or useful >= cfg.prompts_per_step:
+    if enough_groups(scored_rounds, cfg):
       break
-  batch = select_groups(scored_rounds, num_groups=cfg.prompts_per_step, group_size=cfg.group_size,
-                        dynamic=cfg.dynamic_sampling)
+  batch = step_groups(scored_rounds, cfg)
   batch.sample_valid &= batch.arrays.pop("env_ok")  # select_groups keeps groups, not samples' validity
   first, first_out = scored_rounds[0], outs[0]
   if not first.texts:  # partial episodes: no group finished in this step

@@ -101,6 +101,19 @@ def informative_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
   return grouped.max(axis=1) > grouped.min(axis=1)
 
 
+def enough_groups(rounds: list[ScoredBatch], cfg) -> bool:
+  """Whether the rollout rounds so far fill a step (cfg: the `rl` section): always without dynamic
+  sampling; with it, once rl.prompts_per_step informative groups have arrived."""
+  useful = sum(int(informative_groups(r.rewards, cfg.group_size).sum()) for r in rounds)
+  return not cfg.dynamic_sampling or useful >= cfg.prompts_per_step
+
+
+def step_groups(rounds: list[ScoredBatch], cfg) -> ScoredBatch:
+  """The step's batch of rl.prompts_per_step groups from its rollout rounds (`select_groups`)."""
+  return select_groups(rounds, num_groups=cfg.prompts_per_step, group_size=cfg.group_size,
+                       dynamic=cfg.dynamic_sampling)
+
+
 def empty_scored(arrays: dict) -> ScoredBatch:
   """A ScoredBatch of no samples (arrays with 0 rows): a partial-rollout step in which no group ended."""
   return ScoredBatch(arrays=arrays, rewards=np.zeros(0, np.float32), correct=np.zeros(0, np.float32),

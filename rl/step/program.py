@@ -35,8 +35,8 @@ from meshrl.rl.algo import advantages as adv_lib
 from meshrl.rl.algo import losses
 from meshrl.rl.batches import packing
 from meshrl.rl.batches import routes
-from meshrl.rl.step.groups import (batch_metrics, empty_scored, informative_groups, next_prompts, response_columns,
-                            score_rollout, select_groups, shared_prompts, staleness)
+from meshrl.rl.step.groups import (batch_metrics, empty_scored, enough_groups, next_prompts, response_columns,
+                            score_rollout, shared_prompts, staleness, step_groups)
 from meshrl.rl.batches.handover import (ScoredBatch, UpdateBatch, align_for_update, align_on_devices,
                                device_put_batch, zigzag_batch)
 from meshrl.rl.rewards import compose
@@ -338,11 +338,9 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
     reward_timeouts += scored.info["reward_timeouts"]
     first_errors += scored.info["first_errors"]
     scored_rounds.append(scored)
-    useful = sum(int(informative_groups(r.rewards, cfg.group_size).sum()) for r in scored_rounds)
-    if not cfg.dynamic_sampling or useful >= cfg.prompts_per_step:
+    if enough_groups(scored_rounds, cfg):
       break
-  batch = select_groups(scored_rounds, num_groups=cfg.prompts_per_step, group_size=cfg.group_size,
-                        dynamic=cfg.dynamic_sampling)
+  batch = step_groups(scored_rounds, cfg)
   partial_info.update(staleness(batch.arrays, run.version, cfg.max_new_tokens))
   generator = run.partial if run.partial is not None else run.rollout
   if run.cfg.rl.speculative != "none" and generator.metrics is not None:  # the last rollout's
