@@ -1,6 +1,6 @@
 """scripts/train_rm.py: bad input is one line naming the file, line or field, with nothing written; a
 short run from a preference file writes metrics with held-out accuracy and a checkpoint that loads
-as a policy's reward model."""
+as a policy's reward model and exports to transformers' sequence-classification layout."""
 
 import hashlib
 import importlib.util
@@ -11,7 +11,6 @@ import pytest
 
 from meshrl import configs
 from meshrl.configs import cli
-from meshrl.train.rm_source import check_reward_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RM = "--config=configs/tiny_rm.py"
@@ -19,11 +18,15 @@ GOOD = [{"prompt": f"rev {w}=", "chosen": w[::-1], "rejected": w} for w in
         ("abc", "dog", "owl", "cat", "sun", "map", "pen", "cup", "hat", "jam", "kit", "log")]
 
 
-def _main():
-  spec = importlib.util.spec_from_file_location("train_rm_script", os.path.join(REPO, "scripts", "train_rm.py"))
+def _script_main(name):
+  spec = importlib.util.spec_from_file_location(f"{name}_script", os.path.join(REPO, "scripts", f"{name}.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.main
+
+
+def _main():
+  return _script_main("train_rm")
 
 
 def _files(folder) -> dict:
@@ -88,16 +91,43 @@ def test_bad_input_is_one_line_and_writes_nothing(inputs, argv, fragment, capsys
   assert _files(inputs["folder"]) == before
 
 
-def test_a_short_run_from_a_file_writes_a_loadable_reward_model(inputs, tmp_path, monkeypatch, capsys):
+def test_a_short_run_writes_a_reward_model_that_loads_and_exports(inputs, tmp_path, monkeypatch, capsys):
+  """3 steps from a preference file: metrics with held-out accuracy, a checkpoint that loads as a
+  policy's reward model, and scripts/export_hf.py's sequence classifier scoring held-out rows as the
+  meshrl checkpoint does (within 1e-4, through transformers)."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from meshrl.model.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+  from meshrl.train.preferences import encode_pairs, read_pairs  # pylint: disable=import-outside-toplevel
+  from meshrl.train.reward_model import make_scorer  # pylint: disable=import-outside-toplevel
+  from meshrl.train.rm_source import load_reward_model  # pylint: disable=import-outside-toplevel
   monkeypatch.chdir(REPO)
-  workdir = str(tmp_path / "rm")
-  status = cli.run(_main(), [RM, f"--workdir={workdir}", f"--config.rm.train_jsonl={inputs['good']}",
-                             "--config.data.eval_fraction=0.3", "--config.rm.batch_size=8", "--steps=3",
-                             "--config.log.progress_bar=false", "--config.checkpoint.async_save=false"])
-  out, err = capsys.readouterr()
+  workdir, out = str(tmp_path / "rm"), str(tmp_path / "hf")
+  flags = [RM, "--config.model.qk_norm=true"]  # Qwen3-MoE's attention, so the layout can hold it
+  status = cli.run(_main(), flags + [f"--workdir={workdir}", f"--config.rm.train_jsonl={inputs['good']}",
+                                     "--config.data.eval_fraction=0.3", "--config.rm.batch_size=8", "--steps=3",
+                                     "--config.log.progress_bar=false", "--config.checkpoint.async_save=false"])
+  printed, err = capsys.readouterr()
   assert status == 0, err
   records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert [r["step"] for r in records] == [0, 1, 2, 3]
   assert "eval/pairwise_accuracy" in records[0] and "eval/pairwise_accuracy" in records[-1]
-  assert records[0]["eval/pairs"] + int(out.split("pairs: ")[1].split()[0]) == len(GOOD)
-  assert check_reward_model(workdir, configs.load("configs/tiny.py")).model.value_head
+  assert records[0]["eval/pairs"] + int(printed.split("pairs: ")[1].split()[0]) == len(GOOD)
+
+  policy = configs.load("configs/tiny.py", ["model.qk_norm=True"])
+  model, _ = load_reward_model(workdir, policy, None)
+  arrays = encode_pairs(read_pairs(inputs["good"], field="f"), load_tokenizer(), max_len=32)
+  graphdef, params, extra = nnx.split(model, nnx.Param, ...)
+  ours = np.asarray(make_scorer(graphdef)(params, extra, arrays.chosen, arrays.chosen_lengths))
+  status = cli.run(_script_main("export_hf"), flags + [f"--checkpoint={workdir}", f"--out={out}",
+                                                       "--architecture=Qwen3MoeForSequenceClassification"])
+  assert status == 0, capsys.readouterr().err
+  hf = transformers.AutoModelForSequenceClassification.from_pretrained(
+      out, attn_implementation="eager", dtype=torch.float32).eval()
+  assert hf.config.pad_token_id == load_tokenizer().pad_id
+  with torch.no_grad():
+    theirs = hf(torch.tensor(arrays.chosen, dtype=torch.long)).logits.numpy()[:, 0]
+  assert np.abs(ours).max() > 1e-3
+  np.testing.assert_allclose(theirs, ours, atol=1e-4, rtol=0)
