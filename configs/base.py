@@ -205,6 +205,20 @@ def get_config(arg=None):
   config.eval.pass_k = 0  # Also report pass@k with k samples at rl.temperature (0 = greedy only).
   config.eval.jsonl = ""  # Held-out JSONL of {"prompt", "answer", "domain"} (else the data.tasks split).
 
+  # --- rm: reward-model training (scripts/train_rm.py, train/reward_model.py); the model is model.* and its score head is model.value_head.
+  config.rm = ml_collections.ConfigDict()
+  config.rm.train_jsonl = ""  # Preference pairs, JSONL of {"prompt", "chosen", "rejected", "margin"?}; "" = synthetic pairs from data.tasks.
+  config.rm.eval_jsonl = ""  # Held-out pairs, same format; "" = the pairs whose prompt hashes into data.eval_fraction.
+  config.rm.synthetic_pairs = 4096  # Synthetic training pairs (rm.train_jsonl=""): chosen = the task's answer, rejected = a wrong one.
+  config.rm.eval_pairs = 512  # Held-out pairs evaluated (fewer when the held-out side has fewer).
+  config.rm.steps = 300  # Training steps.
+  config.rm.batch_size = 32  # Pairs per step (each pair is two rows: chosen and rejected).
+  config.rm.learning_rate = 1e-4  # Peak learning rate (schedule, warmup, clipping: optim.*).
+  config.rm.margin = 0.0  # Margin added to every pair's own "margin": loss = -log sigmoid(r_chosen - r_rejected - margin).
+  config.rm.max_len = 0  # Tokens of prompt + response per row (0 = model.max_seq_len).
+  config.rm.overflow = "reject"  # A pair longer than rm.max_len: "reject" (error naming file and line) or "truncate" (keep its last tokens).
+  config.rm.eval_every = 50  # Steps between held-out pairwise-accuracy evaluations (also at the end).
+
   # --- checkpoint: orbax checkpointing (train/checkpoint.py).
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.enabled = True  # Write checkpoints.

@@ -144,9 +144,26 @@ def check_serve(cfg) -> None:
   between(cfg, "serve.max_len", 0, cfg.model.max_seq_len)  # 0 = model.max_seq_len
 
 
+def check_rm(cfg) -> None:
+  """rm.*: counts, the margin, the overflow rule and the pair files (rows are checked as they load)."""
+  for field in ("steps", "batch_size", "synthetic_pairs", "eval_pairs"):
+    at_least(cfg, f"rm.{field}", 1)
+  at_least(cfg, "rm.eval_every", 0, " (0 = only before the first step and at the end)")
+  at_least(cfg, "rm.margin", 0.0, " (the score gap a pair's chosen side must clear)")
+  at_least(cfg, "rm.max_len", 0, " (0 = model.max_seq_len)")
+  one_of(cfg, "rm.overflow", ("reject", "truncate"))
+  existing_file("rm.train_jsonl", cfg.rm.train_jsonl)
+  existing_file("rm.eval_jsonl", cfg.rm.eval_jsonl)
+  if not (cfg.rm.train_jsonl and cfg.rm.eval_jsonl):
+    between(cfg, "data.eval_fraction", 0.0, 1.0, high_open=True)
+    if cfg.data.eval_fraction == 0.0:
+      raise ValueError("data.eval_fraction=0.0 holds out no prompts: the reward model's held-out pairs come "
+                       "from that share (or give both rm.train_jsonl and rm.eval_jsonl).")
+
+
 SECTIONS: dict[str, Callable] = {
     "run": check_run, "rl": check_rl, "moe": check_moe, "data": check_data, "eval": check_eval,
-    "checkpoint": check_checkpoint, "log": check_log, "serve": check_serve,
+    "checkpoint": check_checkpoint, "log": check_log, "serve": check_serve, "rm": check_rm,
 }
 
 

@@ -31,7 +31,8 @@ def _flags(parser):
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
   parser.add_argument("--dtype", default=None, help="tensor dtype written (default: the parameters')")
   parser.add_argument("--architecture", default=None,
-                      help="Qwen3MoeForCausalLM or DeepseekV3ForCausalLM (default: from the config)")
+                      help="Qwen3MoeForCausalLM, DeepseekV3ForCausalLM or, for a reward model (scripts/"
+                           "train_rm.py), Qwen3MoeForSequenceClassification (default: a causal LM of the config)")
 
 
 def _architecture(cfg, given: str | None) -> str:
@@ -114,7 +115,9 @@ def main(argv):
   folder, step, architecture = _check(args, cfg)  # bad input: one line (cli.run), nothing written
   mesh = make_mesh(cfg.mesh)
   model = init_from.restore_params(folder, ModelConfig.from_config(cfg, mesh), mesh, step=step)
-  written = convert.export_checkpoint(model, cfg, args.out, architecture, dtype=args.dtype)
+  # A sequence classifier reads each row's score at its last non-pad token: it needs the pad id.
+  pad_id = tokenizer_from_config(cfg).pad_id if architecture.endswith("ForSequenceClassification") else None
+  written = convert.export_checkpoint(model, cfg, args.out, architecture, dtype=args.dtype, pad_token_id=pad_id)
   if cfg.model.tokenizer != "byte":
     written += _copy_tokenizer(cfg, args.out, tokenizer_from_config(cfg))
   else:
