@@ -127,6 +127,7 @@ def test_every_numeric_field_refuses_a_negative_value_by_name(field):
   with pytest.raises(ValueError) as raised:
     loop.check_config(cfg, 8)
     checks.check_sections(cfg, "serve")
+    checks.check_sections(cfg, "rm")  # scripts/train_rm.py's section
   assert field in str(raised.value), str(raised.value)
 
 
