@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshrl.sharding.rules import Rules, logical_to_spec, rules_from_config
 from meshrl.train.preferences import PairArrays
 from meshrl.train.state import TrainState, update_router_bias
-from meshrl.train.stops import keep_unless, step_is_finite
+from meshrl.train.stops import guarded_update, keep_unless
 
 
 @struct.dataclass
@@ -163,12 +163,8 @@ def make_rm_step(graphdef: nnx.GraphDef, mesh: Mesh | None, cfg, tx: optax.Gradi
 
   def rm_step(state: TrainState, batch: PairBatch):
     grads, metrics = grad_fn(state.params, state.extra, batch=batch)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    grad_norm = optax.tree.norm(grads)
     # NaN guard (train/stops.py): a non-finite loss or gradient leaves the state as it was.
-    finite = step_is_finite(metrics["loss"], grad_norm)
-    params, opt_state = keep_unless(finite, (params, opt_state), (state.params, state.opt_state))
+    params, opt_state, grad_norm, finite = guarded_update(tx, state, grads, metrics["loss"])
     metrics.update(grad_norm=grad_norm, nonfinite=1.0 - finite.astype(jnp.float32))
     if schedule is not None:
       metrics["lr"] = schedule(state.step // accum)

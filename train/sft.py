@@ -45,7 +45,7 @@ from meshrl.train.optim import make_optimizer, make_schedule
 from meshrl.train.preemption import Preemption
 from meshrl.train.state import (TrainState, abstract_train_state, create_train_state, merge_batch_model,
                                 merge_model, shardings_of, update_router_bias)
-from meshrl.train.stops import NonFiniteStreak, keep_unless, step_is_finite
+from meshrl.train.stops import NonFiniteStreak, guarded_update, keep_unless
 from meshrl.sharding.mesh import SEQUENCE_AXIS, axis_size
 
 
@@ -155,13 +155,9 @@ def make_sft_step(model_graphdef: nnx.GraphDef, mesh: Mesh | None, cfg, tx: opta
 
   def sft_step(state: TrainState, batch: dict):
     grads, metrics = grad_fn(state.params, state.extra, batch=batch)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    grad_norm = optax.tree.norm(grads)
     # NaN guard (train/stops.py): a non-finite loss or gradient leaves params and optimiser state as
     # they were; the router bias is not moved by its loads either.
-    finite = step_is_finite(metrics["loss"], grad_norm)
-    params, opt_state = keep_unless(finite, (params, opt_state), (state.params, state.opt_state))
+    params, opt_state, grad_norm, finite = guarded_update(tx, state, grads, metrics["loss"])
     metrics["grad_norm"] = grad_norm
     metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
     if schedule is not None:
