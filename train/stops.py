@@ -31,21 +31,23 @@ def keep_unless(apply: jax.Array, new, old):
   return jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
 
 
-def guarded_update(tx, state, grads, loss: jax.Array):
+def guarded_update(tx, state, grads, loss: jax.Array, when: jax.Array | None = None):
   """One optimiser step that a non-finite loss or gradient leaves undone.
 
   Args:
     tx: the optax transformation; state: a TrainState (params, opt_state); grads: like state.params;
-    loss: [] the step's loss.
+    loss: [] the step's loss; when: [] bool, a further condition for applying the step (None: always).
   Returns:
-    (params, opt_state, grad_norm [], finite [] bool): the updated pair where `finite`, else the old.
+    (params, opt_state, grad_norm [], finite [] bool): the updated pair where `finite` (and `when`),
+    else the old.
   """
   import optax  # pylint: disable=import-outside-toplevel  (keeps this module light for host code)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   grad_norm = optax.tree.norm(grads)
   finite = step_is_finite(loss, grad_norm)
-  params, opt_state = keep_unless(finite, (params, opt_state), (state.params, state.opt_state))
+  apply = finite if when is None else when & finite
+  params, opt_state = keep_unless(apply, (params, opt_state), (state.params, state.opt_state))
   return params, opt_state, grad_norm, finite
 
 

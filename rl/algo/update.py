@@ -34,7 +34,7 @@ from meshrl.rl.algo import losses
 from meshrl.rl.batches.handover import UpdateBatch
 from meshrl.train import chunked_loss
 from meshrl.train.state import TrainState, merge_batch_model, update_router_bias
-from meshrl.train.stops import keep_unless, step_is_finite
+from meshrl.train.stops import guarded_update
 
 
 def target_logprobs(logits: jax.Array, targets: jax.Array, temperature: float) -> jax.Array:
@@ -168,17 +168,12 @@ def make_update(spec: losses.LossSpec, graphdef: nnx.GraphDef, tx: optax.Gradien
 
   def minibatch_step(state: TrainState, minibatch: UpdateBatch):
     grads, metrics = grad_fn(state.params, state.extra, batch=minibatch)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
     # Two kinds of minibatch leave parameters and optimizer state exactly as they were:
     # - one without a single loss token (every group dropped by dynamic sampling): its only gradient
     #   is the MoE balance loss, which Adam would blow up to full-size steps on the router;
     # - one whose loss or gradient is not finite (NaN guard): applying it would poison the weights.
     has_tokens = jnp.any(minibatch.loss_mask)
-    grad_norm = optax.tree.norm(grads)
-    finite = step_is_finite(metrics["loss"], grad_norm)
-    params, opt_state = keep_unless(has_tokens & finite, (params, opt_state),
-                                    (state.params, state.opt_state))
+    params, opt_state, grad_norm, finite = guarded_update(tx, state, grads, metrics["loss"], when=has_tokens)
     applied = has_tokens & finite
     metrics = {k: v if k == "expert_load" else jnp.where(applied, v, 0.0) for k, v in metrics.items()}
     metrics["grad_norm"] = jnp.where(applied, grad_norm, 0.0)
