@@ -190,8 +190,9 @@ class EpisodicScheduler:
     self.answers = {}
     slot_of = {int(b): c for c, b in enumerate(view["sid"]) if b < view["done"].shape[0]}
     finished = [b for b, answer in answers.items() if answer is None or not answer]
-    if finished:
-      ids = np.asarray(finished, np.int32)
+    if finished:  # padded to B (sample id B: none): one shape compiles
+      ids = np.full(pool.num_samples, pool.num_samples, np.int32)
+      ids[:len(finished)] = finished
       slots, pool = engine.finish(slots, pool, jnp.asarray(ids), jnp.ones(len(ids), bool))
     observed = [(slot_of[b], answer) for b, answer in answers.items() if answer and b in slot_of]
     if observed:

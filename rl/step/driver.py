@@ -123,10 +123,6 @@ def check_config(cfg, num_devices: int | None = None) -> None:
   if rl.max_staleness and rl.tis_level == "none":
     raise ValueError(f"rl.max_staleness={rl.max_staleness} trains on samples of older policies: set "
                      "rl.tis_level to 'token' or 'sequence' so they are importance-corrected.")
-  if rl.max_staleness and rl.rollout_token_budget:
-    raise ValueError(f"rl.max_staleness={rl.max_staleness} and rl.rollout_token_budget="
-                     f"{rl.rollout_token_budget} cannot be combined yet: partial rollouts already carry "
-                     "off-policy segments; choose one.")
   compose(rl.rewards)
   if cfg.data.domains:
     _domain_specs(cfg)
@@ -288,9 +284,9 @@ def checkpoint_hook(checkpointer: Checkpointer, prompts: PromptStream,
   `extra_state()` (e.g. carried rollouts, a quarantine list; JSON values); the step's PRNG key is
   derived from (seed, step), so nothing else is needed to continue exactly."""
   def hook(step: int, run: RLRun, metrics: dict) -> None:
+    carried = extra_state() if extra_state else None  # first: it waits for rollouts in flight, which may draw prompts
     checkpointer.save(step, run.state, data_state={"step": step, **prompts.get_state()},
-                      config=run.cfg, extra_state=extra_state() if extra_state else None,
-                      force=bool(metrics.get("stopping")))
+                      config=run.cfg, extra_state=carried, force=bool(metrics.get("stopping")))
   return hook
 
 
@@ -298,10 +294,10 @@ def carried_state(run: RLRun) -> dict:
   """What a step carries to the next besides the train state (JSON): partial rollouts' groups and
   asynchronous RL's rollouts in flight."""
   state = {}
+  if run.in_flight:  # first: settling them may advance the partial pool (asynchronous partial episodes)
+    state["in_flight"] = in_flight_state(run)
   if run.partial is not None:
     state["partial"] = run.partial.get_state()
-  if run.in_flight:
-    state["in_flight"] = in_flight_state(run)
   return state
 
 

@@ -67,26 +67,53 @@ def _restored(item) -> MultiTurnRollout:
                           texts=list(item.episodes["texts"]), counts={"prompts_truncated": 0, "extend_tokens": 0})
 
 
-def next_episodes_in_flight(run, examples, key: jax.Array):
-  """Asynchronous multi-turn RL: tops the queue of episode rollouts up to rl.max_staleness + 1 and
-  pops the oldest -> (its examples, MultiTurnRollout, the wait in seconds). New rollouts run in a
-  thread beside the step (their environments step and their turns decode while the host scores and the
-  devices update), on a snapshot of the current generation weights (the update donates the train
-  state's), stamped with the current version."""
-  from meshrl.rl.step.program import InFlight  # pylint: disable=import-outside-toplevel
-  cfg = run.cfg.rl
+def _executor(run) -> concurrent.futures.ThreadPoolExecutor:
+  """The one thread asynchronous episodes run in (so a run's rollouts, and its partial pool, advance in
+  order)."""
   if run.episode_thread is None:
     run.episode_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="episodes")
+  return run.episode_thread
+
+
+def next_episodes_in_flight(run, examples, key: jax.Array):
+  """Asynchronous multi-turn RL: tops the queue of episode rollouts up to rl.max_staleness + 1 and
+  pops the oldest -> (its examples, MultiTurnRollout, info, the wait in seconds). New rollouts run in a
+  thread beside the step (their environments step and their turns decode while the host scores and the
+  devices update), on a snapshot of the current generation weights (the update donates the train
+  state's), stamped with the current version. With partial episodes (run.partial) each is a step of
+  the carried pool (PartialEpisodes.step, drawing its new groups in the thread); info is its groups
+  admitted / ended / carried."""
+  from meshrl.rl.step.program import InFlight  # pylint: disable=import-outside-toplevel
+  cfg = run.cfg.rl
   while len(run.in_flight) < cfg.max_staleness + 1:
-    drawn = _draw(run, examples)
     weights = run.multiturn.weights(run.state.params, run.state.extra)
-    future = run.episode_thread.submit(run.multiturn.rollout, None, None, drawn,
-                                       jax.random.fold_in(key, 1000 + len(run.in_flight)), run.version, weights=weights)
+    dispatch_key = jax.random.fold_in(key, 1000 + len(run.in_flight))
+    if run.partial is not None:
+      future = _executor(run).submit(run.partial.step, None, None, lambda count: [next(examples) for _ in range(count)],
+                                     dispatch_key, run.version, weights=weights)
+      run.in_flight.append(InFlight(None, future, run.version))
+      continue
+    drawn = _draw(run, examples)
+    future = _executor(run).submit(run.multiturn.rollout, None, None, drawn, dispatch_key, run.version, weights=weights)
     run.in_flight.append(InFlight(drawn, future, run.version))
   item = run.in_flight.popleft()
   t0 = time.perf_counter()
-  out = _restored(item) if item.episodes is not None else item.batch.result()
-  return item.examples, out, time.perf_counter() - t0
+  if item.episodes is not None:
+    out = _restored(item)
+  else:
+    item.settle()
+    out = item.batch.result() if isinstance(item.batch, concurrent.futures.Future) else item.batch
+  return item.examples, out, dict(item.info or {}), time.perf_counter() - t0
+
+
+def _partial_step(run, examples, key: jax.Array):
+  """One step of the carried episodes now, under the current parameters -> (out, examples, info); in
+  the episodes' thread when asynchronous RL has one (its queued steps advance the same pool first)."""
+  draw = lambda count: [next(examples) for _ in range(count)]  # noqa: E731
+  if run.episode_thread is None:
+    return run.partial.step(run.state.params, run.state.extra, draw, key, run.version)
+  weights = run.multiturn.weights(run.state.params, run.state.extra)
+  return run.episode_thread.submit(run.partial.step, None, None, draw, key, run.version, weights=weights).result()
 
 
 def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]:
@@ -101,13 +128,11 @@ def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]
   for round_index in range(rounds):
     t0 = time.perf_counter()
     round_key = jax.random.fold_in(key, round_index)
-    if run.partial is not None:
-      out, drawn, partial_info = run.partial.step(run.state.params, run.state.extra,
-                                                  lambda count: [next(examples) for _ in range(count)], round_key,
-                                                  run.version)
-    elif round_index == 0 and cfg.max_staleness > 0:
-      drawn, out, waited = next_episodes_in_flight(run, examples, key)
+    if round_index == 0 and cfg.max_staleness > 0:
+      drawn, out, partial_info, waited = next_episodes_in_flight(run, examples, key)
       t0 = time.perf_counter() - waited
+    elif run.partial is not None:
+      out, drawn, partial_info = _partial_step(run, examples, round_key)
     else:
       drawn = _draw(run, examples)
       out = run.multiturn.rollout(run.state.params, run.state.extra, drawn, round_key, run.version)

@@ -502,11 +502,13 @@ class PartialEpisodes:
     self.live[free] = True
     return int(free.size)
 
-  def step(self, params, extra, draw, key, version):
-    """One step's episodes -> (MultiTurnRollout of the groups that finished, their examples, info)."""
+  def step(self, params, extra, draw, key, version, *, weights=None):
+    """One step's episodes -> (MultiTurnRollout of the groups that finished, their examples, info).
+    weights: the runner's weights made beforehand (asynchronous RL runs this in a thread on a
+    snapshot; then params and extra are not read)."""
     admitted = self._admit(draw, key)
     num = self.num_groups * self.spec.group_size
-    weights = self.runner.weights(params, extra)
+    weights = self.runner.weights(params, extra) if weights is None else weights
     self.pool, stats = self.scheduler.run(weights, self.pool, jnp.asarray(self.prompts), jnp.asarray(self.prompt_mask),
                                           lambda turn: self.runner._respond(self.episodes, turn),  # pylint: disable=protected-access
                                           version=version, max_steps=self.spec.max_steps(num))

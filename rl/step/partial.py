@@ -114,21 +114,32 @@ class PartialRollouts:
     the devices, rl/rows.rollout_rows; their examples; info). draw(count) -> (examples, tokens [count, Lp],
     mask) supplies new groups; `key` seeds the new groups' samples; `version` is stamped on the tokens
     generated now."""
+    return self.dispatch(params, extra, draw, key, version)()
+
+  def dispatch(self, params, extra, draw, key, version) -> Callable[[], tuple[dict, list, dict]]:
+    """`step` without waiting (asynchronous RL dispatches the next steps' generation ahead): admits new
+    groups and dispatches the budgeted call, and returns `harvest`, which reads which groups ended
+    and gives `step`'s result. Harvests run in dispatch order; a group that ended stays live (its slot
+    not refilled) until harvested, so a later dispatch resumes only the groups still unfinished."""
     admitted = self._admit(draw, key)
     self.pool, batch, self.metrics = self._decode(params, extra, self.pool, jnp.asarray(version, jnp.int32))
-    group = self.group_size
-    done = hosts.to_host(self.pool.done).reshape(self.num_groups, group).all(axis=1)
-    ended = np.flatnonzero(done & self.live)
-    rows = (ended[:, None] * group + np.arange(group)).reshape(-1)
-    arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-    routing = arrays.pop("routing")
-    arrays = rollout_rows(arrays, rows)  # the ended rows, kept on the devices (rl/batches/rows.py)
-    if routing is not None:  # stays on the devices (rl/batches/routes.py)
-      arrays["routing"] = RoutingRows.of_rollout(routing, rows)
-    examples = [self.examples[g] for g in ended]
-    self.live[ended] = False
-    return arrays, examples, {"groups_admitted": admitted, "groups_ended": int(ended.size),
-                              "groups_carried": int(self.live.sum())}
+    done_after = self.pool.done
+
+    def harvest() -> tuple[dict, list, dict]:
+      group = self.group_size
+      done = hosts.to_host(done_after).reshape(self.num_groups, group).all(axis=1)
+      ended = np.flatnonzero(done & self.live)
+      rows = (ended[:, None] * group + np.arange(group)).reshape(-1)
+      arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+      routing = arrays.pop("routing")
+      arrays = rollout_rows(arrays, rows)  # the ended rows, kept on the devices (rl/batches/rows.py)
+      if routing is not None:  # stays on the devices (rl/batches/routes.py)
+        arrays["routing"] = RoutingRows.of_rollout(routing, rows)
+      examples = [self.examples[g] for g in ended]
+      self.live[ended] = False
+      return arrays, examples, {"groups_admitted": admitted, "groups_ended": int(ended.size),
+                                "groups_carried": int(self.live.sum())}
+    return harvest
 
   def get_state(self) -> dict:
     """The carried groups as JSON values (for the checkpoint's extra state): the pool's

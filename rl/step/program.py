@@ -21,6 +21,7 @@ rollout and the update read and replace the same `run.state.params` arrays on th
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import time
 from typing import Any, Iterator
@@ -159,28 +160,44 @@ def _rollout_arrays(batch, keep_on_devices: bool = False) -> dict:
 @dataclasses.dataclass
 class InFlight:
   """A rollout dispatched ahead of the step that consumes it (asynchronous RL, rl.max_staleness)."""
-  examples: list  # the P task examples of its groups
+  examples: list | None  # the task examples of its groups (None: partial rollouts not yet harvested)
   batch: Any  # RolloutBatch on the devices, possibly still being computed (host arrays once restored);
-  #             for multi-turn episodes a Future of rl/multiturn.MultiTurnRollout, run in a thread
+  #             multi-turn episodes: a Future of rl/step/episodes.MultiTurnRollout, run in a thread;
+  #             partial rollouts: a harvest (rl/step/partial.PartialRollouts.dispatch) or, multi-turn, a
+  #             Future of PartialEpisodes.step, until `settle`d
   version: int  # policy version of the parameters that generated it
   episodes: Any = None  # multi-turn: the episodes' stats and texts (JSON) once restored from a checkpoint
+  info: dict | None = None  # partial rollouts: the step's groups admitted / ended / carried
+
+  def settle(self) -> "InFlight":
+    """Partial rollouts: waits for the dispatched step and keeps its ended groups (batch), their
+    examples and info. Anything else is left as it is."""
+    if self.examples is None:
+      result = self.batch() if callable(self.batch) else self.batch.result()
+      self.batch, self.examples, self.info = result
+    return self
+
+  def _value(self):
+    batch = self.settle().batch
+    return batch.result() if isinstance(batch, concurrent.futures.Future) else batch
 
   def arrays(self) -> dict:
     """The rollout's fields as `collect` uses them: per-token fields kept on the devices (host arrays
     once restored from a checkpoint)."""
-    if isinstance(self.batch, dict):
-      return self.batch
-    if hasattr(self.batch, "result"):  # multi-turn episodes
-      return self.batch.result().arrays
-    return _rollout_arrays(self.batch, keep_on_devices=True)
+    value = self._value()
+    if isinstance(value, dict):
+      return value
+    if hasattr(value, "episodes"):  # multi-turn episodes
+      return value.arrays
+    return _rollout_arrays(value, keep_on_devices=True)
 
   def episodes_state(self) -> dict | None:
     """Multi-turn: {"stats": [...], "texts": [...]} of the episodes (waits for them); None otherwise."""
     if self.episodes is not None:
       return self.episodes
-    if hasattr(self.batch, "result"):
-      out = self.batch.result()
-      return {"stats": [dataclasses.asdict(e) for e in out.episodes], "texts": list(out.texts)}
+    value = self._value()
+    if hasattr(value, "episodes"):
+      return {"stats": [dataclasses.asdict(e) for e in value.episodes], "texts": list(value.texts)}
     return None
 
 
@@ -192,9 +209,10 @@ def in_flight_state(run: RLRun) -> list[dict]:
   def to_json(value):
     return array_to_json(value.to_host() if isinstance(value, DeviceRows) else value)
   shared = shared_prompts(run.cfg)
-  return [{"examples": list(item.examples) if shared else hosts.gather_objects(item.examples),
+  return [{"examples": list(item.settle().examples) if shared else hosts.gather_objects(item.settle().examples),
            "version": item.version, "arrays": {name: to_json(value) for name, value in item.arrays().items()},
-           **({"episodes": item.episodes_state()} if item.episodes_state() is not None else {})}
+           **({"episodes": item.episodes_state()} if item.episodes_state() is not None else {}),
+           **({"info": item.info} if item.info is not None else {})}
           for item in run.in_flight]
 
 
@@ -208,7 +226,7 @@ def restore_in_flight(run: RLRun, state: list[dict]) -> None:
   run.in_flight = collections.deque(
       InFlight(item["examples"] if shared else item["examples"][hosts.own_block(len(item["examples"]))],
                {name: from_json(name, v) for name, v in item["arrays"].items()}, item["version"],
-               episodes=item.get("episodes"))
+               episodes=item.get("episodes"), info=item.get("info"))
       for item in state)
 
 
@@ -220,13 +238,19 @@ def next_in_flight(run: RLRun, draw, key: jax.Array) -> InFlight:
   at once, so the devices generate them while the host scores the popped one (and the update that
   follows queues behind them). Each queued rollout waits max_staleness steps, so a rollout generated
   at version v is trained on at version v + max_staleness at most (v + step - 1 in the first steps).
-  draw(count) -> (examples, tokens [count, Lp], mask) gives the prompts.
+  draw(count) -> (examples, tokens [count, Lp], mask) gives the prompts. With partial rollouts
+  (run.partial) each dispatch is a budgeted step of the carried pool (PartialRollouts.dispatch), and
+  the popped one is harvested: the groups that ended in it.
   """
   cfg = run.cfg.rl
   while len(run.in_flight) < cfg.max_staleness + 1:
+    dispatch_key = jax.random.fold_in(key, 1000 + len(run.in_flight))
+    if run.partial is not None:
+      harvest = run.partial.dispatch(run.state.params, run.state.extra, draw, dispatch_key, run.version)
+      run.in_flight.append(InFlight(None, harvest, run.version))
+      continue
     examples, tokens, mask = draw(cfg.prompts_per_step)
-    batch = run.rollout(run.state.params, run.state.extra, tokens, mask,
-                        jax.random.fold_in(key, 1000 + len(run.in_flight)), None, run.version)
+    batch = run.rollout(run.state.params, run.state.extra, tokens, mask, dispatch_key, None, run.version)
     run.in_flight.append(InFlight(examples, batch, run.version))
   return run.in_flight.popleft()
 
@@ -312,14 +336,14 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
 
   for round_index in range(rounds):
     t0 = time.perf_counter()
-    if run.partial is not None:
-      arrays, round_examples, partial_info = run.partial.step(
-          run.state.params, run.state.extra, draw, jax.random.fold_in(key, round_index), run.version)
-    elif round_index == 0 and cfg.max_staleness > 0:
+    if round_index == 0 and cfg.max_staleness > 0:
       dispatched = next_in_flight(run, draw, key)
-      round_examples = dispatched.examples
       t0 = time.perf_counter()  # the wait for a rollout dispatched earlier
       arrays = dispatched.arrays()
+      round_examples, partial_info = dispatched.examples, dict(dispatched.info or {})
+    elif run.partial is not None:
+      arrays, round_examples, partial_info = run.partial.step(
+          run.state.params, run.state.extra, draw, jax.random.fold_in(key, round_index), run.version)
     else:
       round_examples, tokens, mask = draw(cfg.prompts_per_step)
       t0 = time.perf_counter()

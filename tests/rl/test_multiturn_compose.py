@@ -107,23 +107,30 @@ def test_generation_options_reach_episodes():
     (["rl.max_staleness=1", "rl.tis_level=token"], "async"),
     (["rl.engine=continuous", "rl.decode_slots=8", "rl.rollout_token_budget=96"], "partial"),
     (["rl.pack_updates=true"], "packed"),
+    (["rl.max_staleness=1", "rl.tis_level=token", "rl.engine=continuous", "rl.decode_slots=8",
+      "rl.rollout_token_budget=96"], "async_partial"),
 ])
 def test_rl_steps_on_episodes_compose(extra, check, devices):
   """RL steps of multi-turn episodes with asynchronous RL (episodes of batch k+1 run in a thread while
   batch k updates: staleness 1 from the second step), partial episodes (a budget of 96 tokens per
-  step: groups are carried with their environments, several policy versions in a finished episode) and
+  step: groups are carried with their environments, several policy versions in a finished episode),
+  both at once (the next step's partial episodes run ahead in the thread while a step updates) and
   packed updates (finite losses on packed rows)."""
   del devices
   cfg = configs.load("configs/tiny.py", SMALL + extra)
   run, _ = loop.setup(cfg)
   examples = _examples()
-  records = [step_lib.rl_step(run, examples, jax.random.key(i)) for i in range(3)]
+  records, in_flight = [], []
+  for i in range(3):
+    records.append(step_lib.rl_step(run, examples, jax.random.key(i)))
+    in_flight.append(len(run.in_flight))
   run.close()
   for record in records:
     assert np.isfinite(record["loss"]) or record.get("updated_minibatches", 1) == 0, record
   if check == "async":
     assert [r["staleness_max"] for r in records[1:]] == [1.0, 1.0]
-  elif check == "partial":
+  elif check in ("partial", "async_partial"):
+    assert in_flight == ([1, 1, 1] if check == "async_partial" else [0, 0, 0])  # a step dispatched ahead
     assert sum(r["groups_carried"] for r in records) > 0
     assert any(r["groups_ended"] > 0 for r in records)
     assert max(r["staleness_max"] for r in records) >= 1.0  # a finished episode spans several versions
