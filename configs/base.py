@@ -183,6 +183,8 @@ def get_config(arg=None):
   config.rl.max_obs_tokens = 64  # Multi-turn: observation tokens appended per turn (longer keep their head); also the KV cache's slack.
   config.rl.env_workers = 8  # Multi-turn: threads stepping the episodes' environments.
   config.rl.env_timeout_s = 30.0  # Multi-turn: seconds one environment call may take (past it: an env failure).
+  config.rl.env_retries = 2  # Environment jobs (an episode's environment start): retries of an infrastructure failure, with backoff (rl/envs/env_work.py); a wrong answer is never retried.
+  config.rl.env_backoff_s = 0.5  # First retry's delay in seconds; doubles per attempt.
 
   # --- data: prompts and tasks (rl/envs, train/data.py).
   config.data = ml_collections.ConfigDict()
@@ -192,6 +194,9 @@ def get_config(arg=None):
   config.data.array_record = ""  # Optional ArrayRecord file(s), comma-separated, of JSON rows like data.jsonl's.
   config.data.domains = ""  # Domain registry (JSONL, rl/envs/registry.py); when set, replaces data.tasks and the file pools.
   config.data.quarantine = ""  # Quarantine list (JSONL, scripts/env_qa.py): its task ids are never drawn; env failures add to it.
+  config.data.quarantine_after = 2  # Environment failures of one task (out of retries) that quarantine it while training runs.
+  config.data.curriculum = ""  # Quality-gate report (scripts/env_qa.py --json) whose always/never-solved tasks are drawn less (data.domains).
+  config.data.flagged_weight = 0.25  # Curriculum: a flagged task's draw weight relative to an unflagged one, in (0, 1] (a floor: never 0).
   config.data.skip_bad_rows = True  # Malformed JSONL rows: skip and count (else raise).
   config.data.eval_fraction = 0.2  # Share of the prompt space held out for evaluation (hash split).
   config.data.seq_len = 128  # SFT: packed sequence length.

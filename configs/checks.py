@@ -11,6 +11,7 @@ This module imports no jax.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Callable
@@ -116,6 +117,31 @@ def check_data(cfg) -> None:
   if quarantine_dir and not os.path.isdir(quarantine_dir):
     raise ValueError(f"data.quarantine={cfg.data.quarantine!r}: its folder {quarantine_dir} does not "
                      "exist (environment failures are appended to this file).")
+  check_env_work(cfg)
+
+
+def check_env_work(cfg) -> None:
+  """The environment work of training (rl/envs/env_work.py): rl.env_retries / rl.env_backoff_s,
+  data.quarantine_after, and the curriculum (data.curriculum, a gate report with a "curriculum"
+  object; data.flagged_weight in (0, 1])."""
+  at_least(cfg, "rl.env_retries", 0, " (0 = no retries)")
+  at_least(cfg, "rl.env_backoff_s", 0.0)
+  at_least(cfg, "data.quarantine_after", 1)
+  weight = cfg.data.flagged_weight
+  if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0.0 < weight <= 1.0:
+    raise ValueError(f"data.flagged_weight={weight!r} must lie in (0, 1]: flagged tasks are drawn less, "
+                     "never not at all.")
+  existing_file("data.curriculum", cfg.data.curriculum)
+  if cfg.data.curriculum:
+    try:
+      with open(cfg.data.curriculum, encoding="utf-8") as f:
+        flags = json.load(f).get("curriculum")
+    except (OSError, ValueError, AttributeError) as error:
+      raise ValueError(f"data.curriculum={cfg.data.curriculum!r}: not a quality-gate report "
+                       f"(scripts/env_qa.py --json): {error}") from None
+    if not isinstance(flags, dict):
+      raise ValueError(f"data.curriculum={cfg.data.curriculum!r}: the report has no 'curriculum' object "
+                       "(write it with scripts/env_qa.py --json and a policy).")
 
 
 def check_eval(cfg) -> None:

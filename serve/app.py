@@ -5,7 +5,8 @@
   server = ServerThread(app).start(); server.url       # tests and benchmarks: uvicorn in a thread
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent
-events, ending in `data: [DONE]`), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics
+events, ending in `data: [DONE]`; a chat with `tools` streams each reply whole at its end, its tool
+calls parsed), GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics
 (the engine's counters, prefix-cache hit rate included).
 
 The jitted engine runs in its own thread; a handler submits a request whose `emit` callback hands
@@ -33,6 +34,7 @@ from starlette.routing import Route
 
 from meshrl.model.tokenizer import Tokenizer
 from meshrl.serve import openai_api as api
+from meshrl.serve import tools
 from meshrl.serve.engine import Engine, Event, Request
 from meshrl.serve.textstream import TextStream
 
@@ -135,6 +137,7 @@ async def _stream(calls: list[_Call], gen: api.Generation, tokenizer: Tokenizer,
       for call in calls:
         yield _sse(api.chunk(rid, model, gen, None, role=True, index=call.index))
     failed = False
+    held = {call.index: "" for call in calls}  # replies parsed for tool calls go out whole, at their end
     while pending and not failed:
       done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
       for task in done:
@@ -144,8 +147,14 @@ async def _stream(calls: list[_Call], gen: api.Generation, tokenizer: Tokenizer,
           yield _sse(api.APIError(500, error, kind="server_error").body())
           failed = True
           break
+        if gen.parses_calls:
+          held[index] += delta
+          delta = None
         if delta or logprobs:
           yield _sse(api.chunk(rid, model, gen, delta, index=index, logprobs=logprobs))
+        if finish is not None and gen.parses_calls:
+          message, finish = api.chat_reply(gen, held[index], finish)
+          yield _sse(api.chunk(rid, model, gen, None, index=index, delta=tools.tool_calls_delta(message)))
         if finish is not None:
           yield _sse(api.chunk(rid, model, gen, None if gen.chat else "", finish, index=index))
         else:

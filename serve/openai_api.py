@@ -4,9 +4,11 @@
 
 Every problem is an `APIError` with an HTTP status and OpenAI's error body
 {"error": {"message", "type", "param", "code"}}, the message naming the parameter. Parameters the
-engine cannot honour (penalties, top log-probs, tools, ...) are rejected, not ignored. `n` samples
-run as n requests of the engine; `logprobs` returns each chosen token's log-prob (the distribution it
-was drawn from).
+engine cannot honour (penalties, top log-probs, tools on /v1/completions, ...) are rejected, not
+ignored. `n` samples run as n requests of the engine; `logprobs` returns each chosen token's log-prob
+(the distribution it was drawn from). Chat takes `tools` / `tool_choice` / `parallel_tool_calls` and
+`role: tool` messages (serve/tools.py): the tools are rendered by the chat template and the reply's
+calls come back as `tool_calls` with finish reason "tool_calls".
 """
 
 from __future__ import annotations
@@ -16,35 +18,26 @@ import time
 import uuid
 from typing import Any
 
+from meshrl.model import tool_calls
 from meshrl.model.tokenizer import Tokenizer
+from meshrl.serve import tools
+from meshrl.serve.errors import APIError  # re-exported: callers raise and catch api.APIError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the API's default for /v1/completions
 MAX_STOP_STRINGS = 4
 MAX_N = 16  # samples per request
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Accepted only at the value that changes nothing (each names what is allowed).
 _NEUTRAL = {
     "best_of": (1, None), "echo": (False,), "suffix": ("",), "top_logprobs": (0, None), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
     "logit_bias": ({},), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
-    "parallel_tool_calls": (False, True), "response_format": ({"type": "text"},)}
+    "parallel_tool_calls": (False, True), "response_format": ({"type": "text"},)}  # chat takes tools
 _IGNORED = ("user", "metadata", "store", "service_tier")
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
            "logprobs")
 COMPLETION_KEYS = frozenset(_COMMON + ("prompt",))
-CHAT_KEYS = frozenset(_COMMON + ("messages", "max_completion_tokens"))
-
-
-class APIError(Exception):
-  """An error response: HTTP `status` and OpenAI's error body."""
-
-  def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-               kind: str = "invalid_request_error"):
-    super().__init__(message)
-    self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-  def body(self) -> dict:
-    return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+CHAT_KEYS = frozenset(_COMMON + ("messages", "max_completion_tokens", "tools", "tool_choice",
+                                  "parallel_tool_calls"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +54,13 @@ class Generation:
   chat: bool
   n: int = 1  # samples
   logprobs: bool = False  # each chosen token's log-prob in the answer
+  tools: tools.ToolRequest | None = None  # chat with `tools`: generated calls become `tool_calls`
+  reply_prefix: str = ""  # the reply's start the prompt already holds (a forced tool_choice)
+
+  @property
+  def parses_calls(self) -> bool:
+    """Whether the reply is parsed for tool calls (so a stream sends it whole, at its end)."""
+    return self.tools is not None and self.tools.choice != "none"
 
 
 def _bad(message: str, param: str | None, code: str | None = None) -> APIError:
@@ -188,52 +188,39 @@ def parse_completion(body: Any, tokenizer: Tokenizer, *, context: int, model_nam
   return _generation(body, ids, context, chat=False)
 
 
-def _message_text(message: Any, i: int) -> dict:
-  where = f"messages[{i}]"
-  if not isinstance(message, dict):
-    raise _bad(f"`{where}` must be an object with `role` and `content`.", where)
-  role = message.get("role")
-  if role not in ROLES:
-    raise _bad(f"`{where}.role`={role!r}; choose one of {', '.join(ROLES)}.", f"{where}.role")
-  if set(message) - {"role", "content", "name"}:
-    extra = sorted(set(message) - {"role", "content", "name"})
-    raise _bad(f"`{where}` has unsupported fields {extra} (tool calls are not supported).", where)
-  content = message.get("content")
-  if isinstance(content, list):
-    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-               for p in content):
-      raise _bad(f"`{where}.content` parts must all be {{\"type\": \"text\", \"text\": ...}} "
-                 "(images and audio are not supported).", f"{where}.content")
-    content = "".join(p["text"] for p in content)
-  if not isinstance(content, str):
-    raise _bad(f"`{where}.content` must be a string or a list of text parts.", f"{where}.content")
-  return {"role": "system" if role == "developer" else role, "content": content}
-
-
-def render_chat(tokenizer: Tokenizer, messages: list[dict]) -> str:
-  """The conversation as prompt text: the tokenizer's chat template (model/chat_template.py), or,
-  for a tokenizer without one (the byte tokenizer), "<|role|>\\ncontent\\n" turns then "<|assistant|>\\n"."""
+def render_chat(tokenizer: Tokenizer, messages: list[dict], tool_defs: tuple = ()) -> str:
+  """The conversation (messages as serve/tools.chat_message returns them) as prompt text, with the
+  request's tools offered: the tokenizer's chat template (model/chat_template.py; tools through
+  model/tool_calls.render_with_tools), or, for a tokenizer without one (the byte tokenizer),
+  serve/tools.render_plain's "<|role|>\ncontent\n" turns then "<|assistant|>\n"."""
   template = getattr(tokenizer, "chat_template", None)
-  if template is not None:
-    return template.render(messages, add_generation_prompt=True)
-  return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+  if template is None:
+    return tools.render_plain(messages, tool_defs)
+  if tool_defs:
+    return tool_calls.render_with_tools(template, messages, tool_defs)
+  return template.render(messages, add_generation_prompt=True)
 
 
 def parse_chat(body: Any, tokenizer: Tokenizer, *, context: int, model_name: str) -> Generation:
-  """A /v1/chat/completions body: a non-empty `messages` list rendered by the chat template."""
+  """A /v1/chat/completions body: a non-empty `messages` list (assistant tool calls and `role: tool`
+  results included) rendered by the chat template with the request's `tools` (serve/tools.py: a bad
+  tool schema or tool_choice is a 400 naming it)."""
   _check_keys(body, CHAT_KEYS)
   check_model(body, model_name)
   messages = body.get("messages")
   if not isinstance(messages, list) or not messages:
     raise _bad("`messages` must be a non-empty list of {role, content} objects.", "messages")
-  turns = [_message_text(m, i) for i, m in enumerate(messages)]
+  request = tools.check_tools_request(body)
+  turns = [tools.chat_message(m, i) for i, m in enumerate(messages)]
+  prefix = tools.reply_prefix(request)
   try:
-    text = render_chat(tokenizer, turns)
+    text = render_chat(tokenizer, turns, request.tools if request else ())
   except ValueError as e:
     raise _bad(f"`messages` cannot be rendered: {e}", "messages") from None
-  return _generation(body, tokenizer.encode(text), context, chat=True,
-                     max_tokens_key="max_completion_tokens" if "max_completion_tokens" in body
-                     else "max_tokens")
+  gen = _generation(body, tokenizer.encode(text + prefix), context, chat=True,
+                    max_tokens_key="max_completion_tokens" if "max_completion_tokens" in body
+                    else "max_tokens")
+  return dataclasses.replace(gen, tools=request, reply_prefix=prefix)
 
 
 # --- responses ----------------------------------------------------------------------------------
@@ -260,13 +247,21 @@ def token_logprobs(gen: Generation, tokenizer: Tokenizer, tokens, logprobs):
           "text_offset": offsets}
 
 
+def chat_reply(gen: Generation, text: str, finish: str | None) -> tuple[dict, str | None]:
+  """(the assistant message, its finish reason) for a sample's generated text: with tools, the calls
+  of the request's tools it holds become `tool_calls` and the finish reason "tool_calls"."""
+  message, called = tools.tool_calls_message(gen.reply_prefix + text, gen.tools)
+  return message, called or finish
+
+
 def response(rid: str, model: str, gen: Generation, choices: list[dict], completion_tokens: int) -> dict:
   """A whole (non-streamed) completion or chat completion; choices: [{text, finish, logprobs}]."""
   out = []
   for index, c in enumerate(choices):
     if gen.chat:
-      out.append({"index": index, "message": {"role": "assistant", "content": c["text"]},
-                  "finish_reason": c["finish"], "logprobs": c.get("logprobs")})
+      message, finish = chat_reply(gen, c["text"], c["finish"])
+      out.append({"index": index, "message": message, "finish_reason": finish,
+                  "logprobs": c.get("logprobs")})
     else:
       out.append({"index": index, "text": c["text"], "finish_reason": c["finish"], "logprobs": c.get("logprobs")})
   return {"id": rid, "object": "chat.completion" if gen.chat else "text_completion",
@@ -275,11 +270,12 @@ def response(rid: str, model: str, gen: Generation, choices: list[dict], complet
 
 
 def chunk(rid: str, model: str, gen: Generation, text: str | None, finish: str | None = None, *,
-          role: bool = False, index: int = 0, logprobs=None) -> dict:
-  """One streamed event of choice `index`: a text delta (with its tokens' log-probs) and/or the
-  finish reason."""
+          role: bool = False, index: int = 0, logprobs=None, delta: dict | None = None) -> dict:
+  """One streamed event of choice `index`: a text delta (with its tokens' log-probs) or a whole
+  `delta` (a reply with tool calls, serve/tools.tool_calls_delta), and/or the finish reason."""
   if gen.chat:
-    delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+    if delta is None:
+      delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
     choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
   else:
     choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}

@@ -23,8 +23,9 @@ import uuid
 from typing import Any
 
 from meshrl.model import tool_calls as fmt
-from meshrl.serve.openai_api import ROLES, APIError
+from meshrl.serve.errors import APIError
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CHOICES = ("none", "auto", "required")
 
 
@@ -82,18 +83,25 @@ def chat_message(message: Any, i: int) -> dict:
   `tool_calls` (arguments decoded from their JSON strings), tool results are {"role": "tool",
   "tool_call_id", "content"}; APIError 400 naming messages[i]... for a malformed one."""
   where = f"messages[{i}]"
-  if not isinstance(message, dict) or message.get("role") not in ROLES:
-    raise _bad(f"`{where}` must be an object with a role among {', '.join(ROLES)}.", where,
+  if not isinstance(message, dict):
+    raise _bad(f"`{where}` must be an object with `role` and `content`.", where, "invalid_message")
+  role = message.get("role")
+  if role not in ROLES:
+    raise _bad(f"`{where}.role`={role!r}; choose one of {', '.join(ROLES)}.", f"{where}.role",
                "invalid_message")
-  role = message["role"]
   allowed = {"role", "content", "name"} | ({"tool_calls"} if role == "assistant" else set()) | (
       {"tool_call_id"} if role == "tool" else set())
   extra = sorted(set(message) - allowed)
   if extra:
-    raise _bad(f"`{where}` has unsupported fields {extra}.", where, "invalid_message")
+    raise _bad(f"`{where}` has unsupported fields {extra} (a {role} message takes "
+               f"{', '.join(sorted(allowed))}).", where, "invalid_message")
   content = message.get("content")
-  if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-    content = "".join(str(p.get("text", "")) for p in content)
+  if isinstance(content, list):
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+               for p in content):
+      raise _bad(f"`{where}.content` parts must all be {{\"type\": \"text\", \"text\": ...}} "
+                 "(images and audio are not supported).", f"{where}.content", "invalid_message")
+    content = "".join(p["text"] for p in content)
   if content is None and role == "assistant" and message.get("tool_calls"):
     content = ""
   if not isinstance(content, str):
@@ -159,3 +167,34 @@ def tool_calls_delta(message: dict) -> dict:
   if message.get("tool_calls"):
     delta["tool_calls"] = [dict(call, index=i) for i, call in enumerate(message["tool_calls"])]
   return delta
+
+
+def reply_prefix(request: ToolRequest | None) -> str:
+  """The start of the assistant's reply that the prompt already holds, so that the model completes a
+  call: `tool_choice` naming a function opens its call (`<tool_call>\\n{"name": "f", "arguments": `),
+  "required" opens a block; "" otherwise. The response parses this prefix + the generated text. (A
+  policy that then writes no valid call gets its text back as content: decoding is not constrained.)"""
+  if request is None or request.choice in TOOL_CHOICES[:2]:
+    return ""
+  if request.choice == "required":
+    return fmt.CALL_OPEN + "\n"
+  return f"{fmt.CALL_OPEN}\n{{\"name\": {json.dumps(request.choice)}, \"arguments\": "
+
+
+def render_plain(messages: list[dict], tools: tuple = ()) -> str:
+  """The conversation for a tokenizer without a chat template: "<|role|>\\ncontent\\n" turns, the
+  tools (if any) listed under model/tool_calls.py's PLAIN_TOOLS_HEADER in a first system turn, an
+  assistant turn's calls as `<tool_call>` blocks, a tool result as a `<tool_response>` block, then
+  "<|assistant|>\\n"."""
+  parts = []
+  if tools:
+    listed = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in tools)
+    parts.append(f"<|system|>\n{fmt.PLAIN_TOOLS_HEADER}{listed}")
+  for m in messages:
+    content = m["content"]
+    if m["role"] == "tool":
+      content = fmt.plain_tool_results([m]).strip("\n")
+    calls = "".join("\n" + fmt.format_call(c["function"]["name"], c["function"]["arguments"])
+                    for c in m.get("tool_calls") or [])
+    parts.append(f"<|{m['role']}|>\n{content}{calls}\n")
+  return "".join(parts) + "<|assistant|>\n"

@@ -154,6 +154,13 @@ class Scheduler:
     self._stats = {name: DomainStats() for name in self.policies}
     self._cond = threading.Condition()
 
+  def add_domain(self, name: str, policy: DomainPolicy) -> None:
+    """Schedules jobs of a further domain (between runs); ValueError if the quotas no longer fit."""
+    with self._cond:
+      check_quotas({**self.policies, name: policy})
+      self.policies[name] = policy
+      self._stats.setdefault(name, DomainStats())
+
   def stats(self) -> dict[str, DomainStats]:
     with self._cond:
       return {name: dataclasses.replace(s, waits=list(s.waits)) for name, s in self._stats.items()}

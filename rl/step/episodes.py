@@ -24,7 +24,9 @@ Budgets: at most `max_turns` policy turns, `max_turn_tokens` per turn, `max_new_
 columns after the prompt, policy tokens and observations together); when one runs out the environment
 gets `<done>`, so the episode is still graded. A malformed tool call is the environment's error
 observation, never an exception; an environment that raises or times out ends its episode as an
-environment failure (sample_valid False: no gradient, counted apart from wrong answers).
+environment failure (sample_valid False: no gradient, counted apart from wrong answers). Environments
+start through the runner's rl/envs/env_work.EnvWork (the scheduler: a start that fails is retried with
+backoff); failures given up on, and those mid-episode, count against the task in the run's quarantine.
 
 Output: a RolloutBatch layout [B, S], S = Lp + N, built on the devices from the pool and kept there as
 rl/batches/rows.py DeviceRows; `response_mask` is True ONLY on the policy's own tokens.
@@ -206,6 +208,7 @@ class _Episode:
   def __init__(self, env, max_turns: int):
     self.env, self.max_turns = env, max_turns
     self.stats = EpisodeStats()
+    self.counted = False  # its environment failure is already counted against its task (at reset)
 
   def finish(self, result, end: str) -> None:
     self.stats.reward, self.stats.end = float(result.reward), end
@@ -229,11 +232,16 @@ class EpisodeRunner:
   once per run; compiles on first use.
 
   generator: rl/generation/generator.Generator whose spec has pause_on_stop and the turn limit
-  (rl/step/spec.py builds it); budget: the host's budgets; tokenizer; make_env(example) -> environment."""
+  (rl/step/spec.py builds it); budget: the host's budgets; tokenizer; make_env(example) -> environment;
+  env_work: rl/envs/env_work.EnvWork that starts the environments (the scheduler: priorities, quotas,
+  retries with backoff) and counts their failures in the run's quarantine (default: its own, in
+  memory, with default retries)."""
 
   def __init__(self, generator, budget: EpisodeBudget, tokenizer: Tokenizer, *, mesh=None, rules=None,
-               make_env: Callable[[dict], Any] = default_env):
+               make_env: Callable[[dict], Any] = default_env, env_work=None):
+    from meshrl.rl.envs.env_work import EnvWork  # pylint: disable=import-outside-toplevel
     self.generator, self.budget, self.tokenizer, self.make_env = generator, budget, tokenizer, make_env
+    self.env_work = EnvWork(workers=budget.env_workers) if env_work is None else env_work
     self.spec = generator.spec
     self.mesh, self.rules = mesh, rules
     self.workers = TimedWorkers(budget.env_workers, budget.env_timeout_s)
@@ -327,6 +335,30 @@ class EpisodeRunner:
     env = self.make_env(example)
     return env, env.reset(example)
 
+  def _start_envs(self, rows: dict[int, dict]) -> dict[int, Any]:
+    """{b: (env, first observation) or _Failed} for the episodes `rows` {b: example}: each reset is a
+    job of the EnvWork's scheduler (by the example's domain) running in a worker under
+    rl.env_timeout_s; a reset that raises or times out is an environment failure (no policy action
+    yet), retried with backoff; one given up on is counted against its task."""
+    from meshrl.rl.envs.scheduler import EnvFailure  # pylint: disable=import-outside-toplevel
+
+    def start(example):
+      result = self.workers.submit(lambda: self._reset(example)).result()
+      if isinstance(result, _Failed):
+        raise EnvFailure(result.info["env_failure"])
+      return result
+    order = sorted(rows)
+    done = self.env_work.run([(str(rows[b].get("domain", "")), rows[b]) for b in order], start)
+    return {b: r.value if r.failure is None else _Failed(r.failure) for b, r in zip(order, done)}
+
+  def count_failures(self, episodes: dict[int, _Episode], example_of: Callable[[int], dict]) -> None:
+    """Counts the environment failures of ended episodes not counted yet (mid-episode: a step that
+    raised or timed out) against their tasks in the quarantine."""
+    for b, episode in episodes.items():
+      if episode.stats.env_failure and not episode.counted:
+        episode.counted = True
+        self.env_work.record(example_of(b), episode.stats.env_failure)
+
   # --- the rollout ----------------------------------------------------------------------------------
 
   def _rows_sharding(self, rows: int) -> NamedSharding | None:
@@ -369,8 +401,7 @@ class EpisodeRunner:
     per_row = [e for e in examples for _ in range(group)]
     num = len(per_row)
     own = hosts.share(num)
-    futures = {b: self.workers.submit(lambda e=e: self._reset(e)) for b, e in enumerate(per_row) if own.start <= b < own.stop}
-    results = {b: f.result() for b, f in futures.items()}
+    results = self._start_envs({b: e for b, e in enumerate(per_row) if own.start <= b < own.stop})
     local_prompts = hosts.is_multihost() and len(examples) % jax.process_count() == 0
     shared = dict(hosts.gather_objects([
         [b, ["" if local_prompts else None, r.info["env_failure"]] if isinstance(r, _Failed)
@@ -383,6 +414,7 @@ class EpisodeRunner:
         episodes[b] = _Episode(None if failure is not None else results[b][0], max_turns)
         if failure is not None:
           episodes[b].fail(failure)
+          episodes[b].counted = True  # by the scheduler, once out of retries
         elif local_prompts:
           first = results[b][1]
       if failure is not None:
@@ -413,6 +445,7 @@ class EpisodeRunner:
                                           version=version)
     for episode in episodes.values():
       episode.close()
+    self.count_failures(episodes, lambda b: examples[b // self.spec.group_size])
     return self.output(pool, episodes, np.arange(num), counts, stats)
 
   def output(self, pool, episodes: dict[int, _Episode], rows: np.ndarray, counts: dict, stats) -> MultiTurnRollout:
@@ -517,6 +550,8 @@ class PartialEpisodes:
     ended = np.flatnonzero(done & self.live)
     rows = (ended[:, None] * group + np.arange(group)).reshape(-1)
     out = self.runner.output(self.pool, self.episodes, rows, {"prefill_tokens": 0, "prompts_truncated": 0}, stats)
+    self.runner.count_failures({int(b): self.episodes[int(b)] for b in rows if int(b) in self.episodes},
+                               lambda b: self.examples[b // group])
     for b in rows:
       episode = self.episodes.pop(int(b), None)
       if episode is not None:

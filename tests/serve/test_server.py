@@ -212,7 +212,8 @@ def test_chat_goes_through_the_tokenizers_chat_template(hf_fixtures, tmp_path):
   assert list(gen.prompt_ids) == tok.encode(text) and gen.prompt_ids.count(ids["<|im_start|>"]) == 3
   assert ids["<|im_end|>"] in tok.stop_ids and gen.max_tokens == 4 and gen.chat
   with pytest.raises(APIError, match="messages") as raised:
-    parse_chat({**body, "messages": [{"role": "tool", "content": "x"}]}, tok, context=128, model_name=NAME)
+    parse_chat({**body, "messages": [{"role": "tool", "tool_call_id": "c", "content": "x"}]}, tok, context=128,
+               model_name=NAME)
   assert raised.value.status == 400 and raised.value.param == "messages"
 
 

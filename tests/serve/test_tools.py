@@ -3,15 +3,23 @@ tool-call messages become template messages, generated `<tool_call>` blocks beco
 tool_calls, and that response (whole or streamed) parses in the official `openai` client."""
 
 import json
+import types
 
 import httpx
 import pytest
 
-from meshrl.model.tool_calls import format_call
-from meshrl.serve.openai_api import APIError
+from meshrl import configs
+from meshrl.model.init import build_model
+from meshrl.model.tokenizer import ByteTokenizer
+from meshrl.model.transformer import ModelConfig
+from meshrl.model.tool_calls import PLAIN_TOOLS_HEADER, RESPONSE_OPEN, format_call
+from meshrl.serve.app import ServerThread, make_app
+from meshrl.serve.engine import Engine, EngineSpec, Event
+from meshrl.serve.openai_api import APIError, render_chat
 from meshrl.serve.tools import chat_message, check_tools_request, tool_calls_delta, tool_calls_message
 
 openai = pytest.importorskip("openai")
+TOK = ByteTokenizer()
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
                                             "parameters": {"type": "object", "properties": {
@@ -116,3 +124,132 @@ def test_no_calls_choice_none_and_a_single_call_when_not_parallel():
   single = check_tools_request({"tools": [WEATHER], "parallel_tool_calls": False})
   message, _ = tool_calls_message(text, single)
   assert len(message["tool_calls"]) == 1 and message["content"] == format_call("get_weather", {"city": "B"})
+
+
+# --- the server (serve/app.py) with tools, driven by the openai client ------------------------------
+
+class ScriptedEngine:
+  """The engine interface the app uses, replying with scripted texts (a policy whose output is
+  known) and keeping each request's prompt ids."""
+
+  def __init__(self, replies, max_len=4096):
+    self.replies, self.prompts = list(replies), []
+    self.spec = types.SimpleNamespace(max_len=max_len)
+
+  def is_alive(self):
+    return True
+
+  def submit(self, request):
+    self.prompts.append(list(request.prompt))
+    request.id = len(self.prompts)
+    tokens = tuple(TOK.encode(self.replies.pop(0))[:request.max_tokens])
+    request.emit(Event(tokens, logprobs=(0.0,) * len(tokens)))
+    request.emit(Event(finish_reason="stop"))
+    return request.id
+
+  def cancel(self, request_id, finish_reason="cancelled"):
+    pass
+
+  def metrics(self):
+    return {}
+
+
+def _scripted_server(replies):
+  engine = ScriptedEngine(replies)
+  thread = ServerThread(make_app(engine, TOK, model_name="m")).start()
+  client = openai.OpenAI(base_url=thread.url + "/v1", api_key="x", max_retries=0, timeout=60)
+  return engine, thread, client
+
+
+def _streamed(events):
+  """(content, tool calls [(id, name, arguments)], finish reason) assembled from stream chunks."""
+  content, calls, finish = "", {}, None
+  for event in events:
+    for choice in event.choices:
+      content += choice.delta.content or ""
+      for call in choice.delta.tool_calls or []:
+        calls[call.index] = (call.id, call.function.name, call.function.arguments)
+      finish = choice.finish_reason or finish
+  return content, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_openai_client_agent_loop_over_two_tool_turns(stream):
+  """A policy that calls bash, then submit, then answers: the client gets tool_calls (finish reason
+  "tool_calls"), sends the results back as role: tool messages, and each later prompt holds the
+  tools, the earlier calls and their results as the server renders them."""
+  replies = ["Listing. " + format_call("bash", {"command": "ls /data"}),
+             format_call("submit", {"answer": "a.txt"}), "Submitted a.txt."]
+  engine, thread, client = _scripted_server(replies)
+  submit = {"type": "function", "function": {"name": "submit", "parameters": {
+      "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}}
+  outputs = {"bash": "a.txt\n", "submit": "accepted"}
+  messages = [{"role": "user", "content": "Which file is in /data? Submit its name."}]
+  finishes, executed = [], []
+  try:
+    for _ in range(3):
+      kwargs = dict(model="m", messages=messages, tools=[BASH, submit], max_tokens=200)
+      if stream:
+        content, calls, finish = _streamed(client.chat.completions.create(**kwargs, stream=True))
+      else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        content, finish = choice.message.content, choice.finish_reason
+        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+      finishes.append(finish)
+      messages.append({"role": "assistant", "content": content, "tool_calls": [
+          {"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in calls]
+                       or None})
+      if not calls:
+        break
+      for call_id, name, arguments in calls:
+        executed.append((name, json.loads(arguments)))
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": outputs[name]})
+  finally:
+    thread.stop()
+  assert finishes == ["tool_calls", "tool_calls", "stop"]
+  assert executed == [("bash", {"command": "ls /data"}), ("submit", {"answer": "a.txt"})]
+  assert messages[1]["content"] == "Listing." and messages[-1]["content"] == "Submitted a.txt."
+  prompts = [TOK.decode(p) for p in engine.prompts]
+  assert all(PLAIN_TOOLS_HEADER in p and '"name": "submit"' in p for p in prompts)
+  assert format_call("bash", {"command": "ls /data"}) in prompts[1]  # the call, rendered back
+  assert f"{RESPONSE_OPEN}\na.txt\n" in prompts[1] and f"{RESPONSE_OPEN}\naccepted\n" in prompts[2]
+  assert prompts[2].endswith("<|assistant|>\n")
+
+
+@pytest.fixture(scope="module")
+def long_engine():
+  """A tiny dense policy with room for a prompt that lists tools (320 tokens; the shared one has 64)."""
+  cfg = configs.load("configs/tiny.py:dense", ["model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
+                                                    "model.max_seq_len=320", "model.init_std=0.5"])
+  model = build_model(ModelConfig.from_config(cfg, None), None, seed=3)
+  engine = Engine(model, EngineSpec(slots=1, max_len=320, chunk=4, prefix_block=8,
+                                    prefix_cache_bytes=1 << 20), stop_ids=TOK.stop_ids, pad_id=TOK.pad_id)
+  yield engine.start()
+  engine.close()
+
+
+def test_tools_through_a_tiny_policy_and_bad_schemas_are_a_400(long_engine):
+  """The real tiny engine: the tools are in the prompt it decodes from (usage counts them), a forced
+  tool_choice opens the call in the prompt so the reply continues it, and a bad schema is a 400."""
+  engine = long_engine
+  thread = ServerThread(make_app(engine, TOK, model_name="m")).start()
+  client = openai.OpenAI(base_url=thread.url + "/v1", api_key="x", max_retries=0, timeout=120)
+  tool = {"type": "function", "function": {"name": "f"}}
+  messages = [{"role": "user", "content": "go"}]
+  try:
+    plain = client.chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0)
+    forced = client.chat.completions.create(
+        model="m", messages=messages, tools=[tool], max_tokens=4, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "f"}})
+    with pytest.raises(openai.BadRequestError, match=r"tools\[0\]\.function\.parameters") as raised:
+      client.chat.completions.create(model="m", messages=messages, tools=[
+          {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "if": {}}}}])
+  finally:
+    thread.stop()
+  turns = [{"role": "user", "content": "go"}]
+  prefix = '<tool_call>\n{"name": "f", "arguments": '
+  assert forced.usage.prompt_tokens == len(TOK.encode(render_chat(TOK, turns, (tool,)) + prefix))
+  assert forced.usage.prompt_tokens > plain.usage.prompt_tokens + len(PLAIN_TOOLS_HEADER)
+  assert forced.choices[0].message.content.startswith(prefix)  # the tiny policy writes no valid call
+  assert forced.choices[0].finish_reason == "length" and not forced.choices[0].message.tool_calls
+  assert raised.value.status_code == 400 and raised.value.body["param"] == "tools[0].function.parameters.if"
