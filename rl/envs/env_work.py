@@ -2,8 +2,9 @@
 runs through to start environments, retry infrastructure failures and quarantine tasks that keep
 failing.
 
-  mixture = DomainMixture(specs, ..., **mixture_options(cfg))   # quarantine + curriculum of the run
-  work = EnvWork.from_config(cfg, policies=mixture.policies)     # the same quarantine (shared)
+  quarantine = run_quarantine(cfg)                                        # one per run
+  mixture = DomainMixture(specs, ..., **mixture_options(cfg, quarantine))  # + the gate's curriculum
+  work = EnvWork.from_config(cfg, mixture.policies, quarantine)           # the same quarantine
   results = work.run([(domain, example), ...], start)  # JobResult per item, in order
   work.record(example, reason)                         # a failure seen outside `run` (mid-episode)
   checkpoint extra_state["env"] = work.state(); on resume work.restore(state)
@@ -35,26 +36,19 @@ from meshrl.rl.envs.terminal import TaskError
 from meshrl.rl.sandbox import SandboxUnavailable, SessionStartError
 
 INFRA_ERRORS = (EnvFailure, SandboxUnavailable, SessionStartError, TaskError)
-_SHARED: dict[tuple[str, int], Quarantine] = {}
-_SHARED_LOCK = threading.Lock()
 
 
-def shared_quarantine(path: str, threshold: int = 2) -> Quarantine:
-  """One Quarantine per (list file, threshold) in this process, so the mixture that draws the tasks
-  and the EnvWork that records their failures see the same ids (a path of "" is in memory only and
-  shared too: one run per process)."""
-  with _SHARED_LOCK:
-    key = (path, int(threshold))
-    if key not in _SHARED:
-      _SHARED[key] = Quarantine(path, threshold=threshold)
-    return _SHARED[key]
+def run_quarantine(cfg) -> Quarantine:
+  """The run's quarantine: data.quarantine (a list file, "" in memory) with data.quarantine_after
+  failures per task. Build it once per run and give it to the mixture and the EnvWork."""
+  return Quarantine(cfg.data.quarantine, threshold=cfg.data.quarantine_after)
 
 
-def mixture_options(cfg) -> dict:
-  """DomainMixture's keyword arguments for the run's quarantine (shared with EnvWork.from_config) and
-  its curriculum: {"quarantine", "curriculum", "flagged_weight"}."""
+def mixture_options(cfg, quarantine: Quarantine) -> dict:
+  """DomainMixture's keyword arguments for the run's quarantine (the one its EnvWork records into)
+  and its curriculum: {"quarantine", "curriculum", "flagged_weight"}."""
   from meshrl.rl.envs.registry import load_curriculum  # pylint: disable=import-outside-toplevel
-  return {"quarantine": shared_quarantine(cfg.data.quarantine, cfg.data.quarantine_after),
+  return {"quarantine": quarantine,
           "curriculum": load_curriculum(cfg.data.curriculum) if cfg.data.curriculum else None,
           "flagged_weight": float(cfg.data.flagged_weight)}
 
@@ -78,10 +72,10 @@ class EnvWork:
   @classmethod
   def from_config(cls, cfg, policies: Mapping[str, DomainPolicy] | None = None,
                   quarantine: Quarantine | None = None) -> "EnvWork":
-    """rl.env_workers workers, rl.env_retries retries after rl.env_backoff_s; the quarantine
-    data.quarantine with data.quarantine_after failures per task (shared in the process)."""
+    """rl.env_workers workers, rl.env_retries retries after rl.env_backoff_s; `quarantine` the run's
+    (default: a new `run_quarantine(cfg)`)."""
     if quarantine is None:
-      quarantine = shared_quarantine(cfg.data.quarantine, cfg.data.quarantine_after)
+      quarantine = run_quarantine(cfg)
     return cls(policies, quarantine, workers=cfg.rl.env_workers, max_retries=cfg.rl.env_retries,
                backoff_s=cfg.rl.env_backoff_s)
 

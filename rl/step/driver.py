@@ -29,6 +29,7 @@ from meshrl.rl.algo import advantages as adv_lib
 from meshrl.rl.algo import losses
 from meshrl.rl.step.groups import shared_prompts
 from meshrl.rl.envs import TaskMixture
+from meshrl.rl.envs.env_work import EnvWork, mixture_options, run_quarantine
 from meshrl.rl.envs.quality import Quarantine
 from meshrl.rl.envs.registry import DomainMixture, check_single_turn, load_domains
 from meshrl.rl.step.evaluation import Evaluator, held_out_examples
@@ -207,9 +208,8 @@ def train_source(cfg) -> TaskMixture | DomainMixture:
       raise ValueError("data.domains and data.jsonl/data.array_record are both set: declare the file "
                        "as a domain (source jsonl:<path>) in data.domains.")
     split = "train" if cfg.data.eval_fraction > 0 and not cfg.eval.jsonl else "all"
-    return DomainMixture(_domain_specs(cfg), seed=cfg.seed, split=split,
-                         eval_fraction=cfg.data.eval_fraction, quarantine=Quarantine(cfg.data.quarantine),
-                         batch_size=cfg.rl.prompts_per_step)
+    return DomainMixture(_domain_specs(cfg), seed=cfg.seed, split=split, eval_fraction=cfg.data.eval_fraction,
+                         batch_size=cfg.rl.prompts_per_step, **mixture_options(cfg, run_quarantine(cfg)))
   pools, spec = file_sources(cfg) or None, cfg.data.tasks
   for name in pools or ():
     spec = f"{name}:1.0" if not spec else f"{spec},{name}:1.0"
@@ -217,6 +217,16 @@ def train_source(cfg) -> TaskMixture | DomainMixture:
   split = "train" if cfg.data.eval_fraction > 0 and not cfg.eval.jsonl else "all"
   return TaskMixture(spec, difficulty=cfg.data.difficulty, seed=cfg.seed, pools=pools, split=split,
                      eval_fraction=cfg.data.eval_fraction)
+
+
+def env_work_for(cfg, source) -> EnvWork:
+  """The run's environment work (rl/envs/env_work.py): its scheduler under the domains' policies and
+  the quarantine the training source draws by (a DomainMixture's), so a task quarantined by its
+  failures leaves the draws."""
+  quarantine = getattr(source, "quarantine", None)
+  if not isinstance(quarantine, Quarantine):
+    quarantine = run_quarantine(cfg)
+  return EnvWork.from_config(cfg, getattr(source, "policies", None), quarantine)
 
 
 def prompt_stream(source, position: int = 0, *, per_step: int = 1, shared: bool = False) -> PromptStream:
@@ -255,8 +265,9 @@ def setup(cfg, *, mesh=None, model=None, tokenizer=None, position: int = 0) -> t
   tokenizer = tokenizer_from_config(cfg) if tokenizer is None else tokenizer
   if model is None:
     model = initial_model(cfg, mesh)
-  return build_run(cfg, mesh, model, tokenizer), prompt_stream(
-      train_source(cfg), position, per_step=cfg.rl.prompts_per_step, shared=shared_prompts(cfg))
+  source = train_source(cfg)
+  return build_run(cfg, mesh, model, tokenizer, env_work=env_work_for(cfg, source)), prompt_stream(
+      source, position, per_step=cfg.rl.prompts_per_step, shared=shared_prompts(cfg))
 
 
 # --- hooks: metrics, evaluation, checkpoints ----------------------------------------------------
@@ -298,6 +309,8 @@ def carried_state(run: RLRun) -> dict:
     state["in_flight"] = in_flight_state(run)
   if run.partial is not None:
     state["partial"] = run.partial.get_state()
+  if run.multiturn is not None:  # the quarantine of tasks whose environments kept failing
+    state["env"] = run.multiturn.env_work.state()
   return state
 
 
@@ -305,6 +318,8 @@ def restore_carried_state(run: RLRun, state: dict) -> None:
   """Continues from `carried_state`'s output."""
   if run.partial is not None:
     run.partial.set_state(state.get("partial", {}))
+  if run.multiturn is not None and "env" in state:
+    run.multiturn.env_work.restore(state["env"])
   restore_in_flight(run, state.get("in_flight", []))
 
 
@@ -582,7 +597,7 @@ def _train(cfg, workdir: str, ready: _Prepared, checkpointer: Checkpointer | Non
         checkpointer.close()
       return []
     model = warm.model
-  rl_run = build_run(cfg, mesh, model, tokenizer)
+  rl_run = build_run(cfg, mesh, model, tokenizer, env_work=env_work_for(cfg, source))
   prompts = prompt_stream(source, per_step=cfg.rl.prompts_per_step, shared=shared_prompts(cfg))
   hooks, start_step, restored = [], 0, None
   evaluator = None

@@ -93,8 +93,9 @@ class RLRun:
       self.multiturn.close()
 
 
-def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
-  """The train state of `model` and the run's jitted programs (nothing is compiled yet)."""
+def build_run(cfg, mesh, model, tokenizer: Tokenizer, *, env_work=None) -> RLRun:
+  """The train state of `model` and the run's jitted programs (nothing is compiled yet). env_work:
+  the run's rl/envs/env_work.EnvWork (multi-turn episodes start their environments through it)."""
   estimator = adv_lib.make_estimator(cfg.rl.advantage, eps=cfg.rl.adv_eps, gamma=cfg.rl.gamma,
                                      lam=cfg.rl.gae_lambda)
   zigzag_over = zigzag_shards(cfg, mesh)
@@ -116,7 +117,7 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
                        "processes: asynchronous episodes gather their environments' answers across hosts from a "
                        "second thread, whose collectives could interleave differently on each host; run "
                        "multi-turn RL synchronously (rl.max_staleness=0) on several hosts.")
-    multiturn = episode_runner(cfg, mesh, tokenizer)
+    multiturn = episode_runner(cfg, mesh, tokenizer, env_work=env_work)
     partial = PartialEpisodes(multiturn, cfg.rl.prompts_per_step) if cfg.rl.rollout_token_budget else None
   else:
     rollout = make_generator(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id)
@@ -222,6 +223,8 @@ def restore_in_flight(run: RLRun, state: list[dict]) -> None:
   def from_json(name, value):
     array = array_from_json(value)
     return RoutingRows.from_host(array) if name == "routing" else array
+  if not state:
+    return
   shared = shared_prompts(run.cfg)
   run.in_flight = collections.deque(
       InFlight(item["examples"] if shared else item["examples"][hosts.own_block(len(item["examples"]))],

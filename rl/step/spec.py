@@ -143,10 +143,12 @@ def make_generator(cfg, mesh: Mesh | None, *, stop_ids, pad_id: int, group_size:
 
 
 def episode_runner(cfg, mesh: Mesh | None, tokenizer, *, group_size: int | None = None,
-                   temperature: float | None = None, make_env=None, draft=None, complete: bool = False):
+                   temperature: float | None = None, make_env=None, draft=None, complete: bool = False,
+                   env_work=None):
   """The multi-turn episode runner of cfg (rl.multi_turn): its generator and budgets. complete: no
   token budget (evaluation). With asynchronous RL (rl.max_staleness > 0) its generation weights are
-  copies, since episodes run beside the update that donates the train state's."""
+  copies, since episodes run beside the update that donates the train state's. env_work: the run's
+  rl/envs/env_work.EnvWork (scheduler, retries, quarantine); default one of its own."""
   from meshrl.rl.step import episodes as multiturn  # pylint: disable=import-outside-toplevel
   rl = cfg.rl
   generator = make_generator(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, group_size=group_size,
@@ -157,7 +159,7 @@ def episode_runner(cfg, mesh: Mesh | None, tokenizer, *, group_size: int | None 
                                    prompt_len=rl.max_prompt_len, episode_len=rl.max_new_tokens,
                                    env_workers=rl.env_workers, env_timeout_s=float(rl.env_timeout_s))
   return multiturn.EpisodeRunner(generator, budget, tokenizer, mesh=mesh, rules=rules_from_config(cfg.mesh),
-                                 make_env=make_env or multiturn.default_env)
+                                 make_env=make_env or multiturn.default_env, env_work=env_work)
 
 
 def check_generation(cfg, data_parallel: int | None = None) -> GenerationSpec:

@@ -14,9 +14,9 @@ from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
 from meshrl.rl.envs.base import StepResult
-from meshrl.rl.envs.env_work import EnvWork, mixture_options
+from meshrl.rl.envs.env_work import EnvWork
+from meshrl.rl.step import driver as loop
 from meshrl.rl.envs.quality import Quarantine
-from meshrl.rl.envs.registry import DomainMixture, load_domains
 from meshrl.rl.sandbox import SessionStartError
 from meshrl.rl.step.spec import episode_runner
 from meshrl.train.checkpoint import Checkpointer
@@ -118,14 +118,15 @@ def test_the_configs_curriculum_draws_flagged_tasks_less_with_a_floor_and_quaran
   report.write_text(json.dumps({"curriculum": {"r0": "always_solved", "r1": "never_solved"}}))
   shares = {}
   for weight in (1.0, 0.1):
-    cfg = configs.load("configs/tiny.py", [f"data.curriculum={report}", f"data.flagged_weight={weight}",
-                                           f"data.quarantine={tmp_path / f'q{weight}.jsonl'}"])
+    overrides = [f"data.curriculum={report}", f"data.flagged_weight={weight}",
+                 f"data.quarantine={tmp_path / f'q{weight}.jsonl'}", "data.eval_fraction=0.0"]
+    cfg = configs.load("configs/tiny.py", overrides)
     check_env_work(cfg)
-    mixture = DomainMixture(load_domains(path), **mixture_options(cfg))
+    mixture = loop.train_source(configs.load("configs/tiny.py", [f"data.domains={path}", *overrides]))
     drawn = [e["task_id"] for e in mixture.take(4000)]
     shares[weight] = {t: drawn.count(t) / len(drawn) for t in ("r0", "r1", "r2", "r3")}
     if weight < 1:  # a task quarantined through EnvWork leaves this mixture's draws
-      work = EnvWork.from_config(cfg)
+      work = loop.env_work_for(cfg, mixture)
       assert work.quarantine is mixture.quarantine
       work.record({"task_id": "r3"}, "sandbox lost")
       work.record({"task_id": "r3"}, "sandbox lost")
@@ -147,3 +148,17 @@ def test_bad_env_work_config_is_named(override, message):
   cfg = configs.load("configs/tiny.py", [override])
   with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
     check_env_work(cfg)
+
+
+def test_the_run_checkpoint_carries_the_quarantine():
+  """driver.carried_state saves the episodes' EnvWork state and restore_carried_state puts it back, so a
+  resumed run keeps quarantining the tasks the interrupted one did (a driver that dropped it fails)."""
+  import types  # pylint: disable=import-outside-toplevel
+  work = EnvWork(quarantine=Quarantine(threshold=1))
+  work.record({"task_id": "t7"}, "sandbox lost")
+  run = types.SimpleNamespace(in_flight=[], partial=None, multiturn=types.SimpleNamespace(env_work=work))
+  state = json.loads(json.dumps(loop.carried_state(run)))  # JSON, as the checkpoint keeps it
+  resumed = types.SimpleNamespace(in_flight=[], partial=None,
+                                  multiturn=types.SimpleNamespace(env_work=EnvWork(quarantine=Quarantine(threshold=1))))
+  loop.restore_carried_state(resumed, state)
+  assert "t7" in resumed.multiturn.env_work.quarantine.ids
