@@ -108,7 +108,8 @@ class SourcedRewards:
   def score(self, completions: Sequence[str], examples: Sequence[dict]) -> tuple[np.ndarray, dict]:
     """-> (rewards [N] float32, info) with RewardPool's keys (reward_errors, reward_timeouts,
     first_errors, per_fn {source: [N] unweighted, 0 where unused}, by_domain) and each model
-    source's own counts (rm_truncated, judge_malformed, judge_truncated)."""
+    source's own counts (rm_truncated, judge_malformed, judge_truncated); sources {source: [n] indices
+    of the samples it scored}."""
     if len(completions) != len(examples):
       raise ValueError(f"len(completions)={len(completions)} != len(examples)={len(examples)}.")
     domains = [str(e.get("domain", "")) if isinstance(e, Mapping) else "" for e in examples]
@@ -132,6 +133,7 @@ class SourcedRewards:
     info["first_errors"] = (pool_info["first_errors"] + info["first_errors"])[:3]
     total = np.asarray([sum(w * per_fn[n][i] for n, w in t) for i, t in enumerate(terms)], np.float32)
     info["per_fn"] = per_fn
+    info["sources"] = {name: np.asarray(rows[name], np.int64) for name in per_fn}  # the samples each scored
     info["by_domain"] = {d: float(np.mean(total[[x == d for x in domains]])) for d in sorted(set(domains))}
     return total.reshape(len(completions)), info
 
@@ -181,26 +183,41 @@ def _rows(cfg, mesh) -> int:
   return -(-batch // shards) * shards
 
 
+def _one_process(cfg) -> None:
+  if jax.process_count() > 1:
+    raise ValueError(f"{FIELD}={cfg.rl.reward_sources!r}: reward-model and judge sources score on one host "
+                     f"process; this run has {jax.process_count()} (not supported yet).")
+
+
+def reward_model_scorer(cfg, mesh, tokenizer, *, checked: bool = False) -> RewardModelScorer:
+  """rl.reward_model_checkpoint loaded beside the policy on `mesh` (frozen, sharded by the policy's
+  rules), scoring a step's samples per call with rl.rm_length_* applied. checked: the caller ran
+  `check_reward_sources` already."""
+  if not checked:
+    check_reward_sources(cfg)
+  _one_process(cfg)
+  rl, rules = cfg.rl, rules_from_config(cfg.mesh)
+  model, rm_cfg = rm_source.load_reward_model(rl.reward_model_checkpoint, cfg, mesh, rules=rules)
+  row_len = min(rm_cfg.model.max_seq_len, rl.max_prompt_len + rl.max_new_tokens + 2)  # + BOS, EOS
+  return RewardModelScorer(model, tokenizer, rows=_rows(cfg, mesh), row_len=row_len, mesh=mesh, rules=rules,
+                           length_penalty=rl.rm_length_penalty, length_normalize=rl.rm_length_normalize)
+
+
 def reward_pool(cfg, mesh, tokenizer):
   """The run's reward scorer: a RewardPool of rl.rewards when every domain uses the verifier alone,
   else SourcedRewards with the model sources loaded beside the policy on `mesh` (frozen, sharded by
   the policy's rules). Checked first (`check_reward_sources`)."""
   sources = check_reward_sources(cfg)
   models = any(sources.uses(name) for name in MODEL_SOURCES)
-  if models and jax.process_count() > 1:
-    raise ValueError(f"{FIELD}={cfg.rl.reward_sources!r}: reward-model and judge sources score on one host "
-                     f"process; this run has {jax.process_count()} (not supported yet).")
+  if models:
+    _one_process(cfg)
   pool = RewardPool(compose(cfg.rl.rewards), num_workers=cfg.rl.reward_workers, timeout_s=cfg.rl.reward_timeout_s)
   if not models:
     return pool
   rl, rules, rows = cfg.rl, rules_from_config(cfg.mesh), _rows(cfg, mesh)
   scorers = {}
   if sources.uses("reward_model"):
-    model, rm_cfg = rm_source.load_reward_model(rl.reward_model_checkpoint, cfg, mesh, rules=rules)
-    row_len = min(rm_cfg.model.max_seq_len, rl.max_prompt_len + rl.max_new_tokens + 2)  # + BOS, EOS
-    scorers["reward_model"] = RewardModelScorer(model, tokenizer, rows=rows, row_len=row_len, mesh=mesh, rules=rules,
-                                                length_penalty=rl.rm_length_penalty,
-                                                length_normalize=rl.rm_length_normalize)
+    scorers["reward_model"] = reward_model_scorer(cfg, mesh, tokenizer, checked=True)
   if sources.uses("judge"):
     model, judge_cfg = rm_source.load_judge_model(rl.judge_checkpoint, cfg, mesh, rules=rules)
     mc = ModelConfig.from_config(judge_cfg, mesh, rules=rules_from_config(cfg.mesh, "rollout"))

@@ -258,7 +258,7 @@ def test_rm_rewards_in_the_step_equal_the_rm_scored_alone(devices, rm_dir):
   run, prompts = loop.setup(cfg)
   run.pool.close()
   run.pool = _Spy(reward_pool(cfg, run.mesh, TOK))  # the hook build_run should call (see the issue 35 report)
-  scored, _ = collect(run, prompts, jax.random.key(0))
+  scored, metrics = collect(run, prompts, jax.random.key(0))
   [(texts, examples)] = run.pool.seen  # one round (no dynamic sampling): the batch's samples in order
   assert texts == scored.texts
   domains = scored.domains
@@ -270,7 +270,8 @@ def test_rm_rewards_in_the_step_equal_the_rm_scored_alone(devices, rm_dir):
   graphdef, params, extra = nnx.split(model, nnx.Param, ...)
   row_len = cfg.rl.max_prompt_len + cfg.rl.max_new_tokens + 2
   prompts_text = [e["prompt"] for e in examples]
-  rows = [encode_side(TOK, p, t)[-row_len:] for p, t in zip(prompts_text, scored.texts)]
+  full = [encode_side(TOK, p, t) for p, t in zip(prompts_text, scored.texts)]
+  rows = [ids[-row_len:] for ids in full]  # a longer row keeps its last tokens
   tokens = np.zeros((len(rows), row_len), np.int32)
   for i, ids in enumerate(rows):
     tokens[i, :len(ids)] = ids
@@ -281,6 +282,11 @@ def test_rm_rewards_in_the_step_equal_the_rm_scored_alone(devices, rm_dir):
   np.testing.assert_array_equal(scored.rewards[~is_rm], verifier[~is_rm])
   assert np.ptp(alone[is_rm]) > 1e-3  # the scores differ across samples: a row mix-up would show
   assert not np.allclose(alone[is_rm], verifier[is_rm])  # a swapped mapping would show
+  # Each source's own figures in the step's metrics, per domain (its score beside the verifier's).
+  assert metrics["score/reward_model/reverse"] == pytest.approx(float(alone[is_rm].mean()), abs=1e-5)
+  assert metrics["score/verifier/arithmetic"] == pytest.approx(float(verifier[~is_rm].mean()))
+  assert "score/reward_model/arithmetic" not in metrics and metrics["rm_truncated"] == sum(
+      len(ids) > row_len for ids, d in zip(full, domains) if d == "reverse")
 
   batch, _ = prepare(run, scored)
   expected = np.asarray(grpo(jnp.asarray(scored.rewards), group_size=cfg.rl.group_size))
@@ -323,3 +329,38 @@ def test_judge_decodes_through_the_engine_as_plain_greedy_decoding(devices, judg
   scores, info = judge(completions, examples)
   assert info["judge_malformed"] == sum(parse_verdict(v, 10) is None for v in verdicts)
   np.testing.assert_allclose(scores, [parse_verdict(v, 10) or 0.0 for v in verdicts])
+
+
+def test_held_out_rm_score_is_reported_beside_verifier_accuracy(devices, rm_dir):
+  """eval/rm_score is the reward model's mean score of the greedy held-out completions (the ones
+  eval/accuracy grades), per domain too: a policy that games the RM raises it and not the accuracy."""
+  del devices
+  from meshrl.rl.rewards.sources import reward_model_scorer  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.evaluation import Evaluator  # pylint: disable=import-outside-toplevel
+  from meshrl.train.rm_source import load_reward_model  # pylint: disable=import-outside-toplevel
+  cfg = _cfg("rl.reward_sources=*=reward_model", f"rl.reward_model_checkpoint={rm_dir}", "eval.batch_size=4")
+  seen = []
+  scorer = reward_model_scorer(cfg, None, TOK)
+
+  def spy(completions, examples):
+    seen.extend(zip(completions, examples))
+    return scorer(completions, examples)
+  examples = [{"prompt": f"rev {w}", "answer": w[::-1], "domain": d}
+              for w, d in [("abc", "a"), ("xyz", "a"), ("pq", "b"), ("mno", "b"), ("kl", "b")]]
+  evaluator = Evaluator(cfg, None, TOK, examples, rm_scorer=spy)
+  model = build_model(ModelConfig.from_config(cfg), None, seed=5)
+  _, params, extra = nnx.split(model, nnx.Param, ...)
+  metrics = evaluator(params, extra)
+  assert [e for _, e in seen] == examples  # every held-out example once, the padding row not scored
+  rm, _ = load_reward_model(rm_dir, cfg, None)
+  graphdef, rm_params, rm_extra = nnx.split(rm, nnx.Param, ...)
+  row_len = cfg.rl.max_prompt_len + cfg.rl.max_new_tokens + 2
+  rows = [encode_side(TOK, e["prompt"], t)[-row_len:] for t, e in seen]
+  tokens = np.zeros((len(rows), row_len), np.int32)
+  for i, ids in enumerate(rows):
+    tokens[i, :len(ids)] = ids
+  alone = np.asarray(make_scorer(graphdef)(rm_params, rm_extra, tokens, np.asarray([len(r) for r in rows], np.int32)))
+  assert metrics["eval/rm_score"] == pytest.approx(float(alone.mean()), abs=1e-5)
+  assert metrics["eval/rm_score/b"] == pytest.approx(float(alone[2:].mean()), abs=1e-5)
+  assert "eval/accuracy" in metrics and "eval/accuracy/b" in metrics
+  evaluator.close()
