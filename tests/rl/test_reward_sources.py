@@ -27,7 +27,7 @@ from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
 from meshrl.rl.algo.advantages import grpo
 from meshrl.rl.rewards import answer_reward
-from meshrl.rl.rewards.judge import Judge, judge_spec, parse_verdict, read_rubric, read_rubrics
+from meshrl.rl.rewards.judge import Judge, Rubric, parse_verdict, read_rubric, read_rubrics
 from meshrl.rl.rewards.pool import RewardPool
 from meshrl.rl.rewards.rm_scorer import length_guard
 from meshrl.rl.rewards.sources import SourcedRewards, check_reward_sources, parse_sources, reward_pool
@@ -45,7 +45,7 @@ SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model
          "rl.prompts_per_step=4", "rl.group_size=4", "rl.sft_steps=0", "rl.dynamic_sampling=false",
          "rl.temperature=1.0", "model.init_std=0.3", "log.progress_bar=false", "log.tensorboard=false",
          "log.plot=false"]
-RUBRIC = "Rate the answer to {prompt} given as {response} from 0 to 10. Reply 'Score: N'."
+RUBRIC = "Grade 0-10, reply 'Score: N'. Q: {prompt} A: {response}"
 
 
 def _cfg(*extra):
@@ -210,7 +210,6 @@ def test_judge_parses_planted_verdicts_and_counts_malformed_ones():
       return list(self.planted)
 
   def read_rubric_text():
-    from meshrl.rl.rewards.judge import Rubric  # pylint: disable=import-outside-toplevel
     return Rubric(RUBRIC, "planted")
 
   judge = PlantedJudge(["Score: 9", "no idea", "Score: 12", "**Score:** 3/10"])
@@ -326,18 +325,18 @@ def test_judge_decodes_through_the_engine_as_plain_greedy_decoding(devices, judg
   same model's full forward, prompt by prompt, without padding or cache."""
   del devices
   from meshrl.sharding.mesh import make_mesh  # pylint: disable=import-outside-toplevel
-  from meshrl.sharding.rules import rules_from_config  # pylint: disable=import-outside-toplevel
-  cfg = _cfg("mesh.fsdp=2")
+  cfg = _cfg("mesh.fsdp=2", "rl.reward_sources=*=judge", f"rl.judge_checkpoint={judge_dir}",
+             f"rl.judge_rubrics=*={rubric}", "rl.judge_prompt_len=24", "rl.judge_max_tokens=5")
   mesh = make_mesh(cfg.mesh, devices=jax.devices()[:2])
-  rules = rules_from_config(cfg.mesh)
-  model, judge_cfg = load_judge_model(judge_dir, cfg, mesh, rules=rules)
-  mc = ModelConfig.from_config(judge_cfg, mesh, rules=rules_from_config(cfg.mesh, "rollout"))
-  judge = Judge(model, mc, TOK, read_rubrics(f"*={rubric}"), max_score=10, prompt_len=24, max_tokens=5, rows=4,
-                mesh=mesh, rules=rules)
-  completions = ["cba", "a", "xyz"]  # 3 samples in a call of 4 rows: the padding row is dropped
+  sourced = reward_pool(cfg, mesh, TOK)  # the run's builder: the judge loaded on the mesh, batched
+  judge = sourced.scorers["judge"]
+  assert judge.rows == 16 and judge.generator.spec.step.sampler.temperature == 0.0
+  completions = ["cba", "a!", "xyz?"]  # 3 samples in a call of 16 rows: the padding rows are dropped
   examples = [{"prompt": "rev abc", "domain": "d"}, {"prompt": "1+1", "domain": "d"}, {"prompt": "q", "domain": "e"}]
   texts, _ = judge.prompts(completions, examples)
   verdicts = judge.verdicts(texts)
+  print("verdicts:", verdicts)
+  assert all(verdicts) and len(set(verdicts)) == 3  # the parity below is over distinct, non-empty verdicts
   reference = load_judge_model(judge_dir, cfg, None)[0]
   for text, verdict in zip(texts, verdicts):
     ids = TOK.encode(text)
@@ -350,10 +349,10 @@ def test_judge_decodes_through_the_engine_as_plain_greedy_decoding(devices, judg
         break
       out.append(token)
     assert verdict == TOK.decode(out)
-  assert judge_spec(TOK, prompt_len=24, max_tokens=5).step.sampler.temperature == 0.0
   scores, info = judge(completions, examples)
   assert info["judge_malformed"] == sum(parse_verdict(v, 10) is None for v in verdicts)
   np.testing.assert_allclose(scores, [parse_verdict(v, 10) or 0.0 for v in verdicts])
+  sourced.close()
 
 
 def test_held_out_rm_score_is_reported_beside_verifier_accuracy(devices, rm_dir):
