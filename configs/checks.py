@@ -94,10 +94,10 @@ def check_rl(cfg) -> None:
   except ValueError:
     raise ValueError(f"rl.stop_tokens={cfg.rl.stop_tokens!r} must be comma-separated token ids, "
                      "e.g. '13,198'.") from None
-  check_reward_sources(cfg)
+  check_model_rewards(cfg)
 
 
-def check_reward_sources(cfg) -> None:
+def check_model_rewards(cfg) -> None:
   """rl.reward_sources' model sources, as far as the config alone tells: their checkpoints exist, the
   length guard and the judge's numbers are in range (the sources themselves, the checkpoints' heads
   and tokenizers and the rubrics are checked by rl/rewards/sources.check_reward_sources)."""
