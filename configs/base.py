@@ -174,6 +174,7 @@ def get_config(arg=None):
   config.rl.reward_workers = 8  # Threads scoring a batch's rewards concurrently (rl/rewards/pool.py).
   config.rl.reward_timeout_s = 30.0  # Per-sample reward time limit; a sample past it scores 0 (counted).
   config.rl.reward_sources = ""  # Per domain (rl/rewards/sources.py): "domain=source:weight,...;...", source verifier (rl.rewards), reward_model or judge; "*" = every other domain; "" = verifier everywhere.
+  config.rl.reward_norm = "none"  # "domain": whiten rewards within each domain of a batch (sources on other scales weigh alike); "none": as scored.
   config.rl.reward_model_checkpoint = ""  # A reward model (scripts/train_rm.py's work directory, or a Qwen3MoeForSequenceClassification folder) for the reward_model source.
   config.rl.rm_length_penalty = 0.0  # Subtracted from a reward-model score per response token (>= 0; a guard against rewarding length).
   config.rl.rm_length_normalize = False  # Divide a reward-model score by the response's tokens (a guard against rewarding length).

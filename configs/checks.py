@@ -106,6 +106,7 @@ def check_model_rewards(cfg) -> None:
     if path and not os.path.exists(path):
       raise ValueError(f"rl.{field}={path!r} does not exist.")
   at_least(cfg, "rl.rm_length_penalty", 0.0, " (0 = off)")
+  one_of(cfg, "rl.reward_norm", ("none", "domain"))
   positive(cfg, "rl.judge_max_score", " (the top of the judge's scale)")
   for field in ("judge_prompt_len", "judge_max_tokens"):
     at_least(cfg, f"rl.{field}", 1)

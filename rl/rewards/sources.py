@@ -17,7 +17,9 @@ Scoring one batch (`SourcedRewards.score`): the verifier's samples are queued on
 first, then each model source scores every sample of its domains in batched calls on the mesh while
 the threads work, then the pool is collected. A sample's reward is sum_s weight_s * score_s over its
 own domain's sources; the reward goes into the advantages as a verifier's does (it is the
-ScoredBatch's reward). Errors (a verifier that raised, a judge's malformed verdict) score 0 for that
+ScoredBatch's reward). rl.reward_norm="domain" then whitens the rewards within each domain of the batch
+(`normalize_per_domain`): for batch-level estimators (REINFORCE++, GAE) when domains score on other
+scales; group estimators (GRPO) normalise within a group, which lies in one domain, anyway. Errors (a verifier that raised, a judge's malformed verdict) score 0 for that
 source and are counted in info["reward_errors"], with the first messages in info["first_errors"].
 """
 
@@ -86,6 +88,21 @@ def parse_sources(spec: str, *, field: str = FIELD) -> DomainSources:
   return DomainSources(tuple(parsed.items()), default)
 
 
+def normalize_per_domain(rewards: np.ndarray, domains: Sequence[str], eps: float = 1e-6) -> np.ndarray:
+  """rewards [N] -> [N] float32 whitened within each domain: (r - mean_d) / (std_d + eps), std
+  unbiased (a domain of one sample gets 0), so domains whose sources score on other scales (a reward
+  model's logits, a verifier's 0/1) weigh alike in a batch-level estimator."""
+  rewards = np.asarray(rewards, np.float32)
+  out = np.zeros_like(rewards)
+  names = np.asarray(list(domains), dtype=object)
+  for domain in set(domains):
+    rows = names == domain
+    values = rewards[rows]
+    std = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+    out[rows] = (values - values.mean()) / (std + eps)
+  return out
+
+
 BatchScorer = Callable[[Sequence[str], Sequence[dict]], tuple[np.ndarray, dict]]
 
 
@@ -99,11 +116,13 @@ class SourcedRewards:
       each `(completions, examples) -> (scores [n], info with "errors" and "first_errors")`.
   """
 
-  def __init__(self, pool: RewardPool, sources: DomainSources, scorers: Mapping[str, BatchScorer]):
+  def __init__(self, pool: RewardPool, sources: DomainSources, scorers: Mapping[str, BatchScorer], *,
+               normalize_domains: bool = False):
     missing = [name for name in MODEL_SOURCES if sources.uses(name) and name not in scorers]
     if missing:
       raise ValueError(f"{FIELD} uses {missing} but no scorer was built for it.")
     self.pool, self.sources, self.scorers = pool, sources, dict(scorers)
+    self.normalize_domains = normalize_domains
 
   def score(self, completions: Sequence[str], examples: Sequence[dict]) -> tuple[np.ndarray, dict]:
     """-> (rewards [N] float32, info) with RewardPool's keys (reward_errors, reward_timeouts,
@@ -132,6 +151,8 @@ class SourcedRewards:
     info["reward_timeouts"] += pool_info["reward_timeouts"]
     info["first_errors"] = (pool_info["first_errors"] + info["first_errors"])[:3]
     total = np.asarray([sum(w * per_fn[n][i] for n, w in t) for i, t in enumerate(terms)], np.float32)
+    if self.normalize_domains:
+      total = normalize_per_domain(total, domains)
     info["per_fn"] = per_fn
     info["sources"] = {name: np.asarray(rows[name], np.int64) for name in per_fn}  # the samples each scored
     info["by_domain"] = {d: float(np.mean(total[[x == d for x in domains]])) for d in sorted(set(domains))}
@@ -204,16 +225,17 @@ def reward_model_scorer(cfg, mesh, tokenizer, *, checked: bool = False) -> Rewar
 
 
 def reward_pool(cfg, mesh, tokenizer):
-  """The run's reward scorer: a RewardPool of rl.rewards when every domain uses the verifier alone,
-  else SourcedRewards with the model sources loaded beside the policy on `mesh` (frozen, sharded by
+  """The run's reward scorer: a RewardPool of rl.rewards when every domain uses the verifier alone
+  (and rl.reward_norm="none"), else SourcedRewards with the model sources loaded beside the policy on `mesh` (frozen, sharded by
   the policy's rules). Checked first (`check_reward_sources`)."""
   sources = check_reward_sources(cfg)
   models = any(sources.uses(name) for name in MODEL_SOURCES)
   if models:
     _one_process(cfg)
   pool = RewardPool(compose(cfg.rl.rewards), num_workers=cfg.rl.reward_workers, timeout_s=cfg.rl.reward_timeout_s)
+  normalize = cfg.rl.reward_norm == "domain"
   if not models:
-    return pool
+    return SourcedRewards(pool, sources, {}, normalize_domains=True) if normalize else pool
   rl, rules, rows = cfg.rl, rules_from_config(cfg.mesh), _rows(cfg, mesh)
   scorers = {}
   if sources.uses("reward_model"):
@@ -225,4 +247,4 @@ def reward_pool(cfg, mesh, tokenizer):
     scorers["judge"] = Judge(model, mc, tokenizer, read_rubrics(rl.judge_rubrics), max_score=rl.judge_max_score,
                              prompt_len=rl.judge_prompt_len, max_tokens=rl.judge_max_tokens, rows=rows, mesh=mesh,
                              rules=rules)
-  return SourcedRewards(pool, sources, scorers)
+  return SourcedRewards(pool, sources, scorers, normalize_domains=normalize)

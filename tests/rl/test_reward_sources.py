@@ -30,7 +30,8 @@ from meshrl.rl.rewards import answer_reward
 from meshrl.rl.rewards.judge import Judge, Rubric, parse_verdict, read_rubric, read_rubrics
 from meshrl.rl.rewards.pool import RewardPool
 from meshrl.rl.rewards.rm_scorer import length_guard
-from meshrl.rl.rewards.sources import SourcedRewards, check_reward_sources, parse_sources, reward_pool
+from meshrl.rl.rewards.sources import (SourcedRewards, check_reward_sources, normalize_per_domain, parse_sources,
+                                       reward_pool)
 from meshrl.rl.step import driver as loop
 from meshrl.rl.step.program import collect, prepare
 from meshrl.train.checkpoint import Checkpointer
@@ -197,6 +198,29 @@ def test_model_sources_score_while_the_verifier_threads_run():
   np.testing.assert_allclose(rewards, [1.0, 3.0])
   assert elapsed < 0.7, elapsed
   scorer.close()
+
+
+def test_rewards_normalised_per_domain():
+  """rl.reward_norm=domain: each domain's rewards whitened over its own samples (unbiased std), so a
+  reward model's logits and a verifier's 0/1 weigh alike; a one-sample domain gets 0."""
+  rewards = np.array([1.0, 0.0, 1.0, 4.0, -2.0, 7.0, 3.0], np.float32)
+  domains = ["v", "v", "v", "rm", "rm", "rm", "lone"]
+  got = normalize_per_domain(rewards, domains)
+  for d in set(domains):
+    rows = np.asarray([x == d for x in domains])
+    values = rewards[rows]
+    std = values.std(ddof=1) if len(values) > 1 else 0.0
+    np.testing.assert_allclose(got[rows], (values - values.mean()) / (std + 1e-6), rtol=1e-5)
+  assert got[-1] == 0.0 and abs(got[:3].mean()) < 1e-6 and abs(got[3:6].std(ddof=1) - 1.0) < 1e-4
+  cfg = _cfg("rl.reward_norm=domain", "data.tasks=reverse:1.0")
+  pool = reward_pool(cfg, None, TOK)  # verifier only, normalised: a SourcedRewards without models
+  examples = [{"prompt": "rev ab", "answer": "ba", "domain": "a"}] * 3 + [{"prompt": "rev c", "answer": "c", "domain": "b"}] * 2
+  scored, _ = pool.score(["ba", "ab", "ba", "c", "x"], examples)
+  np.testing.assert_allclose(scored, normalize_per_domain(np.array([1, 0, 1, 1, 0], np.float32), [e["domain"] for e in examples]))
+  pool.close()
+  plain = reward_pool(_cfg(), None, TOK)
+  assert isinstance(plain, RewardPool)  # the default: the plain pool, unchanged
+  plain.close()
 
 
 def test_judge_parses_planted_verdicts_and_counts_malformed_ones():
