@@ -1,14 +1,15 @@
 """Reward sources per domain: a verifier on the host (rl.rewards), a reward model or a generative judge
 on the mesh, or a weighted mix, chosen by each sample's domain.
 
-  sources = parse_sources(cfg.rl.reward_sources)       # DomainSources; ValueError naming the field
+  sources = domain_sources(cfg)                         # DomainSources; ValueError naming the field
   check_reward_sources(cfg)                            # every file and tokenizer, no model loaded
   pool = reward_pool(cfg, mesh, tokenizer)             # RewardPool, or SourcedRewards when a domain uses a model
   rewards, info = pool.score(completions, examples)   # [N] float32 and info, as RewardPool.score
 
 rl.reward_sources = "chat=reward_model;writing=judge:0.5,verifier:0.5;*=verifier": per domain (an
 example's "domain"), a weighted sum of sources, "name:weight,..." as rl.rewards; "*" is every domain
-not named (default: verifier); "" is the verifier everywhere (a plain RewardPool, as before).
+not named (default: verifier); "" is the verifier everywhere (a plain RewardPool, as before). A domain of
+the data.domains registry may name its sources in its own "sources" field instead ("reward_model:1.0").
   verifier      rl.rewards on the RewardPool's threads (each sample within rl.reward_timeout_s)
   reward_model  rl.reward_model_checkpoint's score (rl/rewards/rm_scorer.py), length guards applied
   judge         rl.judge_checkpoint's verdict / rl.judge_max_score (rl/rewards/judge.py)
@@ -60,6 +61,19 @@ class DomainSources:
         name == source for name, _ in self.default)
 
 
+def parse_terms(text: str, *, field: str, domain: str | None = None) -> Terms:
+  """One domain's sources, "source:weight,..." -> ((source, weight), ...); ValueError naming `field`
+  for an unknown source or a weight that is not a positive number."""
+  where = f" of domain {domain!r}" if domain is not None else ""
+  weighted = parse_weights(text, field=f"{field} (domain {domain!r})" if domain is not None else field)
+  for name, weight in weighted:
+    if name not in SOURCES:
+      raise ValueError(f"{field}: source {name!r}{where} is unknown; choose from {', '.join(SOURCES)}.")
+    if not weight > 0:
+      raise ValueError(f"{field}: weight {weight} of {name!r}{where} must be positive.")
+  return tuple(weighted)
+
+
 def parse_sources(spec: str, *, field: str = FIELD) -> DomainSources:
   """DomainSources from "domain=source:weight,...;..." ("" = the verifier everywhere).
 
@@ -76,13 +90,7 @@ def parse_sources(spec: str, *, field: str = FIELD) -> DomainSources:
                        f"{', '.join(SOURCES)}; '*' for every other domain).")
     if domain in parsed:
       raise ValueError(f"{field}={spec!r} names domain {domain!r} twice.")
-    weighted = parse_weights(terms, field=f"{field} (domain {domain!r})")
-    for name, weight in weighted:
-      if name not in SOURCES:
-        raise ValueError(f"{field}={spec!r}: source {name!r} of domain {domain!r} is unknown; choose from "
-                         f"{', '.join(SOURCES)}.")
-      if not weight > 0:
-        raise ValueError(f"{field}={spec!r}: weight {weight} of {name!r} in domain {domain!r} must be positive.")
+    weighted = parse_terms(terms, field=field, domain=domain)
     parsed[domain] = tuple(weighted)
   default = parsed.pop(DEFAULT, DomainSources.default)
   return DomainSources(tuple(parsed.items()), default)
@@ -101,6 +109,24 @@ def normalize_per_domain(rewards: np.ndarray, domains: Sequence[str], eps: float
     std = float(values.std(ddof=1)) if len(values) > 1 else 0.0
     out[rows] = (values - values.mean()) / (std + eps)
   return out
+
+
+def domain_sources(cfg) -> DomainSources:
+  """The run's sources: rl.reward_sources, and the "sources" of the data.domains registry's domains
+  (rl/envs/registry.py); ValueError naming both when a domain is given sources in both places."""
+  sources = parse_sources(cfg.rl.reward_sources)
+  if not cfg.data.domains:
+    return sources
+  from meshrl.rl.envs.registry import load_domains  # pylint: disable=import-outside-toplevel
+  named = dict(sources.by_domain)
+  for spec in load_domains(cfg.data.domains):
+    if not spec.sources:
+      continue
+    if spec.name in named:
+      raise ValueError(f"{FIELD}={cfg.rl.reward_sources!r} and data.domains={cfg.data.domains!r} both give "
+                       f"domain {spec.name!r} its sources; keep one.")
+    named[spec.name] = parse_terms(spec.sources, field=f"data.domains {spec.name!r} sources")
+  return DomainSources(tuple(named.items()), sources.default)
 
 
 BatchScorer = Callable[[Sequence[str], Sequence[dict]], tuple[np.ndarray, dict]]
@@ -172,15 +198,15 @@ def check_reward_sources(cfg) -> DomainSources:
   judge's rubrics and lengths; a checkpoint set for a source no domain uses is refused (it would be
   ignored). ValueError naming the field, before anything is loaded or written."""
   rl = cfg.rl
-  sources = parse_sources(rl.reward_sources)
+  sources = domain_sources(cfg)
   for name, field in MODEL_SOURCES.items():
     path = rl[field.split(".")[1]]
     if sources.uses(name) and not path:
-      raise ValueError(f"{FIELD}={rl.reward_sources!r} uses {name!r}: set {field} (a "
+      raise ValueError(f"a domain of {FIELD}={rl.reward_sources!r} (or of data.domains) uses {name!r}: set {field} (a "
                        f"{'reward model, e.g. from scripts/train_rm.py' if name == 'reward_model' else 'judge model'}).")
     if path and not sources.uses(name):
-      raise ValueError(f"{field}={path!r} is set but no domain of {FIELD}={rl.reward_sources!r} uses {name!r}: "
-                       f"name it there (e.g. '*={name}') or unset {field}.")
+      raise ValueError(f"{field}={path!r} is set but no domain of {FIELD}={rl.reward_sources!r} (or of "
+                       f"data.domains) uses {name!r}: name it there (e.g. '*={name}') or unset {field}.")
   if sources.uses("reward_model"):
     rm_source.check_reward_model(rl.reward_model_checkpoint, cfg)
   if sources.uses("judge"):

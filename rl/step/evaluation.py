@@ -26,7 +26,7 @@ from meshrl.rl.envs.prompts import JsonlSource
 from meshrl.rl.rewards import answer_reward
 from meshrl.rl.batches.rows import rollout_rows
 from meshrl.rl.rewards.pool import RewardPool
-from meshrl.rl.rewards.sources import parse_sources, reward_model_scorer
+from meshrl.rl.rewards.sources import domain_sources, reward_model_scorer
 from meshrl.rl.step.spec import make_generator
 from meshrl.sharding import hosts
 from meshrl.sharding.rules import data_parallel_size
@@ -97,7 +97,7 @@ class Evaluator:
                                     multi_turn=False, complete=True)
     self.pool = RewardPool(answer_reward, num_workers=cfg.rl.reward_workers,
                            timeout_s=cfg.rl.reward_timeout_s)
-    if rm_scorer is None and parse_sources(cfg.rl.reward_sources).uses("reward_model"):
+    if rm_scorer is None and domain_sources(cfg).uses("reward_model"):
       rm_scorer = reward_model_scorer(cfg, mesh, tokenizer)
     self.rm = rm_scorer
     self.rm_scores = None  # [N] the last greedy pass's reward-model scores

@@ -13,6 +13,7 @@ Claims and the bugs they catch:
   score format, a checkpoint no domain uses) is one line naming the field before anything is written.
 """
 
+import json
 import os
 
 import jax
@@ -97,7 +98,7 @@ def test_sources_parse_per_domain_with_a_default():
     ("chat=oracle", "source 'oracle' of domain 'chat' is unknown; choose from verifier, reward_model, judge"),
     ("chat", "item 'chat' must be 'domain=source:weight,...'"),
     ("chat=judge;chat=verifier", "names domain 'chat' twice"),
-    ("chat=judge:0", "weight 0.0 of 'judge' in domain 'chat' must be positive"),
+    ("chat=judge:0", "weight 0.0 of 'judge' of domain 'chat' must be positive"),
     ("chat=judge:x", "weight 'x' of 'judge' is not a number"),
 ])
 def test_malformed_sources_are_one_line_errors(spec, message):
@@ -262,7 +263,8 @@ def test_sources_checked_against_their_checkpoints(tmp_path, rm_dir, judge_dir, 
     assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
 
   refused("uses 'reward_model': set rl.reward_model_checkpoint", "rl.reward_sources=chat=reward_model")
-  refused(f"rl.reward_model_checkpoint='{rm_dir}' is set but no domain of rl.reward_sources='' uses 'reward_model'",
+  refused(f"rl.reward_model_checkpoint='{rm_dir}' is set but no domain of rl.reward_sources='' (or of data.domains) "
+          "uses 'reward_model'",
           f"rl.reward_model_checkpoint={rm_dir}")
   refused(f"rl.reward_model_checkpoint='{judge_dir}' was saved with model.value_head=False",
           "rl.reward_sources=*=reward_model", f"rl.reward_model_checkpoint={judge_dir}")
@@ -291,6 +293,28 @@ class _Spy:
 
   def close(self):
     self.pool.close()
+
+
+def test_registry_domains_name_their_sources(tmp_path, rm_dir):
+  """A data.domains domain's "sources" field gives that domain its sources; a bad one is refused naming
+  the file and line; naming a domain's sources in both places is refused."""
+  from meshrl.rl.rewards.sources import domain_sources  # pylint: disable=import-outside-toplevel
+  path = tmp_path / "domains.jsonl"
+  rows = [{"name": "rev", "source": "generator:reverse", "reward": "exact", "weight": 1.0,
+           "sources": "reward_model:2,verifier"},
+          {"name": "math", "source": "generator:arithmetic", "reward": "numeric", "weight": 1.0}]
+  path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+  cfg = _cfg(f"data.domains={path}", f"rl.reward_model_checkpoint={rm_dir}")
+  sources = domain_sources(cfg)
+  assert sources.of("rev") == (("reward_model", 2.0), ("verifier", 1.0)) and sources.of("math") == (("verifier", 1.0),)
+  check_reward_sources(cfg)  # the registry's reward_model domain uses the checkpoint
+  with pytest.raises(ValueError, match="both give domain 'rev' its sources; keep one"):
+    domain_sources(_cfg(f"data.domains={path}", "rl.reward_sources=rev=judge"))
+  rows[1]["sources"] = "oracle"
+  path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+  with pytest.raises(ValueError) as error:
+    domain_sources(cfg)
+  assert str(error.value).startswith(f"{path}:2: domain 'math': field 'sources': source 'oracle' is unknown")
 
 
 # --- on the mesh ------------------------------------------------------------------------------------
