@@ -18,10 +18,11 @@ Scoring one batch (`SourcedRewards.score`): the verifier's samples are queued on
 first, then each model source scores every sample of its domains in batched calls on the mesh while
 the threads work, then the pool is collected. A sample's reward is sum_s weight_s * score_s over its
 own domain's sources; the reward goes into the advantages as a verifier's does (it is the
-ScoredBatch's reward). rl.reward_norm="domain" then whitens the rewards within each domain of the batch
-(`normalize_per_domain`): for batch-level estimators (REINFORCE++, GAE) when domains score on other
-scales; group estimators (GRPO) normalise within a group, which lies in one domain, anyway. Errors (a verifier that raised, a judge's malformed verdict) score 0 for that
-source and are counted in info["reward_errors"], with the first messages in info["first_errors"].
+ScoredBatch's reward). rl.reward_norm="domain" then whitens the rewards within each domain of the
+batch (`normalize_per_domain`): for batch-level estimators (REINFORCE++, GAE) when domains score on
+other scales; group estimators (GRPO) normalise within a group, which lies in one domain, anyway.
+Errors (a verifier that raised, a judge's malformed verdict) score 0 for that source and are counted
+in info["reward_errors"], with the first messages in info["first_errors"].
 """
 
 from __future__ import annotations
