@@ -173,6 +173,16 @@ def get_config(arg=None):
   config.rl.rewards = "answer:1.0"  # Reward functions and weights: "name:weight,..." (rl/rewards).
   config.rl.reward_workers = 8  # Threads scoring a batch's rewards concurrently (rl/rewards/pool.py).
   config.rl.reward_timeout_s = 30.0  # Per-sample reward time limit; a sample past it scores 0 (counted).
+  config.rl.reward_sources = ""  # Per domain (rl/rewards/sources.py): "domain=source:weight,...;...", source verifier (rl.rewards), reward_model or judge; "*" = every other domain; "" = verifier everywhere.
+  config.rl.reward_norm = "none"  # "domain": whiten rewards within each domain of a batch (sources on other scales weigh alike); "none": as scored.
+  config.rl.reward_model_checkpoint = ""  # A reward model (scripts/train_rm.py's work directory, or a Qwen3MoeForSequenceClassification folder) for the reward_model source.
+  config.rl.rm_length_penalty = 0.0  # Subtracted from a reward-model score per response token (>= 0; a guard against rewarding length).
+  config.rl.rm_length_normalize = False  # Divide a reward-model score by the response's tokens (a guard against rewarding length).
+  config.rl.judge_checkpoint = ""  # A policy-shaped judge model (meshrl checkpoint or Hugging Face causal LM folder) for the judge source.
+  config.rl.judge_rubrics = ""  # Rubric files per domain, "domain=path;*=path": text with {prompt}, {response} and the verdict format "Score: N".
+  config.rl.judge_max_score = 10  # The top of the judge's scale; a verdict "Score: N" gives N / judge_max_score, a malformed one 0 (counted).
+  config.rl.judge_prompt_len = 512  # Tokens of a judge prompt (rubric, prompt and response; longer ones keep their last tokens, counted).
+  config.rl.judge_max_tokens = 16  # Tokens the judge may write for its verdict (greedy).
   config.rl.max_nonfinite_steps = 3  # Stop, checkpointed, after this many all-non-finite steps in a row (0 = never).
   config.rl.sft_steps = 200  # Supervised warm-start steps before RL (0 = none).
   config.rl.sft_learning_rate = 1e-3  # Warm-start learning rate.

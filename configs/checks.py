@@ -95,6 +95,22 @@ def check_rl(cfg) -> None:
   except ValueError:
     raise ValueError(f"rl.stop_tokens={cfg.rl.stop_tokens!r} must be comma-separated token ids, "
                      "e.g. '13,198'.") from None
+  check_model_rewards(cfg)
+
+
+def check_model_rewards(cfg) -> None:
+  """rl.reward_sources' model sources, as far as the config alone tells: their checkpoints exist, the
+  length guard and the judge's numbers are in range (the sources themselves, the checkpoints' heads
+  and tokenizers and the rubrics are checked by rl/rewards/sources.check_reward_sources)."""
+  for field in ("reward_model_checkpoint", "judge_checkpoint"):
+    path = cfg.rl[field]
+    if path and not os.path.exists(path):
+      raise ValueError(f"rl.{field}={path!r} does not exist.")
+  at_least(cfg, "rl.rm_length_penalty", 0.0, " (0 = off)")
+  one_of(cfg, "rl.reward_norm", ("none", "domain"))
+  positive(cfg, "rl.judge_max_score", " (the top of the judge's scale)")
+  for field in ("judge_prompt_len", "judge_max_tokens"):
+    at_least(cfg, f"rl.{field}", 1)
 
 
 def check_moe(cfg) -> None:

@@ -3,6 +3,7 @@ straight into its shardings on the policy's mesh.
 
   rm_cfg = check_reward_model(path, policy_cfg)             # reads JSON only; ValueError naming `field`
   model, rm_cfg = load_reward_model(path, policy_cfg, mesh)
+  judge, judge_cfg = load_judge_model(path, policy_cfg, mesh)   # a generative judge: any policy-shaped model
 
 `path` is a meshrl reward-model checkpoint (scripts/train_rm.py's work directory, its checkpoints/
 folder) or a Hugging Face `Qwen3MoeForSequenceClassification` folder (model/convert.py). The reward
@@ -28,6 +29,7 @@ from meshrl.train import init_from
 from meshrl.train.checkpoint import check_readable
 
 FIELD = "rl.reward_model_checkpoint"
+JUDGE_FIELD = "rl.judge_checkpoint"
 
 
 def _tokenizer_file(name: str) -> str | None:
@@ -75,6 +77,21 @@ def _saved_rm_config(path: str, policy_cfg, field: str) -> ml_collections.Config
   return rm_cfg
 
 
+def _check_policy_tokens(rm_cfg, policy_cfg, path: str, field: str, what: str) -> None:
+  """ValueError unless the model of `rm_cfg` (`what`: "reward model", "judge") reads the policy's
+  token ids: the same tokenizer, a vocabulary that embeds every policy id."""
+  policy_tok, rm_tok = str(policy_cfg.model.tokenizer), str(rm_cfg.model.get("tokenizer", "byte"))
+  rm_id = tokenizer_identity(rm_tok)
+  if rm_id != tokenizer_identity(policy_tok) or rm_id.startswith("missing:"):
+    raise ValueError(f"{field}={path!r}: the {what}'s tokenizer {rm_tok!r} differs from the policy's "
+                     f"model.tokenizer={policy_tok!r}; it would read the policy's token ids as other text. "
+                     f"Train the {what} with the policy's tokenizer (--config.model.tokenizer).")
+  vocab = tokenizer_from_config(policy_cfg).vocab_size
+  if rm_cfg.model.vocab_size < vocab:
+    raise ValueError(f"{field}={path!r}: the {what}'s model.vocab_size={rm_cfg.model.vocab_size} "
+                     f"cannot embed the policy tokenizer's {vocab} ids.")
+
+
 def check_reward_model(path: str, policy_cfg, *, field: str = FIELD) -> ml_collections.ConfigDict:
   """The reward model's config (locked) after checking that it has a score head and reads the
   policy's tokens; ValueError naming `field`, the path and both tokenizers otherwise. Reads JSON
@@ -83,18 +100,34 @@ def check_reward_model(path: str, policy_cfg, *, field: str = FIELD) -> ml_colle
   if not rm_cfg.model.get("value_head", False):
     raise ValueError(f"{field}={path!r} was saved with model.value_head=False: it has no score head "
                      "(train a reward model with scripts/train_rm.py).")
-  policy_tok, rm_tok = str(policy_cfg.model.tokenizer), str(rm_cfg.model.get("tokenizer", "byte"))
-  rm_id = tokenizer_identity(rm_tok)
-  if rm_id != tokenizer_identity(policy_tok) or rm_id.startswith("missing:"):
-    raise ValueError(f"{field}={path!r}: the reward model's tokenizer {rm_tok!r} differs from the policy's "
-                     f"model.tokenizer={policy_tok!r}; it would read the policy's token ids as other text. "
-                     "Train the reward model with the policy's tokenizer (--config.model.tokenizer).")
-  vocab = tokenizer_from_config(policy_cfg).vocab_size
-  if rm_cfg.model.vocab_size < vocab:
-    raise ValueError(f"{field}={path!r}: the reward model's model.vocab_size={rm_cfg.model.vocab_size} "
-                     f"cannot embed the policy tokenizer's {vocab} ids.")
+  _check_policy_tokens(rm_cfg, policy_cfg, path, field, "reward model")
   rm_cfg.lock()
   return rm_cfg
+
+
+def check_judge_model(path: str, policy_cfg, *, field: str = JUDGE_FIELD) -> ml_collections.ConfigDict:
+  """The judge's config (locked): a policy-shaped model (any meshrl checkpoint or Hugging Face
+  causal LM folder) that reads the policy's tokens, since its prompt quotes the policy's response;
+  ValueError naming `field` otherwise. Reads JSON and the tokenizer files only."""
+  judge_cfg = _saved_rm_config(path, policy_cfg, field)
+  _check_policy_tokens(judge_cfg, policy_cfg, path, field, "judge")
+  judge_cfg.lock()
+  return judge_cfg
+
+
+def _load(path: str, cfg, mesh: Mesh | None, rules: Rules) -> Transformer:
+  folder = init_from.checkpoint_dir(path)
+  if folder is None:
+    return convert.import_checkpoint(path, mesh, cfg, rules=rules)[0]
+  return init_from.restore_params(folder, ModelConfig.from_config(cfg, mesh), mesh, rules=rules)
+
+
+def load_judge_model(path: str, policy_cfg, mesh: Mesh | None, *, field: str = JUDGE_FIELD,
+                     rules: Rules = TRAIN_RULES) -> tuple[Transformer, ml_collections.ConfigDict]:
+  """(judge model, its config): `check_judge_model`, then its parameters read into their shardings
+  on the policy's `mesh` (frozen)."""
+  judge_cfg = check_judge_model(path, policy_cfg, field=field)
+  return _load(path, judge_cfg, mesh, rules), judge_cfg
 
 
 def load_reward_model(path: str, policy_cfg, mesh: Mesh | None, *, field: str = FIELD,
@@ -102,7 +135,4 @@ def load_reward_model(path: str, policy_cfg, mesh: Mesh | None, *, field: str = 
   """(reward model, its config): `check_reward_model`, then every parameter read into its sharding
   on `mesh` under `rules` (the policy's mesh; frozen: no optimizer state is read)."""
   rm_cfg = check_reward_model(path, policy_cfg, field=field)
-  folder = init_from.checkpoint_dir(path)
-  if folder is None:
-    return convert.import_checkpoint(path, mesh, rm_cfg, rules=rules)[0], rm_cfg
-  return init_from.restore_params(folder, ModelConfig.from_config(rm_cfg, mesh), mesh, rules=rules), rm_cfg
+  return _load(path, rm_cfg, mesh, rules), rm_cfg

@@ -5,7 +5,9 @@ One JSON object per line (JSONL: no new dependency, and an error can name the li
    "priority": 1, "quota": 0.1, "timeout_s": 10, "max_turns": 1, "difficulty": 1}
 Required: name, source, reward, weight. Optional: priority (0), quota (0: none; least share of every
 batch), timeout_s (30), max_turns (1), difficulty (1; generators only), runtime ("build" or "host":
-how Terminal-Bench task directories get their runtime, rl/envs/tbench.py). Unknown fields are errors.
+how Terminal-Bench task directories get their runtime, rl/envs/tbench.py), sources ("": the reward's
+verifier; else the domain's reward sources, "reward_model:1.0,verifier:0.5", rl/rewards/sources.py).
+Unknown fields are errors.
   source  "generator:<family>" (rl/envs/mixture.py DOMAINS), "jsonl:<path>" or "tasks:<dir>" (terminal
           task directories, rl/envs/terminal.py, and Terminal-Bench task directories, run as
           multi-turn terminal tasks); paths relative to the domain file
@@ -42,7 +44,7 @@ CURRICULUM_FLAGS = ("always_solved", "never_solved")  # the quality gate's flags
 FLAGGED_WEIGHT = 0.25  # a flagged task's share of its domain's draws, relative to an unflagged one
 REQUIRED = {"name": str, "source": str, "reward": str, "weight": (int, float)}
 OPTIONAL = {"priority": (int, 0), "quota": ((int, float), 0.0), "timeout_s": ((int, float), 30.0),
-            "max_turns": (int, 1), "difficulty": (int, 1), "runtime": (str, "build")}
+            "max_turns": (int, 1), "difficulty": (int, 1), "runtime": (str, "build"), "sources": (str, "")}
 RUNTIMES = ("build", "host")  # how Terminal-Bench task directories get their runtime (rl/envs/tbench.py)
 
 
@@ -59,6 +61,7 @@ class DomainSpec:
   max_turns: int = 1
   difficulty: int = 1
   runtime: str = "build"
+  sources: str = ""  # reward sources, "reward_model:1.0,verifier:0.5" (rl/rewards/sources.py); "": the reward's verifier
 
   @property
   def policy(self) -> DomainPolicy:
@@ -121,10 +124,16 @@ def parse_domain(row, where: str, base_dir: str, rewards: Container[str]) -> Dom
                        f"max_turns={values['max_turns']} >= 1.")
   if not isinstance(name, str) or not name.strip() or "/" in name:
     _fail(where, name, "field 'name' must be a non-empty string without '/'.")
+  if values["sources"]:
+    from meshrl.rl.rewards.sources import parse_terms  # pylint: disable=import-outside-toplevel
+    try:
+      parse_terms(values["sources"], field="field 'sources'")
+    except ValueError as error:
+      _fail(where, name, str(error))
   return DomainSpec(name=name, kind=kind, target=target, reward=reward, weight=float(row["weight"]),
                     priority=values["priority"], quota=float(values["quota"]),
                     timeout_s=float(values["timeout_s"]), max_turns=values["max_turns"],
-                    difficulty=values["difficulty"], runtime=values["runtime"])
+                    difficulty=values["difficulty"], runtime=values["runtime"], sources=values["sources"])
 
 
 def load_domains(path: str, *, rewards: Container[str] | None = None) -> list[DomainSpec]:

@@ -17,7 +17,7 @@ import math
 import queue
 import threading
 import time
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -33,6 +33,12 @@ class _Job:
     self.done = False
     self.scores: list[float] = []
     self.errors: list[str] = []
+
+
+class Pending(NamedTuple):
+  """Samples queued by `RewardPool.submit`, in order."""
+  jobs: list
+  examples: list
 
 
 class RewardPool:
@@ -93,11 +99,21 @@ class RewardPool:
     (samples past timeout_s), first_errors (up to 3 messages), per_fn {name: [N] unweighted},
     by_domain {domain: mean reward}.
     """
+    return self.collect(self.submit(completions, examples))
+
+  def submit(self, completions: Sequence[str], examples: Sequence[dict]) -> "Pending":
+    """Queues every sample and returns at once (the workers score them meanwhile); `collect` waits.
+    A caller with work of its own (a reward model on the devices) does it between the two."""
     if len(completions) != len(examples):
       raise ValueError(f"len(completions)={len(completions)} != len(examples)={len(examples)}.")
     jobs = [_Job(i, c, e) for i, (c, e) in enumerate(zip(completions, examples))]
     for job in jobs:
       self._queue.put(job)
+    return Pending(jobs, list(examples))
+
+  def collect(self, pending: "Pending") -> tuple[np.ndarray, dict]:
+    """Waits for `submit`'s samples -> (rewards [N] float32, info), as `score` returns them."""
+    jobs, examples = pending.jobs, pending.examples
     timeouts = 0
     with self._cond:
       while not all(job.done for job in jobs):

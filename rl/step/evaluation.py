@@ -26,6 +26,7 @@ from meshrl.rl.envs.prompts import JsonlSource
 from meshrl.rl.rewards import answer_reward
 from meshrl.rl.batches.rows import rollout_rows
 from meshrl.rl.rewards.pool import RewardPool
+from meshrl.rl.rewards.sources import domain_sources, reward_model_scorer
 from meshrl.rl.step.spec import make_generator
 from meshrl.sharding import hosts
 from meshrl.sharding.rules import data_parallel_size
@@ -74,9 +75,13 @@ class Evaluator:
     mesh: the run's mesh (None: one device).
     tokenizer: the run's tokenizer.
     examples: held-out examples (each with "prompt", "answer" and optionally "domain").
+    rm_scorer: the run's reward model (rl/rewards/rm_scorer.py) when a domain of rl.reward_sources uses
+      one: the greedy completions' mean score is eval/rm_score beside the verifier's eval/accuracy
+      (a policy that games the reward model raises the one and not the other). None: loaded here
+      when rl.reward_sources uses a reward model (a second copy of its parameters; pass the run's).
   """
 
-  def __init__(self, cfg, mesh, tokenizer: Tokenizer, examples: list[dict]):
+  def __init__(self, cfg, mesh, tokenizer: Tokenizer, examples: list[dict], *, rm_scorer=None):
     if not examples:
       raise ValueError("evaluation has no held-out examples (eval.num_prompts, data.eval_fraction).")
     self.cfg, self.tokenizer, self.examples = cfg, tokenizer, list(examples)
@@ -92,10 +97,14 @@ class Evaluator:
                                     multi_turn=False, complete=True)
     self.pool = RewardPool(answer_reward, num_workers=cfg.rl.reward_workers,
                            timeout_s=cfg.rl.reward_timeout_s)
+    if rm_scorer is None and domain_sources(cfg).uses("reward_model"):
+      rm_scorer = reward_model_scorer(cfg, mesh, tokenizer)
+    self.rm = rm_scorer
+    self.rm_scores = None  # [N] the last greedy pass's reward-model scores
 
   def _run(self, rollout, params, extra, key, group: int) -> tuple[np.ndarray, np.ndarray]:
     """(correct [N, group], lengths [N, group]) over every example, in batches padded to shape."""
-    correct, lengths = [], []
+    correct, lengths, rm_scores = [], [], []
     for start in range(0, len(self.examples), self.batch):
       chunk = self.examples[start:start + self.batch]
       padded = chunk + [chunk[-1]] * (self.batch - len(chunk))
@@ -108,19 +117,27 @@ class Evaluator:
                                                    self.tokenizer.pad_id))
       scores, _ = self.pool.score(texts, [e for e in padded for _ in range(group)])
       n = len(chunk) * group
+      if self.rm is not None and group == 1:
+        rm_scores.append(self.rm(texts[:n], chunk)[0])
       correct.append(scores[:n].reshape(len(chunk), group))
       lengths.append(hosts.to_host(out.lengths)[:n].reshape(len(chunk), group))
+    if rm_scores:
+      self.rm_scores = np.concatenate(rm_scores)
     return np.concatenate(correct), np.concatenate(lengths)
 
   def __call__(self, params, extra, key: jax.Array | None = None) -> dict[str, float]:
-    """Metrics: eval/accuracy (greedy), eval/response_len, eval/pass@k (when eval.pass_k > 1), each
-    also per domain as eval/<metric>/<domain>, and eval/num_prompts."""
+    """Metrics: eval/accuracy (greedy), eval/response_len, eval/pass@k (when eval.pass_k > 1),
+    eval/rm_score (with a reward model: its mean score of the greedy completions), each also per
+    domain as eval/<metric>/<domain>, and eval/num_prompts."""
     key = jax.random.key(self.cfg.seed + 104729) if key is None else key
     correct, lengths = self._run(self.greedy, params, extra, key, 1)
     solved = (correct[:, 0] >= 1.0).astype(np.float32)
     metrics = {"eval/accuracy": float(solved.mean()), "eval/response_len": float(lengths.mean()),
                "eval/num_prompts": len(self.examples)}
     columns = {"accuracy": solved, "response_len": lengths[:, 0].astype(np.float32)}
+    if self.rm is not None:
+      metrics["eval/rm_score"] = float(self.rm_scores.mean())
+      columns["rm_score"] = self.rm_scores
     if self.sampled is not None:
       sampled, _ = self._run(self.sampled, params, extra, jax.random.fold_in(key, 1), self.pass_k)
       any_correct = (sampled >= 1.0).any(axis=1).astype(np.float32)

@@ -191,7 +191,29 @@ def batch_metrics(first: ScoredBatch, batch: ScoredBatch, lengths: np.ndarray, g
       "sample_text": first.texts[0][:40],
       **per_domain(first.correct, first.domains, "reward_mean"),
       **per_domain(lengths, first.domains, "response_len"),
+      **source_metrics(first.info, first.domains),
   }
+
+
+SOURCE_COUNTS = ("rm_truncated", "judge_malformed", "judge_truncated")
+
+
+def source_metrics(info: dict, domains: list[str]) -> dict[str, float]:
+  """The model sources' own figures of a scored round (rl/rewards/sources.py; {} without them): each
+  source's mean unweighted score over the samples it scored, overall and per domain
+  (`score/<source>`, `score/<source>/<domain>`: a reward model's score beside the verifier's on
+  the same domain shows reward hacking), and their counts (judge_malformed, ...)."""
+  per_fn, sources = info.get("per_fn", {}), info.get("sources")
+  if sources is None:
+    return {}
+  metrics = {k: int(info[k]) for k in SOURCE_COUNTS if k in info}
+  for name, rows in sources.items():
+    if not len(rows):
+      continue
+    scores = np.asarray(per_fn[name])[rows]
+    metrics[f"score/{name}"] = float(scores.mean())
+    metrics.update(per_domain(scores, [domains[i] for i in rows], f"score/{name}"))
+  return metrics
 
 
 def staleness(arrays: dict, version: int, max_new_tokens: int) -> dict[str, float]:

@@ -74,6 +74,8 @@ def _cases():
       rl("--config.data.tasks=nosuchtask:1.0") + ("'nosuchtask' is unknown; choose from",),
       rl("--config.rl.rewards=nosuch:1.0") + ("'nosuch' is unknown; choose from",),
       rl("--config.rl.rewards=answer:-1") + ("rl.rewards='answer:-1': weight -1.0 of 'answer' must be positive",),
+      rl("--config.rl.reward_sources=*=reward_model", "--config.rl.reward_model_checkpoint={folder}/no_rm") + (
+          "rl.reward_model_checkpoint='{folder}/no_rm' does not exist.",),
       # the command line itself
       rl("--cpu_devices=-2") + ("--cpu_devices=-2 must be >= 0",),
       rl("--num_processes=2") + ("--num_processes=2 / --process_id=-1 describe a multi-process job but no coordinator",),
