@@ -39,6 +39,7 @@ from meshrl.rl.step.episode_collect import held_out as multiturn_held_out
 from meshrl.rl.envs.prompts import ArrayRecordSource, JsonlSource, PromptStream
 from meshrl.rl.batches.packing import update_shape
 from meshrl.rl.rewards import compose
+from meshrl.rl.rewards.sources import check_reward_sources
 from meshrl.rl.step.spec import check_generation
 from meshrl.rl.step.program import RLRun, build_run, in_flight_state, restore_in_flight, rl_step
 from meshrl.sharding import MESH_AXES, make_mesh, mesh_shape_for
@@ -125,6 +126,7 @@ def check_config(cfg, num_devices: int | None = None) -> None:
     raise ValueError(f"rl.max_staleness={rl.max_staleness} trains on samples of older policies: set "
                      "rl.tis_level to 'token' or 'sequence' so they are importance-corrected.")
   compose(rl.rewards)
+  check_reward_sources(cfg)  # per-domain reward sources, their checkpoints, tokenizers and rubrics
   if cfg.data.domains:
     _domain_specs(cfg)
   Quarantine(cfg.data.quarantine)  # a malformed list is named by file and line
@@ -609,7 +611,9 @@ def _train(cfg, workdir: str, ready: _Prepared, checkpointer: Checkpointer | Non
       restore_carried_state(rl_run, restored.extra_state)
       print(f"resumed from {checkpointer.directory} at step {start_step}")
     if cfg.eval.every:
-      evaluator = (MultiTurnEvaluator if multi_turn else Evaluator)(cfg, mesh, tokenizer, ready.held_out)
+      evaluator = (MultiTurnEvaluator(cfg, mesh, tokenizer, ready.held_out) if multi_turn else
+                   Evaluator(cfg, mesh, tokenizer, ready.held_out,
+                             rm_scorer=getattr(rl_run.pool, "scorers", {}).get("reward_model")))
       eval_path = os.path.join(workdir, "eval.jsonl") if primary else None
       if start_step == 0:
         initial = evaluator(rl_run.state.params, rl_run.state.extra)

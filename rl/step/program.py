@@ -40,7 +40,6 @@ from meshrl.rl.step.groups import (batch_metrics, empty_scored, enough_groups, n
                             score_rollout, shared_prompts, staleness, step_groups)
 from meshrl.rl.batches.handover import (ScoredBatch, UpdateBatch, align_for_update, align_on_devices,
                                device_put_batch, zigzag_batch)
-from meshrl.rl.rewards import compose
 from meshrl.rl.batches.layouts import sample_layout
 from meshrl.rl.step.partial import PartialRollouts
 from meshrl.rl.step.episodes import PartialEpisodes, wants_multi_turn
@@ -50,6 +49,7 @@ from meshrl.rl.step.spec import episode_runner, make_generator
 from meshrl.rl.batches.routes import RoutingRows
 from meshrl.rl.batches.rows import DeviceRows
 from meshrl.rl.rewards.pool import RewardPool
+from meshrl.rl.rewards.sources import reward_pool
 from meshrl.rl.algo.update import make_logprob_fn, make_update
 from meshrl.sharding import hosts
 from meshrl.sharding.rules import logical_to_spec, rules_from_config
@@ -74,7 +74,7 @@ class RLRun:
   logprob_fn: Any  # jitted (params, extra, UpdateBatch) -> (logp, values)
   advantages_fn: Any  # jitted, advantages.make_advantages
   tokenizer: Tokenizer
-  pool: RewardPool
+  pool: RewardPool  # or rl/rewards/sources.SourcedRewards (model sources per domain): the same interface
   batch_sharding: Any  # NamedSharding of [B, S] update arrays, or None without a mesh
   zigzag_shards: int  # > 1: update batches are laid out zigzag over the sequence axis
   samples_sharding: Any = None  # NamedSharding of [samples, S] contiguous arrays (packed updates' advantages)
@@ -135,8 +135,7 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer, *, env_work=None) -> RLRun
                                  replay_routing=cfg.rl.replay_routing,
                                  logits_chunk=spec.logits_chunk, zigzag_inputs=spec.zigzag_inputs),
       advantages_fn=adv_lib.make_advantages(cfg), tokenizer=tokenizer,
-      pool=RewardPool(compose(cfg.rl.rewards), num_workers=cfg.rl.reward_workers,
-                      timeout_s=cfg.rl.reward_timeout_s),
+      pool=reward_pool(cfg, mesh, tokenizer),  # verifiers, and reward models / judges per domain
       batch_sharding=sharding, samples_sharding=samples_sharding, zigzag_shards=zigzag_over,
       multiturn=multiturn)
 
