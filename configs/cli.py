@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import os
 import sys
 import traceback
@@ -168,3 +169,12 @@ def run(main: Callable[[Sequence[str]], int], argv: Sequence[str]) -> int:
     prefix = "error: disk full: " if disk_full(error) and "disk" not in str(error) else "error: "
     print(prefix + one_line(error), file=sys.stderr)
     return 2 if isinstance(error, ValueError) and not disk_full(error) else 1
+
+
+def write_json(path: str, report: dict, *, indent: int = 2, announce: bool = True) -> None:
+  """A script's JSON report to `path` (its folder made), and a line saying where it went."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=indent)
+  if announce:
+    print(f"\nwrote {path}")

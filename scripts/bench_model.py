@@ -23,8 +23,6 @@ dispatch runs at that size (what "auto" picked). MFU counts the routed experts' 
 """
 
 import argparse
-import json
-import os
 import sys
 import time
 
@@ -167,10 +165,7 @@ def main(argv):
     return 2
   report = run(args)
   print_table(report)
-  os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-  with open(args.json, "w", encoding="utf-8") as f:
-    json.dump(report, f, indent=2)
-  print(f"\nwrote {args.json}")
+  cli.write_json(args.json, report)
   return 0
 
 

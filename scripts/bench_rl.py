@@ -14,14 +14,15 @@ Phases (mean over the timed steps):
   prepare     reference log-probs, critic values and advantages; tokens = update batch B * S
   update      rl.epochs x rl.num_minibatches optimizer steps; tokens = B * S * rl.epochs
   other       the rest of the step (prompt encoding, dynamic-sampling selection)
+bare_rollout (single-turn, synchronous, no partial rollouts): after each timed step, the same
+generator called alone on the next prompts of the stream (jitted call, waited on): the floor the
+rollout phase is compared with, alternating with the steps (`rollout_over_bare`).
 compile_s is backend compile time during step 1 (CompileCounter.seconds, no tracing);
 first_step_overhead_s = step 1 wall time - mean step_s. compiles_after_first_step must equal
 compiles_at_end (the script exits 1 otherwise).
 """
 
 import argparse
-import json
-import os
 import sys
 import time
 
@@ -50,6 +51,22 @@ def timed_step(run, prompts, key) -> dict:
   return times
 
 
+def bare_rollout(run, examples, key) -> float:
+  """Seconds of one call of the run's generator alone (the bare sampler) on the next prompts."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+
+  from meshrl.rl.step.groups import next_prompts
+  # pylint: enable=import-outside-toplevel
+  rl = run.cfg.rl
+  prompts = next_prompts(examples, run.tokenizer, count=rl.prompts_per_step, max_len=rl.max_prompt_len,
+                         overflow=rl.prompt_overflow)
+  start = time.perf_counter()
+  jax.block_until_ready(run.rollout(run.state.params, run.state.extra, prompts.tokens, prompts.mask, key, None,
+                                    run.version))
+  return time.perf_counter() - start
+
+
 def bench(cfg, steps: int) -> dict:
   """Warm-up step (compiles), then `steps` timed steps -> the report (no "config" yet)."""
   # pylint: disable=import-outside-toplevel
@@ -66,11 +83,16 @@ def bench(cfg, steps: int) -> dict:
     compile_s, compiles_first = counter.seconds, counter.count()
     print(f"  step 1: {first['step']:.2f} s, {compiles_first} compilations "
           f"({compile_s:.2f} s in the backend)", flush=True)
-    records = []
+    bare_ok = run.rollout is not None and run.partial is None and not cfg.rl.max_staleness
+    records, bare = [], []
+    if bare_ok:
+      bare_rollout(run, examples, jax.random.fold_in(key, 10_000))  # compiles a call outside the step
     for step in range(2, steps + 2):
       records.append(timed_step(run, examples, jax.random.fold_in(key, step)))
-      print(f"  step {step}: {records[-1]['step']:.2f} s ({records[-1]['rounds']} rollout round(s))",
-            flush=True)
+      if bare_ok:
+        bare.append(bare_rollout(run, examples, jax.random.fold_in(key, 10_000 + step)))
+      print(f"  step {step}: {records[-1]['step']:.2f} s ({records[-1]['rounds']} rollout round(s))"
+            + (f", bare sampler {bare[-1]:.3f} s" if bare else ""), flush=True)
     compiles_end = counter.count()
   run.close()
   mean = {k: float(np.mean([r[k] for r in records])) for k in records[0]}
@@ -81,7 +103,10 @@ def bench(cfg, steps: int) -> dict:
           "first_step_overhead_s": first["step"] - mean["step"],
           "compiles_after_first_step": compiles_first, "compiles_at_end": compiles_end,
           "phases": phases, "step_s": mean["step"], "rollout_rounds_mean": mean["rounds"],
-          "steps": steps, "dispatch": str(cfg.moe.dispatch)}
+          "steps": steps, "dispatch": str(cfg.moe.dispatch),
+          **({"bare_rollout_s": float(np.median(bare)),
+              "rollout_over_bare": float(np.median([r["rollout"] / r["rounds"] for r in records]) / np.median(bare))}
+             if bare else {})}
 
 
 def print_table(report: dict) -> None:
@@ -96,6 +121,9 @@ def print_table(report: dict) -> None:
         f"{report['rollout_rounds_mean']:.2f})")
   print(f"first step {report['first_step_s']:.2f} s (+{report['first_step_overhead_s']:.2f} s over "
         f"steady state); backend compile {report['compile_s']:.2f} s")
+  if "bare_rollout_s" in report:
+    print(f"rollout phase per round over the bare sampler (medians, alternating): "
+          f"{report['rollout_over_bare']:.2f}x ({report['bare_rollout_s']:.3f} s bare)")
   print(f"compilations: {report['compiles_after_first_step']} after step 1, "
         f"{report['compiles_at_end']} at the end")
 
@@ -108,10 +136,7 @@ def main(argv):
   cfg.eval.every = 0
   report = {"config": args.config, "overrides": list(args.overrides), **bench(cfg, args.steps)}
   print_table(report)
-  os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-  with open(args.json, "w", encoding="utf-8") as f:
-    json.dump(report, f, indent=2)
-  print(f"\nwrote {args.json}")
+  cli.write_json(args.json, report)
   if report["compiles_at_end"] != report["compiles_after_first_step"]:
     print("error: steps after the first compiled again", file=sys.stderr)
     return 1

@@ -14,7 +14,6 @@ Each step's phases come from the step program's own timers (rl_step's metrics).
 """
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -116,10 +115,7 @@ def main(argv):
   finally:
     shutil.rmtree(folder, ignore_errors=True)  # the reward model this script wrote
   print_table(report)
-  os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-  with open(args.json, "w", encoding="utf-8") as f:
-    json.dump(report, f, indent=2)
-  print(f"\nwrote {args.json}")
+  cli.write_json(args.json, report)
   return 0
 
 

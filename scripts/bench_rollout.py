@@ -45,8 +45,6 @@ Sections (each a function `section_NAME(args, cfg) -> dict` of JSON keys, regist
 import argparse
 import contextlib
 import copy
-import json
-import os
 import sys
 import time
 
@@ -610,10 +608,7 @@ def main(argv):
     print(f"section {name}:", flush=True)
     report.update(SECTIONS[name](args, cfg))
   print_table(report)
-  os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-  with open(args.json, "w", encoding="utf-8") as f:
-    json.dump(report, f, indent=2)
-  print(f"\nwrote {args.json}")
+  cli.write_json(args.json, report)
   if "rollout_detail" in report and not report["rollout_detail"]["same_tokens"]:
     print("error: the rollout variants produced different tokens", file=sys.stderr)
     return 1
