@@ -113,6 +113,8 @@ VARIANTS = {  # a field read only in some mode is swept in that mode
     "model.rope_beta_fast": ["model.rope_scaling=yarn"], "model.rope_beta_slow": ["model.rope_scaling=yarn"],
     "model.rope_mscale": ["model.rope_scaling=yarn"], "model.rope_mscale_all_dim": ["model.rope_scaling=yarn"],
     "moe.shared_expert_mlp_dim": ["moe.num_shared_experts=1"],
+    **{f"data.level_curriculum_{name}": ["data.level_curriculum=all"]  # issue 33's curriculum, when on
+       for name in ("floor", "max", "promote", "demote", "window")},
 }
 
 
