@@ -71,16 +71,21 @@ class Bootstrap:
     fresh = examples if self.curriculum is None else map(self.curriculum.relevel, examples)
     return fresh if self.retry is None else self.retry.stream(fresh)
 
-  def observe(self, examples: Sequence[dict], scored: ScoredBatch) -> None:
-    """One scored round: `examples` are this host's groups' (every group's when they are as many as
-    the round's groups), `scored` every host's samples [B] in process order."""
+  def observe(self, examples: Sequence[dict], scored: ScoredBatch, *, mine: slice | None = None) -> None:
+    """One scored round: `examples` are this host's groups' (or every group's, when they are as many
+    as the round's groups; then `mine` says which of them this host drew, for its retries: default
+    all), `scored` every host's samples [B] in process order."""
     groups = len(scored.correct) // self.group_size
     if not examples or not groups:
       return
     everywhere = len(examples) == groups
     solved = scored.correct.reshape(groups, self.group_size).max(axis=1) > 0
     if self.retry is not None:
-      self.retry.observe(examples, solved if everywhere else solved[hosts.own_block(groups)])
+      if everywhere:
+        mine = mine or slice(0, groups)
+        self.retry.observe(list(examples)[mine], solved[mine])
+      else:
+        self.retry.observe(examples, solved[hosts.own_block(groups)])
     if self.curriculum is not None:
       cells = [[str(e.get("domain", "")), int(e.get("difficulty", 0))] for e in examples]
       cells = cells if everywhere else hosts.gather_objects(cells)
