@@ -13,7 +13,7 @@ decides: >= `promote_at` moves one level up (to `top` at most), <= `demote_at` o
 below `floor`), anything between stays and starts a new window. A move starts a fresh window too.
 
 `relevel` keeps the mixture's choice of domain (its weights and quotas) and regenerates the prompt at
-the domain's level with a generator seeded by (seed, the number of examples relevelled so far), so a
+the domain's level with a generator seeded by (seed, host, the number of examples relevelled so far), so a
 run is reproducible, and a resumed one continues exactly (`get_state` / `set_state`). With a held-out
 split the regenerated prompt is drawn again until it lies on the train side (`in_eval_split`): training
 never sees a held-out prompt at any level.
@@ -94,13 +94,15 @@ class LevelCurriculum:
     floor / top: the lowest and highest levels (top 0: each family's own top level).
     promote_at / demote_at: pass rates (over `window` samples at the current level) that move a
       domain up / down one level.
-    seed: the run's seed (relevelled prompts). eval_fraction: > 0 when held-out prompts are the hash
+    seed: the run's seed (relevelled prompts); shard: this host's index when each host draws its own
+      prompts (0 when every host draws the same stream), so hosts relevel to different prompts.
+    eval_fraction: > 0 when held-out prompts are the hash
       split's eval side (relevelled prompts are kept on the train side).
   """
 
   def __init__(self, families: Mapping[str, str], *, start: Mapping[str, int] | None = None, floor: int = 1,
                top: int = 0, promote_at: float = 0.7, demote_at: float = 0.02, window: int = 64,
-               seed: int = 0, eval_fraction: float = 0.0):
+               seed: int = 0, shard: int = 0, eval_fraction: float = 0.0):
     if not 0.0 <= demote_at < promote_at <= 1.0:
       raise ValueError(f"demote_at={demote_at} and promote_at={promote_at} must satisfy "
                        "0 <= demote_at < promote_at <= 1.")
@@ -110,7 +112,7 @@ class LevelCurriculum:
     self.floor = int(floor)
     self.top = {name: int(top) or DOMAINS[family].levels for name, family in self.families.items()}
     self.promote_at, self.demote_at, self.window = float(promote_at), float(demote_at), int(window)
-    self.seed, self.eval_fraction = int(seed), float(eval_fraction)
+    self.seed, self.shard, self.eval_fraction = int(seed), int(shard), float(eval_fraction)
     start = dict(start or {})
     self.levels = {name: int(np.clip(start.get(name, self.floor), self.floor, self.top[name]))
                    for name in self.families}
@@ -128,7 +130,7 @@ class LevelCurriculum:
     family, level = DOMAINS[self.families[name]], self.levels[name]
     index, self.relevelled = self.relevelled, self.relevelled + 1
     for attempt in range(1000):
-      generated = family.generate(np.random.default_rng([self.seed, _STREAM, index, attempt]), level)
+      generated = family.generate(np.random.default_rng([self.seed, _STREAM, self.shard, index, attempt]), level)
       if not self.eval_fraction or not in_eval_split(generated["prompt"], self.eval_fraction):
         return {**example, **generated, "difficulty": level}
     raise ValueError(f"no train-side prompt of domain {name!r} at level {level} in 1000 draws: the train "

@@ -25,12 +25,14 @@ import jax
 
 from meshrl.rl.batches.handover import ScoredBatch
 from meshrl.rl.envs.levels import LevelCurriculum, generated_domains, governed_domains
+from meshrl.rl.step.groups import shared_prompts
 from meshrl.rl.step.retry import UnsolvedRetry
 from meshrl.sharding import hosts
 
 
-def curriculum_from_config(cfg) -> LevelCurriculum | None:
-  """data.level_curriculum's LevelCurriculum (None when ""), starting at the configured levels."""
+def curriculum_from_config(cfg, shard: int = 0) -> LevelCurriculum | None:
+  """data.level_curriculum's LevelCurriculum (None when ""), starting at the configured levels;
+  `shard`: this host's index when hosts draw their own prompts (else 0)."""
   data = cfg.data
   if not data.level_curriculum.strip():
     return None
@@ -39,7 +41,7 @@ def curriculum_from_config(cfg) -> LevelCurriculum | None:
   held_out_by_split = data.eval_fraction > 0 and not cfg.eval.jsonl  # as rl/step/driver.train_source
   return LevelCurriculum(families, start=start, floor=data.level_curriculum_floor, top=data.level_curriculum_max,
                          promote_at=data.level_curriculum_promote, demote_at=data.level_curriculum_demote,
-                         window=data.level_curriculum_window, seed=cfg.seed,
+                         window=data.level_curriculum_window, seed=cfg.seed, shard=shard,
                          eval_fraction=data.eval_fraction if held_out_by_split else 0.0)
 
 
@@ -54,12 +56,12 @@ class Bootstrap:
   def from_config(cls, cfg, processes: int | None = None) -> "Bootstrap | None":
     """From data.level_curriculum* and rl.retry_unsolved / rl.retry_share; None when both are off.
     A round's retries: rl.retry_share of this host's prompts (at least 1)."""
-    curriculum = curriculum_from_config(cfg)
+    processes = jax.process_count() if processes is None else processes
+    shared = shared_prompts(cfg, processes)
+    curriculum = curriculum_from_config(cfg, shard=0 if shared or processes == 1 else jax.process_index())
     retry = None
     if cfg.rl.retry_unsolved:
-      from meshrl.rl.step.groups import shared_prompts  # pylint: disable=import-outside-toplevel
-      processes = jax.process_count() if processes is None else processes
-      per_host = cfg.rl.prompts_per_step // (1 if shared_prompts(cfg, processes) else processes)
+      per_host = cfg.rl.prompts_per_step // (1 if shared else processes)
       retry = UnsolvedRetry(max_retries=cfg.rl.retry_unsolved,
                             per_round=max(1, int(cfg.rl.retry_share * per_host)))
     if curriculum is None and retry is None:

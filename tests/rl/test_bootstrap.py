@@ -231,3 +231,13 @@ def test_rl_steps_run_the_curriculum_and_the_retries_and_report_a_step_with_noth
   assert drawn == {(2, 0): 16, (2, 1): 16, (1, 0): 24, (1, 1): 8}, drawn
   assert first["curriculum/moved"] == "reverse 2->1" and first["curriculum/level/reverse"] == 1.0
   assert second["curriculum/level/reverse"] == 1.0  # the floor
+
+
+def test_hosts_drawing_their_own_prompts_relevel_to_different_prompts():
+  """Each host relevels its own block: with the same seed and counter, hosts 0 and 1 must not train
+  on the same prompts (a curriculum seeded without the host would duplicate them)."""
+  example = {"prompt": "rev abc=", "answer": "cba", "domain": "reverse", "difficulty": 1}
+  curricula = [LevelCurriculum({"reverse": "reverse"}, start={"reverse": 3}, seed=0, shard=shard)
+               for shard in (0, 1)]
+  drawn = [[c.relevel(example)["prompt"] for _ in range(8)] for c in curricula]
+  assert not set(drawn[0]) & set(drawn[1])
