@@ -170,6 +170,7 @@ def get_config(arg=None):
   config.rl.max_resample_rounds = 2  # Dynamic sampling: extra rollout rounds to refill a batch.
   config.rl.retry_unsolved = 0  # Prompts with no success in their group are sampled again (a new group) up to this many times (0 = off); the batch keeps its shape.
   config.rl.retry_share = 0.5  # Most share of a rollout round's prompts that are such retries, in (0, 1].
+  config.rl.replay_groups = 0  # Groups with a verified success kept (host memory) and replayed, with their behaviour log-probs, in places dynamic sampling leaves empty (0 = off).
   config.rl.overlong_buffer = 0  # Overlong shaping: penalty ramps over the last N tokens (0 = off).
   config.rl.overlong_penalty = 1.0  # Overlong shaping: penalty at the budget.
   config.rl.rewards = "answer:1.0"  # Reward functions and weights: "name:weight,..." (rl/rewards).

@@ -315,6 +315,8 @@ def carried_state(run: RLRun) -> dict:
     state["env"] = run.multiturn.env_work.state()
   if run.bootstrap is not None:  # last: rollouts settled above may have drawn prompts (issue 33)
     state["bootstrap"] = run.bootstrap.get_state()
+  if run.replay is not None:  # issue 33's stored successes
+    state["replay"] = run.replay.get_state()
   return state
 
 
@@ -327,6 +329,8 @@ def restore_carried_state(run: RLRun, state: dict) -> None:
   restore_in_flight(run, state.get("in_flight", []))
   if run.bootstrap is not None and "bootstrap" in state:
     run.bootstrap.set_state(state["bootstrap"])
+  if run.replay is not None and "replay" in state:
+    run.replay.set_state(state["replay"])
 
 
 def _abstract(tree):

@@ -43,6 +43,7 @@ from meshrl.rl.batches.handover import (ScoredBatch, UpdateBatch, align_for_upda
 from meshrl.rl.batches.layouts import sample_layout
 from meshrl.rl.step.partial import PartialRollouts
 from meshrl.rl.step.bootstrap import Bootstrap
+from meshrl.rl.step.replay import SuccessReplay, with_replay
 from meshrl.rl.step.episodes import PartialEpisodes, wants_multi_turn
 from meshrl.rl.step.episode_collect import collect_multiturn
 from meshrl.rl.batches.rows import rollout_rows
@@ -86,6 +87,7 @@ class RLRun:
   multiturn: Any = None  # rl/multiturn.EpisodeRunner when episodes are multi-turn (else None)
   episode_thread: Any = None  # asynchronous multi-turn RL: the executor running episodes beside the update
   bootstrap: Any = None  # rl/step/bootstrap.Bootstrap (issue 33: level curriculum, retries of unsolved prompts)
+  replay: Any = None  # rl/step/replay.SuccessReplay (issue 33: verified successes replayed), rl.replay_groups > 0
 
   def close(self) -> None:
     self.pool.close()
@@ -139,7 +141,8 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer, *, env_work=None) -> RLRun
       advantages_fn=adv_lib.make_advantages(cfg), tokenizer=tokenizer,
       pool=reward_pool(cfg, mesh, tokenizer),  # verifiers, and reward models / judges per domain
       batch_sharding=sharding, samples_sharding=samples_sharding, zigzag_shards=zigzag_over,
-      multiturn=multiturn, bootstrap=Bootstrap.from_config(cfg))
+      multiturn=multiturn, bootstrap=Bootstrap.from_config(cfg),
+      replay=SuccessReplay(capacity=cfg.rl.replay_groups, group_size=cfg.rl.group_size) if cfg.rl.replay_groups else None)
 
 
 def _rollout_arrays(batch, keep_on_devices: bool = False) -> dict:
@@ -372,6 +375,10 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
     scored_rounds.append(scored)
     if enough_groups(scored_rounds, cfg):
       break
+  if run.replay is not None:  # stored successes fill the places dynamic sampling left empty (issue 33)
+    scored_rounds = with_replay(scored_rounds, run.replay, num_groups=cfg.prompts_per_step,
+                                dynamic=cfg.dynamic_sampling)
+    partial_info.update(run.replay.metrics())
   batch = step_groups(scored_rounds, cfg)
   partial_info.update(staleness(batch.arrays, run.version, cfg.max_new_tokens))
   generator = run.partial if run.partial is not None else run.rollout

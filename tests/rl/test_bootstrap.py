@@ -133,7 +133,7 @@ def test_bootstrap_state_through_the_checkpoints_carried_state_continues_identic
   cfg = configs.load("configs/tiny.py", ["data.level_curriculum=reverse", "data.level_curriculum_window=8",
                                          "rl.retry_unsolved=2", "rl.group_size=4", "rl.prompts_per_step=4"])
   def run_of(bootstrap):
-    return types.SimpleNamespace(in_flight=[], partial=None, multiturn=None, bootstrap=bootstrap)
+    return types.SimpleNamespace(in_flight=[], partial=None, multiturn=None, bootstrap=bootstrap, replay=None)
   a = Bootstrap.from_config(cfg, processes=1)
   fresh = iter(TaskMixture("reverse:1.0", seed=0))
   examples = [next(a.stream(fresh)) for _ in range(4)]
@@ -190,6 +190,8 @@ def test_solved_frac_counts_prompts_with_at_least_one_success():
     (["data.level_curriculum=reverse", "data.level_curriculum_window=0"], "data.level_curriculum_window=0"),
     (["rl.retry_share=0.0"], "rl.retry_share=0.0"),
     (["rl.retry_unsolved=-1"], "rl.retry_unsolved=-1"),
+    (["rl.replay_groups=-2"], "rl.replay_groups=-2"),
+    (["rl.replay_groups=1000000000"], "rl.replay_groups=1000000000 would hold"),  # past half the host's memory
 ])
 def test_bad_bootstrap_settings_are_one_line_naming_the_field(overrides, fragment):
   cfg = configs.load("configs/tiny.py", overrides)
@@ -241,3 +243,80 @@ def test_hosts_drawing_their_own_prompts_relevel_to_different_prompts():
                for shard in (0, 1)]
   drawn = [[c.relevel(example)["prompt"] for _ in range(8)] for c in curricula]
   assert not set(drawn[0]) & set(drawn[1])
+
+
+# --- the replay of verified successes -----------------------------------------------------------
+
+
+def _rollout_round(rewards, seed=0) -> ScoredBatch:
+  """A scored round whose per-token fields are rl/batches/rows.DeviceRows (as collect keeps them)."""
+  from meshrl.rl.batches.rows import DeviceRows  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(seed)
+  size = len(rewards)
+  scored = _scored(rewards)
+  scored.arrays = {"tokens": DeviceRows.of(rng.integers(0, 50, (size, 6)).astype(np.int32)),
+                   "logprobs": DeviceRows.of(-rng.random((size, 6)).astype(np.float32)),
+                   "policy_version": DeviceRows.of(np.full((size, 6), seed, np.int32), fill=-1),
+                   "lengths": np.full(size, 2, np.int32), "truncated": np.zeros(size, bool)}
+  return scored
+
+
+def test_replay_stores_only_groups_with_a_success_and_replays_them_with_their_own_log_probs():
+  from meshrl.rl.step.replay import SuccessReplay, with_replay  # pylint: disable=import-outside-toplevel
+  replay = SuccessReplay(capacity=2, group_size=G)
+  # groups: all wrong, mixed (stored), all right (no contrast), mixed (stored)
+  old = _rollout_round([0, 0, 0, 0, 1, 0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 0], seed=3)
+  assert with_replay([old], replay, num_groups=4, dynamic=True) == [old]  # nothing stored yet
+  assert len(replay.groups) == 2
+  state = replay.get_state()
+  dead = _rollout_round(np.zeros(16), seed=4)
+  rounds = with_replay([dead], replay, num_groups=4, dynamic=True)
+  replayed = rounds[-1]
+  assert len(rounds) == 2 and len(replay.groups) == 0  # each replayed once
+  # the newest first: group 3, then group 1, with the log-probs and versions their rollout recorded
+  for place, group in enumerate((3, 1)):
+    rows, mine = slice(group * G, (group + 1) * G), slice(place * G, (place + 1) * G)
+    np.testing.assert_array_equal(replayed.arrays["logprobs"][mine], old.arrays["logprobs"][rows].to_host())
+    np.testing.assert_array_equal(replayed.arrays["tokens"][mine], old.arrays["tokens"][rows].to_host())
+    np.testing.assert_array_equal(replayed.rewards[mine], old.rewards[rows])
+  assert (replayed.arrays["policy_version"] == 3).all()
+  batch = select_groups(rounds, num_groups=4, group_size=G, dynamic=True)
+  assert batch.sample_valid.sum() == 2 * G and batch.rewards.shape == (4 * G,)
+  assert replay.metrics() == {"replayed_groups": 2.0, "replay_added": 2.0, "replay_stored": 0.0}
+  restored = SuccessReplay(capacity=2, group_size=G)
+  restored.set_state(state)
+  np.testing.assert_array_equal(restored.take(1).arrays["logprobs"], old.arrays["logprobs"][12:16].to_host())
+
+
+def test_replayed_samples_have_ratio_one_on_an_unchanged_policy(devices):
+  """Collect a step whose groups differ (their successes are stored), then, with the same parameters,
+  one whose every group is all wrong: the batch is the replayed groups, and the policy's log-probs of
+  their tokens equal the behaviour log-probs they carry (ratio 1), which the update compares against."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.rewards.pool import RewardPool  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.program import collect, prepare  # pylint: disable=import-outside-toplevel
+  cfg = configs.load("configs/tiny.py", [
+      "model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
+      "moe.expert_mlp_dim=32", "rl.max_prompt_len=8", "rl.max_new_tokens=6", "model.max_seq_len=16",
+      "rl.prompts_per_step=4", "rl.group_size=4", "rl.sft_steps=0", "rl.max_resample_rounds=0",
+      "rl.dynamic_sampling=true", "rl.replay_groups=8", "rl.temperature=1.0", "model.init_std=0.3"])
+  run, prompts = loop.setup(cfg)
+  run.pool.close()
+  run.pool = RewardPool(lambda completion, example: float(len(completion) % 2))
+  first, _ = collect(run, prompts, jax.random.key(1))
+  stored = len(run.replay.groups)
+  assert stored >= 1
+  run.pool.close()
+  run.pool = RewardPool(lambda completion, example: 0.0)
+  scored, metrics = collect(run, prompts, jax.random.key(2))
+  run.close()
+  assert metrics["replayed_groups"] == min(stored, 4) and metrics["groups_kept"] == min(stored, 4)
+  assert metrics["all_groups_dropped"] == 0.0 and metrics["staleness_max"] == 0.0
+  batch, _ = prepare(run, scored)
+  logp, _ = run.logprob_fn(run.state.params, run.state.extra, batch)
+  replayed = slice(0, int(metrics["replayed_groups"]) * 4)  # dynamic sampling put them first
+  assert scored.sample_valid[replayed].all() and not scored.sample_valid[replayed.stop:].any()
+  mask = np.asarray(batch.loss_mask)[replayed]
+  assert mask.sum() > 0
+  np.testing.assert_allclose(np.asarray(logp)[replayed][mask], np.asarray(batch.old_logprobs)[replayed][mask],
+                             atol=2e-5)
