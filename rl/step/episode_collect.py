@@ -23,6 +23,7 @@ from meshrl.rl.envs import file_tasks
 from meshrl.rl.envs.base import DONE
 from meshrl.rl.step.episodes import (ENDS, EpisodeStats, MultiTurnRollout, default_env,
                                  episode_pools, render_observation)
+from meshrl.rl.step.replay import with_replay
 from meshrl.sharding import hosts
 
 
@@ -148,6 +149,11 @@ def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]
                             else hosts.own_block(len(drawn)))
     if enough_groups(scored_rounds, cfg):
       break
+  replay_metrics = {}
+  if run.replay is not None:  # stored successes fill the places dynamic sampling left empty (issue 33)
+    scored_rounds = with_replay(scored_rounds, run.replay, num_groups=cfg.prompts_per_step,
+                                dynamic=cfg.dynamic_sampling)
+    replay_metrics = run.replay.metrics()
   batch = step_groups(scored_rounds, cfg)
   batch.sample_valid &= batch.arrays.pop("env_ok")  # select_groups keeps groups, not samples' validity
   first, first_out = scored_rounds[0], outs[0]
@@ -170,6 +176,7 @@ def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]
                    spec_tokens_per_forward=first_out.counts["tokens_per_forward"])
   if run.bootstrap is not None:
     metrics.update(run.bootstrap.metrics())
+  metrics.update(replay_metrics)
   failures = [f for r in scored_rounds for f in r.info["first_errors"]]
   if failures:
     metrics["first_reward_error"] = failures[0][:200]

@@ -142,7 +142,8 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer, *, env_work=None) -> RLRun
       pool=reward_pool(cfg, mesh, tokenizer),  # verifiers, and reward models / judges per domain
       batch_sharding=sharding, samples_sharding=samples_sharding, zigzag_shards=zigzag_over,
       multiturn=multiturn, bootstrap=Bootstrap.from_config(cfg),
-      replay=SuccessReplay(capacity=cfg.rl.replay_groups, group_size=cfg.rl.group_size) if cfg.rl.replay_groups else None)
+      replay=(SuccessReplay(capacity=cfg.rl.replay_groups, group_size=cfg.rl.group_size)
+              if cfg.rl.replay_groups else None))
 
 
 def _rollout_arrays(batch, keep_on_devices: bool = False) -> dict:
