@@ -10,6 +10,8 @@ turns on:
     held-out evaluation stays at level 2 (data.difficulty), the task to be learnt.
   - rl.retry_unsolved=2: a prompt with no success in its group is sampled again, in dynamic
     sampling's refill round or the next step (rl/step/retry.py); the batch keeps its shape.
+  - rl.replay_groups=16: groups that held a success come back, with their behaviour log-probs, in
+    the places dynamic sampling leaves empty (rl/step/replay.py).
 Every record holds solved_frac (prompts with at least one success) and all_groups_dropped.
 
 With your own rows (prompt, answer, verifier: exact): --config.data.jsonl=data.jsonl
@@ -38,6 +40,7 @@ def get_config(arg=None):
   config.data.level_curriculum_demote = 0.05
   config.rl.retry_unsolved = 2
   config.rl.retry_share = 0.5
+  config.rl.replay_groups = 16
   config.rl.dynamic_sampling = True
   config.rl.max_resample_rounds = 2
   return config
