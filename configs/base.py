@@ -168,6 +168,9 @@ def get_config(arg=None):
   config.rl.max_staleness = 0  # Asynchronous RL: rollouts generated up to this many updates ahead (0 = synchronous).
   config.rl.dynamic_sampling = True  # Drop groups whose rewards are all equal and refill (DAPO).
   config.rl.max_resample_rounds = 2  # Dynamic sampling: extra rollout rounds to refill a batch.
+  config.rl.retry_unsolved = 0  # Prompts with no success in their group are sampled again (a new group) up to this many times (0 = off); the batch keeps its shape.
+  config.rl.retry_share = 0.5  # Most share of a rollout round's prompts that are such retries, in (0, 1].
+  config.rl.replay_groups = 0  # Groups with a verified success kept (host memory) and replayed, with their behaviour log-probs, in places dynamic sampling leaves empty (0 = off).
   config.rl.overlong_buffer = 0  # Overlong shaping: penalty ramps over the last N tokens (0 = off).
   config.rl.overlong_penalty = 1.0  # Overlong shaping: penalty at the budget.
   config.rl.rewards = "answer:1.0"  # Reward functions and weights: "name:weight,..." (rl/rewards).
@@ -200,6 +203,12 @@ def get_config(arg=None):
   config.data = ml_collections.ConfigDict()
   config.data.tasks = "arithmetic:1.0"  # Task families and mixture weights: "name:weight,...".
   config.data.difficulty = 1  # Difficulty level of generated tasks (1 = easiest).
+  config.data.level_curriculum = ""  # Generated domains whose level follows their measured pass rate ("reverse,sort", "all"; "" = off); they start at their configured level.
+  config.data.level_curriculum_floor = 1  # Level curriculum: the lowest level a domain is demoted to.
+  config.data.level_curriculum_max = 0  # Level curriculum: the highest level a domain is promoted to (0 = each family's top level).
+  config.data.level_curriculum_promote = 0.7  # Level curriculum: pass rate at the current level at or above which a domain moves one level up.
+  config.data.level_curriculum_demote = 0.02  # Level curriculum: pass rate at or below which a domain moves one level down (never below the floor).
+  config.data.level_curriculum_window = 64  # Level curriculum: samples at the current level before a move is decided.
   config.data.jsonl = ""  # Optional JSONL file of {"prompt", "answer", "domain"} rows.
   config.data.array_record = ""  # Optional ArrayRecord file(s), comma-separated, of JSON rows like data.jsonl's.
   config.data.domains = ""  # Domain registry (JSONL, rl/envs/registry.py); when set, replaces data.tasks and the file pools.

@@ -134,6 +134,53 @@ def check_data(cfg) -> None:
     raise ValueError(f"data.quarantine={cfg.data.quarantine!r}: its folder {quarantine_dir} does not "
                      "exist (environment failures are appended to this file).")
   check_env_work(cfg)
+  check_bootstrap(cfg)
+
+
+def check_bootstrap(cfg) -> None:
+  """Bootstrapping hard tasks (issue 33): rl.retry_unsolved / rl.retry_share, and the level
+  curriculum data.level_curriculum*: its numbers in range, its domains generated domains of the run
+  and its levels theirs (rl/envs/levels.py; read only when the curriculum is on)."""
+  at_least(cfg, "rl.retry_unsolved", 0, " (0 = off)")
+  if not (math.isfinite(cfg.rl.retry_share) and 0 < cfg.rl.retry_share <= 1):
+    raise ValueError(f"rl.retry_share={cfg.rl.retry_share} must lie in (0, 1] (a round's share of retried prompts).")
+  at_least(cfg, "rl.replay_groups", 0, " (0 = off)")
+  if cfg.rl.replay_groups:
+    check_replay_memory(cfg)
+  data = cfg.data
+  if not str(data.level_curriculum).strip():
+    return
+  at_least(cfg, "data.level_curriculum_floor", 1)
+  at_least(cfg, "data.level_curriculum_max", 0, " (0 = each family's top level)")
+  at_least(cfg, "data.level_curriculum_window", 1)
+  for field in ("level_curriculum_promote", "level_curriculum_demote"):
+    between(cfg, f"data.{field}", 0.0, 1.0)
+  if not data.level_curriculum_demote < data.level_curriculum_promote:
+    raise ValueError(f"data.level_curriculum_demote={data.level_curriculum_demote} must be below "
+                     f"data.level_curriculum_promote={data.level_curriculum_promote}.")
+  if data.level_curriculum_max and data.level_curriculum_max < data.level_curriculum_floor:
+    raise ValueError(f"data.level_curriculum_max={data.level_curriculum_max} must be 0 or at least "
+                     f"data.level_curriculum_floor={data.level_curriculum_floor}.")
+  from meshrl.rl.envs import levels  # pylint: disable=import-outside-toplevel  (no jax)
+  available, start = levels.generated_domains(cfg)
+  families = levels.governed_domains(data.level_curriculum, available, field="data.level_curriculum")
+  levels.check_levels(families, floor=data.level_curriculum_floor, top=data.level_curriculum_max,
+                      start=start, field="data.level_curriculum")
+
+
+def check_replay_memory(cfg, memory_bytes: int | None = None) -> None:
+  """rl.replay_groups stored groups must fit in half the host's memory (`memory_bytes`, default this
+  machine's): G x S tokens of 7 four-byte fields each, plus the MoE routes with routing replay
+  (rl/step/replay.group_bytes)."""
+  rl = cfg.rl
+  experts = cfg.moe.num_experts_per_tok if cfg.moe.num_experts and rl.replay_routing else 0
+  per_group = rl.group_size * (rl.max_prompt_len + rl.max_new_tokens) * (7 * 4 + cfg.model.num_layers * experts * 4)
+  if memory_bytes is None:
+    memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  if rl.replay_groups * per_group > memory_bytes // 2:
+    raise ValueError(f"rl.replay_groups={rl.replay_groups} would hold {rl.replay_groups * per_group / 2**30:.1f} GiB "
+                     f"({per_group / 2**20:.1f} MiB a group) in host memory, more than half of its "
+                     f"{memory_bytes / 2**30:.1f} GiB; keep at most {memory_bytes // 2 // per_group} groups.")
 
 
 def check_env_work(cfg) -> None:

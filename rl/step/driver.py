@@ -313,6 +313,10 @@ def carried_state(run: RLRun) -> dict:
     state["partial"] = run.partial.get_state()
   if run.multiturn is not None:  # the quarantine of tasks whose environments kept failing
     state["env"] = run.multiturn.env_work.state()
+  if run.bootstrap is not None:  # last: rollouts settled above may have drawn prompts (issue 33)
+    state["bootstrap"] = run.bootstrap.get_state()
+  if run.replay is not None:  # issue 33's stored successes
+    state["replay"] = run.replay.get_state()
   return state
 
 
@@ -323,6 +327,10 @@ def restore_carried_state(run: RLRun, state: dict) -> None:
   if run.multiturn is not None and "env" in state:
     run.multiturn.env_work.restore(state["env"])
   restore_in_flight(run, state.get("in_flight", []))
+  if run.bootstrap is not None and "bootstrap" in state:
+    run.bootstrap.set_state(state["bootstrap"])
+  if run.replay is not None and "replay" in state:
+    run.replay.set_state(state["replay"])
 
 
 def _abstract(tree):

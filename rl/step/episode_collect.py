@@ -23,6 +23,7 @@ from meshrl.rl.envs import file_tasks
 from meshrl.rl.envs.base import DONE
 from meshrl.rl.step.episodes import (ENDS, EpisodeStats, MultiTurnRollout, default_env,
                                  episode_pools, render_observation)
+from meshrl.rl.step.replay import with_replay
 from meshrl.sharding import hosts
 
 
@@ -123,6 +124,8 @@ def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]
   (`next_episodes_in_flight`); with rl.rollout_token_budget the batch is the groups whose episodes
   finished in this step's budget (rl/multiturn.PartialEpisodes), padded with blank groups."""
   cfg = run.cfg.rl
+  if run.bootstrap is not None:  # prompts at their curriculum levels, unsolved ones again (issue 33)
+    examples = run.bootstrap.stream(examples)
   rounds = 1 + (cfg.max_resample_rounds if cfg.dynamic_sampling else 0)
   scored_rounds, outs, rollout_s, partial_info = [], [], 0.0, {}
   for round_index in range(rounds):
@@ -141,8 +144,16 @@ def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]
     scored = scored_batch(out, drawn, cfg.group_size)
     scored.arrays = {**scored.arrays, "env_ok": scored.sample_valid}
     scored_rounds.append(scored)
+    if run.bootstrap is not None:  # `drawn` is every host's examples; this host's retries: its own block
+      run.bootstrap.observe(drawn or [], scored, mine=None if shared_prompts(run.cfg) or not drawn
+                            else hosts.own_block(len(drawn)))
     if enough_groups(scored_rounds, cfg):
       break
+  replay_metrics = {}
+  if run.replay is not None:  # stored successes fill the places dynamic sampling left empty (issue 33)
+    scored_rounds = with_replay(scored_rounds, run.replay, num_groups=cfg.prompts_per_step,
+                                dynamic=cfg.dynamic_sampling)
+    replay_metrics = run.replay.metrics()
   batch = step_groups(scored_rounds, cfg)
   batch.sample_valid &= batch.arrays.pop("env_ok")  # select_groups keeps groups, not samples' validity
   first, first_out = scored_rounds[0], outs[0]
@@ -163,6 +174,9 @@ def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]
   if cfg.speculative != "none" and "tokens_per_forward" in first_out.counts:
     metrics.update(spec_acceptance_rate=first_out.counts["acceptance_rate"],
                    spec_tokens_per_forward=first_out.counts["tokens_per_forward"])
+  if run.bootstrap is not None:
+    metrics.update(run.bootstrap.metrics())
+  metrics.update(replay_metrics)
   failures = [f for r in scored_rounds for f in r.info["first_errors"]]
   if failures:
     metrics["first_reward_error"] = failures[0][:200]

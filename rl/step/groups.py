@@ -187,12 +187,25 @@ def batch_metrics(first: ScoredBatch, batch: ScoredBatch, lengths: np.ndarray, g
       "response_len_mean": float(lengths.mean()),
       "truncated_frac": float(first.arrays["truncated"].mean()),
       "groups_kept": int(valid.reshape(-1, group_size)[:, 0].sum()),
+      **success_metrics(first.correct, valid, group_size),
       "empty_responses": int((lengths <= 1).sum()),
       "sample_text": first.texts[0][:40],
       **per_domain(first.correct, first.domains, "reward_mean"),
       **per_domain(lengths, first.domains, "response_len"),
       **source_metrics(first.info, first.domains),
   }
+
+
+def success_metrics(correct: np.ndarray, valid: np.ndarray, group_size: int) -> dict[str, float]:
+  """How much a step had to learn from (issue 33): `solved_frac`, the share of the first round's
+  prompts ([B] `correct`, B = P * G) with at least one success (absent when no group ended), and
+  `all_groups_dropped`, 1.0 when the assembled batch ([B'] `valid`) kept no group, so no gradient
+  was taken: such a step is not an update that measured entropy 0 or a loss of 0 (its update
+  figures are left out of the record, rl/step/driver.without_unmeasured)."""
+  out = {"all_groups_dropped": float(not np.asarray(valid).any())}
+  if len(correct):
+    out["solved_frac"] = float((np.asarray(correct).reshape(-1, group_size).max(axis=1) > 0).mean())
+  return out
 
 
 SOURCE_COUNTS = ("rm_truncated", "judge_malformed", "judge_truncated")

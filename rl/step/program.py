@@ -42,6 +42,8 @@ from meshrl.rl.batches.handover import (ScoredBatch, UpdateBatch, align_for_upda
                                device_put_batch, zigzag_batch)
 from meshrl.rl.batches.layouts import sample_layout
 from meshrl.rl.step.partial import PartialRollouts
+from meshrl.rl.step.bootstrap import Bootstrap
+from meshrl.rl.step.replay import SuccessReplay, with_replay
 from meshrl.rl.step.episodes import PartialEpisodes, wants_multi_turn
 from meshrl.rl.step.episode_collect import collect_multiturn
 from meshrl.rl.batches.rows import rollout_rows
@@ -84,6 +86,8 @@ class RLRun:
   in_flight: collections.deque = dataclasses.field(default_factory=collections.deque)  # InFlight
   multiturn: Any = None  # rl/multiturn.EpisodeRunner when episodes are multi-turn (else None)
   episode_thread: Any = None  # asynchronous multi-turn RL: the executor running episodes beside the update
+  bootstrap: Any = None  # rl/step/bootstrap.Bootstrap (issue 33: level curriculum, retries of unsolved prompts)
+  replay: Any = None  # rl/step/replay.SuccessReplay (issue 33: verified successes replayed), rl.replay_groups > 0
 
   def close(self) -> None:
     self.pool.close()
@@ -137,7 +141,9 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer, *, env_work=None) -> RLRun
       advantages_fn=adv_lib.make_advantages(cfg), tokenizer=tokenizer,
       pool=reward_pool(cfg, mesh, tokenizer),  # verifiers, and reward models / judges per domain
       batch_sharding=sharding, samples_sharding=samples_sharding, zigzag_shards=zigzag_over,
-      multiturn=multiturn)
+      multiturn=multiturn, bootstrap=Bootstrap.from_config(cfg),
+      replay=(SuccessReplay(capacity=cfg.rl.replay_groups, group_size=cfg.rl.group_size)
+              if cfg.rl.replay_groups else None))
 
 
 def _rollout_arrays(batch, keep_on_devices: bool = False) -> dict:
@@ -312,6 +318,8 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
   if run.multiturn is not None:  # tool episodes: generate, step the environments, extend the cache
     return collect_multiturn(run, examples, key)
   cfg = run.cfg.rl
+  if run.bootstrap is not None:  # prompts at their curriculum levels, unsolved ones again (issue 33)
+    examples = run.bootstrap.stream(examples)
   rounds = 1 + (cfg.max_resample_rounds if cfg.dynamic_sampling else 0)
   scored_rounds, rejected, truncated = [], 0, 0
   rollout_s = reward_s = 0.0
@@ -360,12 +368,18 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
         max_new_tokens=cfg.max_new_tokens, overlong_buffer=cfg.overlong_buffer,
         overlong_penalty_value=cfg.overlong_penalty, examples_everywhere=shared)
     reward_s += time.perf_counter() - t0
+    if run.bootstrap is not None:
+      run.bootstrap.observe(round_examples or [], scored)
     reward_errors += scored.info["reward_errors"]
     reward_timeouts += scored.info["reward_timeouts"]
     first_errors += scored.info["first_errors"]
     scored_rounds.append(scored)
     if enough_groups(scored_rounds, cfg):
       break
+  if run.replay is not None:  # stored successes fill the places dynamic sampling left empty (issue 33)
+    scored_rounds = with_replay(scored_rounds, run.replay, num_groups=cfg.prompts_per_step,
+                                dynamic=cfg.dynamic_sampling)
+    partial_info.update(run.replay.metrics())
   batch = step_groups(scored_rounds, cfg)
   partial_info.update(staleness(batch.arrays, run.version, cfg.max_new_tokens))
   generator = run.partial if run.partial is not None else run.rollout
@@ -385,6 +399,8 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
   if first_errors:
     metrics["first_reward_error"] = first_errors[0][:200]
   metrics.update(partial_info)
+  if run.bootstrap is not None:
+    metrics.update(run.bootstrap.metrics())
   return batch, metrics
 
 

@@ -113,6 +113,8 @@ VARIANTS = {  # a field read only in some mode is swept in that mode
     "model.rope_beta_fast": ["model.rope_scaling=yarn"], "model.rope_beta_slow": ["model.rope_scaling=yarn"],
     "model.rope_mscale": ["model.rope_scaling=yarn"], "model.rope_mscale_all_dim": ["model.rope_scaling=yarn"],
     "moe.shared_expert_mlp_dim": ["moe.num_shared_experts=1"],
+    **{f"data.level_curriculum_{name}": ["data.level_curriculum=all"]  # issue 33's curriculum, when on
+       for name in ("floor", "max", "promote", "demote", "window")},
 }
 
 
@@ -131,7 +133,7 @@ def test_every_numeric_field_refuses_a_negative_value_by_name(field):
   assert field in str(raised.value), str(raised.value)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny:peer", "tiny:dense", "tiny_agent", "base", "v5e_8",
+@pytest.mark.parametrize("preset", ["tiny", "tiny:peer", "tiny:dense", "tiny_agent", "tiny_hard", "base", "v5e_8",
                                     "paper_3t", "deepseek_v3", "qwen3_moe_30b"])
 def test_every_preset_passes_the_checks(preset):
   """The checks refuse nonsense, not the presets' own settings (no device count: pod presets)."""

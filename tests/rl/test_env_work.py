@@ -156,9 +156,11 @@ def test_the_run_checkpoint_carries_the_quarantine():
   import types  # pylint: disable=import-outside-toplevel
   work = EnvWork(quarantine=Quarantine(threshold=1))
   work.record({"task_id": "t7"}, "sandbox lost")
-  run = types.SimpleNamespace(in_flight=[], partial=None, multiturn=types.SimpleNamespace(env_work=work))
+  run = types.SimpleNamespace(in_flight=[], partial=None, multiturn=types.SimpleNamespace(env_work=work),
+                              bootstrap=None, replay=None)
   state = json.loads(json.dumps(loop.carried_state(run)))  # JSON, as the checkpoint keeps it
   resumed = types.SimpleNamespace(in_flight=[], partial=None,
-                                  multiturn=types.SimpleNamespace(env_work=EnvWork(quarantine=Quarantine(threshold=1))))
+                                  multiturn=types.SimpleNamespace(env_work=EnvWork(quarantine=Quarantine(threshold=1))),
+                                  bootstrap=None, replay=None)
   loop.restore_carried_state(resumed, state)
   assert "t7" in resumed.multiturn.env_work.quarantine.ids

@@ -1,0 +1,191 @@
+"""A difficulty curriculum driven by measured pass rates, per domain and level (issue 33).
+
+  curriculum = LevelCurriculum({"reverse": "reverse"}, start={"reverse": 2}, floor=1, top=4)
+  example = curriculum.relevel(example)       # regenerated at the domain's current level
+  curriculum.observe(domains, levels, correct) # [B] per-sample outcomes of a step
+  curriculum.levels                            # {"reverse": 3} once level 2 was solved
+
+Each governed domain (a generated family of rl/envs/mixture.DOMAINS, named by its family or by a
+registry row whose source is that generator) sits at one level. Outcomes are counted per (domain,
+level), so samples drawn before a move (asynchronous rollouts, retries) count for the level they were
+drawn at. Once the current level has `window` samples since the domain arrived there, its pass rate
+decides: >= `promote_at` moves one level up (to `top` at most), <= `demote_at` one level down (never
+below `floor`), anything between stays and starts a new window. A move starts a fresh window too.
+
+`relevel` keeps the mixture's choice of domain (its weights and quotas) and regenerates the prompt at
+the domain's level with a generator seeded by (seed, host, the number of examples relevelled so far), so a
+run is reproducible, and a resumed one continues exactly (`get_state` / `set_state`). With a held-out
+split the regenerated prompt is drawn again until it lies on the train side (`in_eval_split`): training
+never sees a held-out prompt at any level.
+
+Pure Python and numpy: no jax.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from meshrl.rl.envs.mixture import DOMAINS, in_eval_split
+from meshrl.rl.envs.registry import load_domains
+from meshrl.rl.rewards.compose import parse_weights
+
+_STREAM = 33  # folded into the relevel generator's seed, apart from the mixture's own draws
+
+
+def generated_domains(cfg) -> tuple[dict[str, str], dict[str, int]]:
+  """The run's generated domains {name: family} and their configured levels {name: level}:
+  data.domains' generator rows, else the families of data.tasks at data.difficulty."""
+  if cfg.data.domains:
+    specs = [s for s in load_domains(cfg.data.domains) if s.kind == "generator"]
+    return {s.name: s.target for s in specs}, {s.name: s.difficulty for s in specs}
+  weighted = parse_weights(cfg.data.tasks, field="data.tasks") if cfg.data.tasks.strip() else []
+  names = [name for name, _ in weighted if name in DOMAINS]
+  return {n: n for n in names}, {n: int(cfg.data.difficulty) for n in names}
+
+
+def governed_domains(names: str, available: Mapping[str, str], *, field: str) -> dict[str, str]:
+  """{domain: generator family} of the comma-separated `names` ("all": every one of `available`,
+  the run's generated domains {name: family}); an unknown name is a ValueError naming `field`."""
+  if names.strip() == "all":
+    if not available:
+      raise ValueError(f"{field}='all': this run has no generated domain (data.tasks / data.domains).")
+    return dict(available)
+  chosen = {}
+  for name in (n.strip() for n in names.split(",")):
+    if not name:
+      continue
+    if name not in available:
+      raise ValueError(f"{field}={names!r}: {name!r} is not a generated domain of this run; choose from "
+                       f"{sorted(available)} (or 'all').")
+    chosen[name] = available[name]
+  if not chosen:
+    raise ValueError(f"{field}={names!r} names no domain.")
+  return chosen
+
+
+def check_levels(families: Mapping[str, str], *, floor: int, top: int, start: Mapping[str, int],
+                 field: str) -> None:
+  """ValueError naming `field` unless every family has levels floor..top (top 0: its own top) and
+  every start level lies there."""
+  for name, family in families.items():
+    levels = DOMAINS[family].levels
+    if not 1 <= floor <= levels:
+      raise ValueError(f"{field}_floor={floor}: domain {name!r} ({family}) has levels 1..{levels}.")
+    if top and not floor <= top <= levels:
+      raise ValueError(f"{field}_max={top}: domain {name!r} ({family}) has levels 1..{levels} and the floor "
+                       f"is {floor} (0 = each family's top level).")
+    first = start.get(name, floor)
+    if first < floor:
+      raise ValueError(f"{field}_floor={floor}: domain {name!r} starts below it, at level {first} "
+                       "(data.difficulty or its data.domains row).")
+    if first > (top or levels):
+      raise ValueError(f"{field}_max={top}: domain {name!r} starts above it, at level {first} "
+                       "(data.difficulty or its data.domains row).")
+
+
+class LevelCurriculum:
+  """The current level of each governed domain and the outcomes counted per (domain, level).
+
+  Args:
+    families: {domain name: generator family} of the governed domains.
+    start: {domain: first level} (clamped into floor..top); missing: `floor`.
+    floor / top: the lowest and highest levels (top 0: each family's own top level).
+    promote_at / demote_at: pass rates (over `window` samples at the current level) that move a
+      domain up / down one level.
+    seed: the run's seed (relevelled prompts); shard: this host's index when each host draws its own
+      prompts (0 when every host draws the same stream), so hosts relevel to different prompts.
+    eval_fraction: > 0 when held-out prompts are the hash
+      split's eval side (relevelled prompts are kept on the train side).
+  """
+
+  def __init__(self, families: Mapping[str, str], *, start: Mapping[str, int] | None = None, floor: int = 1,
+               top: int = 0, promote_at: float = 0.7, demote_at: float = 0.02, window: int = 64,
+               seed: int = 0, shard: int = 0, eval_fraction: float = 0.0):
+    if not 0.0 <= demote_at < promote_at <= 1.0:
+      raise ValueError(f"demote_at={demote_at} and promote_at={promote_at} must satisfy "
+                       "0 <= demote_at < promote_at <= 1.")
+    if window < 1:
+      raise ValueError(f"window={window} must be at least 1.")
+    self.families = dict(families)
+    self.floor = int(floor)
+    self.top = {name: int(top) or DOMAINS[family].levels for name, family in self.families.items()}
+    self.promote_at, self.demote_at, self.window = float(promote_at), float(demote_at), int(window)
+    self.seed, self.shard, self.eval_fraction = int(seed), int(shard), float(eval_fraction)
+    start = dict(start or {})
+    self.levels = {name: int(np.clip(start.get(name, self.floor), self.floor, self.top[name]))
+                   for name in self.families}
+    self.counts: dict[str, list[int]] = {}  # "domain@level" -> [successes, samples] over the whole run
+    self.window_counts = {name: [0, 0] for name in self.families}  # at the current level, since arriving
+    self.relevelled = 0
+    self.moves = 0
+
+  def relevel(self, example: dict) -> dict:
+    """`example` regenerated at its domain's current level (stamped "difficulty"); examples of other
+    domains (files, ungoverned families) unchanged."""
+    name = example.get("domain")
+    if name not in self.families:
+      return example
+    family, level = DOMAINS[self.families[name]], self.levels[name]
+    index, self.relevelled = self.relevelled, self.relevelled + 1
+    for attempt in range(1000):
+      generated = family.generate(np.random.default_rng([self.seed, _STREAM, self.shard, index, attempt]), level)
+      if not self.eval_fraction or not in_eval_split(generated["prompt"], self.eval_fraction):
+        return {**example, **generated, "difficulty": level}
+    raise ValueError(f"no train-side prompt of domain {name!r} at level {level} in 1000 draws: the train "
+                     f"side of data.eval_fraction={self.eval_fraction} is (nearly) empty there.")
+
+  def observe(self, domains: Sequence[str], levels: Sequence[int], correct: np.ndarray) -> list[str]:
+    """Counts [B] per-sample outcomes (correct > 0 is a success) at their (domain, level), then moves
+    the domains whose current window is full. Returns the moves made ("reverse 2->3")."""
+    correct = np.asarray(correct, np.float32)
+    for name, level, value in zip(domains, levels, correct):
+      if name not in self.families:
+        continue
+      success = int(value > 0)
+      cell = self.counts.setdefault(f"{name}@{int(level)}", [0, 0])
+      cell[0] += success
+      cell[1] += 1
+      if int(level) == self.levels[name]:
+        self.window_counts[name][0] += success
+        self.window_counts[name][1] += 1
+    moves = []
+    for name, (wins, samples) in self.window_counts.items():
+      if samples < self.window:
+        continue
+      rate, level = wins / samples, self.levels[name]
+      if rate >= self.promote_at and level < self.top[name]:
+        self.levels[name] = level + 1
+      elif rate <= self.demote_at and level > self.floor:
+        self.levels[name] = level - 1
+      self.window_counts[name] = [0, 0]
+      if self.levels[name] != level:
+        self.moves += 1
+        moves.append(f"{name} {level}->{self.levels[name]}")
+    return moves
+
+  def metrics(self) -> dict[str, float]:
+    """curriculum/level/<domain>, curriculum/pass_rate/<domain>@<level> (the run's counts) and
+    curriculum/moves (so far)."""
+    out = {f"curriculum/level/{name}": float(level) for name, level in self.levels.items()}
+    out.update({f"curriculum/pass_rate/{key}": wins / samples
+                for key, (wins, samples) in sorted(self.counts.items()) if samples})
+    out["curriculum/moves"] = float(self.moves)
+    return out
+
+  def get_state(self) -> dict:
+    """JSON: the levels, counts, windows and the relevel counter."""
+    return {"levels": dict(self.levels), "counts": {k: list(v) for k, v in self.counts.items()},
+            "window": {k: list(v) for k, v in self.window_counts.items()}, "relevelled": self.relevelled,
+            "moves": self.moves}
+
+  def set_state(self, state: dict) -> None:
+    """Continues from `get_state`'s output; a state of other domains is a ValueError."""
+    if set(state["levels"]) != set(self.families):
+      raise ValueError(f"the checkpoint's curriculum governs {sorted(state['levels'])}, this run "
+                       f"{sorted(self.families)}: resume with the same data.level_curriculum.")
+    self.levels = {k: int(v) for k, v in state["levels"].items()}
+    self.counts = {k: [int(a), int(b)] for k, (a, b) in state["counts"].items()}
+    self.window_counts = {k: [int(a), int(b)] for k, (a, b) in state["window"].items()}
+    self.relevelled, self.moves = int(state["relevelled"]), int(state["moves"])
