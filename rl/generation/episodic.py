@@ -90,7 +90,6 @@ class EpisodicScheduler:
     self.turn_width, self.owns = turn_width, owns
     self.pending: dict[int, concurrent.futures.Future] = {}  # this host's unanswered turns
     self.answers: dict[int, Optional[list[int]]] = {}  # gathered answers not yet fed
-    self._linger = 0.0  # seconds: a running mean of a decode chunk's time
 
   def run(self, weights, pool: Pool, prompts, prompt_mask, respond: Respond, *, version,
           max_steps: int = 0) -> tuple[Pool, Stats]:
@@ -114,17 +113,14 @@ class EpisodicScheduler:
       live = self._live(view)
       if live.any() and (not max_steps or steps < max_steps):
         chunk = self.chunk_steps if not max_steps else min(self.chunk_steps, max_steps - steps)
-        t0 = time.perf_counter()
         slots, pool, chunk_counters = engine.decode(weights, slots, pool, version, steps=chunk)
         counters = jax.tree.map(jnp.add, counters, chunk_counters)
         stats.decode_calls += 1
         view = host.read(slots, pool)
-        self._linger = 0.5 * (self._linger + time.perf_counter() - t0)  # about one chunk's time
         steps += int(chunk_counters.steps)
       self._ask(pool, view, respond)
       decoding = self._live(view).any() and (not max_steps or steps < max_steps)
-      self._collect(block=not decoding, stats=stats,
-                    linger=self._linger if decoding and self._few_live(view) else 0.0)
+      self._collect(block=not decoding, stats=stats)
       if self.barrier and (decoding or self._any_pending()):
         continue
       if self.answers:
@@ -174,20 +170,10 @@ class EpisodicScheduler:
       else:
         self.pending.setdefault(b, None)  # another host answers it; its answer arrives by gathering
 
-  def _few_live(self, view) -> bool:
-    """More slots wait for their environments than decode: a decode step now would serve few rows."""
-    in_slot = view["sid"][view["sid"] < view["done"].shape[0]]
-    return int(self._live(view).sum()) < sum(1 for b in in_slot if int(b) in self.pending)
-
-  def _collect(self, *, block: bool, stats: Stats, linger: float = 0.0) -> None:
+  def _collect(self, *, block: bool, stats: Stats) -> None:
     """Moves answered turns (every host's, gathered) from pending to answers; waits for one when
-    `block` and this host has futures pending; with `linger` > 0 (few slots live) waits up to that
-    long for answers to arrive, so the next decode steps serve their slots too."""
+    `block` and this host has futures pending."""
     mine = {b: f for b, f in self.pending.items() if f is not None}
-    if linger and mine:
-      t0 = time.perf_counter()
-      concurrent.futures.wait(list(mine.values()), timeout=linger, return_when=concurrent.futures.ALL_COMPLETED)
-      stats.host_wait_s += time.perf_counter() - t0
     if block and mine and not any(f.done() for f in mine.values()):
       t0 = time.perf_counter()
       concurrent.futures.wait(list(mine.values()), timeout=0.5, return_when=concurrent.futures.FIRST_COMPLETED)
