@@ -27,6 +27,8 @@ def get_config(arg=None):
   config.mesh.sequence = 1  # Context parallelism (ring attention over the sequence).
   config.mesh.tensor = 1  # Tensor parallelism over heads and MLP columns.
   config.mesh.num_slices = 1  # TPU slices joined over DCN (>1 builds a hybrid ICI/DCN mesh).
+  config.mesh.stage = 1  # Pipeline stages of the whole mesh (not per slice): each holds num_layers / stage blocks; across slices first when num_slices > 1 (model/pipeline.py).
+  config.mesh.microbatches = 0  # Pipeline microbatches per forward (dividing each batch shard's rows); 0 = auto (the most up to 4 x stage), 1 with stage = 1.
   config.mesh.train_rules = ""  # Overrides of TRAIN_RULES, e.g. "embed=fsdp;vocab=none".
   config.mesh.rollout_rules = ""  # Overrides of ROLLOUT_RULES, same syntax.
 

@@ -21,9 +21,9 @@ from jax.sharding import Mesh, PartitionSpec
 
 from meshrl.model.blockwise import match_vma
 from meshrl.model.moe_dispatch import EXPERT_AXIS, ExpertWeights, combine_slots, rank_in_group
-from meshrl.sharding.mesh import MESH_AXES
+from meshrl.sharding.mesh import MESH_AXES, in_context
 
-FSDP_AXIS, TENSOR_AXIS = "fsdp", "tensor"
+FSDP_AXIS, TENSOR_AXIS, STAGE_AXIS = "fsdp", "tensor", "stage"
 EXCHANGES = ("auto", "all_to_all", "ragged")
 WEIGHT_LAYOUTS = ("auto", "sharded", "gathered")
 
@@ -55,8 +55,10 @@ def resolve_exchange(exchange: str, backend: str) -> str:
 
 def token_axes(mesh: Mesh) -> tuple[str, ...]:
   """Mesh axes that split the tokens inside the expert-parallel shard_map: every axis of size > 1
-  but 'tensor' (whose devices share their tokens and split each expert's hidden F), in mesh order."""
-  return tuple(a for a in MESH_AXES if a != TENSOR_AXIS and mesh.shape[a] > 1)
+  but 'tensor' (whose devices share their tokens and split each expert's hidden F) and 'stage' (which
+  splits the layers: a pipelined call runs vmapped over it, model/pipeline.py, which adds it to the
+  shard_map's specs), in mesh order."""
+  return tuple(a for a in MESH_AXES if a not in (TENSOR_AXIS, STAGE_AXIS) and mesh.shape[a] > 1)
 
 
 def token_shards(mesh: Mesh) -> int:
@@ -103,7 +105,7 @@ def d_split_axes(mesh: Mesh, embed: int, d_axes: tuple[str, ...] = (FSDP_AXIS,))
 
 def _d_candidates(mesh: Mesh, d_axes: tuple[str, ...]) -> tuple[str, ...]:
   """The axes of `d_axes` that could split the experts' D: size > 1, not 'expert' or 'tensor'."""
-  return tuple(a for a in MESH_AXES if a in d_axes and a not in (EXPERT_AXIS, TENSOR_AXIS)
+  return tuple(a for a in MESH_AXES if a in d_axes and a not in (EXPERT_AXIS, TENSOR_AXIS, STAGE_AXIS)
                and mesh.shape[a] > 1)
 
 
@@ -376,7 +378,7 @@ def expert_parallel(xs: jax.Array, expert_choices: jax.Array, combine_weights: j
     return ys_, dropped_
 
   tokens = PartitionSpec(axes)
-  run_ = jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, *specs),
+  run_ = jax.shard_map(local, mesh=in_context(mesh), in_specs=(tokens, tokens, tokens, *specs),
                        out_specs=(tokens, PartitionSpec()))
   ys, dropped = run_(xs, expert_choices, combine_weights, w.gate, w.up, w.down)
   return ys[:num_tokens], dropped

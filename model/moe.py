@@ -332,7 +332,9 @@ class MoE(nnx.Module):
     Returns:
       y [B, T, D] in `dtype`, and aux: aux_loss (load balancing, unweighted), z_loss (router z-loss,
       unweighted), expert_load [E] (fraction of routed slots per expert, before any drop; sums to 1),
-      routing [B, T, K] int32, dropped_fraction (dropped slots / (N * K); 0 when dropless).
+      routing [B, T, K] int32, dropped_fraction (dropped slots / (N * K); 0 when dropless),
+      router_prob_mean [E] (the mean routing probabilities aux_loss weighs the load by, so a caller
+      that splits the batch into microbatches can rebuild the batch's aux_loss: model/pipeline.py).
     """
     if x.ndim != 3 or x.shape[-1] != self.embed_dim:
       raise ValueError(f"MoE input has shape {x.shape}; expected [B, T, {self.embed_dim}].")
@@ -376,6 +378,7 @@ class MoE(nnx.Module):
     with jax.named_scope("balance"):
       probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdims=True)
       aux = dict(aux_loss=load_balancing_loss(probs, indices),
+                 router_prob_mean=probs.astype(jnp.float32).mean(axis=0),  # [E]: aux_loss's mean_probs
                  z_loss=router_z_loss(router_logits),
                  expert_load=expert_load(indices, self.num_experts),
                  routing=indices.reshape(batch, length, self.k),  # [B, T, K]

@@ -35,6 +35,7 @@ from meshrl.model import moe_dispatch
 from meshrl.model.expert_parallel import (FSDP_AXIS, TENSOR_AXIS, d_split_axes, tensor_split_axis, token_axes,
                                           token_shards)
 from meshrl.model.moe_dispatch import ExpertWeights
+from meshrl.sharding.mesh import in_context
 
 
 def local_token_count(mesh: Mesh | None, num_tokens: int) -> int | None:
@@ -100,6 +101,6 @@ def run_per_device(name: str, xs: jax.Array, expert_choices: jax.Array, combine_
     return prim.name != "all_gather"
 
   tokens = PartitionSpec(axes or None)
-  run_ = jax.shard_map(jax.checkpoint(local, policy=policy), mesh=mesh,
+  run_ = jax.shard_map(jax.checkpoint(local, policy=policy), mesh=in_context(mesh),
                        in_specs=(tokens, tokens, tokens, *specs), out_specs=(tokens, PartitionSpec()))
   return run_(xs, expert_choices, combine_weights, w.gate, w.up, w.down)

@@ -21,7 +21,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from meshrl.configs import save_config
-from meshrl.model import quant, splash
+from meshrl.model import pipeline, quant, splash
+from meshrl.model.transformer import ModelConfig
 from meshrl.model.tokenizer import tokenizer_from_config
 from meshrl.rl import advantages as adv_lib
 from meshrl.rl import losses
@@ -41,7 +42,8 @@ from meshrl.rl.rewards import compose
 from meshrl.rl.rewards.shaping import overlong_penalty
 from meshrl.rl.sampling import Sampler
 from meshrl.rl.step import RLRun, build_run, in_flight_state, restore_in_flight, rl_step
-from meshrl.sharding import MESH_AXES, make_mesh, mesh_shape_for
+from meshrl.sharding import make_mesh
+from meshrl.sharding.mesh import global_mesh_sizes
 from meshrl.sharding.mesh import platform
 from meshrl.sharding.rules import data_parallel_size
 from meshrl.train.checkpoint import Checkpointer
@@ -142,14 +144,14 @@ def check_config(cfg, num_devices: int | None = None) -> None:
     raise ValueError(f"data.eval_fraction={cfg.data.eval_fraction} must lie strictly between 0 and 1 "
                      "to hold out evaluation prompts (or give eval.jsonl).")
   check_initial_model(cfg)
+  ModelConfig.from_config(cfg)  # the model's own checks, mesh.stage against the layers among them
   if rl.sft_steps:
     if cfg.data.seq_len > cfg.model.max_seq_len:
       raise ValueError(f"data.seq_len={cfg.data.seq_len} is longer than model.max_seq_len="
                        f"{cfg.model.max_seq_len}.")
   if num_devices is None:
     return
-  sizes = dict(zip(MESH_AXES, mesh_shape_for(cfg.mesh, num_devices)))
-  sizes["data"] *= cfg.mesh.num_slices
+  sizes = global_mesh_sizes(cfg.mesh, num_devices)
   shards = data_parallel_size(sizes)
   if batch % shards:
     raise ValueError(f"the rollout batch of {batch} sequences (rl.prompts_per_step * rl.group_size) is "
@@ -161,6 +163,14 @@ def check_config(cfg, num_devices: int | None = None) -> None:
   if rl.sft_steps and rl.sft_batch_size % shards:
     raise ValueError(f"rl.sft_batch_size={rl.sft_batch_size} is not divisible by the data-parallel axes "
                      f"data*fsdp*expert = {shards}.")
+  # The pipeline's microbatches split each training forward's batch shards (model/pipeline.py).
+  trained = [("the update's minibatch (rl.prompts_per_step * rl.group_size / rl.num_minibatches, or "
+              "rl.packed_rows / rl.num_minibatches)", rows // rl.num_minibatches)]
+  if rl.sft_steps:
+    trained.append(("rl.sft_batch_size", rl.sft_batch_size))
+  for what, count in trained:
+    pipeline.resolve_microbatches(int(cfg.mesh.microbatches), rows=count, row_shards=shards,
+                                  stages=int(cfg.mesh.stage), what=what)
   sequence = sizes["sequence"]
   if sequence > 1:
     multiple = 2 * sequence if cfg.attention.zigzag and cfg.attention.impl == "ring" else sequence

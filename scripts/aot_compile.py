@@ -52,7 +52,11 @@ def main(argv) -> int:
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from meshrl.rl import aot  # pylint: disable=import-outside-toplevel  (imports jax)
-  counts = aot.parameter_counts_of(cfg)
+  try:
+    counts = aot.parameter_counts_of(cfg)  # builds the model's config: its checks (mesh.stage, ...) first
+  except ValueError as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
   print(f"# {args.config}: {counts['total']:.4g} parameters, {counts['active_per_token']:.4g} active "
         f"per token (from shapes)", flush=True)
   if args.count_params:

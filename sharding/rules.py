@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshrl.sharding.mesh import MESH_AXES
+from meshrl.sharding.mesh import MESH_AXES, in_context
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -38,7 +38,7 @@ TRAIN_RULES: Rules = (
     ("experts", ("expert",)),
     ("expert_mlp", ("tensor",)),
     ("vocab", ("tensor",)),
-    ("layers", ()),
+    ("layers", ("stage",)),  # pipeline stages hold contiguous blocks of layers (model/pipeline.py)
 )
 
 # Generation keeps the parameter layout of training (the same arrays, no copy) and differs in the
@@ -136,7 +136,7 @@ def constrain(x: jax.Array, names: Sequence[str | None], mesh: Mesh | None,
   if len(names) != x.ndim:
     raise ValueError(f"constrain got {len(names)} names {tuple(names)} for an array of shape {x.shape}.")
   spec = logical_to_spec(names, rules, mesh, shape=x.shape)
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(in_context(mesh), spec))
 
 
 
@@ -160,4 +160,26 @@ def generation_shardings(shardings: Any, keep: Sequence[str] = GENERATION_KEEP_A
   reads its weights locally instead of all-gathering them over fsdp at every token. Costs one
   reshard per RL step (an all-gather of the weights) and the memory of the less split copy."""
   return jax.tree.map(lambda s: NamedSharding(s.mesh, regather_spec(s.spec, keep)), shardings,
+                      is_leaf=lambda s: isinstance(s, NamedSharding))
+
+
+STAGE_AXIS = "stage"
+
+
+def stage_free_spec(spec: PartitionSpec) -> PartitionSpec:
+  """`spec` without the `stage` axis: the dimension it split becomes replicated over the stages."""
+  return regather_spec(spec, keep=tuple(a for a in MESH_AXES if a != STAGE_AXIS))
+
+
+def stage_free_shardings(shardings: Any) -> Any:
+  """The stage-free generation layout of a pytree of parameter NamedShardings: every block's `layers`
+  axis, split over `stage` for the pipelined update (model/pipeline.py), replicated over the stages
+  instead; every other axis kept. Generation (prefill, decode) never runs through the pipeline: a
+  decode step is one token deep, so a pipeline would leave all stages but one idle. Each stage group
+  (a slice, when the stages lie across slices) holds every layer and runs the generation program; the
+  ROLLOUT rules do not split the batch over `stage`, so the groups compute the same rows.
+  Costs one all-gather of the blocks' weights over `stage` per RL step (the AOT report's `reshard`
+  step) and S times the blocks' bytes per chip while generating. A pytree without `stage` in it comes
+  back unchanged, so callers need not ask whether the mesh has stages."""
+  return jax.tree.map(lambda s: NamedSharding(s.mesh, stage_free_spec(s.spec)), shardings,
                       is_leaf=lambda s: isinstance(s, NamedSharding))
