@@ -21,11 +21,17 @@ from jax.sharding import Mesh, PartitionSpec
 
 from meshrl.model.blockwise import match_vma
 from meshrl.model.moe_dispatch import EXPERT_AXIS, ExpertWeights, combine_slots, rank_in_group
+from meshrl.sharding import compress
 from meshrl.sharding.mesh import MESH_AXES, in_context
 
 FSDP_AXIS, TENSOR_AXIS, STAGE_AXIS = "fsdp", "tensor", "stage"
 EXCHANGES = ("auto", "all_to_all", "ragged")
 WEIGHT_LAYOUTS = ("auto", "sharded", "gathered")
+
+
+def _axes(entry) -> tuple[str, ...]:
+  """A PartitionSpec entry as a tuple of mesh axes."""
+  return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
 def check_weights(weights: str) -> None:
@@ -265,7 +271,7 @@ def _ragged_send(dest: jax.Array, num_shards: int, recv_rows: int):
 def expert_parallel(xs: jax.Array, expert_choices: jax.Array, combine_weights: jax.Array,
                     w: ExpertWeights, *, mesh: Mesh, capacity_factor: float | None = None,
                     exchange: str = "all_to_all", weights: str = "sharded",
-                    d_axes: tuple[str, ...] = (FSDP_AXIS,)) -> tuple[jax.Array, jax.Array]:
+                    d_axes: tuple[str, ...] = (FSDP_AXIS,), grad_reduce=None) -> tuple[jax.Array, jax.Array]:
   """Experts sharded over 'expert' (and over 'fsdp' on D, 'tensor' on F); tokens travel to them.
 
   Inside `jax.shard_map` each device holds n tokens (N padded to a multiple of the token shards,
@@ -296,6 +302,9 @@ def expert_parallel(xs: jax.Array, expert_choices: jax.Array, combine_weights: j
       that moves/holds fewer bytes for this call's static shapes: `ep_weight_bytes`).
     d_axes: the mesh axes the parameter rules split the experts' D over ('fsdp' by default; paper_3t
       adds 'sequence'): "fsdp" above means these axes (`d_split_axes`).
+    grad_reduce: sharding/compress.GradReduce or None. With it, "gathered" weights enter split as
+      stored and are gathered inside (compress.gather_for_use), so their gradients are reduced in its
+      wire dtype; "sharded" weights move no gradient (each device's D-slice sees every row).
 
   Returns:
     ys [N, D] sharded like the tokens, and the dropped slot count over the whole mesh.
@@ -322,9 +331,17 @@ def expert_parallel(xs: jax.Array, expert_choices: jax.Array, combine_weights: j
                             weight_bytes=w.gate.dtype.itemsize, d_axes=d_axes)
   specs = expert_weight_specs(mesh, embed, hidden, weights, d_axes)
   fsdp, tensor = specs.gate[1], specs.gate[2] is not None
+  gather = ()  # D-split axes the weights are gathered over inside (explicit gradient reductions)
+  if grad_reduce is not None and weights == "gathered":
+    specs = expert_weight_specs(mesh, embed, hidden, "sharded", d_axes)
+    gather = _axes(specs.gate[1])
+  reduce_over = tuple(a for a in axes if a != EXPERT_AXIS)  # devices of one expert shard, other rows
   ragged = {"ragged": jax.lax.ragged_all_to_all, "emulated": emulated_ragged_all_to_all}.get(exchange)
 
   def local(xs_, choices_, weights_, gate_, up_, down_):
+    if grad_reduce is not None and weights == "gathered":
+      gate_, up_ = (compress.gather_for_use(w_, gather, 1, reduce_over, grad_reduce) for w_ in (gate_, up_))
+      down_ = compress.gather_for_use(down_, gather, 2, reduce_over, grad_reduce)
     n, d = xs_.shape
     local_experts = gate_.shape[0]
     local_w = ExpertWeights(gate_, up_, down_)

@@ -25,6 +25,7 @@ from meshrl.model.attention import GQAttention, KernelConfig, MLAttention
 from meshrl.model.layers import Dense, Embed, RMSNorm, RopeConfig, SwiGLU
 from meshrl.model import expert_parallel, moe_dispatch, pipeline, quant
 from meshrl.model.moe import MoE
+from meshrl.sharding import compress
 from meshrl.sharding.rules import logical_to_spec, rules_from_config
 
 DECODE_LAYERS = ("auto", "scan", "unrolled")
@@ -87,6 +88,7 @@ class ModelConfig:
   kv_cache_dtype: str = "model"  # KV cache entries: "model" (dtype) or "int8" (model/quant.py)
   stages: int = 1  # pipeline stages (mesh.stage): each stack's layers split over them (model/pipeline.py)
   microbatches: int = 0  # pipeline microbatches per training forward (mesh.microbatches; 0 = auto)
+  grad_collective_dtype: str = "float32"  # weight gradients' reductions (sharding/compress.py; float32 = off)
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -111,6 +113,7 @@ class ModelConfig:
     if self.num_experts and not 0 <= self.first_k_dense <= self.num_layers:
       raise ValueError(f"moe.first_k_dense={self.first_k_dense} must be in [0, {self.num_layers}].")
     self._check_pipeline()
+    compress.check_grad_dtype(self.grad_collective_dtype, self.kernel.backend)
 
   def _check_pipeline(self):
     """mesh.stage must split each stack evenly, agree with the mesh, and come with scanned layers."""
@@ -170,7 +173,17 @@ class ModelConfig:
         dispatch=moe.dispatch, capacity_factor=moe.capacity_factor, aux_free_bias=moe.aux_free_bias,
         ep_exchange=moe.get("ep_exchange", "auto"), ep_weights=moe.get("ep_weights", "auto"),
         ep_d_axes=tuple(dict(rules_from_config(cfg.mesh))["embed"]),
-        stages=int(cfg.mesh.get("stage", 1)), microbatches=int(cfg.mesh.get("microbatches", 0)))
+        stages=int(cfg.mesh.get("stage", 1)), microbatches=int(cfg.mesh.get("microbatches", 0)),
+        grad_collective_dtype=cfg.optim.get("grad_collective_dtype", "float32"))
+
+  @property
+  def grad_reduce(self) -> compress.GradReduce | None:
+    """The explicit weight-gradient reductions of the blocks' Dense layers and experts
+    (optim.grad_collective_dtype), on the kernel's mesh and rules; None when off or without a mesh."""
+    grad = compress.GradReduce.from_name(self.grad_collective_dtype, self.kernel.backend)
+    if grad is None or self.kernel.mesh is None:
+      return None
+    return dataclasses.replace(grad, mesh=self.kernel.mesh, rules=self.kernel.rules)
 
   @property
   def unrolled_decode(self) -> bool:
@@ -228,7 +241,7 @@ class Block(nnx.Module):
 
   def __init__(self, mc: ModelConfig, *, moe: bool, rngs: nnx.Rngs):
     kw = dict(std=mc.init_std, dtype=mc.dtype, param_dtype=mc.param_dtype, merge_leading=mc.merge_dense_axes,
-              rngs=rngs)
+              grad_reduce=mc.grad_reduce, rngs=rngs)
     self.attn_norm = RMSNorm(mc.embed_dim, eps=mc.norm_eps, param_dtype=mc.param_dtype, rngs=rngs)
     self.mlp_norm = RMSNorm(mc.embed_dim, eps=mc.norm_eps, param_dtype=mc.param_dtype, rngs=rngs)
     if mc.attention_type == "mla":
@@ -247,7 +260,7 @@ class Block(nnx.Module):
           routed_scaling_factor=mc.routed_scaling_factor, n_group=mc.n_group, topk_group=mc.topk_group,
           dispatch=mc.dispatch, capacity_factor=mc.capacity_factor, aux_free_bias=mc.aux_free_bias,
           ep_exchange=mc.ep_exchange, ep_weights=mc.ep_weights, ep_d_axes=mc.ep_d_axes,
-          mesh=mc.kernel.mesh, dtype=mc.dtype,
+          mesh=mc.kernel.mesh, grad_reduce=mc.grad_reduce, dtype=mc.dtype,
           param_dtype=mc.param_dtype, rngs=rngs)
     else:
       self.mlp = SwiGLU(mc.embed_dim, mc.mlp_dim, **kw)

@@ -41,7 +41,10 @@ generation) times the step's tokens, and
 pipelined step (the update and SFT with mesh.stage > 1: `bubble_fraction`, (S - 1) / (M + S - 1) of
 each chip's pipeline iterations idle, model/pipeline.py). `collective_bytes`
 adds up the result bytes of every collective op in the compiled HLO, each op once (loop bodies once
-too): a lower bound of what moves per step, good for comparing layouts.
+too): a lower bound of what moves per step, good for comparing layouts. `ici_bytes`, `dcn_bytes` and
+`grad_collective_bytes` are rl/traffic.py's: the bytes one chip sends under ring algorithms, loop bodies
+counted as often as they run, split by link, and the gradients' reductions among them
+(optim.grad_collective_dtype sets their wire format: sharding/compress.py).
 
 A program that does not fit fails to compile on TPU with RESOURCE_EXHAUSTED; both that and a compile
 that lands above the HBM fraction give `fits=False` and a `diagnosis` naming the bytes needed, the
@@ -70,12 +73,12 @@ from meshrl.model.transformer import ModelConfig, Transformer
 from meshrl.rl import advantages as adv_lib
 from meshrl.rl import losses
 from meshrl.rl import routes
+from meshrl.rl import traffic
 from meshrl.rl.batches import ALIGNED_FROM, UpdateBatch, align_arrays
 from meshrl.rl.rollout import RolloutSpec, prefill_prompts, rollout_model_config
 from meshrl.rl.update import make_update
 from meshrl.sharding.mesh import make_mesh, mesh_shape_for
-from meshrl.sharding.rules import (data_parallel_size, generation_shardings, logical_to_spec, rules_from_config,
-                                   stage_free_shardings)
+from meshrl.sharding.rules import data_parallel_size, generation_param_shardings, logical_to_spec, rules_from_config
 from meshrl.train.metrics import model_flops_per_token, peak_flops
 from meshrl.train.optim import make_optimizer
 from meshrl.train.sft import MODEL_FIELDS, make_sft_step, zigzag_shards
@@ -260,14 +263,9 @@ def _rollout_state(cfg, mesh: Mesh, *, layout: str | None = None):
 
 
 def generation_params_shardings(cfg, shardings):
-  """The layout generation reads the parameters in, from their train-layout NamedShardings:
-  rl.generation_layout = "gathered" -> split over tensor/expert only (sharding/rules.generation_shardings,
-  which has no `stage` either); "train" -> the train layout itself, but without `stage`
-  (sharding/rules.stage_free_shardings) when the update is pipelined, since a decode step runs every
-  layer on every chip."""
-  if cfg.rl.generation_layout == "gathered":
-    return generation_shardings(shardings)
-  return stage_free_shardings(shardings)
+  """The layout prefill and decode read the parameters in: sharding/rules.generation_param_shardings for
+  rl.generation_layout (stage-free with pipeline stages)."""
+  return generation_param_shardings(cfg.rl.generation_layout, shardings)
 
 
 def _relaid(params, shardings):
@@ -487,6 +485,9 @@ class StepReport:
   diagnosis: str = ""  # why it does not fit: bytes needed vs available, largest buffers
   microbatches: int | None = None  # pipelined training steps: microbatches per forward
   bubble_fraction: float | None = None  # pipelined training steps: (S - 1) / (M + S - 1)
+  grad_collective_bytes: float | None = None  # bytes a chip sends reducing gradients per step (rl/traffic.py)
+  ici_bytes: float | None = None  # bytes a chip sends over ICI per step, loops counted as they run
+  dcn_bytes: float | None = None  # bytes a chip sends across slices (DCN) per step
 
   @classmethod
   def from_json(cls, record: dict) -> "StepReport":
@@ -559,9 +560,12 @@ def measure(step: str, program: Program, mesh: Mesh, topology: str) -> StepRepor
                  f"bytes of HBM ({HBM_FRACTION * hbm / 2 ** 30:.2f} GiB); largest buffers: "
                  + " | ".join(largest_buffers(hlo)) + "; largest arguments per chip: "
                  + " | ".join(largest_arguments(program.args)))
+  slices = {d.id: getattr(d, "slice_index", 0) for d in devices}
+  sent = traffic.traffic(hlo, slice_of=lambda i: slices.get(i, 0))
   return StepReport(per_chip=per_chip, fits=fits, flops=float(cost.get("flops", 0.0)) if cost else None,
                     collective_bytes=collective_bytes(hlo), compile_s=time.perf_counter() - start,
-                    diagnosis=diagnosis, **common)
+                    diagnosis=diagnosis, grad_collective_bytes=sent.grad, ici_bytes=sent.ici,
+                    dcn_bytes=sent.dcn, **common)
 
 
 def compile_steps(cfg, topology: str, steps: Sequence[str], num_slices: int = 1,

@@ -3,7 +3,6 @@ stack's for 2 and 4 stages and several microbatch counts, each stage's layers st
 and stage or microbatch counts that do not divide the model or the batch are refused by name."""
 
 import functools
-import math
 import re
 
 import jax
@@ -16,6 +15,7 @@ from meshrl import configs
 from meshrl.model import pipeline
 from meshrl.model.init import build_model
 from meshrl.model.transformer import ModelConfig
+from meshrl.rl.traffic import replica_groups
 from meshrl.sharding import make_mesh
 from meshrl.train.sft import sft_loss
 
@@ -81,48 +81,6 @@ def test_pipelined_loss_and_grads_equal_unpipelined(devices, unpipelined, stages
   assert len(flat) == len(flat_want)
   for got, want in zip(flat, flat_want):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-
-
-def _iota(dims: str, perm: str | None) -> np.ndarray:
-  """XLA's iota device list "[2,4]T(1,0)": arange reshaped to dims, transposed by perm."""
-  shape = [int(d) for d in dims.split(",")]
-  ids = np.arange(math.prod(shape)).reshape(shape)
-  return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
-
-
-def replica_groups(line: str) -> list[frozenset[int]]:
-  """The device groups of one collective in compiled HLO text, in any of XLA's three spellings:
-  {{0,4},{1,5}}, [4,2]<=[2,4]T(1,0), and mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}
-  (device_ids left out: in order)."""
-  found = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
-  if found:
-    return [frozenset(int(d) for d in g.split(",") if d) for g in re.findall(r"\{([\d,]*)\}", found.group(1))]
-  found = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-  if found:
-    ids = _iota(found.group(3), found.group(4)).reshape(int(found.group(1)), int(found.group(2)))
-    return [frozenset(row.tolist()) for row in ids]
-  found = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? "
-                    r"\{([^}]*)\}", line)
-  assert found, f"unknown replica group spelling: {line[:300]}"
-  axes = re.findall(r"'(\w+)'=(\d+)", found.group(1))
-  sizes = [int(n) for _, n in axes]
-  ids = (_iota(found.group(2), found.group(3)) if found.group(2) else np.arange(math.prod(sizes))).reshape(sizes)
-  grouped = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in found.group(4)]
-  others = [i for i in range(len(axes)) if i not in grouped]
-  ids = ids.transpose(others + grouped).reshape(-1, math.prod(int(axes[i][1]) for i in grouped))
-  return [frozenset(row.tolist()) for row in ids]
-
-
-def test_replica_groups_reads_every_spelling():
-  assert replica_groups("x replica_groups={{0,4},{1,5}}, y") == [{0, 4}, {1, 5}]
-  assert replica_groups("x replica_groups=[4,2]<=[2,4]T(1,0), y") == [{0, 4}, {1, 5}, {2, 6}, {3, 7}]
-  assert replica_groups("x replica_groups=[2,4]<=[8], y") == [{0, 1, 2, 3}, {4, 5, 6, 7}]
-  line = "x replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}"
-  assert replica_groups(line) == [{0, 1, 2, 3}, {4, 5, 6, 7}]
-  line = "x replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_1'}, dimensions={0}"
-  assert replica_groups(line) == [{0, 4}, {1, 5}, {2, 6}, {3, 7}]
-  line = "x replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=4] {'axis_0'}, dimensions={0}"
-  assert replica_groups(line) == [{0, 4}, {1, 5}, {2, 6}, {3, 7}]
 
 
 def test_each_stage_holds_and_runs_only_its_layers(devices):
