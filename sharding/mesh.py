@@ -116,10 +116,16 @@ def in_context(mesh: Mesh | None):
 def _hybrid_device_array(ici_shape, dcn_shape, devices) -> np.ndarray:
   """Devices laid out [dcn_0 * ici_0, dcn_1 * ici_1, ...], each axis's slice index outermost.
 
-  TPU devices know their slice (`slice_index`) and go through mesh_utils; devices that do not (the
-  simulated CPU devices of the tests) are taken as slices of consecutive devices."""
+  TPU devices know their slice (`slice_index`) and go through mesh_utils, which lays each slice's
+  axes along its physical torus (splitting a physical axis where a mesh axis needs it); where it finds
+  no such layout, and for devices without a slice (the simulated CPU devices of the tests), each slice
+  is its devices in order, slices by index (consecutive devices without one)."""
   if all(hasattr(d, "slice_index") for d in devices):
-    return mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices=devices)
+    try:
+      return mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices=devices,
+                                                  allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError, AssertionError):
+      devices = sorted(devices, key=lambda d: (d.slice_index, d.id))
   num_slices = math.prod(dcn_shape)
   per_slice = len(devices) // num_slices
   slices = np.asarray(devices).reshape((num_slices, per_slice))

@@ -42,9 +42,11 @@ TRAIN_RULES: Rules = (
 )
 
 # Generation keeps the parameter layout of training (the same arrays, no copy) and differs in the
-# activations: a decode step has length 1, so the sequence axis carries the KV cache, not the tokens.
+# activations: a decode step has length 1, so the sequence axis carries the KV cache, not the tokens;
+# and it never runs through the pipeline, so its per-layer arrays (the KV cache [layers, ...]) are not
+# split over `stage` (with stages, the weights are resharded stage-free: `stage_free_shardings`).
 ROLLOUT_RULES: Rules = tuple(
-    (name, () if name == "length" else axes) for name, axes in TRAIN_RULES)
+    (name, () if name in ("length", "layers") else axes) for name, axes in TRAIN_RULES)
 
 
 def batch_axes(rules: Rules = TRAIN_RULES) -> tuple[str, ...]:
@@ -183,3 +185,14 @@ def stage_free_shardings(shardings: Any) -> Any:
   back unchanged, so callers need not ask whether the mesh has stages."""
   return jax.tree.map(lambda s: NamedSharding(s.mesh, stage_free_spec(s.spec)), shardings,
                       is_leaf=lambda s: isinstance(s, NamedSharding))
+
+
+def generation_param_shardings(layout: str, shardings: Any) -> Any:
+  """The layout generation reads the parameters in (rl.generation_layout), from their train-layout
+  NamedShardings: "gathered" -> split over tensor/expert only (`generation_shardings`, which has no
+  `stage` either); "train" -> the train layout itself, without `stage` when the update is pipelined
+  (`stage_free_shardings`; unchanged otherwise). A rollout reshards to it once per step:
+  `jax.jit(lambda p: p, out_shardings=generation_param_shardings(layout, shardings_of(params)))`."""
+  if layout == "gathered":
+    return generation_shardings(shardings)
+  return stage_free_shardings(shardings)
