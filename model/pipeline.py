@@ -90,6 +90,25 @@ def _stage_split(mesh: Mesh | None) -> bool:
   return mesh is not None and mesh.shape.get(STAGE_AXIS, 1) > 1
 
 
+def needs_stage_region(mesh: Mesh | None) -> bool:
+  """Whether a call on `mesh` has a `stage` axis that is not manual yet (not inside `run` or
+  `on_every_stage`)."""
+  if not _stage_split(mesh):
+    return False
+  return STAGE_AXIS not in jax.sharding.get_abstract_mesh().manual_axes
+
+
+def on_every_stage(fn: Callable, mesh: Mesh) -> Callable:
+  """fn(*args) run by every stage group on the same inputs, in a shard_map manual over `stage` alone
+  (inputs and outputs replicated over it; check_vma=False as in `run`): how generation runs on a mesh
+  with stages. Left to the partitioner, the idle `stage` axis is free for it to split work over, and a
+  paper_3t prefill on two slices so gathered every token's router scores (102 GiB per chip against 58
+  on one slice); manual, each stage group runs the program as one slice would."""
+  replicated = PartitionSpec()
+  return jax.shard_map(fn, mesh=mesh, in_specs=replicated, out_specs=replicated,
+                       axis_names=frozenset({STAGE_AXIS}), check_vma=False)
+
+
 def _store(buffer: jax.Array, value: jax.Array, index: jax.Array, keep: jax.Array) -> jax.Array:
   """buffer[index] = value where `keep`, else unchanged."""
   old = jax.lax.dynamic_index_in_dim(buffer, index, keepdims=False)

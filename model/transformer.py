@@ -456,6 +456,16 @@ class Transformer(nnx.Module):
         them, and the cache must be per layer (kv_cache.unstack); None: the stacked blocks as stored.
     """
     mc = self.config
+    if cache is not None and pipeline.needs_stage_region(mc.kernel.mesh):
+      # Generation on a mesh with pipeline stages: every stage group runs the call as one slice would.
+      graphdef, state = nnx.split(self)
+
+      def call(state, tokens, positions, segment_ids, cache, routing, layer_weights):
+        return nnx.merge(graphdef, state)(tokens, positions=positions, segment_ids=segment_ids, cache=cache,
+                                          routing=routing, return_hidden=return_hidden,
+                                          layer_weights=layer_weights)
+      return pipeline.on_every_stage(call, mc.kernel.mesh)(state, tokens, positions, segment_ids, cache, routing,
+                                                          layer_weights)
     batch, length = tokens.shape
     if length > mc.max_seq_len:
       raise ValueError(f"sequence of {length} tokens is longer than model.max_seq_len={mc.max_seq_len}.")

@@ -11,7 +11,10 @@ times as its trip count):
   all-to-all (ragged)   result x (P - 1) / P      (the receive buffer: an upper bound for ragged)
   collective-permute    result
 
-A group whose chips lie on more than one slice crosses DCN; all others stay on ICI.
+A group whose chips lie on more than one slice crosses DCN; all others stay on ICI. On a multi-slice
+TPU topology XLA hands the slice-crossing part of a collective to the megascale runtime as a host
+`send` (its `_xla_megascale_transfer_type` names the collective): each such send counts its buffer's
+bytes over DCN.
 
 Gradient collectives (`grad_collective_bytes`) are the reductions of parameter gradients: the
 all-reduces and reduce-scatters of the backward pass, and every collective of the explicit gradient
@@ -39,6 +42,7 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 _SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|c64|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_MEGASCALE = re.compile(r"=\s*\((\w+\[[\d,]*\]).*\ssend\(.*_xla_megascale_transfer_type=\"(\w+)\"")
 _OP = re.compile(r"=\s*(.*?)\s(" + "|".join(map(re.escape, COLLECTIVES)) + r")(-start|-done)?\(")
 
 
@@ -158,6 +162,14 @@ def traffic(hlo_text: str, slice_of: Callable[[int], int] | None = None) -> Traf
     header = _COMPUTATION.match(line)
     if header is not None:
       current = header.group(1)
+      continue
+    megascale = _MEGASCALE.search(line)
+    if megascale is not None:  # the DCN part of a collective, sent by the megascale runtime
+      op = megascale.group(2).lower().replace("_", "-")
+      sent = float(_result_bytes(megascale.group(1))) * counts.get(current, 1)
+      by_op[op] = by_op.get(op, 0.0) + sent
+      dcn += sent
+      grad += sent if op in ("all-reduce", "reduce-scatter") else 0.0
       continue
     match = _OP.search(line)
     if match is None or match.group(3) == "-start":

@@ -127,3 +127,31 @@ def test_microbatches_take_strided_rows_and_auto_fills_each_shard():
   assert pipeline.resolve_microbatches(0, rows=64, row_shards=64, stages=2) == 1
   assert pipeline.resolve_microbatches(0, rows=64, row_shards=4, stages=1) == 1
   assert pipeline.bubble_fraction(2, 2) == pytest.approx(1 / 3)
+
+
+@pytest.mark.slow  # tests/rl/test_pipeline_rl.py's two-slice RL step generates on stages in the default run
+def test_generation_on_a_staged_mesh_equals_the_plain_model(devices):
+  """A prefill and 4 decode steps with a KV cache on stage=2 x fsdp=4 (weights still split over the
+  stages): the logits equal the fsdp=8 model's. Generation never runs through the pipeline; every
+  stage group runs it whole (pipeline.on_every_stage); a cached call sent through the pipeline's
+  microbatches would lose its cache, one with a stage missing would lose layers."""
+  tokens = jnp.asarray(np.random.RandomState(1).randint(3, 259, (4, 10)), jnp.int32)
+
+  def generate(cfg):
+    mesh = make_mesh(cfg.mesh)
+    graphdef, state = nnx.split(build_model(ModelConfig.from_config(cfg, mesh), mesh))
+
+    @jax.jit
+    def run(state):
+      model = nnx.merge(graphdef, state)
+      out = model(tokens[:, :6], cache=model.init_cache(4, 16))
+      logits, cache = [out.logits[:, -1]], out.cache
+      for t in range(6, 10):
+        out = model(tokens[:, t:t + 1], cache=cache)
+        logits.append(out.logits[:, 0])
+        cache = out.cache
+      return jnp.stack(logits, 1)
+    return np.asarray(run(state))
+
+  want = generate(_cfg("mesh.fsdp=8"))
+  np.testing.assert_allclose(generate(_cfg("mesh.stage=2", "mesh.fsdp=4")), want, atol=1e-5, rtol=0)

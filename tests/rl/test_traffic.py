@@ -53,3 +53,15 @@ def test_traffic_counts_loops_groups_and_links():
                         "collective-permute": 128.0}
   assert sent.dcn == 64.0 + 128.0 and sent.ici == 6 * 48.0 + 24.0
   assert sent.grad == 6 * 48.0 + 24.0
+
+
+def test_megascale_sends_count_over_dcn():
+  """On a multi-slice topology XLA hands a collective's slice-crossing part to the megascale runtime as
+  a host send: its buffer counts over DCN, as the collective its transfer type names."""
+  line = ('  %send.14 = (f32[1,2,128,64]{2,3,1,0:T(8,128)}, u32[], token[]) send(%param.16, %after-all.14), '
+          'channel_id=30, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name='
+          '"xla_megascale_runtime",_xla_megascale_target="{1,2}x{0:3}",_xla_megascale_transfer_type="ALL_REDUCE"}')
+  hlo = "ENTRY %main (a: f32[8]) -> f32[8] {\n" + line + "\n}\n"
+  sent = traffic.traffic(hlo)
+  assert sent.by_op == {"all-reduce": 65536.0} and sent.dcn == 65536.0 and sent.ici == 0.0
+  assert sent.grad == 65536.0

@@ -219,3 +219,30 @@ def test_routes_compile_for_v5p_2x2x1_split_like_the_update_batch(aot):
   assert "routes" not in aot.default_steps(no_replay)
   with pytest.raises(ValueError, match="--step=routes needs rl.replay_routing=True"):
     aot.routes_program(no_replay, mesh)
+
+
+@pytest.mark.slow  # about 2 minutes: the pipelined update compiles through libtpu
+def test_two_slice_pipeline_reports_its_bubble_and_generates_stage_free(aot):
+  """mesh.stage=2 over two v5e 2x2 slices (4 blocks, 8 rows over fsdp=2 x expert=2, 2 microbatches):
+  the update compiles through the pipeline and reports 2 microbatches and a bubble of 1/3, its
+  projection divided by 1 - 1/3; generation's parameters are stage-free (no `stage` in any
+  prefill/decode argument: every stage group holds every layer), the reshard to them is part of
+  --step=all and moves bytes across the slices; the update's weights stay split over the stages."""
+  import jax  # pylint: disable=import-outside-toplevel
+  cfg = _small("model.num_layers=4", "moe.first_k_dense=2", "mesh.stage=2", "mesh.num_slices=2",
+               "mesh.fsdp=2", "mesh.expert=2")
+  mesh = aot.topology_mesh(cfg, aot.topology_devices("v5e:2x2", num_slices=2))
+  assert dict(mesh.shape)["stage"] == 2 and {d.slice_index for d in mesh.devices[0, 0].flat} == {0}
+  assert "reshard" in aot.default_steps(cfg)
+  for step in ("prefill", "decode"):
+    program = aot.PROGRAMS[step](cfg, mesh)
+    specs = [x.sharding.spec for x in jax.tree.leaves(program.args) if hasattr(x, "sharding")]
+    assert specs and not any("stage" in str(spec) for spec in specs), step
+  update = aot.update_program(cfg, mesh)
+  assert any("stage" in str(x.sharding.spec) for x in jax.tree.leaves(update.args[0].params))
+  reshard = aot.compile_step("reshard", cfg, mesh, "v5e:2x2")
+  assert reshard.dcn_bytes > 0  # each slice receives the other's layers
+  report = aot.compile_step("update", cfg, mesh, "v5e:2x2")
+  assert report.fits and report.microbatches == 2 and report.bubble_fraction == pytest.approx(1 / 3)
+  assert report.projected_step_s == pytest.approx(report.model_flops / (8 * 197e12 * aot.ASSUMED_MFU) * 1.5)
+  assert report.dcn_bytes > 0 and report.grad_collective_bytes > 0
