@@ -39,7 +39,8 @@ matmuls are `convolution`s). The projection uses `model_flops` instead, from tra
 generation) times the step's tokens, and
 `projected_step_s = model_flops / (chips * peak bf16 FLOP/s * ASSUMED_MFU)`, divided by 1 - bubble for a
 pipelined step (the update and SFT with mesh.stage > 1: `bubble_fraction`, (S - 1) / (M + S - 1) of
-each chip's pipeline iterations idle, model/pipeline.py). `collective_bytes`
+each chip's pipeline iterations idle, model/pipeline.py) and multiplied by the stages for prefill and
+decode, which every stage group runs whole (pipeline.on_every_stage). `collective_bytes`
 adds up the result bytes of every collective op in the compiled HLO, each op once (loop bodies once
 too): a lower bound of what moves per step, good for comparing layouts. `ici_bytes`, `dcn_bytes` and
 `grad_collective_bytes` are rl/traffic.py's: the bytes one chip sends under ring algorithms, loop bodies
@@ -209,6 +210,7 @@ class Program:
   model_flops: float
   microbatches: int | None = None
   bubble_fraction: float | None = None
+  copies: int = 1  # groups of chips running the same program (generation on every pipeline stage)
 
 
 def _pipeline_figures(cfg, mesh: Mesh, rows: int) -> dict:
@@ -299,7 +301,8 @@ def prefill_program(cfg, mesh: Mesh) -> Program:
   mask = _struct(mesh, rules, (prompts_n, prompt_len), jnp.bool_, ("batch", "length"))
   tokens = prompts_n * prompt_len
   return Program(jax.jit(prefill), (params, extra, prompts, mask), tokens,
-                 tokens * model_flops_per_token(mc, seq_len=prompt_len, training=False))
+                 tokens * model_flops_per_token(mc, seq_len=prompt_len, training=False),
+                 copies=int(mesh.shape.get("stage", 1)))
 
 
 def decode_program(cfg, mesh: Mesh) -> Program:
@@ -324,7 +327,8 @@ def decode_program(cfg, mesh: Mesh) -> Program:
   positions = _struct(mesh, rules, (rows,), jnp.int32, ("batch",))
   key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, PartitionSpec()))
   return Program(jax.jit(decode, donate_argnums=(2,)), (params, extra, cache, logits, positions, key),
-                 rows, rows * model_flops_per_token(mc, seq_len=total, causal=False, training=False))
+                 rows, rows * model_flops_per_token(mc, seq_len=total, causal=False, training=False),
+                 copies=int(mesh.shape.get("stage", 1)))
 
 
 def sft_program(cfg, mesh: Mesh) -> Program:
@@ -530,6 +534,8 @@ def measure(step: str, program: Program, mesh: Mesh, topology: str) -> StepRepor
   projected = program.model_flops / (peak * ASSUMED_MFU) if peak else None
   if projected is not None and program.bubble_fraction:
     projected /= 1.0 - program.bubble_fraction
+  if projected is not None:
+    projected *= program.copies  # each copy does all the work on its share of the chips
   common = dict(step=step, topology=topology, chips=len(devices), mesh=dict(mesh.shape),
                 hbm_per_chip=hbm, model_flops=program.model_flops, tokens=program.tokens,
                 projected_step_s=projected, microbatches=program.microbatches,

@@ -229,21 +229,24 @@ def choose(estimates: Sequence[Estimate], *, top: int, limit_bytes: float,
 
 def rank(cfg, chosen: Sequence[tuple[Estimate, bool]], compile_fn: Callable, *, steps: Sequence[str] = RL_STEPS,
          ici: float, dcn: float) -> list[Planned]:
-  """Compiles every step of each chosen candidate and ranks them by projected RL step time from the
-  compiled reports: those that fit fastest first, then those that do not.
+  """Compiles the steps of each chosen candidate (up to the first that does not fit) and ranks them by
+  projected RL step time from the compiled reports: those that fit fastest first, then those that do
+  not (no time).
 
   compile_fn(cfg_with_mesh, step) -> rl/aot.py StepReport."""
   planned = []
   for est, is_baseline in chosen:
     trial = with_mesh(cfg, est.sizes)
     figures, total, fits = {}, 0.0, True
-    for step in steps:
+    for step in steps:  # the first step that does not fit settles it: the rest are not compiled
       seconds, figures[step] = projected_step_s(compile_fn(trial, step), ici=ici, dcn=dcn)
-      fits = fits and bool(figures[step]["fits"])
+      fits = bool(figures[step]["fits"])
       total += seconds * (cfg.rl.max_new_tokens if step == "decode" else 1)
-    planned.append(Planned(sizes=est.sizes, fits=fits, step_s=total, steps=figures, estimate_s=est.step_s,
-                           baseline=is_baseline))
-  return sorted(planned, key=lambda p: (not p.fits, p.step_s))
+      if not fits:
+        break
+    planned.append(Planned(sizes=est.sizes, fits=fits, step_s=total if fits else None, steps=figures,
+                           estimate_s=est.step_s, baseline=is_baseline))
+  return sorted(planned, key=lambda p: (not p.fits, p.step_s or 0.0))
 
 
 def baseline_sizes(cfg) -> dict[str, int]:

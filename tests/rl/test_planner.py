@@ -68,8 +68,10 @@ def test_ranking_follows_the_compiled_figures_not_the_estimate():
     calls.append((trial.mesh.data, step))
     return compiled[trial.mesh.data]
   ranked = planner.rank(cfg, chosen, compile_fn, steps=("update", "decode"), ici=1e10, dcn=1e9)
-  assert sorted(calls) == sorted((d, s) for d in (1, 2, 4, 8) for s in ("update", "decode"))
+  # a's update does not fit: its decode is not compiled
+  assert sorted(calls) == sorted([(1, "update")] + [(d, s) for d in (2, 4, 8) for s in ("update", "decode")])
   assert [p.sizes["data"] for p in ranked] == [4, 2, 8, 1] and [p.fits for p in ranked] == [True, True, True, False]
+  assert ranked[3].step_s is None
   per_step = 0.2 + 2e9 / 1e10
   assert ranked[0].step_s == pytest.approx(per_step * (1 + cfg.rl.max_new_tokens))
   assert ranked[2].baseline and not ranked[0].baseline
