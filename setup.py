@@ -47,6 +47,7 @@ setuptools.setup(
         "matplotlib>=3.8",
         "tqdm>=4.66",
         "jinja2>=3.1.6",  # chat templates (model/chat_template.py); older versions have sandbox escapes
+        "pyyaml>=6.0",  # Terminal-Bench task.yaml files (rl/envs/tbench.py)
     ],
     extras_require={
         # pytest-xdist: the suite runs on 2 worker processes (most tests are single-threaded XLA

@@ -134,10 +134,10 @@ def get_config(arg=None):
   config.rl.top_k = 0  # Top-k sampling (0 = off).
   config.rl.top_p = 1.0  # Nucleus sampling (1 = off).
   config.rl.stop_tokens = ""  # Extra stop token ids, comma separated (eos always stops).
-  config.rl.engine = "static"  # Rollout: "static" (one batch until its longest sample ends) or "continuous" (decode slots, rl/engine.py).
+  config.rl.engine = "static"  # Rollout: "static" (one batch until its longest sample ends) or "continuous" (decode slots refilled as samples end; multi-turn: no episode waits for another; rl/generation).
   config.rl.decode_slots = 0  # Continuous engine: decode slots (0 = one per sample of the step's batch).
-  config.rl.rollout_token_budget = 0  # Continuous engine: tokens per RL step (decode_slots x steps); unfinished groups carry over (0 = off).
-  config.rl.speculative = "none"  # Speculative decoding (static rollout or continuous engine): "none", "draft" (a small model) or "ngram" (prompt lookup).
+  config.rl.rollout_token_budget = 0  # Continuous engine: tokens per RL step (decode_slots x steps); unfinished groups (and episodes, with their environments) carry over (0 = off).
+  config.rl.speculative = "none"  # Speculative decoding (any engine, multi-turn included; the samples equal plain decoding's): "none", "draft" (a small model) or "ngram" (prompt lookup).
   config.rl.speculative_k = 4  # Speculative decoding: tokens proposed per target forward (>= 1).
   config.rl.ngram_n = 3  # N-gram speculation: length of the suffix looked up in the row's context.
   config.rl.draft_config = ""  # Draft model for rl.speculative="draft": "path[:arg];a.b=value;..." (same vocab as the target).
@@ -163,7 +163,7 @@ def get_config(arg=None):
   config.rl.epochs = 1  # Passes over each rollout batch (sample reuse).
   config.rl.replay_routing = True  # Update replays the experts the rollout chose (MoE stability).
   config.rl.num_minibatches = 1  # Minibatches per epoch.
-  config.rl.pack_updates = False  # Update on trajectories packed into rows with segment ids (rl/packing.py).
+  config.rl.pack_updates = False  # Update on trajectories packed into rows with segment ids (rl/batches/packing.py).
   config.rl.packed_row_len = 0  # Packed update: tokens per row (0 = max_prompt_len + max_new_tokens).
   config.rl.packed_rows = 0  # Packed update: rows per batch, static; must hold every step's tokens (0 = one per sample).
   config.rl.tis_level = "none"  # Truncated importance weights vs the behaviour policy: "none", "token", "sequence".
@@ -174,13 +174,13 @@ def get_config(arg=None):
   config.rl.overlong_buffer = 0  # Overlong shaping: penalty ramps over the last N tokens (0 = off).
   config.rl.overlong_penalty = 1.0  # Overlong shaping: penalty at the budget.
   config.rl.rewards = "answer:1.0"  # Reward functions and weights: "name:weight,..." (rl/rewards).
-  config.rl.reward_workers = 8  # Threads scoring a batch's rewards concurrently (rl/scoring.py).
+  config.rl.reward_workers = 8  # Threads scoring a batch's rewards concurrently (rl/rewards/pool.py).
   config.rl.reward_timeout_s = 30.0  # Per-sample reward time limit; a sample past it scores 0 (counted).
   config.rl.max_nonfinite_steps = 3  # Stop, checkpointed, after this many all-non-finite steps in a row (0 = never).
   config.rl.sft_steps = 200  # Supervised warm-start steps before RL (0 = none).
   config.rl.sft_learning_rate = 1e-3  # Warm-start learning rate.
   config.rl.sft_batch_size = 16  # Warm-start sequences per step.
-  config.rl.multi_turn = False  # Multi-turn tool episodes (rl/multiturn.py): turn, env step, observation into the KV cache; rl.max_new_tokens is the episode's budget after the prompt.
+  config.rl.multi_turn = False  # Multi-turn tool episodes (rl/step/episodes.py): turn, env step, observation into the KV cache; rl.max_new_tokens is the episode's budget after the prompt.
   config.rl.max_turns = 4  # Multi-turn: policy turns per episode (an example's own max_turns may be lower).
   config.rl.max_turn_tokens = 32  # Multi-turn: tokens of one policy turn.
   config.rl.max_obs_tokens = 64  # Multi-turn: observation tokens appended per turn (longer keep their head); also the KV cache's slack.
@@ -200,13 +200,27 @@ def get_config(arg=None):
   config.data.seq_len = 128  # SFT: packed sequence length.
   config.data.num_workers = 0  # grain worker processes (0 = in-process).
 
-  # --- eval: held-out evaluation (rl/evaluation.py, scripts/eval.py).
+  # --- eval: held-out evaluation (rl/step/evaluation.py, scripts/eval.py).
   config.eval = ml_collections.ConfigDict()
   config.eval.every = 0  # RL steps between evaluations (0 = off); also after the warm start and at the end.
   config.eval.num_prompts = 200  # Held-out prompts (distinct; fewer if the domain has fewer).
   config.eval.batch_size = 64  # Prompts per evaluation rollout.
   config.eval.pass_k = 0  # Also report pass@k with k samples at rl.temperature (0 = greedy only).
   config.eval.jsonl = ""  # Held-out JSONL of {"prompt", "answer", "domain"} (else the data.tasks split).
+
+  # --- rm: reward-model training (scripts/train_rm.py, train/reward_model.py); the model is model.* and its score head is model.value_head.
+  config.rm = ml_collections.ConfigDict()
+  config.rm.train_jsonl = ""  # Preference pairs, JSONL of {"prompt", "chosen", "rejected", "margin"?}; "" = synthetic pairs from data.tasks.
+  config.rm.eval_jsonl = ""  # Held-out pairs, same format; "" = the pairs whose prompt hashes into data.eval_fraction.
+  config.rm.synthetic_pairs = 4096  # Synthetic training pairs (rm.train_jsonl=""): chosen = the task's answer, rejected = a wrong one.
+  config.rm.eval_pairs = 512  # Held-out pairs evaluated (fewer when the held-out side has fewer).
+  config.rm.steps = 300  # Training steps.
+  config.rm.batch_size = 32  # Pairs per step (each pair is two rows: chosen and rejected).
+  config.rm.learning_rate = 1e-4  # Peak learning rate (schedule, warmup, clipping: optim.*).
+  config.rm.margin = 0.0  # Margin added to every pair's own "margin": loss = -log sigmoid(r_chosen - r_rejected - margin).
+  config.rm.max_len = 0  # Tokens of prompt + response per row (0 = model.max_seq_len).
+  config.rm.overflow = "reject"  # A pair longer than rm.max_len: "reject" (error naming file and line) or "truncate" (keep its last tokens).
+  config.rm.eval_every = 50  # Steps between held-out pairwise-accuracy evaluations (also at the end).
 
   # --- checkpoint: orbax checkpointing (train/checkpoint.py).
   config.checkpoint = ml_collections.ConfigDict()

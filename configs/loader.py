@@ -11,6 +11,7 @@ import ast
 import difflib
 import importlib.util
 import json
+import math
 import os
 from typing import Any, Iterable
 
@@ -43,7 +44,7 @@ def _resolve_path(path: str) -> str:
     if os.path.exists(candidate):
       return candidate
   presets = sorted(f[:-3] for f in os.listdir(_CONFIG_DIR) if f.endswith(".py") and not f.startswith("_")
-                   and f not in ("loader.py",))
+                   and "def get_config" in open(os.path.join(_CONFIG_DIR, f), encoding="utf-8").read())
   raise ConfigError(f"config file {path!r} not found; presets in configs/: {', '.join(presets)}.")
 
 
@@ -95,6 +96,8 @@ def _parse_value(text: str, current: Any, key: str) -> Any:
     raise ConfigError(f"{key} expects {expected.__name__}, got {text!r}.") from None
   if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
     value = float(value)
+  if isinstance(value, float) and not math.isfinite(value):
+    raise ConfigError(f"{key} expects a finite number, got {text!r}.")
   if current is not None and (type(value) is not expected):  # pylint: disable=unidiomatic-typecheck
     raise ConfigError(f"{key} expects {expected.__name__}, got {text!r} ({type(value).__name__}).")
   return value

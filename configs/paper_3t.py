@@ -5,7 +5,7 @@ Prove it fits without a pod (compile only, libtpu on a CPU):
   python scripts/aot_compile.py --config=configs/paper_3t.py --topology=v5p:16x16x16 --step=all \
       --json runs/aot_paper_3t.json --markdown runs/aot_paper_3t.md
 Print its size:  python scripts/aot_compile.py --config=configs/paper_3t.py --count_params
-Expect: 3.00e12 parameters, 3.9e10 active per token; the README's "Will it fit?" table gives the
+Expect: 3.00e12 parameters, 3.9e10 active per token; docs/benchmarks.md's "Will it fit?" table gives the
 bytes per chip of each step (and says which step does not fit yet, and why).
 
 Architecture (GQA, not MLA: a decode step against a 1M-token MLA cache would expand the latent of

@@ -3,7 +3,7 @@ three-letter words ("rev abc=" -> "cba") by GRPO on 2 CPU cores in a few minutes
 
 Run it:  python scripts/rl.py --config=configs/tiny.py
 Expect: 52 warm-start (SFT) steps leave the policy right on about 40% of held-out prompts (greedy);
-100 GRPO steps take it above 90% (see README for the measured curve). Held-out prompts are the
+100 GRPO steps take it above 90% (docs/benchmarks.md has the measured curve). Held-out prompts are the
 words training never sees (data.eval_fraction of the 17,576, by hash).
 
 Why this task and recipe: single-digit arithmetic has ~150 distinct prompts, so a held-out split is

@@ -88,14 +88,17 @@ class ChatTemplate:
       raise ValueError(f"chat template in {source} does not compile: {type(e).__name__}: {e}") from None
 
   def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
-             **variables) -> str:
-    """The conversation `messages` ([{"role", "content"}, ...]) as the model's prompt text.
+             tools: Sequence[dict] | None = None, **variables) -> str:
+    """The conversation `messages` ([{"role", "content"}, ...], assistant turns may hold
+    "tool_calls", tool results are {"role": "tool", ...}) as the model's prompt text.
 
+    `tools`: OpenAI function tool definitions the template offers the model (model/tool_calls.py).
     `variables` (e.g. enable_thinking=False) override the special tokens of the same name.
     Raises ValueError naming the template's file and the Jinja error when rendering fails.
     """
     try:
-      return self._template.render(messages=list(messages), tools=None, documents=None,
+      return self._template.render(messages=list(messages), tools=list(tools) if tools else None,
+                                   documents=None,
                                    add_generation_prompt=add_generation_prompt,
                                    **{**self.special_tokens, **variables})
     except Exception as e:  # pylint: disable=broad-except  (any template bug: TypeError, Undefined...)

@@ -4,6 +4,13 @@
   model, cfg = import_checkpoint(hf_dir, mesh, cfg)     # parameters born sharded on the mesh
   export_checkpoint(model, cfg, out_dir, "Qwen3MoeForCausalLM")
 
+Reward models: `Qwen3MoeForSequenceClassification` with num_labels=1 (transformers'
+`GenericForSequenceClassification`: the decoder, then a bias-free `score` Linear [1, D] read at the
+last token that is not the pad id) is meshrl's Transformer with `model.value_head` as the score head
+(train/reward_model.py reads it at each row's last token). It has no LM head: on import
+`model.tie_embeddings` is true (no lm_head leaf) and on export an untied lm_head is left out;
+`pad_token_id` (export's argument) is what transformers needs to find the last token of a batch.
+
 Import never holds the model whole in host memory: each parameter is built with
 `jax.make_array_from_callback`, whose callback reads only the device's block of each Hugging Face
 tensor (`safe_open(...).get_slice`). The host peak is this host's distinct device blocks of one
@@ -20,6 +27,7 @@ leaves [L, ...] take layer l of their stack from HF layer `first + l`, where `fi
   <stack>/attn_norm, mlp_norm     model.layers.{l}.input_layernorm, post_attention_layernorm
   <stack>/attn/X                  model.layers.{l}.self_attn.X (q_a_norm -> q_a_layernorm,
                                   kv_a_norm -> kv_a_layernorm, kv_a_proj -> kv_a_proj_with_mqa)
+  value_head/kernel               score.weight (sequence classification; absent from causal LMs)
   dense_stack/mlp/{gate,up,down}  model.layers.{l}.mlp.{gate,up,down}_proj
   moe_stack/mlp/router, router_bias      model.layers.{l}.mlp.gate.weight, e_score_correction_bias
   moe_stack/mlp/{gate,up,down} [L, E..]  model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj
@@ -184,7 +192,7 @@ def _common_hf(mc: ModelConfig) -> dict:
           "rope_theta": mc.rope.theta, "rope_scaling": rope and {**rope, "type": rope["rope_type"]}}
 
 
-def _qwen3_moe_hf(mc: ModelConfig) -> dict:
+def _qwen3_moe_hf(mc: ModelConfig, name: str = "Qwen3MoeForCausalLM") -> dict:
   problems = [f"{name}={value!r} (needs {want!r})" for name, value, want in (
       ("model.attention_type", mc.attention_type, "gqa"), ("model.qk_norm", mc.qk_norm, True),
       ("model.rope_interleave", mc.rope.interleave, False), ("moe.score_func", mc.score_func, "softmax"),
@@ -192,10 +200,32 @@ def _qwen3_moe_hf(mc: ModelConfig) -> dict:
       ("moe.routed_scaling_factor", mc.routed_scaling_factor, 1.0),
       ("moe.aux_free_bias", mc.aux_free_bias, False)) if value != want]
   if problems:
-    raise ValueError(f"Qwen3MoeForCausalLM cannot represent {', '.join(problems)}.")
+    raise ValueError(f"{name} cannot represent {', '.join(problems)}.")
   return {**_common_hf(mc), "model_type": "qwen3_moe", "num_key_value_heads": mc.num_kv_heads,
           "head_dim": mc.head_dim, "num_experts": mc.num_experts, "decoder_sparse_step": 1,
           "mlp_only_layers": list(range(mc.num_dense_layers)), "use_sliding_window": False}
+
+
+def _num_labels(hf: dict) -> int:
+  """Labels of a sequence-classification config: its id2label's, else num_labels (default 2, as
+  transformers' PretrainedConfig)."""
+  labels = hf.get("id2label")
+  return len(labels) if labels else int(hf.get("num_labels") or 2)
+
+
+def _qwen3_moe_rm_fields(hf: dict) -> dict[str, Any]:
+  if _num_labels(hf) != 1:
+    raise ValueError(f"Qwen3MoeForSequenceClassification with num_labels={_num_labels(hf)}: a reward model "
+                     "has one score (num_labels=1).")
+  return {**_qwen3_moe_fields(hf), "model.tie_embeddings": True, "model.value_head": True}
+
+
+def _qwen3_moe_rm_hf(mc: ModelConfig) -> dict:
+  if not mc.value_head:
+    raise ValueError("Qwen3MoeForSequenceClassification cannot represent model.value_head=False "
+                     "(needs True: the value head is its score).")
+  return {**_qwen3_moe_hf(mc, "Qwen3MoeForSequenceClassification"), "tie_word_embeddings": False,
+          "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
 
 
 def _deepseek_v3_hf(mc: ModelConfig) -> dict:
@@ -221,11 +251,14 @@ class _Architecture:
   model_type: str
   read: Callable[[dict], dict[str, Any]]  # HF config.json -> {"model.x": value}
   write: Callable[[ModelConfig], dict]  # model numbers -> HF config.json (raises if inexpressible)
+  head: str = "lm_head"  # the output head HF stores: "lm_head" (causal LM) or "score" (a reward model)
 
 
 ARCHITECTURES = {
     "Qwen3MoeForCausalLM": _Architecture("qwen3_moe", _qwen3_moe_fields, _qwen3_moe_hf),
     "DeepseekV3ForCausalLM": _Architecture("deepseek_v3", _deepseek_v3_fields, _deepseek_v3_hf),
+    "Qwen3MoeForSequenceClassification": _Architecture("qwen3_moe", _qwen3_moe_rm_fields, _qwen3_moe_rm_hf,
+                                                       head="score"),
 }
 
 
@@ -306,8 +339,9 @@ class _Source:
 
 
 _TOP = {("embed", "embedding"): _Source("model.embed_tokens.weight", False),
-        ("final_norm", "scale"): _Source("model.norm.weight", False),
-        ("lm_head", "kernel"): _Source("lm_head.weight", True)}
+        ("final_norm", "scale"): _Source("model.norm.weight", False)}
+_HEADS = {"lm_head": {("lm_head", "kernel"): _Source("lm_head.weight", True)},  # _Architecture.head
+          "score": {("value_head", "kernel"): _Source("score.weight", True)}}
 _RENAMES = {"attn": "self_attn", "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
             "q_a_norm": "q_a_layernorm", "kv_a_norm": "kv_a_layernorm",
             "kv_a_proj": "kv_a_proj_with_mqa", "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -323,11 +357,13 @@ _MOE = {  # moe_stack/mlp/<leaf>: (name under model.layers.{layer}.mlp., transpo
 }
 
 
-def _source(path: tuple[str, ...], mc: ModelConfig) -> _Source | None:
-  """The HF tensors of the leaf at `path` of nnx.state(Transformer); None for the value head."""
-  if path in _TOP:
-    return _TOP[path]
-  if path[0] == "value_head":
+def _source(path: tuple[str, ...], mc: ModelConfig, head: str = "lm_head") -> _Source | None:
+  """The HF tensors of the leaf at `path` of nnx.state(Transformer); None for the head the
+  architecture lacks (a causal LM's value head, a reward model's lm_head)."""
+  top = {**_TOP, **_HEADS[head]}
+  if path in top:
+    return top[path]
+  if path[0] in ("value_head", "lm_head"):
     return None
   stack, *rest = path
   if stack not in ("dense_stack", "moe_stack"):
@@ -431,7 +467,7 @@ def _load_leaf(reader: _Reader, source: _Source | None, variable: nnx.Variable, 
   def block(index):
     key = tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape))
     if key not in blocks:
-      blocks[key] = (np.zeros(tuple(b - a for a, b in key), dtype) if source is None  # value head
+      blocks[key] = (np.zeros(tuple(b - a for a, b in key), dtype) if source is None  # head HF lacks
                      else np.asarray(_read_block(reader, source, key), dtype=dtype))
     return blocks[key]
   return jax.make_array_from_callback(shape, sharding, block)
@@ -451,7 +487,7 @@ def import_checkpoint(hf_dir: str, mesh: Mesh | None = None,
 
   Returns:
     (model, cfg). Parameters are stored in model.param_dtype; a value head (model.value_head) starts
-    at zero.
+    at zero, except from a sequence classifier, whose `score` it is.
   """
   if cfg is None:
     cfg = load_hf_config(hf_dir)
@@ -464,7 +500,8 @@ def import_checkpoint(hf_dir: str, mesh: Mesh | None = None,
     shardings = [SingleDeviceSharding(jax.devices()[0])] * len(flat)
   else:
     shardings = [s for _, s in nnx.to_flat_state(state_shardings(abstract, mesh, rules))]
-  plan = {path: (_source(path, mc), tuple(v.shape)) for path, v in flat}
+  head = _architecture(_hf_architecture(_read_json(os.path.join(hf_dir, "config.json")))).head
+  plan = {path: (_source(path, mc, head), tuple(v.shape)) for path, v in flat}
   with contextlib.ExitStack() as stack:
     reader = _Reader(hf_dir, stack)
     _check_tensors(reader, {p: s for p, s in plan.items() if s[0] is not None}, mc, hf_dir)
@@ -493,7 +530,7 @@ def _export_entries(leaves: dict, mc: ModelConfig, architecture: str, dtype) -> 
   """The HF tensors in file order (embedding, layer by layer, final norm and head)."""
   top, per_layer = {}, [[] for _ in range(mc.num_layers)]
   for path, variable in sorted(leaves.items()):
-    source = _source(path, mc)
+    source = _source(path, mc, _architecture(architecture).head)
     if source is None:
       _LOG.warning("export: %s has no Hugging Face counterpart; not written.", "/".join(path))
       continue
@@ -527,10 +564,22 @@ def _shard(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
   return shards
 
 
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # can hold the weights as they are
+
+
+def check_export_dtype(dtype: str | None, field: str = "dtype") -> None:
+  """ValueError unless `dtype` (None = the parameters' own) is a float type that holds the weights:
+  an integer type without scales rounds weights of magnitude ~0.02 to 0 (int8 wrote 99.7% zeros)."""
+  if dtype is not None and dtype not in EXPORT_DTYPES:
+    raise ValueError(f"{field}={dtype!r} cannot hold the weights (an integer type without scales rounds "
+                     f"them to zero); choose one of {', '.join(EXPORT_DTYPES)}.")
+
+
 def export_checkpoint(model_or_state: nnx.Module | nnx.State, cfg: ml_collections.ConfigDict,
                       out_dir: str, architecture: str, *, dtype: str | None = None,
-                      max_shard_bytes: int = 5 * 2**30) -> list[str]:
-  """Writes a Hugging Face checkpoint that `AutoModelForCausalLM.from_pretrained(out_dir)` loads.
+                      max_shard_bytes: int = 5 * 2**30, pad_token_id: int | None = None) -> list[str]:
+  """Writes a Hugging Face checkpoint that `AutoModelForCausalLM.from_pretrained(out_dir)` loads
+  (`AutoModelForSequenceClassification` for a reward model).
 
   Args:
     model_or_state: a Transformer or its nnx.state (sharded arrays are gathered one layer of one
@@ -538,8 +587,12 @@ def export_checkpoint(model_or_state: nnx.Module | nnx.State, cfg: ml_collection
     cfg: the run config the model was built from.
     out_dir: created if needed; gets config.json and model.safetensors, or numbered shards of at most
       `max_shard_bytes` plus model.safetensors.index.json.
-    architecture: "Qwen3MoeForCausalLM" or "DeepseekV3ForCausalLM".
+    architecture: "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM" or, for a reward model (the value
+      head is the score), "Qwen3MoeForSequenceClassification".
     dtype: storage dtype of the written tensors ("bfloat16", "float32", ...); default: the parameters'.
+    pad_token_id: written into config.json when given (the tokenizer's pad id): a sequence classifier
+      reads each row's score at its last token that is not this id, and without one transformers
+      scores only batches of one row.
 
   Returns:
     The paths of the files written. Raises ValueError when the architecture cannot express the config
@@ -555,8 +608,11 @@ def export_checkpoint(model_or_state: nnx.Module | nnx.State, cfg: ml_collection
            for path, v in expected if path not in leaves or leaves[path].shape != v.shape]
   if wrong:
     raise ValueError(f"the state does not fit cfg (pass the whole nnx.state(model)): {', '.join(wrong[:20])}")
+  check_export_dtype(dtype)
   out_dtype = jnp.dtype(dtype or leaves[("embed", "embedding")].dtype)
   hf_config.update(architectures=[architecture], dtype=out_dtype.name, torch_dtype=out_dtype.name)
+  if pad_token_id is not None:
+    hf_config["pad_token_id"] = int(pad_token_id)
   shards = _shard(_export_entries(leaves, mc, architecture, out_dtype), max_shard_bytes)
 
   gathered = {}  # holds one (leaf, layer) block at a time

@@ -20,11 +20,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from meshrl.model.blockwise import match_vma
-from meshrl.model.moe_dispatch import EXPERT_AXIS, ExpertWeights, combine_slots, rank_in_group
+from meshrl.model.moe_dispatch import ExpertWeights, combine_slots, rank_in_group
 from meshrl.sharding import compress
-from meshrl.sharding.mesh import MESH_AXES, in_context
+from meshrl.sharding.mesh import EXPERT_AXIS, FSDP_AXIS, MESH_AXES, STAGE_AXIS, TENSOR_AXIS, in_context
 
-FSDP_AXIS, TENSOR_AXIS, STAGE_AXIS = "fsdp", "tensor", "stage"
 EXCHANGES = ("auto", "all_to_all", "ragged")
 WEIGHT_LAYOUTS = ("auto", "sharded", "gathered")
 

@@ -260,3 +260,25 @@ def repeat_rows(cache: KVCache, times: int) -> KVCache:
   layers = jax.tree.map(lambda a: jnp.repeat(a, times, axis=1), cache.layers)
   return cache.replace(layers=layers, positions=jnp.repeat(cache.positions, times, axis=0),
                        segment_ids=jnp.repeat(cache.segment_ids, times, axis=0))
+
+
+def take_rows(cache: KVCache, rows: jax.Array) -> KVCache:
+  """Rows `rows` [R] (in range) of a cache with a per-row index, as a cache of R rows (a copy)."""
+  batch_axis = 0 if is_unstacked(cache) else 1
+  return cache.replace(layers=jax.tree.map(lambda a: jnp.take(a, rows, axis=batch_axis), cache.layers),
+                       positions=cache.positions[rows], segment_ids=cache.segment_ids[rows],
+                       index=cache.index[rows])
+
+
+def put_rows(cache: KVCache, rows: jax.Array, sub: KVCache) -> KVCache:
+  """`cache` with rows `rows` [R] replaced by the R rows of `sub` (same form and length); a row
+  index out of range (>= B) is dropped."""
+  batch_axis = 0 if is_unstacked(cache) else 1
+
+  def put(a, b):
+    index = (slice(None),) * batch_axis + (rows,)
+    return a.at[index].set(b.astype(a.dtype), mode="drop")
+  return cache.replace(layers=jax.tree.map(put, cache.layers, sub.layers),
+                       positions=cache.positions.at[rows].set(sub.positions, mode="drop"),
+                       segment_ids=cache.segment_ids.at[rows].set(sub.segment_ids, mode="drop"),
+                       index=cache.index.at[rows].set(sub.index, mode="drop"))

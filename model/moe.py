@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from meshrl.model import expert_parallel, moe_dispatch, moe_local
 from meshrl.model.moe_dispatch import ExpertWeights
 from meshrl.model.params import param
-from meshrl.sharding.mesh import platform
+from meshrl.sharding.mesh import EXPERT_AXIS, axis_size, platform
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 DISPATCH_MODES = moe_dispatch.DISPATCHES
@@ -264,9 +264,9 @@ class MoE(nnx.Module):
     if num_shared_experts < 0 or shared_expert_mlp_dim < 0:
       raise ValueError(f"num_shared_experts={num_shared_experts} and shared_expert_mlp_dim="
                        f"{shared_expert_mlp_dim} must not be negative.")
-    if mesh is not None and num_experts % mesh.shape["expert"]:
+    if mesh is not None and num_experts % axis_size(mesh, EXPERT_AXIS):
       raise ValueError(f"num_experts={num_experts} must be divisible by the mesh's expert axis "
-                       f"({mesh.shape['expert']}).")
+                       f"({axis_size(mesh, EXPERT_AXIS)}).")
     self.embed_dim, self.num_experts, self.k = embed_dim, num_experts, num_experts_per_tok
     self.score_func, self.norm_topk_prob = score_func, norm_topk_prob
     self.routed_scaling_factor = routed_scaling_factor
@@ -297,7 +297,7 @@ class MoE(nnx.Module):
 
   @property
   def expert_parallel(self) -> bool:
-    return self.mesh is not None and self.mesh.shape["expert"] > 1
+    return self.mesh is not None and axis_size(self.mesh, EXPERT_AXIS) > 1
 
   def _route_mismatch(self, router_logits: jax.Array, used: jax.Array, replayed) -> jax.Array:
     """Fraction of tokens whose replayed experts differ (as a set) from what this router would choose

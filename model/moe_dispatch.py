@@ -54,8 +54,7 @@ import jax
 import jax.numpy as jnp
 
 from meshrl.model.block_swiglu import block_swiglu
-
-EXPERT_AXIS = "expert"
+from meshrl.sharding.mesh import EXPERT_AXIS
 
 
 class ExpertWeights(NamedTuple):

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-STAGE_AXIS = "stage"
+from meshrl.sharding.mesh import STAGE_AXIS
 AUTO_MICROBATCHES_PER_STAGE = 4  # microbatches=0 picks the most, up to this many per stage
 
 
@@ -73,6 +73,14 @@ def resolve_microbatches(requested: int, *, rows: int, row_shards: int, stages: 
                      f"{row_shards} batch shard(s) leave {per_shard} rows per shard, and every microbatch "
                      f"takes the same rows from each shard; choose a divisor of {per_shard} (0 = auto).")
   return requested
+
+
+def check_batches(mesh_cfg, batches: list[tuple[str, int]], *, row_shards: int) -> None:
+  """Raises `resolve_microbatches`' ValueError for the first of `batches` ((what, rows) of each training
+  forward a run makes) whose batch shards mesh.microbatches does not divide, before anything runs."""
+  for what, rows in batches:
+    resolve_microbatches(int(mesh_cfg.get("microbatches", 0)), rows=rows, row_shards=row_shards,
+                         stages=int(mesh_cfg.get("stage", 1)), what=what)
 
 
 def split_rows(a: jax.Array, microbatches: int) -> jax.Array:

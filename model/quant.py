@@ -16,11 +16,11 @@ Both are symmetric absmax quantisation, int8 values in [-127, 127] times a scale
             `_run_stack`), so no more than one layer's full-precision weights exist at once.
 
 Training never sees any of this: the train state keeps full-precision parameters, and
-`make_weight_quantizer` derives the int8 copy from them for each rollout (rl/rollout.py). Behaviour
+`make_weight_quantizer` derives the int8 copy from them for each rollout (rl/generation/core.py). Behaviour
 and training numerics then differ, so rl.generation_weights = "int8" requires rl.tis_level != "none"
-(the update's truncated importance correction, rl/losses.py, covers the mismatch).
+(the update's truncated importance correction, rl/algo/losses.py, covers the mismatch).
 
-`quality_report` measures what the int8 paths cost against full precision (scripts/bench_speed.py).
+rl/generation/quality.py measures what the int8 paths cost against full precision (scripts/quant_report.py).
 
 Axis legend: L layers, E experts, B batch, S cache length, K kv heads, H head dim, P prompts,
 N new tokens, V vocab.
@@ -28,7 +28,6 @@ N new tokens, V vocab.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -186,100 +185,6 @@ def params_bytes(params: Any) -> int:
   return int(sum(np.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(params)))
 
 
-# ---------------------------------------------------------------------------------------------
-# Quality against full precision.
-
-
 def kv_cache_bytes(cache) -> int:
   """Bytes of a KVCache's per-token entries (values and, for int8, their scales); arrays or shapes."""
   return params_bytes(cache.layers)
-
-
-def _model_for(cfg, max_len: int, kv_cache_dtype: str):
-  """(graphdef, abstract params, abstract extra, ModelConfig) of cfg's model on one device, its
-  max_seq_len raised to max_len (positions are rotary: no parameter depends on the length)."""
-  from meshrl.model.transformer import ModelConfig, Transformer  # pylint: disable=import-outside-toplevel
-  mc = ModelConfig.from_config(cfg)
-  mc = dataclasses.replace(mc, max_seq_len=max(mc.max_seq_len, max_len), kv_cache_dtype=kv_cache_dtype)
-  graphdef, params, extra = nnx.split(nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(0))),
-                                      nnx.Param, ...)
-  return graphdef, params, extra, mc
-
-
-def greedy_generate(model, prompts: jax.Array, new_tokens: int) -> tuple[jax.Array, Any]:
-  """Greedy continuation of unpadded prompts [P, Lp] by `new_tokens` tokens (pure; jit it).
-
-  Returns (tokens [P, N] int32, the final cache). No stop tokens: every row runs N tokens."""
-  num, prompt_len = prompts.shape
-  prefill = model(prompts, cache=model.init_cache(num, prompt_len + new_tokens))
-
-  def step(carry, _):
-    cache, logits = carry
-    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [P]
-    out = model(token[:, None], cache=cache)
-    return (out.cache, out.logits[:, 0]), token
-
-  (cache, _), tokens = jax.lax.scan(step, (prefill.cache, prefill.logits[:, -1]), None, length=new_tokens)
-  return tokens.T, cache
-
-
-def quality_report(cfg, params, prompts, *, new_tokens: int = 256, extra=None) -> dict:
-  """What int8 generation costs against full precision, on one device.
-
-  Args:
-    cfg: the run config (its model section; rl.* quantisation options are not read: every variant
-      is measured).
-    params: the model's nnx.Param State (full precision, e.g. the train state's `params`).
-    prompts: [P, Lp] int token ids, no padding (every row a real prompt of Lp tokens).
-    new_tokens: N, greedy tokens generated per prompt.
-    extra: the non-Param state (MoE RouterBias); None: zeros.
-
-  Returns a dict of floats:
-    int8_kv_greedy_agreement       fraction of the P x N greedy tokens equal to full precision's,
-                                   position by position (a divergence counts every token after it)
-    int8_kv_max_logit_err          max |logit - full-precision logit| teacher-forced over prompt +
-                                   the full-precision greedy continuation (the int8 cache is
-                                   read by every position's attention)
-    int8_kv_cache_bytes_ratio      bytes of the int8 cache (values + scales) / a bfloat16 cache's
-    int8_weights_greedy_agreement, int8_weights_max_logit_err   the same for int8 weights
-    int8_all_greedy_agreement      int8 weights and int8 cache together
-  """
-  prompts = jnp.asarray(prompts, jnp.int32)
-  total = prompts.shape[1] + new_tokens
-  graphdef, abstract_params, abstract_extra, mc = _model_for(cfg, total, "model")
-  graphdef_q8, _, _, _ = _model_for(cfg, total, "int8")
-  if extra is None:
-    extra = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_extra)
-  qparams = jax.jit(quantize_params)(params)
-
-  def generate(p, int8_cache: bool):
-    return greedy_generate(nnx.merge(graphdef_q8 if int8_cache else graphdef, p, extra), prompts,
-                           new_tokens)
-
-  def teacher_forced(p, sequence, int8_cache: bool):
-    model = nnx.merge(graphdef_q8 if int8_cache else graphdef, p, extra)
-    return model(sequence, cache=model.init_cache(sequence.shape[0], sequence.shape[1])).logits
-
-  generate = jax.jit(generate, static_argnums=1)
-  teacher_forced = jax.jit(teacher_forced, static_argnums=2)
-
-  reference, _ = generate(params, False)
-  sequence = jnp.concatenate([prompts, reference], axis=1)
-  reference_logits = teacher_forced(params, sequence, False)
-  agreement = lambda tokens: float(jnp.mean(tokens == reference))  # noqa: E731
-  max_err = lambda logits: float(jnp.max(jnp.abs(logits - reference_logits)))  # noqa: E731
-
-  kv_tokens, kv_cache = generate(params, True)
-  w_tokens, _ = generate(qparams, False)
-  all_tokens, _ = generate(qparams, True)
-  from meshrl.model import kv_cache as kvc  # pylint: disable=import-outside-toplevel
-  bf16_cache = jax.eval_shape(lambda: kvc.init_cache(mc.cache_entry_shapes(), prompts.shape[0], total,
-                                                     jnp.bfloat16))
-  return {
-      "int8_kv_greedy_agreement": agreement(kv_tokens),
-      "int8_kv_max_logit_err": max_err(teacher_forced(params, sequence, True)),
-      "int8_kv_cache_bytes_ratio": kv_cache_bytes(kv_cache) / kv_cache_bytes(bf16_cache),
-      "int8_weights_greedy_agreement": agreement(w_tokens),
-      "int8_weights_max_logit_err": max_err(teacher_forced(qparams, sequence, False)),
-      "int8_all_greedy_agreement": agreement(all_tokens),
-  }

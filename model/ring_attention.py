@@ -38,11 +38,11 @@ from jax.sharding import Mesh, PartitionSpec as P
 from meshrl.model import blockwise as bw
 from meshrl.sharding.mesh import in_context
 from meshrl.sharding.rules import batch_axes
+from meshrl.sharding.mesh import SEQUENCE_AXIS, TENSOR_AXIS
 
 IMPLS = ("reference", "blockwise", "ring")
-SEQUENCE_AXIS = "sequence"
 BATCH_AXES = batch_axes()  # the mesh axes of the logical `batch` axis (sharding/rules.py)
-HEADS_AXIS = "tensor"
+HEADS_AXIS = TENSOR_AXIS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ by their response). So splash serves only self-attention calls (`unsupported_rea
 T == S, the one position array for queries and keys, one segment array; a decode step, a cached
 prefill, separate q/kv ids or the zigzag ring shards go to the jnp kernel. Not checked at run time
 (the positions are traced): rows of a segment whose positions repeat, e.g. the padding segment of
-rl/rollout.py whose tokens all sit at position 0, attend to a causal prefix of their segment instead
+rl/generation whose tokens all sit at position 0, attend to a causal prefix of their segment instead
 of the whole of it. No real token sees such a row (segments differ), so real tokens' outputs and
 every gradient that reaches the loss through them are the same as the jnp kernel's.
 A mask built from the positions (splash's dynamic `jax.Array` masks) would be O(T * S) bool per

@@ -275,3 +275,6 @@ def tokenizer_from_config(cfg) -> Tokenizer:
     return load_tokenizer(name)
   except ValueError as e:
     raise ValueError(f"model.tokenizer={name!r}: {e}") from None
+  except Exception as e:  # pylint: disable=broad-except  (the tokenizers library raises plain Exception)
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    raise ValueError(f"model.tokenizer={name!r} cannot be read as a tokenizer.json ({first}).") from None

@@ -7,9 +7,9 @@
 
 The mesh (cfg.mesh, per slice) is laid over the topology's compile-only devices by `make_mesh`;
 inputs are abstract (shapes and shardings, nothing allocated); the programs are the ones a run
-jits: the RL update (rl/update.py), the prefill of a prompt of rl.max_prompt_len tokens and one
-decode step against a cache of rl.max_prompt_len + rl.max_new_tokens slots (rl/rollout.py), and the
-SFT step (train/sft.py). See rl/aot.py for what each figure means.
+jits: the RL update (rl/algo/update.py), the prefill of a prompt of rl.max_prompt_len tokens and one
+decode step against a cache of rl.max_prompt_len + rl.max_new_tokens slots (rl/generation/core.py), and the
+SFT step (train/sft.py). See rl/step/aot.py for what each figure means.
 
 JSON: a list with one object per step: {step, topology, chips, mesh, per_chip: {argument, output,
 temp, code, alias, total}, hbm_per_chip, fits, flops, model_flops, tokens, collective_bytes,
@@ -40,11 +40,12 @@ from meshrl.configs import cli
 
 
 def _add_flags(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v5p:16x16x16")
+  parser.add_argument("--topology", default="",
+                      help="TPU topology, e.g. v5e:2x2, v5p:16x16x16 (needed unless --count_params)")
   parser.add_argument("--num_slices", type=int, default=1, help="slices joined over DCN")
   parser.add_argument("--step", default="all", help="update, prefill, decode, sft, reshard (rl.generation_layout's one-off cost), routes (routing replay's routes built on the devices), a comma list, or all")
   parser.add_argument("--json", default="", help="write the reports here")
-  parser.add_argument("--markdown", default="", help="write the README table here")
+  parser.add_argument("--markdown", default="", help="write the markdown table (docs/benchmarks.md's) here")
   parser.add_argument("--count_params", action="store_true",
                       help="print total and active parameters (from shapes) and exit")
 
@@ -54,7 +55,7 @@ def main(argv) -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  from meshrl.rl import aot  # pylint: disable=import-outside-toplevel  (imports jax)
+  from meshrl.rl.step import aot  # pylint: disable=import-outside-toplevel  (imports jax)
   try:
     counts = aot.parameter_counts_of(cfg)  # builds the model's config: its checks (mesh.stage, ...) first
   except ValueError as error:
@@ -64,6 +65,11 @@ def main(argv) -> int:
         f"per token (from shapes)", flush=True)
   if args.count_params:
     return 0
+  if not args.topology:
+    raise ValueError("--topology is needed to compile (e.g. --topology=v5e:2x2); --count_params alone "
+                     "needs none.")
+  if args.num_slices < 1:
+    raise ValueError(f"--num_slices={args.num_slices} must be at least 1.")
   steps = list(aot.default_steps(cfg)) if args.step == "all" else [s.strip() for s in args.step.split(",") if s.strip()]
   if cfg.mesh.num_slices != args.num_slices:
     cfg.unlock()
@@ -106,4 +112,4 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(cli.run(main, sys.argv[1:]))

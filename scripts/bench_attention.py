@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 
+from meshrl.configs import cli
 from meshrl.configs.cli import simulate_cpu_devices
 from meshrl.configs.hugepages import reexec_with_hugepages
 
@@ -56,8 +57,9 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from meshrl.model import ring_attention as ra  # noqa: E402
-from meshrl.rl.aot import topology_devices  # noqa: E402
+from meshrl.rl.step.aot import topology_devices  # noqa: E402
 from meshrl.sharding import make_mesh  # noqa: E402
+from meshrl.sharding.mesh import EXPERT_AXIS, SEQUENCE_AXIS, axis_size  # noqa: E402
 from meshrl.train.chunked_loss import chunked_cross_entropy  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
@@ -157,7 +159,7 @@ class _HashableKwargs(dict):
 
 def _ring_fn(impl, mesh, seq_len, block):
   """(q, k, v) -> out over the mesh's `sequence` axis, and the layout's positions."""
-  devices = mesh.shape["sequence"]
+  devices = axis_size(mesh, SEQUENCE_AXIS)
   if impl == "meshrl":
     positions = ra.zigzag(np.arange(seq_len, dtype=np.int32)[None], devices)
     return lambda q, k, v: ra.attend(q, k, v, impl="ring", mesh=mesh, q_positions=positions,
@@ -170,8 +172,8 @@ def _ring_fn(impl, mesh, seq_len, block):
       dropout_rng=None, attn_pdrop=0.0, dtype=jnp.float32,
       policy=jax.checkpoint_policies.nothing_saveable, precision=None, prevent_cse=True)
   # (q, k, v, attn_bias, segment_ids, cache_idx, axis_name, float32_logits, blockwise_kwargs)
-  local = lambda q, k, v: ring_attention(q, k, v, None, None, None, "sequence", True, settings)
-  spec = P(None, "sequence", None, None)
+  local = lambda q, k, v: ring_attention(q, k, v, None, None, None, SEQUENCE_AXIS, True, settings)
+  spec = P(None, SEQUENCE_AXIS, None, None)
   return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
 
 
@@ -179,7 +181,7 @@ def ring_speed_case(impl, seq_len, devices, block, repeats):
   """Times one ring configuration in this process; returns its row."""
   mesh = make_mesh(dict(data=1, fsdp=1, expert=1, sequence=devices, tensor=1),
                    devices=jax.devices()[:devices])
-  sharding = NamedSharding(mesh, P(None, "sequence"))
+  sharding = NamedSharding(mesh, P(None, SEQUENCE_AXIS))
   keys = jax.random.split(jax.random.key(0), 4)
   args = [jax.device_put(jax.random.normal(key, (1, seq_len, HEADS, HEAD_DIM)), sharding)
           for key in keys]
@@ -352,15 +354,15 @@ def bench_tpu_1m(topology, seq_len, block):
     names = None
     if isinstance(s, nnx_variable_type()):
       names = tuple(s.get_metadata().get("axes", ()))
-    spec = P("expert") if names and names[0] == "experts" else P()
+    spec = P(EXPERT_AXIS) if names and names[0] == "experts" else P()
     value = s.get_value() if names is not None else s
     placed_value = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=NamedSharding(mesh, spec))
     return s.replace(placed_value) if names is not None else placed_value
   param_shapes = jax.tree_util.tree_map_with_path(
       placed, param_shapes, is_leaf=lambda s: isinstance(s, (jax.ShapeDtypeStruct, nnx_variable_type())))
-  tokens = NamedSharding(mesh, P(None, "sequence"))
+  tokens = NamedSharding(mesh, P(None, SEQUENCE_AXIS))
   x = jax.ShapeDtypeStruct((1, seq_len, TPU_DIMS["embed"]), jnp.dtype(TPU_DIMS["dtype"]),
-                           sharding=NamedSharding(mesh, P(None, "sequence", None)))
+                           sharding=NamedSharding(mesh, P(None, SEQUENCE_AXIS, None)))
   ids = jax.ShapeDtypeStruct((1, seq_len), jnp.int32, sharding=tokens)
   start = time.perf_counter()
   step = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
@@ -385,10 +387,10 @@ def bench_splash_ring(topology, tokens_per_chip, repeats):
   shards = len(devices)
   mesh = make_mesh(dict(data=1, fsdp=1, expert=1, sequence=shards, tensor=1), devices=devices)
   seq_len = shards * tokens_per_chip
-  split = NamedSharding(mesh, P(None, "sequence", None, None))
+  split = NamedSharding(mesh, P(None, SEQUENCE_AXIS, None, None))
   q = jax.ShapeDtypeStruct((1, seq_len, SPLASH_HEADS, SPLASH_HEAD_DIM), jnp.bfloat16, sharding=split)
   kv = jax.ShapeDtypeStruct((1, seq_len, SPLASH_KV_HEADS, SPLASH_HEAD_DIM), jnp.bfloat16, sharding=split)
-  seg = jax.ShapeDtypeStruct((1, seq_len), jnp.int32, sharding=NamedSharding(mesh, P(None, "sequence")))
+  seg = jax.ShapeDtypeStruct((1, seq_len), jnp.int32, sharding=NamedSharding(mesh, P(None, SEQUENCE_AXIS)))
   positions = ra.zigzag(np.arange(seq_len, dtype=np.int32)[None], shards)
   rows = []
   for kernel in ("jnp", "splash"):
@@ -502,7 +504,7 @@ def _print_splash_ring(rows):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--json", required=True, help="where to write the results")
   parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
   parser.add_argument("--seq-lens", default="2048,4096,8192")

@@ -37,7 +37,7 @@ def _flags(parser: argparse.ArgumentParser) -> None:
 
 def timed_step(run, prompts, key) -> dict:
   """One RL step of the step program -> {phase: seconds, phase + "_tokens": tokens, "step": seconds}."""
-  from meshrl.rl.step import rl_step  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.program import rl_step  # pylint: disable=import-outside-toplevel
   metrics = rl_step(run, prompts, key)
   update_tokens = run.cfg.rl.prompts_per_step * run.cfg.rl.group_size * (
       run.cfg.rl.max_prompt_len + run.cfg.rl.max_new_tokens)
@@ -56,7 +56,7 @@ def bench(cfg, steps: int) -> dict:
   import jax
   import numpy as np
 
-  from meshrl.rl import loop
+  from meshrl.rl.step import driver as loop
   from meshrl.train.metrics import CompileCounter
   # pylint: enable=import-outside-toplevel
   run, examples = loop.setup(cfg)

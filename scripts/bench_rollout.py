@@ -8,18 +8,18 @@ Sections (each a function `section_NAME(args, cfg) -> dict` of JSON keys, regist
   rollout   generated tokens per second of the same samples produced three ways, side by side in one
             process (keys `static`, `continuous`, `continuous_prefix`, plus details under
             `rollout_detail`):
-              static             rl/rollout.py: one while_loop over the whole batch until its longest
-                                 sample ends
-              continuous         rl/engine.py with --slots decode slots, every sample prefilled on
-                                 its own (prompts repeated G times, group size 1)
-              continuous_prefix  rl/engine.py with --slots decode slots, a group's prompt prefilled
-                                 once and its cache rows copied to the group's slots
+              static             the static scheduler (rl/generation/loop.py): one while_loop over the
+                                 whole batch until its longest sample ends
+              continuous         the continuous scheduler with --slots decode slots, every sample
+                                 prefilled on its own (prompts repeated G times, group size 1)
+              continuous_prefix  the continuous scheduler with --slots decode slots, a group's prompt
+                                 prefilled once and its cache rows copied to the group's slots
             Response lengths are long-tailed: each sample's length is drawn up front from a
             log-normal (median --median_len, sigma --sigma, clipped to [1, rl.max_new_tokens]) and
             imposed through the rollouts' per-sample `max_lengths` (a sample ends, truncated, at its
             length; stop tokens are switched off so the drawn lengths are exact). All three produce
             the same tokens (per-sample PRNG keys); the script checks that and exits 1 otherwise.
-            Each variant is compiled by a warm-up call, then timed over --repeats calls (best).
+            Each variant is compiled by a warm-up call, then timed over --repeats calls (best; the episodic section reports the median).
   update    (helper B) update_padded_s, update_packed_s
   step      RL step time (rl_step) synchronous vs asynchronous (rl.max_staleness=1) when scoring
             takes about as long as generation (keys `step_sync_s`, `step_async_s`; `step_detail`)
@@ -31,6 +31,12 @@ Sections (each a function `section_NAME(args, cfg) -> dict` of JSON keys, regist
             --cpu_devices=2 --config=configs/tiny.py:peer --sections ladder --repeats 8
   cache_layout  the same with the decode loop's per-layer KV cache in the layouts its attention
             reads (model/kv_cache.py PER_LAYER_ORDER) against token-major (`cache_layout_detail`)
+  episodic  multi-turn episodes whose environment steps take long-tailed times (a log-normal of
+            median --env_median_ms and sigma --env_sigma: p99/p50 about 10 at sigma 1): generated
+            policy tokens per second of the turn-synchronous rollout (rl.engine=static: every turn
+            waits for every episode's environment) and of the episodic scheduler (rl.engine=continuous:
+            an episode's next turn starts when its own environment answers), the same episodes, the
+            same slots (keys `episodic_tps`, `static_multiturn_tps`; `episodic_detail`)
 """
 
 import argparse
@@ -47,7 +53,7 @@ from meshrl.configs import cli
 def _flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--json", required=True, help="where to write the results")
   parser.add_argument("--sections", default="rollout", help="comma-separated: " + ",".join(
-      ["rollout", "update", "step", "ladder", "floor", "cache_layout"]))
+      ["rollout", "update", "step", "ladder", "floor", "cache_layout", "episodic"]))
   parser.add_argument("--prompts", type=int, default=32, help="rollout: distinct prompts")
   parser.add_argument("--group_size", type=int, default=8, help="rollout: samples per prompt")
   parser.add_argument("--slots", type=int, default=64, help="rollout: decode slots of the engine")
@@ -56,7 +62,11 @@ def _flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--sigma", type=float, default=1.1, help="rollout: log-normal sigma of lengths")
   parser.add_argument("--step_steps", type=int, default=4, help="step: timed RL steps per mode")
   parser.add_argument("--reward_workers", type=int, default=8, help="step: scoring threads")
-  parser.add_argument("--repeats", type=int, default=2, help="timed calls per variant (best is kept)")
+  parser.add_argument("--repeats", type=int, default=2, help="timed calls per variant (the median is reported)")
+  parser.add_argument("--episodes", type=int, default=16, help="episodic: episodes (prompts x 1)")
+  parser.add_argument("--turns", type=int, default=4, help="episodic: turns per episode")
+  parser.add_argument("--env_median_ms", type=float, default=30.0, help="episodic: median environment step")
+  parser.add_argument("--env_sigma", type=float, default=1.0, help="episodic: log-normal sigma of env steps")
 
 
 def long_tailed_lengths(count: int, *, median: float, sigma: float, max_len: int, seed: int = 0):
@@ -118,8 +128,7 @@ def section_rollout(args, cfg) -> dict:
   import numpy as np
 
   from meshrl.model.tokenizer import ByteTokenizer
-  from meshrl.rl.engine import make_engine
-  from meshrl.rl.rollout import make_rollout
+  from meshrl.rl.step.spec import make_generator
   # pylint: enable=import-outside-toplevel
   cfg = copy.deepcopy(cfg)  # the settings below are this section's own; other sections see the given cfg
   tok = ByteTokenizer()
@@ -136,9 +145,11 @@ def section_rollout(args, cfg) -> dict:
   key = jax.random.key(cfg.seed)
   no_stop = ()  # stop tokens off: the drawn lengths are exact
 
-  static = make_rollout(cfg, mesh, stop_ids=no_stop, pad_id=tok.pad_id)
-  shared = make_engine(cfg, mesh, stop_ids=no_stop, pad_id=tok.pad_id, slots=args.slots)
-  unshared = make_engine(cfg, mesh, stop_ids=no_stop, pad_id=tok.pad_id, slots=args.slots, group_size=1)
+  static = make_generator(cfg, mesh, stop_ids=no_stop, pad_id=tok.pad_id)
+  continuous = copy.deepcopy(cfg)
+  continuous.rl.engine, continuous.rl.decode_slots = "continuous", args.slots
+  shared = make_generator(continuous, mesh, stop_ids=no_stop, pad_id=tok.pad_id)
+  unshared = make_generator(continuous, mesh, stop_ids=no_stop, pad_id=tok.pad_id, group_size=1)
   rep_tokens, rep_mask = np.repeat(tokens, group, 0), np.repeat(mask, group, 0)
   variants = {
       "static": lambda: static(state.params, state.extra, tokens, mask, key, max_lengths=lengths),
@@ -172,7 +183,7 @@ def _synthetic_scored(cfg, lengths, seed: int):
   import numpy as np
 
   from meshrl.model.tokenizer import ByteTokenizer
-  from meshrl.rl.batches import ScoredBatch
+  from meshrl.rl.batches.handover import ScoredBatch
   # pylint: enable=import-outside-toplevel
   tok, rng = ByteTokenizer(), np.random.default_rng(seed)
   batch, lp, n = len(lengths), cfg.rl.max_prompt_len, cfg.rl.max_new_tokens
@@ -197,7 +208,7 @@ def _synthetic_scored(cfg, lengths, seed: int):
 
 
 def section_update(args, cfg) -> dict:
-  """Update seconds of the same long-tailed trajectories, padded [B, S] vs packed [R, W] (rl/packing.py).
+  """Update seconds of the same long-tailed trajectories, padded [B, S] vs packed [R, W] (rl/batches/packing.py).
 
   Trajectories: --prompts x --group_size samples, responses of log-normal lengths (--median_len,
   --sigma, budget --max_new_tokens, as the rollout section). Both runs start from the same params
@@ -214,7 +225,7 @@ def section_update(args, cfg) -> dict:
   from meshrl.model.init import build_model
   from meshrl.model.tokenizer import ByteTokenizer
   from meshrl.model.transformer import ModelConfig
-  from meshrl.rl.step import build_run, prepare
+  from meshrl.rl.step.program import build_run, prepare
   from meshrl.sharding import make_mesh
   from meshrl.sharding.rules import data_parallel_size
   # pylint: enable=import-outside-toplevel
@@ -274,10 +285,10 @@ def section_step(args, cfg) -> dict:
   import numpy as np
 
   from meshrl import configs
-  from meshrl.rl import loop
+  from meshrl.rl.step import driver as loop
   from meshrl.rl.rewards import compose
-  from meshrl.rl.scoring import RewardPool
-  from meshrl.rl.step import rl_step
+  from meshrl.rl.rewards.pool import RewardPool
+  from meshrl.rl.step.program import rl_step
 
   base = list(args.overrides) + ["rl.sft_steps=0", "rl.dynamic_sampling=false", "rl.tis_level=token"]
   workers = args.reward_workers
@@ -324,7 +335,7 @@ def _rollout_variants(args, cfg, patches: dict) -> tuple[dict, dict]:
   import numpy as np
 
   from meshrl.model.tokenizer import ByteTokenizer
-  from meshrl.rl.rollout import make_rollout
+  from meshrl.rl.step.spec import make_generator
   # pylint: enable=import-outside-toplevel
   tok = ByteTokenizer()
   mesh, state = _fresh_state(cfg)
@@ -333,7 +344,7 @@ def _rollout_variants(args, cfg, patches: dict) -> tuple[dict, dict]:
   key = jax.random.key(cfg.seed)
   programs, outputs = {}, {}
   for name, patch in patches.items():
-    rollout = make_rollout(cfg, mesh, stop_ids=(), pad_id=tok.pad_id)
+    rollout = make_generator(cfg, mesh, stop_ids=(), pad_id=tok.pad_id)
     programs[name] = functools.partial(rollout, state.params, state.extra, tokens, mask, key)
     with patch() if patch is not None else contextlib.nullcontext():
       outputs[name] = jax.block_until_ready(programs[name]())  # traces and compiles under the patch
@@ -441,8 +452,78 @@ def section_floor(args, cfg) -> dict:
   return {"floor_detail": detail}
 
 
+class _SlowEnv:
+  """An environment whose step i of episode e sleeps delays[e][i] seconds, answers a short observation
+  and ends the episode after its last delay (the section's long-tailed environment)."""
+
+  def __init__(self, delays):
+    self.delays, self.turn = delays, 0
+
+  def reset(self, task):
+    self.turn = 0
+    return task["prompt"]
+
+  def step(self, action):
+    from meshrl.rl.envs.base import StepResult  # pylint: disable=import-outside-toplevel
+    time.sleep(self.delays[self.turn])
+    self.turn += 1
+    return StepResult(f"ok {self.turn}", 0.0, self.turn >= len(self.delays), {})
+
+
+def section_episodic(args, cfg) -> dict:
+  """Policy tokens/s of multi-turn episodes with long-tailed environment steps: turn-synchronous
+  (rl.engine=static) against the episodic scheduler (rl.engine=continuous), the same slots."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  import numpy as np
+
+  from meshrl.model.tokenizer import ByteTokenizer
+  from meshrl.rl.step.spec import episode_runner
+  # pylint: enable=import-outside-toplevel
+  tok = ByteTokenizer()
+  rng = np.random.default_rng(cfg.seed)
+  delays = np.exp(np.log(args.env_median_ms / 1e3) + args.env_sigma * rng.standard_normal((args.episodes, args.turns)))
+  examples = [{"prompt": f"task {e}: run it", "episode": e} for e in range(args.episodes)]
+  figures, detail, outputs = {}, {}, {}
+  for name, engine in (("static_multiturn", "static"), ("episodic", "continuous")):
+    run_cfg = copy.deepcopy(cfg)
+    run_cfg.rl.multi_turn, run_cfg.rl.engine, run_cfg.rl.group_size = True, engine, 1
+    run_cfg.rl.prompts_per_step = args.episodes
+    run_cfg.rl.max_turns, run_cfg.rl.max_turn_tokens, run_cfg.rl.max_obs_tokens = args.turns, 16, 16
+    run_cfg.rl.max_new_tokens = args.turns * (16 + 16)
+    run_cfg.rl.env_workers, run_cfg.rl.env_timeout_s = args.episodes, 60.0
+    run_cfg.rl.temperature = 1.0
+    run_cfg.model.max_seq_len = max(run_cfg.model.max_seq_len,
+                                    run_cfg.rl.max_prompt_len + run_cfg.rl.max_new_tokens + 16)
+    if engine == "continuous":
+      run_cfg.rl.decode_slots = args.episodes
+    _, state = _fresh_state(run_cfg)
+    runner = episode_runner(run_cfg, None, tok, make_env=lambda example: _SlowEnv(delays[example["episode"]]))
+    runner.rollout(state.params, state.extra, examples, jax.random.key(0))  # compile
+    times, out = [], None
+    for _ in range(args.repeats):  # the typical run, not the best: the median of the repeats
+      start = time.perf_counter()
+      out = runner.rollout(state.params, state.extra, examples, jax.random.key(1))
+      times.append(time.perf_counter() - start)
+    best = float(np.median(times))
+    runner.close()
+    tokens = sum(e.policy_tokens for e in out.episodes)
+    figures[f"{name}_tps"] = tokens / best
+    outputs[name] = out
+    detail[name] = {"seconds": best, "policy_tokens": tokens, "turns": sum(e.turns for e in out.episodes),
+                    "host_wait_s": out.counts["host_wait_s"], "decode_calls": out.counts["decode_calls"]}
+    print(f"  {name:<17} {best:8.3f} s  {tokens / best:10.0f} tokens/s", flush=True)
+  same = np.array_equal(outputs["episodic"].arrays["tokens"].to_host(), outputs["static_multiturn"].arrays["tokens"].to_host())
+  detail.update(episodes=args.episodes, turns=args.turns, env_median_s=float(np.median(delays)),
+                env_p99_s=float(np.percentile(delays, 99)),
+                env_p99_over_p50=float(np.percentile(delays, 99) / np.median(delays)),
+                same_episodes=bool(same), episodic_over_static=figures["episodic_tps"] / figures["static_multiturn_tps"])
+  return {**figures, "episodic_detail": detail}
+
+
 SECTIONS = {"rollout": section_rollout, "update": section_update, "step": section_step,
-            "ladder": section_ladder, "floor": section_floor, "cache_layout": section_cache_layout}
+            "ladder": section_ladder, "floor": section_floor, "cache_layout": section_cache_layout,
+            "episodic": section_episodic}
 
 
 def _print_variants(detail: dict | None, title: str, column: str, names: tuple[str, str], ratio: str) -> None:
@@ -492,6 +573,16 @@ def print_table(report: dict) -> None:
                   "1.3x over 2x")
   _print_variants(report.get("cache_layout_detail"), "per-layer KV cache layout", "layout",
                   ("per_layer", "token_major"), "per-layer layouts over token-major")
+  detail = report.get("episodic_detail")
+  if detail:
+    print(f"\nepisodes: {detail['episodes']} x {detail['turns']} turns, environment steps median "
+          f"{detail['env_median_s'] * 1e3:.0f} ms, p99 {detail['env_p99_s'] * 1e3:.0f} ms (p99/p50 "
+          f"{detail['env_p99_over_p50']:.1f})")
+    print(f"{'scheduler':<17} {'seconds':>8} {'tokens/s':>10} {'host wait s':>12}")
+    for name in ("static_multiturn", "episodic"):
+      d = detail[name]
+      print(f"{name:<17} {d['seconds']:8.3f} {report[name + '_tps']:10.0f} {d['host_wait_s']:12.3f}")
+    print(f"episodic / static: {detail['episodic_over_static']:.2f}x; same episodes: {detail['same_episodes']}")
   detail = report.get("floor_detail")
   if detail:
     print(f"\nsampler floor: static rollout of {detail['samples']} samples x {detail['max_new_tokens']} "

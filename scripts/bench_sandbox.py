@@ -1,4 +1,5 @@
-"""Sandbox start-up latency and pool throughput, next to a plain subprocess of the same program.
+"""Sandbox start-up latency and pool throughput, next to a plain subprocess of the same program;
+per-command latency in a persistent session next to one sandbox per command.
 
   python scripts/bench_sandbox.py --json /tmp/bench_sandbox.json
 
@@ -9,11 +10,17 @@ supervisor start inside the call) and through a warm one-worker `SandboxPool` (t
 starts while the current program runs); then runs per second at pool sizes 1, 2, 4, 8 for
 `true` and for `sleep 0.1`, sandboxed and plain, with the cost of isolation as a ratio. Targets
 (issue 10): start-up p50 < 50 ms; pool of 4 >= 3x a pool of 1 for the 100 ms sleep.
+
+Sessions (issue 32): the round trip of `true` (the call to its result) in a warm persistent session
+(`session_cmd_p50_ms`, top level of the JSON), side by side with the round trip of one sandbox per
+command (cold, and from a warm one-worker pool), as a ratio; and 8 sessions at once on their own
+threads, each running commands that echo its own token (commands/s, p50/p99 latency, and whether any
+output held another session's token). Targets: session p50 <= 5 ms; 8 concurrent sessions, no
+cross-talk.
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import os
@@ -23,7 +30,8 @@ import time
 
 import numpy as np
 
-from meshrl.rl.sandbox import Limits, Sandbox, SandboxPool
+from meshrl.configs import cli
+from meshrl.rl.sandbox import Limits, Sandbox, SandboxPool, Session, SessionSpec
 
 TRIVIAL = {"true": ["true"], "python": ["python3", "-c", "pass"]}
 SLEEP = ["sleep", "0.1"]
@@ -74,8 +82,49 @@ def throughput(argv: list[str], workers: int, runs: int, limits: Limits) -> dict
           "plain_over_sandbox": round(plain / sandboxed, 2)}
 
 
+def session_latency(limits: Limits, runs: int) -> dict:
+  """Round trip of `true` in one warm session (its shell already started)."""
+  with Session.start(SessionSpec(limits)) as session:
+    for _ in range(5):
+      session.run("true")
+    walls = []
+    for _ in range(runs):
+      start = time.monotonic()
+      result = session.run("true")
+      walls.append(time.monotonic() - start)
+      if not result.ok:
+        raise RuntimeError(f"`true` failed in the session: {result}")
+  return {"round_trip": _ms(walls)}
+
+
+def concurrent_sessions(limits: Limits, sessions: int, commands: int) -> dict:
+  """`sessions` sessions at once, `commands` commands each (a token echo, a variable, a file)."""
+  tokens = [f"token{i:02d}x{os.getpid()}" for i in range(sessions)]
+
+  def one(token):
+    walls, outputs = [], []
+    with Session.start(SessionSpec(limits)) as session:
+      session.run(f"T={token}; echo $T > mine")
+      for _ in range(commands):
+        start = time.monotonic()
+        outputs.append(session.run("echo $T; cat mine").stdout)
+        walls.append(time.monotonic() - start)
+    return walls, outputs
+
+  start = time.monotonic()
+  with concurrent.futures.ThreadPoolExecutor(sessions) as threads:
+    results = list(threads.map(one, tokens))
+  seconds = time.monotonic() - start
+  cross_talk = sum(out != f"{token}\n{token}\n".encode()
+                   for token, (_, outs) in zip(tokens, results) for out in outs)
+  walls = [w for ws, _ in results for w in ws]
+  return {"sessions": sessions, "commands": sessions * commands, "seconds": round(seconds, 2),
+          "commands_per_s": round(sessions * commands / seconds, 1), **_ms(walls),
+          "wrong_outputs": cross_talk}
+
+
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--json", help="write the figures here")
   parser.add_argument("--runs", type=int, default=40, help="runs per latency measurement")
   args = parser.parse_args(argv)
@@ -88,6 +137,14 @@ def main(argv=None) -> dict:
     for name, cmd in TRIVIAL.items():
       report["latency"][f"{name} warm pool"] = latency(lambda a: pool.submit(a).result(), cmd,
                                                        args.runs)
+  session = session_latency(limits, args.runs * 5)
+  session["round_trip_ratio_to_cold_sandbox_p50"] = round(
+      report["latency"]["true cold"]["round_trip"]["p50_ms"] / session["round_trip"]["p50_ms"], 1)
+  session["round_trip_ratio_to_warm_pool_p50"] = round(
+      report["latency"]["true warm pool"]["round_trip"]["p50_ms"] / session["round_trip"]["p50_ms"], 1)
+  session["concurrent"] = concurrent_sessions(limits, 8, 20)
+  report["session"] = session
+  report["session_cmd_p50_ms"] = session["round_trip"]["p50_ms"]
   for name, cmd, runs in (("true", TRIVIAL["true"], 32), ("sleep_100ms", SLEEP, 24)):
     rows = [throughput(cmd, workers, max(runs, 3 * workers), limits) for workers in POOL_SIZES]
     report["throughput"][name] = rows
@@ -97,7 +154,10 @@ def main(argv=None) -> dict:
       "startup_p50_ms_true_cold": cold, "startup_p50_under_50ms_cold": cold < 50,
       "startup_p50_ms_true_warm_pool": report["latency"]["true warm pool"]["startup"]["p50_ms"],
       "pool4_over_pool1_sleep_100ms": round(sleep_rows[4] / sleep_rows[1], 2),
-      "pool4_at_least_3x_pool1": sleep_rows[4] >= 3 * sleep_rows[1]}
+      "pool4_at_least_3x_pool1": sleep_rows[4] >= 3 * sleep_rows[1],
+      "session_cmd_p50_ms": report["session_cmd_p50_ms"],
+      "session_cmd_p50_at_most_5ms": report["session_cmd_p50_ms"] <= 5.0,
+      "eight_sessions_no_cross_talk": report["session"]["concurrent"]["wrong_outputs"] == 0}
   report["machine"]["loadavg_after"] = os.getloadavg()
   _print(report)
   if args.json:
@@ -119,6 +179,19 @@ def _print(report: dict):
     for row in rows:
       print(f"{name:<28}{row['workers']:>8}{row['sandbox_runs_per_s']:>10}"
             f"{row['plain_runs_per_s']:>10}{row['plain_over_sandbox']:>15}")
+  session = report["session"]
+  print(f"\n{'round trip of `true` (ms)':<40}{'p50':>8}{'p99':>8}")
+  print(f"{'persistent session (warm)':<40}{session['round_trip']['p50_ms']:>8}"
+        f"{session['round_trip']['p99_ms']:>8}")
+  for name in ("true cold", "true warm pool"):
+    row = report["latency"][name]["round_trip"]
+    print(f"{'one sandbox per command, ' + name[5:]:<40}{row['p50_ms']:>8}{row['p99_ms']:>8}")
+  print(f"session is {session['round_trip_ratio_to_cold_sandbox_p50']}x faster than a cold sandbox, "
+        f"{session['round_trip_ratio_to_warm_pool_p50']}x than a warm pool's")
+  c = session["concurrent"]
+  print(f"{c['sessions']} concurrent sessions: {c['commands']} commands in {c['seconds']} s "
+        f"({c['commands_per_s']}/s), p50 {c['p50_ms']} ms, p99 {c['p99_ms']} ms, "
+        f"wrong outputs {c['wrong_outputs']}")
   print("\ntargets:", json.dumps(report["targets"]))
 
 

@@ -1,5 +1,6 @@
 """Generation speed: plain greedy decoding against speculative decoding (a distilled draft, and n-gram
-prompt lookup), side by side in one run, plus the int8 quality figures (model/quant.py).
+prompt lookup), side by side in one run, through the generation engine (rl/generation) in an RL
+generator and in the server, plus the int8 quality figures (rl/generation/quality.py).
 
   python scripts/bench_speed.py --json /tmp/speed.json
   python scripts/bench_speed.py --only=ngram --new_tokens=64
@@ -10,14 +11,18 @@ returns flat JSON-ready figures; the table prints them all, ratios beside the ab
 speculative: a configs/tiny.py-like dense target made larger (--target_layers x --target_width),
   trained for --target_steps on the task (text of a random Markov chain: one likely successor per
   token), and a 1-layer narrow draft distilled on the target's own greedy completions of other prompts
-  of the task (train/distill.py); both then decode held-out prompts: decode tokens/s, time to first
+  of the task (rl/algo/distill.py); both then decode held-out prompts: decode tokens/s, time to first
   token, identical output, acceptance rate, tokens per target forward. The task is easy on purpose
   (the target's greedy text follows the chain's likeliest successors), so acceptance is near 1: the
   figure shows what verification and the loop cost, not how good a real draft is.
 ngram: a copy-heavy task: each prompt is the target's own greedy text (its seed and first
   --copy_context tokens), so the answer continues text the prompt already holds; prompt lookup
   (--ngram_k proposals) vs plain.
-int8: meshrl.model.quant.quality_report on the tiny model (greedy agreement, max logit error, cache bytes).
+int8: rl/generation/quality.int8_quality on the tiny model (greedy agreement, max logit error, cache bytes).
+server_speculative: the server (serve/engine.py) with the same target, one request at a time (batch 1):
+  plain, the distilled draft and n-gram lookup, tokens/s of whole requests and whether the speculative
+  server's greedy text is the plain server's (`server_plain_tps`, `server_speculative_tps`,
+  `server_ngram_tps`, `server_speculative_identical`).
 server: added by scripts/bench_server.py's section (p50/p99 latency, throughput, errors).
 
 Timings are wall-clock on whatever machine runs this (a shared CPU is noisy: rerun before trusting a
@@ -26,7 +31,6 @@ ratio); every timed call is compiled and warmed first, and the best of --repeats
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
@@ -36,12 +40,15 @@ import numpy as np
 import optax
 from flax import nnx
 
+from meshrl.configs import cli
 from meshrl.model.layers import RopeConfig
 from meshrl.model.transformer import ModelConfig, Transformer
-from meshrl.rl import speculative as sp
-from meshrl.rl.rollout import RolloutSpec, generate
-from meshrl.rl.sampling import Sampler
-from meshrl.train.distill import DistillConfig, distill, teacher_data
+from meshrl.rl.algo.distill import DistillConfig, distill
+from meshrl.rl.generation.core import StepConfig
+from meshrl.rl.generation.generator import Generator
+from meshrl.rl.generation.proposers import ProposerSpec
+from meshrl.rl.generation.sampling import Sampler
+from meshrl.rl.generation.spec import GenerationSpec
 
 VOCAB = 259  # the byte tokenizer's
 
@@ -69,33 +76,38 @@ def _random_prompts(seed: int, rows: int, length: int) -> jax.Array:
 
 
 class _Decoders:
-  """Plain and speculative greedy decoding of one target, jitted once per (method, length)."""
+  """Plain and speculative greedy decoding of one target through rl/generation Generators (the static
+  scheduler, no stop token), one per (method, length)."""
 
   def __init__(self, target: Transformer, draft: Transformer | None, k: int, ngram_n: int):
     self.target, self.k, self.ngram_n = target, k, ngram_n
     self.graphdef, self.params, self.rest = nnx.split(target, nnx.Param, ...)
     self.draft = draft
 
-  def spec(self, new_tokens: int) -> RolloutSpec:
-    return RolloutSpec(group_size=1, max_new_tokens=new_tokens, sampler=Sampler(0.0), stop_tokens=(), pad_id=0)
+  def _generator(self, prompts, new_tokens: int, proposer: ProposerSpec) -> Generator:
+    step = StepConfig(sampler=Sampler(0.0), stop_tokens=(), pad_id=0, proposer=proposer)
+    spec = GenerationSpec(step=step, group_size=1, prompt_len=prompts.shape[1], max_new_tokens=new_tokens)
+    draft = None
+    if proposer.method == "draft":
+      draft = (self.draft.config, nnx.split(self.draft, nnx.Param, ...)[1])
+    return Generator(spec, self.target.config, draft=draft)
+
+  def _run(self, prompts, new_tokens: int, proposer: ProposerSpec):
+    gen = self._generator(prompts, new_tokens, proposer)
+    mask = jnp.ones_like(prompts, bool)
+
+    def run():
+      out = gen(self.params, self.rest, prompts, mask, jax.random.key(0))
+      return out, gen.metrics
+    return run
 
   def plain(self, prompts, new_tokens: int):
-    spec = self.spec(new_tokens)
-    run = jax.jit(lambda p, x: generate(nnx.merge(self.graphdef, p, self.rest), spec, x, jnp.ones_like(x, bool),
-                                        jax.random.key(0)))
-    return lambda: run(self.params, prompts)
+    run = self._run(prompts, new_tokens, ProposerSpec())
+    return lambda: run()[0]
 
   def speculative(self, prompts, new_tokens: int, method: str):
-    spec, sc = self.spec(new_tokens), sp.SpecConfig(method=method, k=self.k, ngram_n=self.ngram_n)
-    draft_graph, draft_params, draft_rest = nnx.split(self.draft, nnx.Param, ...) if method == "draft" else (
-        None, None, None)
-
-    @jax.jit
-    def run(p, d, x):
-      draft = None if d is None else nnx.merge(draft_graph, d, draft_rest)
-      return sp.speculative_generate(nnx.merge(self.graphdef, p, self.rest), draft, spec, sc, x, jnp.ones_like(x, bool),
-                                     jax.random.key(0))
-    return lambda: run(self.params, draft_params, prompts)
+    k = self.k
+    return self._run(prompts, new_tokens, ProposerSpec(method, k=k, ngram_n=self.ngram_n))
 
 
 def _compare(args, decoders: _Decoders, prompts, method: str, prefix: str) -> dict:
@@ -110,8 +122,8 @@ def _compare(args, decoders: _Decoders, prompts, method: str, prefix: str) -> di
   return {
       "plain_tps": tokens / plain_s, f"{prefix}_tps": int(jnp.sum(out.lengths)) / spec_s,
       f"{prefix}_speedup": plain_s / spec_s, f"{prefix}_identical": identical,
-      f"{prefix}_acceptance_rate": float(metrics.acceptance_rate),
-      f"{prefix}_tokens_per_forward": float(metrics.tokens_per_forward),
+      f"{prefix}_acceptance_rate": float(metrics["acceptance_rate"]),
+      f"{prefix}_tokens_per_forward": float(metrics["tokens_per_forward"]),
       "plain_ttft_s": ttft_plain, f"{prefix}_ttft_s": ttft_spec}
 
 
@@ -167,11 +179,9 @@ def bench_speculative(args) -> dict:
   target = _target(args)
   draft = Transformer(_config(1, args.draft_width, args.max_len, args.init_std), rngs=nnx.Rngs(args.seed + 1))
   # Distil on the target's greedy completions of training prompts; measure on held-out prompts.
-  teacher = RolloutSpec(group_size=1, max_new_tokens=args.new_tokens, sampler=Sampler(0.0),
-                        stop_tokens=(), pad_id=0)
   train_prompts = _task_prompts(args, 100, args.distill_prompts)
   start = time.perf_counter()
-  batch = teacher_data(target, teacher, train_prompts, jnp.ones_like(train_prompts, bool), jax.random.key(0))
+  batch = _Decoders(target, None, args.k, args.ngram_n).plain(train_prompts, args.new_tokens)()
   history = distill(target, draft, batch, jax.random.key(1),
                     DistillConfig(steps=args.distill_steps, learning_rate=args.distill_lr,
                                   batch_size=args.distill_batch))
@@ -179,6 +189,7 @@ def bench_speculative(args) -> dict:
   decoders = _Decoders(target, draft, args.k, args.ngram_n)
   figures = _compare(args, decoders, _task_prompts(args, 7, args.batch), "draft", "speculative")
   figures["acceptance_rate"] = figures.pop("speculative_acceptance_rate")
+  _draft.cached = draft
   figures.update(distill_s=distill_s, distill_final_loss=history[-1]["loss"],
                  distill_greedy_agreement=history[-1]["greedy_agreement"],
                  target_train_loss=_target.final_loss)
@@ -195,16 +206,52 @@ def bench_ngram(args) -> dict:
   return {("ngram_plain_tps" if k == "plain_tps" else k): v for k, v in figures.items()}
 
 
+def _draft(args) -> Transformer:
+  """The distilled draft of bench_speculative (run first when absent)."""
+  if getattr(_draft, "cached", None) is None:
+    bench_speculative(args)
+  return _draft.cached
+
+
 def bench_int8(args) -> dict:
   from meshrl import configs  # pylint: disable=import-outside-toplevel
   from meshrl.model.init import build_model  # pylint: disable=import-outside-toplevel
-  try:
-    from meshrl.model.quant import quality_report  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    return {"int8_missing": True}
+  from meshrl.rl.generation.quality import int8_quality  # pylint: disable=import-outside-toplevel
   cfg = configs.load("configs/tiny.py", [f"model.max_seq_len={args.prompt_len + 256}"])
-  params = nnx.split(build_model(ModelConfig.from_config(cfg), seed=args.seed), nnx.Param, ...)[1]
-  return quality_report(cfg, params, _random_prompts(args.seed + 3, 4, args.prompt_len), new_tokens=256)
+  _, params, extra = nnx.split(build_model(ModelConfig.from_config(cfg), seed=args.seed), nnx.Param, ...)
+  return int8_quality(ModelConfig.from_config(cfg), params, extra, _random_prompts(args.seed + 3, 4, args.prompt_len),
+                      new_tokens=256)
+
+
+def bench_server_speculative(args) -> dict:
+  """The server (serve/engine.py) at batch 1: plain, the distilled draft (k = --k) and n-gram lookup
+  (k = --ngram_k) on the same held-out prompts; tokens/s over whole requests, the best of --repeats."""
+  from meshrl.serve.engine import Engine, EngineSpec  # pylint: disable=import-outside-toplevel
+  target, draft = _target(args), _draft(args)
+  prompts = [list(map(int, row)) for row in np.asarray(_task_prompts(args, 7, args.server_requests))]
+  texts, figures = {}, {}
+  for name, proposer in (("plain", ProposerSpec()), ("speculative", ProposerSpec("draft", k=args.k)),
+                         ("ngram", ProposerSpec("ngram", k=args.ngram_k, ngram_n=args.ngram_n))):
+    spec = EngineSpec(slots=1, max_len=args.max_len - proposer.window, chunk=args.server_chunk, prefix_cache_bytes=0)
+    engine = Engine(target, spec, stop_ids=(), pad_id=0, proposer=proposer,
+                    draft=draft if proposer.method == "draft" else None).start()
+    try:
+      engine.generate(prompts[0], args.new_tokens)  # compile
+      best = float("inf")
+      for _ in range(args.repeats):
+        start = time.perf_counter()
+        outputs = [engine.generate(p, args.new_tokens)[0] for p in prompts]
+        best = min(best, time.perf_counter() - start)
+      texts[name] = outputs
+      figures[f"server_{name}_tps"] = sum(len(o) for o in outputs) / best
+      figures[f"server_{name}_target_forwards"] = engine.metrics()["target_forwards"]
+    finally:
+      engine.close()
+  for name in ("speculative", "ngram"):
+    figures[f"server_{name}_speedup"] = figures[f"server_{name}_tps"] / figures["server_plain_tps"]
+  figures["server_speculative_identical"] = texts["speculative"] == texts["plain"]
+  figures["server_ngram_identical"] = texts["ngram"] == texts["plain"]
+  return figures
 
 
 def bench_server(args) -> dict:
@@ -220,12 +267,12 @@ def bench_server(args) -> dict:
 
 
 # name -> fn(args) -> {figure: value}. The server section (scripts/bench_server.py) is added here.
-SECTIONS = {"speculative": bench_speculative, "ngram": bench_ngram, "int8": bench_int8,
-            "server": bench_server}
+SECTIONS = {"speculative": bench_speculative, "ngram": bench_ngram, "server_speculative": bench_server_speculative,
+            "int8": bench_int8, "server": bench_server}
 
 
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli.ArgumentParser(description=__doc__)
   parser.add_argument("--json", default="", help="write the figures here")
   parser.add_argument("--only", default="", help=f"comma-separated sections of {sorted(SECTIONS)}")
   parser.add_argument("--batch", type=int, default=1, help="rows decoded together (latency: 1)")
@@ -247,6 +294,8 @@ def parse_args(argv=None):
   parser.add_argument("--distill_batch", type=int, default=16)
   parser.add_argument("--distill_lr", type=float, default=3e-3)
   parser.add_argument("--repeats", type=int, default=2)
+  parser.add_argument("--server_requests", type=int, default=4, help="server_speculative: requests timed")
+  parser.add_argument("--server_chunk", type=int, default=16, help="server_speculative: decode steps per chunk")
   parser.add_argument("--seed", type=int, default=0)
   return parser.parse_args(argv)
 

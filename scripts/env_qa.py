@@ -1,10 +1,13 @@
 """The environment quality gate over terminal task directories (rl/envs/quality.py).
 
   python scripts/env_qa.py --tasks DIR [DIR ...] --json report.json [--quarantine q.jsonl] \
-      [--k 3] [--repeats 5] [--workers 2] [--samples 4] \
+      [--k 3] [--repeats 5] [--workers 2] [--samples 4] [--runtime build|host] [--jsonl FILE ...] \
       [--policy module:factory | --checkpoint CKPT --config PRESET [--config.a.b=v ...]]
 
-Each DIR is a task directory or a folder of them. Writes {"tasks": n, "quarantined": [ids],
+Each DIR is a task directory or a folder of them (terminal tasks, or Terminal-Bench tasks whose
+runtimes --runtime builds or takes from the host, rl/envs/tbench.py). --jsonl gates single-turn
+datasets too (rl/envs/dataset_gate.py: the reference answer passes its own verifier, a blank answer
+fails, no duplicate prompts), reported under "datasets" {file: report}. Writes {"tasks": n, "quarantined": [ids],
 "reasons": {id: reason}, "curriculum": {id: flag}, "seconds": {...}, "wall_s": s} (with --checkpoint
 also "policy": {"calls", "generated_tokens", "context_full"}) to --json and
 appends the quarantined ids to the quarantine list (default: quarantine.jsonl beside the JSON), the
@@ -13,19 +16,19 @@ flags the tasks it always or never solves ("curriculum"): --policy names a facto
 `() -> generate(conversation)`; --checkpoint is a meshrl checkpoint (a step folder, checkpoints/ or a
 work dir) of the model of --config (preset and overrides, as scripts/rl.py takes them), loaded onto one
 device and decoded by serve/engine.py's Engine at rl.temperature (0 = greedy), rl.max_turn_tokens
-tokens per turn, its conversation rendered as rl/multiturn.py renders an episode. Exit status 0 even
+tokens per turn, its conversation rendered as rl/step/episodes.py renders an episode. Exit status 0 even
 when tasks are quarantined; 2 for bad flags.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
 import sys
 import time
 
+from meshrl.configs import cli
 from meshrl.rl.envs.quality import Quarantine, run_gate
 
 
@@ -37,9 +40,9 @@ def _policy(spec: str):
 
 
 def render_conversation(tokenizer, conversation) -> str:
-  """An episode's messages as the policy reads them in rl/multiturn.py: the task as the rendered
+  """An episode's messages as the policy reads them in rl/step/episodes.py: the task as the rendered
   prompt, then the policy's turns as generated and each observation between `<out>` tags."""
-  from meshrl.rl.multiturn import render_observation  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.episodes import render_observation  # pylint: disable=import-outside-toplevel
   if not conversation or conversation[0]["role"] != "user":
     raise ValueError("a conversation starts with the task's user message")
   parts = [tokenizer.render_prompt(conversation[0]["content"])]
@@ -115,8 +118,11 @@ class CheckpointPolicy:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--tasks", nargs="+", required=True)
+  parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--tasks", nargs="+", default=[])
+  parser.add_argument("--jsonl", nargs="+", default=[], help="JSONL datasets to gate")
+  parser.add_argument("--runtime", choices=("build", "host"), default="build",
+                      help="how Terminal-Bench tasks get their runtime")
   parser.add_argument("--json", required=True)
   parser.add_argument("--quarantine", default="")
   parser.add_argument("--k", type=int, default=3, help="oracle runs that must all pass")
@@ -129,9 +135,14 @@ def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   overrides = [a[len("--config."):] for a in argv if a.startswith("--config.")]
   args = parser.parse_args([a for a in argv if not a.startswith("--config.")])
+  if not args.tasks and not args.jsonl:
+    parser.error("give --tasks (task directories) and/or --jsonl (datasets)")
   for path in args.tasks:
     if not os.path.isdir(path):
       parser.error(f"--tasks {path!r}: no such directory")
+  for path in args.jsonl:
+    if not os.path.isfile(path):
+      parser.error(f"--jsonl {path!r}: no such file")
   if args.k < 1 or args.repeats < 2 or args.workers < 1 or args.samples < 1:
     parser.error("--k, --workers and --samples must be >= 1 and --repeats >= 2")
   if args.policy and args.checkpoint:
@@ -156,12 +167,19 @@ def main(argv=None) -> int:
   quarantine_path = args.quarantine or os.path.join(os.path.dirname(os.path.abspath(args.json)),
                                                     "quarantine.jsonl")
   started = time.monotonic()
+  quarantine = Quarantine(quarantine_path)
   try:
-    report = run_gate(args.tasks, k=args.k, repeats=args.repeats, workers=args.workers, policy=policy,
-                      samples=args.samples, quarantine=Quarantine(quarantine_path))
+    report = (run_gate(args.tasks, k=args.k, repeats=args.repeats, workers=args.workers, policy=policy,
+                       samples=args.samples, quarantine=quarantine, runtime=args.runtime)
+              if args.tasks else {"tasks": 0, "quarantined": [], "reasons": {}, "curriculum": {},
+                                  "seconds": {}})
   finally:
     if hasattr(policy, "close"):
       policy.close()
+  if args.jsonl:
+    from meshrl.rl.envs.dataset_gate import gate_jsonl  # pylint: disable=import-outside-toplevel
+    report["datasets"] = {path: gate_jsonl(path, quarantine=quarantine, workers=args.workers)
+                          for path in args.jsonl}
   report["wall_s"] = round(time.monotonic() - started, 2)
   if isinstance(policy, CheckpointPolicy):
     report["policy"] = dict(policy.stats)
@@ -173,6 +191,10 @@ def main(argv=None) -> int:
     print(f"QUARANTINED {task_id}: {report['reasons'][task_id][:150]}")
   for task_id, flag in sorted(report["curriculum"].items()):
     print(f"curriculum {task_id}: {flag}")
+  for path, dataset in report.get("datasets", {}).items():
+    print(f"{path}: {dataset['rows']} rows, {len(dataset['quarantined'])} flagged")
+    for row_id in dataset["quarantined"][:20]:
+      print(f"  FLAGGED {row_id}: {dataset['reasons'][row_id][:150]}")
   print(f"{report['tasks']} tasks, {len(report['quarantined'])} quarantined, "
         f"{report['wall_s']} s; report {args.json}, quarantine list {quarantine_path}")
   return 0

@@ -27,22 +27,24 @@ def main(argv):
   import jax
 
   from meshrl.model.tokenizer import tokenizer_from_config
-  from meshrl.rl.evaluation import Evaluator, held_out_examples
-  from meshrl.rl.loop import train_prompts, train_source
+  from meshrl.rl.step.evaluation import Evaluator, held_out_examples
+  from meshrl.rl.step.driver import check_config, train_prompts, train_source
   from meshrl.sharding import make_mesh
   from meshrl.train.init_from import check_initial_model, initial_model
   from meshrl.train.state import split_model
   # pylint: enable=import-outside-toplevel
+  # Everything that can refuse the evaluation, before anything is computed or written.
+  check_config(cfg)  # the config a run would accept (rl.* sizes and sampling, data, eval, model)
   if args.checkpoint:
+    if not os.path.exists(args.checkpoint):
+      raise ValueError(f"--checkpoint={args.checkpoint!r} does not exist.")
     cfg.model.init_from = os.path.abspath(args.checkpoint)
-  try:
-    check_initial_model(cfg)
-    mesh = make_mesh(cfg.mesh)
-    source = train_source(cfg)
-    examples = held_out_examples(cfg, train_prompts=train_prompts(source))
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  check_initial_model(cfg)
+  mesh = make_mesh(cfg.mesh)
+  source = train_source(cfg)
+  examples = held_out_examples(cfg, train_prompts=train_prompts(source))
+  if not examples:
+    raise ValueError("there are no held-out prompts to evaluate (eval.jsonl, data.eval_fraction).")
   tokenizer = tokenizer_from_config(cfg)
   _, params, extra = split_model(initial_model(cfg, mesh))
   evaluator = Evaluator(cfg, mesh, tokenizer, examples)
@@ -58,4 +60,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(cli.run(main, sys.argv[1:]))

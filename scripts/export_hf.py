@@ -31,7 +31,8 @@ def _flags(parser):
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
   parser.add_argument("--dtype", default=None, help="tensor dtype written (default: the parameters')")
   parser.add_argument("--architecture", default=None,
-                      help="Qwen3MoeForCausalLM or DeepseekV3ForCausalLM (default: from the config)")
+                      help="Qwen3MoeForCausalLM, DeepseekV3ForCausalLM or, for a reward model (scripts/"
+                           "train_rm.py), Qwen3MoeForSequenceClassification (default: a causal LM of the config)")
 
 
 def _architecture(cfg, given: str | None) -> str:
@@ -52,8 +53,11 @@ def _check(args, cfg) -> tuple[str, int, str]:
   from meshrl.model import convert  # pylint: disable=import-outside-toplevel
   from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
   from meshrl.train import init_from  # pylint: disable=import-outside-toplevel
+  convert.check_export_dtype(args.dtype, field="--dtype")
+  if os.path.exists(args.out) and not os.path.isdir(args.out):
+    raise ValueError(f"--out={args.out!r} is a file; give a new or empty folder.")
   if os.path.isdir(args.out) and os.listdir(args.out):
-    raise ValueError(f"--out={args.out!r} exists and is not empty.")
+    raise ValueError(f"--out={args.out!r} exists and is not empty; give a new or empty folder.")
   if not os.path.exists(args.checkpoint):
     raise ValueError(f"--checkpoint={args.checkpoint!r} does not exist.")
   folder = init_from.checkpoint_dir(args.checkpoint)
@@ -108,14 +112,12 @@ def main(argv):
   from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
   from meshrl.sharding import make_mesh  # pylint: disable=import-outside-toplevel
   from meshrl.train import init_from  # pylint: disable=import-outside-toplevel
-  try:
-    folder, step, architecture = _check(args, cfg)
-    mesh = make_mesh(cfg.mesh)
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  folder, step, architecture = _check(args, cfg)  # bad input: one line (cli.run), nothing written
+  mesh = make_mesh(cfg.mesh)
   model = init_from.restore_params(folder, ModelConfig.from_config(cfg, mesh), mesh, step=step)
-  written = convert.export_checkpoint(model, cfg, args.out, architecture, dtype=args.dtype)
+  # A sequence classifier reads each row's score at its last non-pad token: it needs the pad id.
+  pad_id = tokenizer_from_config(cfg).pad_id if architecture.endswith("ForSequenceClassification") else None
+  written = convert.export_checkpoint(model, cfg, args.out, architecture, dtype=args.dtype, pad_token_id=pad_id)
   if cfg.model.tokenizer != "byte":
     written += _copy_tokenizer(cfg, args.out, tokenizer_from_config(cfg))
   else:
@@ -125,4 +127,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(cli.run(main, sys.argv[1:]))

@@ -9,15 +9,15 @@ Six families (rl/envs/terminal_tasks.py) x --per-family tasks; check them with s
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
+from meshrl.configs import cli
 from meshrl.rl.envs import terminal_tasks
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", required=True, help="folder the task folders are written into")
   parser.add_argument("--per-family", type=int, default=12)
   parser.add_argument("--seed", type=int, default=0)

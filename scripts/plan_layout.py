@@ -1,7 +1,7 @@
 """Which mesh should a config use on a TPU topology? Enumerates the mesh shapes (stages included) that
 divide the chips and split what each axis splits, estimates them from shapes, compiles the RL step's
-programs for the most promising ones and the config's own mesh (rl/aot.py, on this CPU through libtpu),
-and ranks them by projected RL step time among those that fit in 90% of a chip's HBM (rl/planner.py).
+programs for the most promising ones and the config's own mesh (rl/step/aot.py, on this CPU through libtpu),
+and ranks them by projected RL step time among those that fit in 90% of a chip's HBM (rl/step/planner.py).
 
   python scripts/plan_layout.py --config=configs/paper_3t.py --topology=v5p:16x16x16 \
       --json runs/plan_paper_3t.json --markdown runs/plan_paper_3t.md
@@ -41,7 +41,7 @@ def main(argv) -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  from meshrl.rl import aot, planner  # pylint: disable=import-outside-toplevel  (imports jax)
+  from meshrl.rl.step import aot, planner  # pylint: disable=import-outside-toplevel  (imports jax)
   from meshrl.train.metrics import PEAK_FLOPS  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   steps = [s.strip() for s in args.steps.split(",") if s.strip()]
@@ -77,7 +77,7 @@ def main(argv) -> int:
   def compile_fn(trial, step):
     report = aot.compile_step(step, trial, aot.topology_mesh(trial, devices), args.topology)
     gib = f"{report.per_chip['total'] / 2 ** 30:.1f} GiB" if report.per_chip else "out of memory"
-    print(f"  {dict((a, trial.mesh[a]) for a in ('data', 'stage', 'fsdp', 'expert', 'sequence', 'tensor'))} "
+    print(f"  {dict((a, trial.mesh[a]) for a in planner.MESH_AXES)} "
           f"{step}: {gib}, compiled in {report.compile_s:.0f} s", flush=True)
     return report
 

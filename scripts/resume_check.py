@@ -22,7 +22,6 @@ restart loads its programs instead of compiling them again.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -31,6 +30,8 @@ import signal
 import subprocess
 import sys
 import time
+
+from meshrl.configs import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = ("rl.num_steps=10", "rl.sft_steps=6", "checkpoint.every=1", "checkpoint.max_to_keep=2",
@@ -131,19 +132,51 @@ def _kill(proc) -> None:
   proc.wait()
 
 
+MARKER = ".meshrl_resume_check"  # in a scratch folder this script made, so it may replace it
+
+
+def check_inputs(args, overrides) -> None:
+  """ValueError in one line, before anything is written or deleted: the demo's config with the
+  --override values must pass the run's checks, the counts must be in range, and --workdir must be
+  new, empty or a scratch folder of an earlier resume_check (it deleted whatever --workdir held
+  before finding a bad override)."""
+  from meshrl.configs import load  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.driver import check_config  # pylint: disable=import-outside-toplevel
+  if args.kills < 1:
+    raise ValueError(f"--kills={args.kills} must be at least 1.")
+  check_config(load(os.path.join(REPO, "configs", "tiny.py"), overrides))
+  workdir = args.workdir
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ValueError(f"--workdir={workdir!r} is a file; give a new or empty folder.")
+  if os.path.isdir(workdir) and os.listdir(workdir) and not os.path.exists(os.path.join(workdir, MARKER)):
+    raise ValueError(f"--workdir={workdir!r} holds files this script did not make; give a new or empty "
+                     "folder (it is emptied and reused on every run).")
+
+
+def fresh_scratch(workdir: str) -> None:
+  """An empty `workdir` marked as this script's: an earlier run's scratch folder (marked) is
+  replaced; anything else was refused by `check_inputs`."""
+  if os.path.exists(os.path.join(workdir, MARKER)):
+    shutil.rmtree(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, MARKER), "w", encoding="utf-8") as f:
+    f.write("scratch folder of scripts/resume_check.py; replaced by its next run\n")
+
+
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli.ArgumentParser(description=__doc__)
   parser.add_argument("--kills", type=int, default=20, help="SIGKILLs during the second run")
   parser.add_argument("--json", required=True, help="where to write the result")
-  parser.add_argument("--workdir", default="/tmp/meshrl_resume_check", help="scratch folder (replaced)")
+  parser.add_argument("--workdir", default="/tmp/meshrl_resume_check",
+                      help="scratch folder: new, empty, or made by an earlier run of this script (replaced)")
   parser.add_argument("--seed", type=int, default=0, help="seed of the kill moments")
   parser.add_argument("--override", action="append", default=[],
                       help="extra config overrides a.b=value, after the built-in short demo ones")
   args = parser.parse_args(argv)
   overrides = SHORT + tuple(args.override)
+  check_inputs(args, overrides)  # before the scratch folder is touched
   rng = random.Random(args.seed)
-  shutil.rmtree(args.workdir, ignore_errors=True)
-  os.makedirs(args.workdir)
+  fresh_scratch(args.workdir)
   env = _env(os.path.join(args.workdir, "xla_cache"))
   reference, killed = os.path.join(args.workdir, "reference"), os.path.join(args.workdir, "killed")
   t_start = time.perf_counter()
@@ -213,7 +246,7 @@ def main(argv=None) -> int:
             "identical_metrics": False, "identical_params": False,
             "corrupt_checkpoints": len(corrupt)}
   if finished:
-    from meshrl.rl.loop import metrics_equal  # pylint: disable=import-outside-toplevel
+    from meshrl.rl.step.driver import metrics_equal  # pylint: disable=import-outside-toplevel
     result["identical_metrics"] = all(
         metrics_equal(_records(reference, name), _records(killed, name))
         for name in ("metrics.jsonl", "sft/metrics.jsonl", "eval.jsonl"))
@@ -238,4 +271,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(cli.run(main, sys.argv[1:]))

@@ -8,11 +8,13 @@
 
 Writes into the work directory (cfg.workdir, or --workdir): config.json, metrics.jsonl (one record
 per RL step), eval.jsonl (held-out evaluations, with eval.every > 0), TensorBoard events (tb/),
-reward_curve.png, sft/ (warm start) and checkpoints/. Every config error is reported as one line
-before anything runs or is written.
+reward_curve.png, sft/ (warm start) and checkpoints/. Running the same command again resumes from
+the latest checkpoint; a folder holding another run is refused unless --overwrite (which removes
+that run's outputs). Every bad input (config, files, rows, checkpoints, disk space) is reported as
+one line before anything is written. Ctrl-C or SIGTERM saves the step in flight and exits 0.
+With rl.num_steps=0 the job is the warm start (and its evaluation) alone.
 """
 
-import json
 import os
 import sys
 
@@ -22,27 +24,25 @@ from meshrl.configs import cli
 def main(argv):
   def flags(parser):
     parser.add_argument("--workdir", default=None, help="output folder (default: cfg.workdir)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a run found in the work directory instead of refusing")
   args, cfg = cli.parse(argv, add_flags=flags, description=__doc__)
   cli.join_job(args)  # several processes (a pod): join the job before jax touches a device
-  import jax  # pylint: disable=import-outside-toplevel  (after --cpu_devices)
-  from meshrl.rl import loop  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step import driver as loop  # pylint: disable=import-outside-toplevel  (after --cpu_devices)
   workdir = args.workdir or cfg.workdir.format(name=cfg.name)
-  try:
-    loop.check_config(cfg, jax.device_count())
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  records = loop.run(cfg, workdir)
+  records = loop.run(cfg, workdir, overwrite=args.overwrite)
   if records:
     tenth = max(1, len(records) // 10)
     first = sum(r["reward_mean"] for r in records[:tenth]) / tenth
     last = sum(r["reward_mean"] for r in records[-tenth:]) / tenth
     print(f"reward_mean: first {tenth} steps {first:.3f} -> last {tenth} steps {last:.3f} "
           f"({last - first:+.3f}); outputs in {workdir}")
+  elif cfg.rl.num_steps == 0:
+    print(f"rl.num_steps=0: the warm start alone; outputs in {workdir}")
+  from meshrl.train.metrics import read_jsonl  # pylint: disable=import-outside-toplevel
   evals = os.path.join(workdir, "eval.jsonl")
-  if os.path.exists(evals):
-    with open(evals, encoding="utf-8") as f:
-      rows = [json.loads(line) for line in f]
+  rows = read_jsonl(evals) if os.path.exists(evals) else []
+  if rows:
     print(f"held-out greedy accuracy: step {rows[0]['step']} {rows[0]['eval/accuracy']:.3f} -> "
           f"step {rows[-1]['step']} {rows[-1]['eval/accuracy']:.3f} "
           f"({rows[-1]['eval/accuracy'] - rows[0]['eval/accuracy']:+.3f}, "
@@ -51,4 +51,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(cli.run(main, sys.argv[1:]))

@@ -11,6 +11,7 @@ Routes: /v1/completions, /v1/chat/completions (stream or not), /v1/models, /heal
 """
 
 import os
+import socket
 import sys
 
 from meshrl.configs import cli
@@ -25,14 +26,15 @@ def _flags(parser):
 def build(cfg, mesh=None):
   """(engine, tokenizer, model name) for cfg: the model of model.init_from (random when empty) in the
   rollout layout with rl.kv_cache_dtype and rl.generation_weights, an engine of cfg.serve's numbers
-  (not started)."""
+  speculating as rl.speculative says (a draft from rl.draft_config / rl.draft_checkpoint), not started."""
   # pylint: disable=import-outside-toplevel  (jax only after --cpu_devices)
   from flax import nnx
 
-  from meshrl.model import quant
   from meshrl.model.tokenizer import tokenizer_from_config
   from meshrl.model.transformer import Transformer
-  from meshrl.rl.rollout import rollout_model_config
+  from meshrl.rl.generation.proposers import ProposerSpec
+  from meshrl.rl.generation.weights import WeightsSpec, make_prepare
+  from meshrl.rl.step.spec import load_draft, rollout_model_config
   from meshrl.serve.engine import Engine, EngineSpec
   from meshrl.sharding.rules import rules_from_config
   from meshrl.train.init_from import check_initial_model, initial_model
@@ -44,11 +46,35 @@ def build(cfg, mesh=None):
   _, params, extra = split_model(initial_model(cfg, mesh))
   mc = rollout_model_config(cfg, mesh)  # the rollout's layout and rl.kv_cache_dtype
   graphdef, abstract, _ = nnx.split(nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(0))), nnx.Param, ...)
-  if cfg.rl.generation_weights != "full":  # int8 weights, as rl/rollout.py's with_generation_weights
-    params = quant.make_weight_quantizer(abstract, mesh, rules_from_config(cfg.mesh))(params)
+  # int8 weights / the gathered layout: the generation weights every generator reads
+  params = make_prepare(WeightsSpec(cfg.rl.generation_weights, cfg.rl.generation_layout), abstract, mesh,
+                        rules_from_config(cfg.mesh))(params)
+  proposer = ProposerSpec(cfg.rl.speculative, cfg.rl.speculative_k, cfg.rl.ngram_n)
+  draft = None
+  if proposer.method == "draft":
+    draft_mc, draft_params = load_draft(cfg, mesh)
+    draft_graph, _, draft_rest = nnx.split(nnx.eval_shape(lambda: Transformer(draft_mc, rngs=nnx.Rngs(0))),
+                                           nnx.Param, ...)
+    draft = nnx.merge(draft_graph, draft_params, draft_rest)
   engine = Engine(nnx.merge(graphdef, params, extra), spec, stop_ids=tokenizer.stop_ids,
-                  pad_id=tokenizer.pad_id)
+                  pad_id=tokenizer.pad_id, proposer=proposer, draft=draft)
   return engine, tokenizer, cfg.serve.model_name or cfg.name
+
+
+def check_address(host: str, port: int) -> None:
+  """ValueError in one line unless `port` is a TCP port (1..65535) that `host` can listen on now (a
+  port out of range was reported as given and listened on modulo 65536; one in use failed only after
+  the model had loaded)."""
+  if not 1 <= port <= 65535:
+    raise ValueError(f"--port={port} must lie in 1..65535.")
+  try:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+      probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      probe.bind((host, port))
+  except OSError as error:
+    raise ValueError(f"--host={host} --port={port}: cannot listen there ({error.strerror or error}); choose "
+                     "another --port (or --host).") from None
 
 
 def main(argv):
@@ -56,16 +82,17 @@ def main(argv):
   # pylint: disable=import-outside-toplevel
   import uvicorn
 
+  from meshrl.configs import checks
   from meshrl.serve.app import make_app
   from meshrl.sharding import make_mesh
   # pylint: enable=import-outside-toplevel
+  check_address(args.host, args.port)
+  checks.check_sections(cfg, "serve")
   if args.checkpoint:
+    if not os.path.exists(args.checkpoint):
+      raise ValueError(f"--checkpoint={args.checkpoint!r} does not exist.")
     cfg.model.init_from = os.path.abspath(args.checkpoint)
-  try:
-    engine, tokenizer, name = build(cfg, make_mesh(cfg.mesh))
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  engine, tokenizer, name = build(cfg, make_mesh(cfg.mesh))  # bad input: one line (cli.run)
   engine.start()
   print(f"serving {name!r} ({cfg.model.init_from or 'random init'}) on http://{args.host}:{args.port}/v1 "
         f"with {engine.spec.slots} slots, context {engine.spec.max_len}", flush=True)
@@ -78,4 +105,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(cli.run(main, sys.argv[1:]))

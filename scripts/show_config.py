@@ -51,7 +51,7 @@ def print_dispatch_plan(config, mesh) -> None:
   # pylint: disable=import-outside-toplevel
   from meshrl.model import moe, moe_dispatch
   from meshrl.model.transformer import ModelConfig
-  from meshrl.sharding.mesh import platform
+  from meshrl.sharding.mesh import EXPERT_AXIS, axis_size, platform
   # pylint: enable=import-outside-toplevel
   mc = ModelConfig.from_config(config, mesh)  # also checks moe.dispatch and moe.capacity_factor
   if not mc.num_moe_layers:
@@ -62,9 +62,9 @@ def print_dispatch_plan(config, mesh) -> None:
             "prefill": rl.prompts_per_step * rl.max_prompt_len, "decode": rows}
   backend = platform(mesh)
   print(f"\n# moe dispatch: {mc.dispatch} on {backend}")
-  if mesh.shape["expert"] > 1:
+  if axis_size(mesh, EXPERT_AXIS) > 1:
     dropping = " (drops overflow)" if mc.dispatch == "capacity" else ""
-    print(f"  every phase: expert_parallel all-to-all over {mesh.shape['expert']} devices{dropping}")
+    print(f"  every phase: expert_parallel all-to-all over {axis_size(mesh, EXPERT_AXIS)} devices{dropping}")
     print(f"  expert weights (moe.ep_weights={mc.ep_weights}; bytes each layout moves or holds beyond "
           f"the other, per device per call: expert_parallel.ep_weight_bytes):")
     for phase, (layout, cost) in moe.ep_weights_plan(mc, mesh, tokens).items():
@@ -78,4 +78,4 @@ def print_dispatch_plan(config, mesh) -> None:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(cli.run(main, sys.argv[1:]))

@@ -52,26 +52,30 @@ async def _body(request: HTTPRequest) -> dict:
 
 
 class _Call:
-  """One request's link to the engine: submit, receive events on this event loop, cancel."""
+  """One sample's link to the engine: submit, receive events on this event loop, cancel. Sample i of
+  a request with a seed draws with seed + i (n samples of one seeded request differ, and repeat)."""
 
-  def __init__(self, engine: Engine, gen: api.Generation):
+  def __init__(self, engine: Engine, gen: api.Generation, index: int = 0):
     if not engine.is_alive():
       raise api.APIError(503, "the generation engine is not running.", kind="server_error")
     loop = asyncio.get_running_loop()
-    self.engine, self.events = engine, asyncio.Queue()
+    self.engine, self.events, self.index = engine, asyncio.Queue(), index
+    seed = None if gen.seed is None else (gen.seed + index) % 2**31
     self.request = Request(prompt=list(gen.prompt_ids), max_tokens=gen.max_tokens,
-                           temperature=gen.temperature, top_p=gen.top_p, seed=gen.seed,
+                           temperature=gen.temperature, top_p=gen.top_p, seed=seed,
                            emit=lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event))
     try:
       engine.submit(self.request)
     except ValueError as e:
       raise api.APIError(400, str(e)) from None
-    self.tokens = 0  # generated so far
+    self.tokens: list[int] = []  # generated so far
+    self.logprobs: list[float] = []
     self.ended = False
 
   async def next(self, timeout: float | None = None) -> Event:
     event = await asyncio.wait_for(self.events.get(), timeout)
-    self.tokens += len(event.tokens)
+    self.tokens += list(event.tokens)
+    self.logprobs += list(event.logprobs)
     self.ended = event.finish_reason is not None
     return event
 
@@ -82,64 +86,110 @@ class _Call:
       self.ended = True
 
 
+def _calls(engine: Engine, gen: api.Generation) -> list[_Call]:
+  """The request's n samples, submitted (all cancelled if one is refused)."""
+  calls = []
+  try:
+    for index in range(gen.n):
+      calls.append(_Call(engine, gen, index))
+  except api.APIError:
+    for call in calls:
+      call.cancel()
+    raise
+  return calls
+
+
 def _sse(obj) -> str:
   return f"data: {json.dumps(obj)}\n\n"
 
 
-async def _stream(call: _Call, gen: api.Generation, tokenizer: Tokenizer, model: str) -> AsyncIterator[str]:
-  rid, text = api.new_id(gen.chat), TextStream(tokenizer, gen.stop)
+async def _sample_events(call: _Call, gen: api.Generation, tokenizer: Tokenizer):
+  """(delta text, its tokens' log-probs, finish reason or None, error or None) of one sample, as
+  events arrive; the last has a finish reason or an error."""
+  text = TextStream(tokenizer, gen.stop)
+  while True:
+    event = await call.next()
+    if event.error:
+      yield None, None, None, event.error
+      return
+    delta = text.push(event.tokens)
+    finish = None
+    if text.stopped:
+      call.cancel("stop")
+      finish = "stop"
+    elif event.finish_reason is not None:
+      delta += text.flush()
+      finish = event.finish_reason
+    yield delta, api.token_logprobs(gen, tokenizer, event.tokens, event.logprobs), finish, None
+    if finish is not None:
+      return
+
+
+async def _stream(calls: list[_Call], gen: api.Generation, tokenizer: Tokenizer, model: str) -> AsyncIterator[str]:
+  """Server-sent events of every sample, interleaved as they arrive (each chunk names its index)."""
+  rid = api.new_id(gen.chat)
+  streams = {call.index: _sample_events(call, gen, tokenizer).__aiter__() for call in calls}
+  pending = {asyncio.ensure_future(stream.__anext__()): index for index, stream in streams.items()}
   try:
     if gen.chat:
-      yield _sse(api.chunk(rid, model, gen, None, role=True))
-    finish = None
-    while finish is None:
-      event = await call.next()
-      if event.error:
-        yield _sse(api.APIError(500, event.error, kind="server_error").body())
-        break
-      delta = text.push(event.tokens)
-      if text.stopped:
-        call.cancel("stop")
-        finish = "stop"
-      elif event.finish_reason is not None:
-        delta += text.flush()
-        finish = event.finish_reason
-      if delta:
-        yield _sse(api.chunk(rid, model, gen, delta))
-    if finish is not None:
-      yield _sse(api.chunk(rid, model, gen, None if gen.chat else "", finish))
-      if gen.include_usage:
-        yield _sse(api.usage_chunk(rid, model, gen, call.tokens))
+      for call in calls:
+        yield _sse(api.chunk(rid, model, gen, None, role=True, index=call.index))
+    failed = False
+    while pending and not failed:
+      done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+      for task in done:
+        index = pending.pop(task)
+        delta, logprobs, finish, error = task.result()
+        if error:
+          yield _sse(api.APIError(500, error, kind="server_error").body())
+          failed = True
+          break
+        if delta or logprobs:
+          yield _sse(api.chunk(rid, model, gen, delta, index=index, logprobs=logprobs))
+        if finish is not None:
+          yield _sse(api.chunk(rid, model, gen, None if gen.chat else "", finish, index=index))
+        else:
+          pending[asyncio.ensure_future(streams[index].__anext__())] = index
+    if not failed and gen.include_usage:
+      yield _sse(api.usage_chunk(rid, model, gen, sum(len(c.tokens) for c in calls)))
     yield "data: [DONE]\n\n"
   finally:
-    call.cancel()  # the client went away mid-stream (or we are done): free the slot
+    for task in pending:
+      task.cancel()
+    for call in calls:
+      call.cancel()  # the client went away mid-stream (or we are done): free the slots
 
 
-async def _whole(call: _Call, gen: api.Generation, tokenizer: Tokenizer, model: str,
+async def _whole(calls: list[_Call], gen: api.Generation, tokenizer: Tokenizer, model: str,
                  request: HTTPRequest) -> JSONResponse:
-  text = TextStream(tokenizer, gen.stop)
+  choices = []
   try:
-    while True:
-      try:
-        event = await call.next(DISCONNECT_POLL_S)
-      except asyncio.TimeoutError:
-        if await request.is_disconnected():
-          return JSONResponse({}, status_code=499)
-        continue
-      if event.error:
-        raise api.APIError(500, event.error, kind="server_error")
-      text.push(event.tokens)
-      if text.stopped:
-        call.cancel("stop")
-        finish = "stop"
-        break
-      if event.finish_reason is not None:
-        text.flush()
-        finish = event.finish_reason
-        break
+    for call in calls:
+      text = TextStream(tokenizer, gen.stop)
+      while True:
+        try:
+          event = await call.next(DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+          if await request.is_disconnected():
+            return JSONResponse({}, status_code=499)
+          continue
+        if event.error:
+          raise api.APIError(500, event.error, kind="server_error")
+        text.push(event.tokens)
+        if text.stopped:
+          call.cancel("stop")
+          finish = "stop"
+          break
+        if event.finish_reason is not None:
+          text.flush()
+          finish = event.finish_reason
+          break
+      choices.append({"text": text.text, "finish": finish,
+                      "logprobs": api.token_logprobs(gen, tokenizer, call.tokens, call.logprobs)})
   finally:
-    call.cancel()
-  return JSONResponse(api.response(api.new_id(gen.chat), model, gen, text.text, finish, call.tokens))
+    for call in calls:
+      call.cancel()
+  return JSONResponse(api.response(api.new_id(gen.chat), model, gen, choices, sum(len(c.tokens) for c in calls)))
 
 
 def make_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str) -> Starlette:
@@ -151,14 +201,14 @@ def make_app(engine: Engine, tokenizer: Tokenizer, *, model_name: str) -> Starle
   async def generate(request: HTTPRequest, parse):
     try:
       gen = parse(await _body(request), tokenizer, context=context, model_name=model_name)
-      call = _Call(engine, gen)
+      calls = _calls(engine, gen)
     except api.APIError as e:
       return _error(e)
     if gen.stream:
-      return StreamingResponse(_stream(call, gen, tokenizer, model_name), media_type="text/event-stream",
+      return StreamingResponse(_stream(calls, gen, tokenizer, model_name), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"})
     try:
-      return await _whole(call, gen, tokenizer, model_name, request)
+      return await _whole(calls, gen, tokenizer, model_name, request)
     except api.APIError as e:
       return _error(e)
 

@@ -1,34 +1,37 @@
 """The request-level generation engine behind the server: decode slots that requests join and leave
 at any time, a prefix cache, and one background thread that owns the device.
 
-  engine = Engine(model, EngineSpec.from_config(cfg), stop_ids=tok.stop_ids, pad_id=tok.pad_id)
+  engine = Engine(model, EngineSpec.from_config(cfg), stop_ids=tok.stop_ids, pad_id=tok.pad_id,
+                  proposer=ProposerSpec("ngram", k=4))          # or "draft" with draft=(model)
   engine.start()
   rid = engine.submit(Request(prompt=ids, max_tokens=32, emit=on_event))   # from any thread
   engine.cancel(rid)                                                       # from any thread
   engine.close()
 
+The engine decodes through the generation core (rl/generation/host.SlotEngine, the same decode step
+as RL rollouts), so every option of the core reaches the server: speculative decoding (a draft model
+or n-gram prompt lookup, with the output of plain decoding token for token), per-request sampling
+(temperature, top-p, seed), per-request stop ids, the int8 KV cache and int8 weights. A slot is
+sample `slot` of a pool of C samples whose buffer rows hold each request's prompt and reply.
+
 The thread loops: take new requests and cancellations from a thread-safe queue; admit waiting
-requests into free slots (reuse the longest cached prompt prefix, prefill the rest, serve/decode.py
-`prefill_slot`); run one jitted decode chunk (`decode_chunk`, up to serve.decode_chunk tokens for
-every live slot); hand each request its new tokens through its `emit` callback; free the slots whose
-requests ended (stop id, max_tokens) or were cancelled. A request that ends leaves the blocks of its
-prompt + reply in the prefix cache, so the next turn of a chat (whose prompt continues the reply)
-reuses them. A slot is held only between its request's admission and its end or cancellation, so
-no request can leak one (`metrics()["active"]`).
+requests into free slots (the longest cached prompt prefix placed into the slot's cache row, the rest
+of the prompt fed by `start`); run one jitted decode chunk (serve.decode_chunk steps of every live
+slot); hand each request its new tokens and their log-probs through its `emit` callback; free the
+slots whose requests ended (stop id, max_tokens) or were cancelled. A request that ends leaves the
+blocks of its prompt + reply in the prefix cache, so the next turn of a chat reuses them. A slot is
+held only between its request's admission and its end or cancellation (`metrics()["active"]`).
 
-Admission between chunks is the host-side version of the in-loop refills of rl/engine.py: requests
-come from clients, not from a pool known when the loop starts. Prefill lengths are rounded up to a
-few buckets (powers of two, and the context length), so at most that many prefill programs compile.
+Prefill lengths are rounded up to a few buckets (powers of two, and the context length), so at most
+that many `start` programs compile.
 
-Greedy output does not depend on the other slots: each slot's row attends only to its own cache row
-(tests/serve/test_engine.py compares it with rl/rollout.py `generate`).
-
-Axis legend: C decode slots, S context length (cache columns), P prefix block.
+Axis legend: C decode slots, S context length (cache columns), P prefix block, k proposals.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 import threading
 from typing import Callable, NamedTuple, Sequence
@@ -38,12 +41,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from meshrl.model import kv_cache as kvc
 from meshrl.model.transformer import Transformer
-from meshrl.serve import decode
+from meshrl.rl.generation import host
+from meshrl.rl.generation.core import StepConfig
+from meshrl.rl.generation.generator import check_draft
+from meshrl.rl.generation.host import Graphs, SlotEngine
+from meshrl.rl.generation.proposers import ProposerSpec
+from meshrl.rl.generation.sampling import Sampler
+from meshrl.rl.generation.state import Pool, new_pool
 from meshrl.serve.prefix_cache import PrefixCache, block_hashes
 
-MAX_STOP_IDS = 8  # stop ids per slot: the tokenizer's and the request's
+MAX_STOP_IDS = 8  # a request's own stop ids (besides the tokenizer's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +78,11 @@ class EngineSpec:
   @classmethod
   def from_config(cls, cfg) -> "EngineSpec":
     s = cfg.serve
-    max_len = s.max_len or cfg.model.max_seq_len
-    if max_len > cfg.model.max_seq_len:
-      raise ValueError(f"serve.max_len={s.max_len} exceeds model.max_seq_len={cfg.model.max_seq_len}.")
+    window = cfg.rl.speculative_k if cfg.rl.speculative != "none" else 0  # room past a slot's end
+    max_len = s.max_len or cfg.model.max_seq_len - window
+    if max_len + window > cfg.model.max_seq_len:
+      raise ValueError(f"serve.max_len={s.max_len}" + (f" + rl.speculative_k={window}" if window else "")
+                       + f" exceeds model.max_seq_len={cfg.model.max_seq_len}.")
     return cls(slots=s.slots, max_len=max_len, chunk=s.decode_chunk, prefix_block=s.prefix_block,
                prefix_cache_bytes=int(s.prefix_cache_mb * 2**20))
 
@@ -87,11 +97,13 @@ class EngineSpec:
 
 
 class Event(NamedTuple):
-  """What the engine tells a request: new tokens, or its end (finish_reason: "stop" (a stop id),
+  """What the engine tells a request: new tokens (and each one's log-prob under the distribution it
+  was drawn from: temperature-scaled, before top-p), or its end (finish_reason: "stop" (a stop id),
   "length" (max_tokens), "cancelled", or "error" with `error` set)."""
   tokens: tuple[int, ...] = ()
   finish_reason: str | None = None
   error: str | None = None
+  logprobs: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass
@@ -107,39 +119,43 @@ class Request:
   id: int = -1  # set by submit
   reused: int = 0  # prompt tokens taken from the prefix cache (set at admission)
   generated: list[int] = dataclasses.field(default_factory=list)  # tokens so far (engine thread)
+  seen: int = 0  # tokens already handed to `emit` (engine thread)
 
 
 class Engine:
-  """Decode slots over one KV cache, run by one background thread (see the module docstring)."""
+  """Decode slots over one KV cache, run by one background thread (see the module docstring).
 
-  def __init__(self, model: Transformer, spec: EngineSpec, *, stop_ids: Sequence[int], pad_id: int):
+  proposer: speculative decoding (ProposerSpec; "draft" needs `draft`, a Transformer with the same
+  vocabulary)."""
+
+  def __init__(self, model: Transformer, spec: EngineSpec, *, stop_ids: Sequence[int], pad_id: int,
+               proposer: ProposerSpec = ProposerSpec(), draft: Transformer | None = None):
     mc = model.config
-    if spec.max_len > mc.max_seq_len:
-      raise ValueError(f"serve.max_len={spec.max_len} exceeds model.max_seq_len={mc.max_seq_len}.")
+    k = proposer.window
+    if spec.max_len + k > mc.max_seq_len:
+      raise ValueError(f"serve.max_len={spec.max_len}" + (f" + rl.speculative_k={k}" if k else "")
+                       + f" exceeds model.max_seq_len={mc.max_seq_len}.")
     if len(stop_ids) > MAX_STOP_IDS:
       raise ValueError(f"{len(stop_ids)} stop ids; at most {MAX_STOP_IDS}.")
+    if proposer.method == "draft":
+      if draft is None:
+        raise ValueError("speculative decoding with a draft model needs the draft (rl.draft_config, rl.draft_checkpoint).")
+      check_draft(mc, draft.config)
     self.spec, self.pad_id, self.stop_ids = spec, pad_id, tuple(int(i) for i in stop_ids)
-    self.vocab_size = mc.vocab_size
-    graphdef, self._params, self._extra = nnx.split(model, nnx.Param, ...)
-    # The model's own cache layout (an int8 cache when model.kv_cache_dtype asks for one).
-    self._new_cache = lambda: kvc.with_row_index(model.init_cache(spec.slots, spec.max_len))
-    self._cache = self._new_cache()
-    self._empty_scratch = model.init_cache(1, spec.max_len)
-    self._slots = decode.empty_slots(spec.slots, mc.vocab_size, MAX_STOP_IDS)
+    self.vocab_size, self.proposer = mc.vocab_size, proposer
+    graphdef, params, extra = nnx.split(model, nnx.Param, ...)
+    draft_graph = draft_params = draft_rest = None
+    if draft is not None and proposer.method == "draft":
+      draft_graph, draft_params, draft_rest = nnx.split(draft, nnx.Param, ...)
+    self._weights = (params, extra, draft_params)
+    step = StepConfig(sampler=Sampler(per_row=True), stop_tokens=self.stop_ids, pad_id=pad_id, proposer=proposer)
+    self._slots_engine = SlotEngine(Graphs(graphdef, None, draft_graph, draft_rest), step, slots=spec.slots,
+                                    cache_len=spec.max_len + k, per_row_sampling=True, stop_ids=MAX_STOP_IDS,
+                                    unrolled=False)
+    self._chunk_width = spec.chunk * (k + 1)  # tokens one chunk may add to a slot
+    self._decode = functools.partial(self._slots_engine.decode, steps=spec.chunk)
+    self._reset()
     self.prefix = PrefixCache(spec.prefix_block, spec.prefix_cache_bytes)
-
-    def prefill(params, extra, cache, slots, scratch, tokens, start, length, slot, row):
-      return decode.prefill_slot(nnx.merge(graphdef, params, extra), cache, slots, scratch, tokens, start,
-                                 length, slot, row)
-
-    def chunk(params, extra, cache, slots):
-      return decode.decode_chunk(nnx.merge(graphdef, params, extra), cache, slots, spec.chunk)
-    self._prefill = jax.jit(prefill, donate_argnums=(2, 3))
-    self._decode = jax.jit(chunk, donate_argnums=(2, 3))
-    self._free = jax.jit(decode.free_slot, donate_argnums=(0,))
-    self._read = jax.jit(decode.read_block, static_argnums=(3,))
-    self._place = jax.jit(decode.place_block)
-
     self._inbox: queue.Queue = queue.Queue()
     self._waiting: list[Request] = []
     self._slot_req: list[Request | None] = [None] * spec.slots
@@ -149,7 +165,16 @@ class Engine:
     self._stop = threading.Event()
     self._rng = np.random.default_rng()
     self._stats = dict(requests=0, finished=0, cancelled=0, errors=0, prompt_tokens=0, reused_tokens=0,
-                       generated_tokens=0, decode_chunks=0, prefills=0)
+                       generated_tokens=0, decode_chunks=0, prefills=0, target_forwards=0)
+
+  def _reset(self) -> None:
+    """Empty slots and a pool of one sample per slot (every slot free)."""
+    spec = self.spec
+    self._slots = self._slots_engine.empty(self._weights, spec.slots, self.vocab_size)
+    blank = jnp.full((spec.slots, 1), self.pad_id, jnp.int32)
+    pool = new_pool(blank, blank > 0, jax.random.split(jax.random.key(0), spec.slots), group_size=1,
+                    width=spec.max_len, pad_id=self.pad_id)
+    self._pool: Pool = pool.replace(done=jnp.ones_like(pool.done), count=jnp.zeros_like(pool.count))
 
   # --- any thread -------------------------------------------------------------------------------
 
@@ -169,8 +194,8 @@ class Engine:
       raise ValueError(f"temperature={request.temperature} must be >= 0.")
     if not 0.0 < request.top_p <= 1.0:
       raise ValueError(f"top_p={request.top_p} must be in (0, 1].")
-    if len(set(self.stop_ids) | set(request.stop_ids)) > MAX_STOP_IDS:
-      raise ValueError(f"at most {MAX_STOP_IDS - len(self.stop_ids)} extra stop ids per request.")
+    if len(set(request.stop_ids)) > MAX_STOP_IDS:
+      raise ValueError(f"at most {MAX_STOP_IDS} extra stop ids per request.")
 
   def submit(self, request: Request) -> int:
     """Queues `request` (checked first: ValueError) and returns its id."""
@@ -268,10 +293,14 @@ class Engine:
         return
     for slot, r in enumerate(self._slot_req):
       if r is not None and r.id == request_id:
-        self._slots = self._free(self._slots, jnp.int32(slot))
-        self._slot_req[slot] = None
+        self._free(slot)
         self._finish(r, Event(finish_reason=finish_reason))
         return
+
+  def _free(self, slot: int) -> None:
+    self._slots, self._pool = self._slots_engine.finish(self._slots, self._pool, jnp.asarray([slot], jnp.int32),
+                                                        jnp.ones((1,), bool))
+    self._slot_req[slot] = None
 
   def _finish(self, request: Request, event: Event) -> None:
     key = {"cancelled": "cancelled", "error": "errors"}.get(event.finish_reason, "finished")
@@ -283,37 +312,37 @@ class Engine:
       request = self._waiting.pop(0)
       slot = self._slot_req.index(None)
       try:
-        self._prefill_into(request, slot)
+        self._start(request, slot)
       except Exception as e:  # pylint: disable=broad-except
         self._finish(request, Event(finish_reason="error", error=f"prefill failed: {type(e).__name__}: {e}"))
         continue
       self._slot_req[slot] = request
 
-  def _prefill_into(self, request: Request, slot: int) -> None:
-    """Reuses the longest cached prefix, prefills the rest into `slot`, saves the prompt's new blocks."""
+  def _start(self, request: Request, slot: int) -> None:
+    """Places the longest cached prefix into the slot's row, feeds the rest, saves the prompt's new blocks."""
     prompt = [int(t) for t in request.prompt]
     size, block = len(prompt), self.spec.prefix_block
-    saved, names = self.prefix.lookup(prompt, size - 1)  # at least one token left to prefill
+    saved, names = self.prefix.lookup(prompt, size - 1)  # at least one token left to feed
     start = len(saved) * block
     bucket = next(b for b in self.spec.buckets if b >= size - start)
     start = min(start, self.spec.max_len - bucket)  # the bucket must fit after the reused prefix
-    scratch = self._empty_scratch
+    engine, cache = self._slots_engine, self._slots.cache
     for b, entry in enumerate(saved[:-(-start // block)]):  # blocks holding columns < start
-      scratch = self._place(scratch, entry, jnp.int32(b * block))
-    rest = prompt[start:]
-    tokens = np.full((1, bucket), self.pad_id, np.int32)
-    tokens[0, :len(rest)] = rest
+      cache = engine.place(cache, jnp.int32(slot), entry, jnp.int32(b * block))
+    self._slots = self._slots.replace(cache=cache)
+    row = np.full(self.spec.max_len, self.pad_id, np.int32)
+    row[:size] = prompt
+    rest = np.full((1, bucket), self.pad_id, np.int32)
+    rest[0, :size - start] = prompt[start:]
     seed = request.seed if request.seed is not None else int(self._rng.integers(0, 2**31 - 1))
-    stops = list(dict.fromkeys(self.stop_ids + tuple(request.stop_ids)))
-    row = decode.SlotRow(limit=jnp.int32(request.max_tokens), key=jax.random.PRNGKey(seed),
-                         temperature=jnp.float32(request.temperature), top_p=jnp.float32(request.top_p),
-                         stops=jnp.asarray(stops + [-1] * (MAX_STOP_IDS - len(stops)), jnp.int32))
-    self._cache, self._slots = self._prefill(self._params, self._extra, self._cache, self._slots, scratch,
-                                             jnp.asarray(tokens), jnp.int32(start), jnp.int32(len(rest)),
-                                             jnp.int32(slot), row)
+    stops = list(dict.fromkeys(tuple(request.stop_ids)))
+    details = (jnp.int32(request.max_tokens), jax.random.key_data(jax.random.key(seed)),
+               jnp.float32(request.temperature), jnp.float32(request.top_p),
+               jnp.asarray(stops + [-1] * (MAX_STOP_IDS - len(stops)), jnp.int32))
+    self._slots, self._pool = engine.start(self._weights, self._slots, self._pool, jnp.int32(slot), jnp.asarray(row),
+                                           jnp.int32(size), jnp.int32(start), jnp.asarray(rest), details)
     self._save_blocks(slot, names)
-    request.reused = start
-    request.generated = []
+    request.reused, request.generated, request.seen = start, [], 0
     self._stats["prefills"] += 1
     self._stats["prompt_tokens"] += size
     self._stats["reused_tokens"] += start
@@ -322,33 +351,38 @@ class Engine:
     """Puts the blocks `names` (of the tokens in `slot`'s cache row) that the prefix cache lacks."""
     if not self.prefix.enabled:
       return
-    block = self.spec.prefix_block
-    self.prefix.insert_chain([(names[b], self._read(self._cache, jnp.int32(slot), jnp.int32(b * block), block))
+    block, read = self.spec.prefix_block, self._slots_engine.read_block
+    self.prefix.insert_chain([(names[b], read(self._slots.cache, jnp.int32(slot), jnp.int32(b * block), block))
                               for b in range(len(names)) if not self.prefix.contains(names[b])])
 
   def _step(self) -> None:
-    self._cache, self._slots, tokens, valid = self._decode(self._params, self._extra, self._cache,
-                                                           self._slots)
-    tokens, valid, live = jax.device_get((tokens, valid, self._slots.live))
+    self._slots, self._pool, counters = self._decode(self._weights, self._slots, self._pool, jnp.int32(0))
+    slots = jnp.arange(self.spec.slots, dtype=jnp.int32)
+    width = self._chunk_width
+    view = host.read(self._slots, self._pool)
+    tokens, logprobs = jax.device_get((host.read_tokens(self._pool.tokens, slots, self._pool.count, width),
+                                       host.read_tokens(self._pool.logprobs, slots, self._pool.count, width)))
     self._stats["decode_chunks"] += 1
-    stops = set(self.stop_ids)
+    self._stats["target_forwards"] += int(counters.steps)
     for slot, request in enumerate(self._slot_req):
       if request is None:
         continue
-      new = tuple(int(t) for t in tokens[slot][valid[slot]])
+      fresh = int(view["generated"][slot]) - request.seen
+      request.seen += fresh
+      new = tuple(int(t) for t in tokens[slot][width - fresh:]) if fresh else ()
+      new_logprobs = tuple(float(x) for x in logprobs[slot][width - fresh:]) if fresh else ()
       self._stats["generated_tokens"] += len(new)
-      if live[slot]:
-        request.generated.extend(new)
-        if new:
-          _emit(request, Event(tokens=new))
-        continue
-      self._slot_req[slot] = None
-      # The row holds the KV of the prompt and every generated token: the next turn of a chat, whose
-      # prompt continues with this reply, reuses its blocks too.
       request.generated.extend(new)
+      if not view["done"][slot]:
+        if new:
+          _emit(request, Event(tokens=new, logprobs=new_logprobs))
+        continue
+      # The row holds the KV of the prompt and every generated token (each is fed as it is committed):
+      # the next turn of a chat, whose prompt continues with this reply, reuses its full blocks.
       self._save_blocks(slot, block_hashes(list(request.prompt) + request.generated, self.spec.prefix_block))
-      ended_on_stop = bool(new) and (new[-1] in stops or new[-1] in request.stop_ids)
-      self._finish(request, Event(tokens=new, finish_reason="stop" if ended_on_stop else "length"))
+      self._free(slot)
+      self._finish(request, Event(tokens=new, logprobs=new_logprobs,
+                                  finish_reason="stop" if view["stopped"][slot] else "length"))
 
   def _fail_all(self, message: str, reset: bool = True) -> None:
     """Every decoding request ends with an error; with `reset` (after a failed decode, whose donated
@@ -358,8 +392,7 @@ class Engine:
         self._slot_req[slot] = None
         self._finish(request, Event(finish_reason="error", error=message))
     if reset:
-      self._slots = decode.empty_slots(self.spec.slots, self.vocab_size, MAX_STOP_IDS)
-      self._cache = self._new_cache()
+      self._reset()
 
 
 def _emit(request: Request, event: Event) -> None:

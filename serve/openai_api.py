@@ -4,7 +4,9 @@
 
 Every problem is an `APIError` with an HTTP status and OpenAI's error body
 {"error": {"message", "type", "param", "code"}}, the message naming the parameter. Parameters the
-engine cannot honour (n > 1, logprobs, penalties, tools, ...) are rejected, not ignored.
+engine cannot honour (penalties, top log-probs, tools, ...) are rejected, not ignored. `n` samples
+run as n requests of the engine; `logprobs` returns each chosen token's log-prob (the distribution it
+was drawn from).
 """
 
 from __future__ import annotations
@@ -18,16 +20,17 @@ from meshrl.model.tokenizer import Tokenizer
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the API's default for /v1/completions
 MAX_STOP_STRINGS = 4
+MAX_N = 16  # samples per request
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Accepted only at the value that changes nothing (each names what is allowed).
 _NEUTRAL = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False, 0),
-    "top_logprobs": (0,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "best_of": (1, None), "echo": (False,), "suffix": ("",), "top_logprobs": (0, None), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
     "logit_bias": ({},), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
     "parallel_tool_calls": (False, True), "response_format": ({"type": "text"},)}
 _IGNORED = ("user", "metadata", "store", "service_tier")
-_COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options")
+_COMMON = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n",
+           "logprobs")
 COMPLETION_KEYS = frozenset(_COMMON + ("prompt",))
 CHAT_KEYS = frozenset(_COMMON + ("messages", "max_completion_tokens"))
 
@@ -56,6 +59,8 @@ class Generation:
   stream: bool
   include_usage: bool
   chat: bool
+  n: int = 1  # samples
+  logprobs: bool = False  # each chosen token's log-prob in the answer
 
 
 def _bad(message: str, param: str | None, code: str | None = None) -> APIError:
@@ -144,7 +149,18 @@ def _generation(body: dict, prompt_ids: list[int], context: int, *, chat: bool,
   if not isinstance(options, dict) or set(options) - {"include_usage"}:
     raise _bad("`stream_options` supports only {\"include_usage\": bool}.", "stream_options")
   seed = _integer(body, "seed")
-  return Generation(prompt_ids=tuple(prompt_ids), max_tokens=max_tokens,
+  n = _integer(body, "n")
+  n = 1 if n is None else n
+  if not 1 <= n <= MAX_N:
+    raise _bad(f"`n`={n} must lie in [1, {MAX_N}].", "n")
+  logprobs = body.get("logprobs")
+  if chat:
+    if logprobs not in (None, True, False):
+      raise _bad("`logprobs` must be true or false.", "logprobs")
+  elif logprobs not in (None, False, 0):  # the legacy API's integer: how many top log-probs
+    raise _bad(f"`logprobs`={logprobs!r}: only 0 (each chosen token's log-prob, no alternatives) is "
+               "supported.", "logprobs")
+  return Generation(n=n, logprobs=logprobs is not None and logprobs is not False, prompt_ids=tuple(prompt_ids), max_tokens=max_tokens,
                     temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                     top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
                     seed=None if seed is None else seed % 2**31, stop=_stop_strings(body), stream=stream,
@@ -231,26 +247,42 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
           "total_tokens": prompt_tokens + completion_tokens}
 
 
-def response(rid: str, model: str, gen: Generation, text: str, finish: str, completion_tokens: int) -> dict:
-  """A whole (non-streamed) completion or chat completion."""
+def token_logprobs(gen: Generation, tokenizer: Tokenizer, tokens, logprobs):
+  """The `logprobs` object of a choice for chosen tokens and their log-probs (None unless asked)."""
+  if not gen.logprobs:
+    return None
+  texts = [tokenizer.decode([t], stop_at_eos=False) for t in tokens]
   if gen.chat:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-              "logprobs": None}
-  else:
-    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    return {"content": [{"token": text, "logprob": float(lp), "bytes": list(text.encode("utf-8")),
+                         "top_logprobs": []} for text, lp in zip(texts, logprobs)]}
+  offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+  return {"tokens": texts, "token_logprobs": [float(lp) for lp in logprobs], "top_logprobs": None,
+          "text_offset": offsets}
+
+
+def response(rid: str, model: str, gen: Generation, choices: list[dict], completion_tokens: int) -> dict:
+  """A whole (non-streamed) completion or chat completion; choices: [{text, finish, logprobs}]."""
+  out = []
+  for index, c in enumerate(choices):
+    if gen.chat:
+      out.append({"index": index, "message": {"role": "assistant", "content": c["text"]},
+                  "finish_reason": c["finish"], "logprobs": c.get("logprobs")})
+    else:
+      out.append({"index": index, "text": c["text"], "finish_reason": c["finish"], "logprobs": c.get("logprobs")})
   return {"id": rid, "object": "chat.completion" if gen.chat else "text_completion",
-          "created": int(time.time()), "model": model, "choices": [choice],
+          "created": int(time.time()), "model": model, "choices": out,
           "usage": usage(len(gen.prompt_ids), completion_tokens)}
 
 
 def chunk(rid: str, model: str, gen: Generation, text: str | None, finish: str | None = None, *,
-          role: bool = False) -> dict:
-  """One streamed event: a text delta and/or the finish reason."""
+          role: bool = False, index: int = 0, logprobs=None) -> dict:
+  """One streamed event of choice `index`: a text delta (with its tokens' log-probs) and/or the
+  finish reason."""
   if gen.chat:
     delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-    choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+    choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
   else:
-    choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+    choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
   return {"id": rid, "object": "chat.completion.chunk" if gen.chat else "text_completion",
           "created": int(time.time()), "model": model, "choices": [choice]}
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 GRAD_DTYPES = ("float32", "bfloat16", "int8")
 BLOCK = 256  # values per int8 scale
-GRAD_SCOPE = "grad_reduce"  # the named scope rl/traffic.py counts as gradient collectives
+GRAD_SCOPE = "grad_reduce"  # the named scope sharding/traffic.py counts as gradient collectives
 
 
 def check_grad_dtype(name: str, backend: str) -> None:

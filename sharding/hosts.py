@@ -4,12 +4,12 @@ A pod runs one process per host (TPU VM worker); every process runs the same Pyt
 the jitted steps span all devices of all processes. How meshrl's RL loop splits the host work:
 
   prompts   each host draws its own block of the step's prompts from its own shard of the data
-            (rl/prompts.py), and the rollout gets them as one global array built from each host's
+            (rl/envs/prompts.py), and the rollout gets them as one global array built from each host's
             own rows (`global_rows`), so no host holds another's prompts (gathered in host order
             instead, `gather_rows`, when the mesh does not put each host's block on its devices);
-  rollout   the per-token outputs [B, S] stay on the devices (rl/rows.py: the host moves rows, and
+  rollout   the per-token outputs [B, S] stay on the devices (rl/batches/rows.py: the host moves rows, and
             pulls their response columns for scoring), as do the MoE routes of routing replay
-            ([B, L, S, K], rl/routes.py); per-sample outputs ([B]) come to every host (`to_host`);
+            ([B, L, S, K], rl/batches/routes.py); per-sample outputs ([B]) come to every host (`to_host`);
   scoring   each host scores only its own block of groups (`own_block`) with its own examples and
             reward workers; rewards, texts and domains are gathered (`gather_rows`,
             `gather_objects`), so every host then makes the same decisions (dynamic sampling, packing)
@@ -19,7 +19,7 @@ the jitted steps span all devices of all processes. How meshrl's RL loop splits 
             prompts; rl/batch.shared_prompts): every host draws the same prompts (the whole stream,
             not a shard) and holds every group's example; each scores its `share` of the groups (as
             even as their count allows), and the uneven shares are gathered (`gather_rows`);
-  episodes  multi-turn (rl/multiturn.py): each host resets and steps the environments of its own
+  episodes  multi-turn (rl/step/episodes.py): each host resets and steps the environments of its own
             block of episodes (its `share`), encodes their prompts (`global_rows`, unless the
             prompts are shared) and reads only those rows' turns (`share_to_host`); the results are
             gathered after every turn (`gather_objects`) and the episodes are written on the devices;
@@ -56,7 +56,8 @@ def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = 
   gloo.
 
   Raises:
-    ValueError: a coordinator without the process count and id (or ids out of range).
+    ValueError: a coordinator without the process count and id (or ids out of range), or a process
+      count or id without a coordinator (each process would otherwise run the whole job alone).
   """
   coordinator = coordinator or os.environ.get(COORDINATOR_ENV, "")
   num_processes = num_processes or int(os.environ.get(NUM_PROCESSES_ENV, "0") or 0)
@@ -76,6 +77,10 @@ def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = 
   if os.environ.get(TPU_POD_ENV) == "1":
     jax.distributed.initialize()  # a TPU pod slice: coordinator and ids come from the TPU metadata
     return True
+  if num_processes > 1 or process_id > 0:  # a job described without its coordinator: run alone? no
+    raise ValueError(f"--num_processes={num_processes} / --process_id={process_id} describe a "
+                     "multi-process job but no coordinator was given: add --coordinator=HOST:PORT (or "
+                     f"{COORDINATOR_ENV}); on a Cloud TPU pod slice use scripts/launch_tpu_pod.sh.")
   return False
 
 

@@ -27,8 +27,16 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-MESH_AXES = ("data", "stage", "fsdp", "expert", "sequence", "tensor")
-PER_SLICE_AXES = ("data", "fsdp", "expert", "sequence", "tensor")  # sized per slice in cfg.mesh
+# The mesh axes, by name; only sharding/ spells them: every other module uses these constants.
+DATA_AXIS, STAGE_AXIS, FSDP_AXIS = "data", "stage", "fsdp"
+EXPERT_AXIS, SEQUENCE_AXIS, TENSOR_AXIS = "expert", "sequence", "tensor"
+MESH_AXES = (DATA_AXIS, STAGE_AXIS, FSDP_AXIS, EXPERT_AXIS, SEQUENCE_AXIS, TENSOR_AXIS)
+PER_SLICE_AXES = (DATA_AXIS, FSDP_AXIS, EXPERT_AXIS, SEQUENCE_AXIS, TENSOR_AXIS)  # sized per slice in cfg.mesh
+
+
+def axis_size(mesh, axis: str) -> int:
+  """Devices on `axis` of `mesh`; 1 without a mesh or without that axis."""
+  return 1 if mesh is None else int(mesh.shape.get(axis, 1))
 
 
 def _axis_size(mesh_cfg, axis: str) -> int:
@@ -38,7 +46,7 @@ def _axis_size(mesh_cfg, axis: str) -> int:
 def dcn_shape_for(mesh_cfg) -> tuple[int, ...]:
   """The slice (DCN) factor of every axis of MESH_AXES: `num_slices` split between `stage` (first)
   and `data`. Raises ValueError naming mesh.stage and mesh.num_slices when neither divides the other."""
-  num_slices, stages = _axis_size(mesh_cfg, "num_slices"), _axis_size(mesh_cfg, "stage")
+  num_slices, stages = _axis_size(mesh_cfg, "num_slices"), _axis_size(mesh_cfg, STAGE_AXIS)
   if num_slices < 1:
     raise ValueError(f"mesh.num_slices={num_slices} must be at least 1.")
   if stages < 1:
@@ -48,7 +56,7 @@ def dcn_shape_for(mesh_cfg) -> tuple[int, ...]:
                      "(stages are laid across slices first, the rest of the slices are data parallel).")
   stage_dcn = min(stages, num_slices)
   dcn = {axis: 1 for axis in MESH_AXES}
-  dcn.update(stage=stage_dcn, data=num_slices // stage_dcn)
+  dcn.update({STAGE_AXIS: stage_dcn, DATA_AXIS: num_slices // stage_dcn})
   return tuple(dcn[axis] for axis in MESH_AXES)
 
 
@@ -62,10 +70,10 @@ def mesh_shape_for(mesh_cfg, num_devices: int) -> tuple[int, ...]:
   num_slices = _axis_size(mesh_cfg, "num_slices")
   dcn = dict(zip(MESH_AXES, dcn_shape_for(mesh_cfg)))
   sizes = {axis: int(mesh_cfg[axis]) for axis in PER_SLICE_AXES}
-  sizes["stage"] = _axis_size(mesh_cfg, "stage") // dcn["stage"]
-  described = ", ".join(f"{axis}={size}" for axis, size in sizes.items() if axis != "stage")
-  if sizes["stage"] > 1:
-    described += f", stage={sizes['stage']} of mesh.stage={_axis_size(mesh_cfg, 'stage')} inside a slice"
+  sizes[STAGE_AXIS] = _axis_size(mesh_cfg, STAGE_AXIS) // dcn[STAGE_AXIS]
+  described = ", ".join(f"{axis}={size}" for axis, size in sizes.items() if axis != STAGE_AXIS)
+  if sizes[STAGE_AXIS] > 1:
+    described += f", stage={sizes[STAGE_AXIS]} of mesh.stage={_axis_size(mesh_cfg, 'stage')} inside a slice"
   if num_devices % num_slices:
     raise ValueError(f"{num_devices} devices do not split into mesh.num_slices={num_slices} slices.")
   per_slice = num_devices // num_slices
@@ -96,7 +104,7 @@ def global_mesh_sizes(mesh_cfg, num_devices: int) -> dict[str, int]:
 
 def platform(mesh: Mesh | None) -> str:
   """The platform a program for `mesh` compiles for ("cpu", "tpu", "gpu"): its devices', or JAX's
-  default backend without a mesh. A mesh of compile-only TPU devices (rl/aot.py) says "tpu" on a CPU
+  default backend without a mesh. A mesh of compile-only TPU devices (rl/step/aot.py) says "tpu" on a CPU
   host, so kernels are picked for where the program will run, not where it is traced."""
   return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 

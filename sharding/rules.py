@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshrl.sharding.mesh import MESH_AXES, in_context
+from meshrl.sharding.mesh import MESH_AXES, STAGE_AXIS, in_context
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -86,7 +86,11 @@ def parse_rules(text: str) -> dict[str, tuple[str, ...]]:
 def rules_from_config(mesh_cfg, kind: str = "train") -> Rules:
   """TRAIN_RULES or ROLLOUT_RULES with `cfg.mesh.{kind}_rules` overrides applied."""
   base = {"train": TRAIN_RULES, "rollout": ROLLOUT_RULES}[kind]
-  overrides = parse_rules(str(mesh_cfg.get(f"{kind}_rules", "") or ""))
+  text = str(mesh_cfg.get(f"{kind}_rules", "") or "")
+  try:
+    overrides = parse_rules(text)
+  except ValueError as error:
+    raise ValueError(f"mesh.{kind}_rules={text!r}: {error}") from None
   return tuple((name, overrides.get(name, axes)) for name, axes in base)
 
 
@@ -163,9 +167,6 @@ def generation_shardings(shardings: Any, keep: Sequence[str] = GENERATION_KEEP_A
   reshard per RL step (an all-gather of the weights) and the memory of the less split copy."""
   return jax.tree.map(lambda s: NamedSharding(s.mesh, regather_spec(s.spec, keep)), shardings,
                       is_leaf=lambda s: isinstance(s, NamedSharding))
-
-
-STAGE_AXIS = "stage"
 
 
 def stage_free_spec(spec: PartitionSpec) -> PartitionSpec:

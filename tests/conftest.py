@@ -40,6 +40,29 @@ if os.environ.get("MESHRL_TEST_COMPILE_CACHE", "1") != "0":
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "slow: longer than a minute; left out of the default run")
+  config.addinivalue_line("markers", "needs_sandbox: runs model code in the bubblewrap sandbox; skipped, "
+                          "with the install hint, where bubblewrap cannot run (a fresh machine)")
+
+
+def sandbox_unavailable() -> str | None:
+  """Why the bubblewrap sandbox cannot run here (the install hint included), or None when it can.
+
+  Probed once per process as the environments use it: as an unprivileged uid when the tests run as
+  root (TerminalEnv drops to one). .ci/run installs bubblewrap, so CI runs these tests."""
+  from meshrl.rl.sandbox import SandboxUnavailable, check_bwrap  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.sandbox.bwrap import Runtime  # pylint: disable=import-outside-toplevel
+  try:
+    check_bwrap(Runtime.host(), uid=61000 if os.geteuid() == 0 else None)
+  except SandboxUnavailable as error:
+    return f"bubblewrap sandbox unavailable: {error}"
+  return None
+
+
+def pytest_runtest_setup(item):
+  if item.get_closest_marker("needs_sandbox") is not None:
+    reason = sandbox_unavailable()
+    if reason:
+      pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,8 @@
 """Tiny Hugging Face model folders built here (no downloads), for the real-model tests.
 
-`save_tiny_qwen3_moe(folder)` writes what a Hugging Face Qwen3-MoE folder holds: config.json and
+`save_tokenizer(folder, chat_template=QWEN3_CHAT_TEMPLATE)` gives a tokenizer with Qwen3's real
+chat template (tools, tool calls, tool results). `save_tiny_qwen3_moe(folder)` writes what a Hugging
+Face Qwen3-MoE folder holds: config.json and
 model.safetensors saved by `transformers` (a random 2-layer, 4-expert model in float32), a
 byte-level BPE tokenizer.json made with `tokenizers` whose special tokens come after the learnt
 vocabulary as Qwen's do, tokenizer_config.json with a Qwen-style ChatML chat template, and
@@ -33,6 +35,96 @@ CHATML = (
     "{%- if add_generation_prompt %}\n"
     "    {{- '<|im_start|>assistant\\n' }}\n"
     "{%- endif %}\n")
+# Qwen3's chat template, as Qwen/Qwen3-0.6B's tokenizer_config.json ships it (Apache-2.0; the
+# model's own data format, kept verbatim so tool-call rendering and parsing are tested against
+# the real thing): tools in the system turn, <tool_call> blocks in assistant turns, tool results
+# as <tool_response> blocks of a user turn, <think> handling.
+QWEN3_CHAT_TEMPLATE = (
+    '{%- if tools %}\n'
+    "    {{- '<|im_start|>system\\n' }}\n"
+    "    {%- if messages[0].role == 'system' %}\n"
+    "        {{- messages[0].content + '\\n\\n' }}\n"
+    '    {%- endif %}\n'
+    '    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n'
+    '    {%- for tool in tools %}\n'
+    '        {{- "\\n" }}\n'
+    '        {{- tool | tojson }}\n'
+    '    {%- endfor %}\n'
+    '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n'
+    '{%- else %}\n'
+    "    {%- if messages[0].role == 'system' %}\n"
+    "        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}\n"
+    '    {%- endif %}\n'
+    '{%- endif %}\n'
+    '{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}\n'
+    '{%- for message in messages[::-1] %}\n'
+    '    {%- set index = (messages|length - 1) - loop.index0 %}\n'
+    '    {%- if ns.multi_step_tool and message.role == "user" and not(message.content.startswith(\'<tool_response>\') and message.content.endswith(\'</tool_response>\')) %}\n'
+    '        {%- set ns.multi_step_tool = false %}\n'
+    '        {%- set ns.last_query_index = index %}\n'
+    '    {%- endif %}\n'
+    '{%- endfor %}\n'
+    '{%- for message in messages %}\n'
+    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}\n'
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
+    '    {%- elif message.role == "assistant" %}\n'
+    '        {%- set content = message.content %}\n'
+    "        {%- set reasoning_content = '' %}\n"
+    '        {%- if message.reasoning_content is defined and message.reasoning_content is not none %}\n'
+    '            {%- set reasoning_content = message.reasoning_content %}\n'
+    '        {%- else %}\n'
+    "            {%- if '</think>' in message.content %}\n"
+    "                {%- set content = message.content.split('</think>')[-1].lstrip('\\n') %}\n"
+    "                {%- set reasoning_content = message.content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}\n"
+    '            {%- endif %}\n'
+    '        {%- endif %}\n'
+    '        {%- if loop.index0 > ns.last_query_index %}\n'
+    '            {%- if loop.last or (not loop.last and reasoning_content) %}\n'
+    "                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}\n"
+    '            {%- else %}\n'
+    "                {{- '<|im_start|>' + message.role + '\\n' + content }}\n"
+    '            {%- endif %}\n'
+    '        {%- else %}\n'
+    "            {{- '<|im_start|>' + message.role + '\\n' + content }}\n"
+    '        {%- endif %}\n'
+    '        {%- if message.tool_calls %}\n'
+    '            {%- for tool_call in message.tool_calls %}\n'
+    '                {%- if (loop.first and content) or (not loop.first) %}\n'
+    "                    {{- '\\n' }}\n"
+    '                {%- endif %}\n'
+    '                {%- if tool_call.function %}\n'
+    '                    {%- set tool_call = tool_call.function %}\n'
+    '                {%- endif %}\n'
+    '                {{- \'<tool_call>\\n{"name": "\' }}\n'
+    '                {{- tool_call.name }}\n'
+    '                {{- \'", "arguments": \' }}\n'
+    '                {%- if tool_call.arguments is string %}\n'
+    '                    {{- tool_call.arguments }}\n'
+    '                {%- else %}\n'
+    '                    {{- tool_call.arguments | tojson }}\n'
+    '                {%- endif %}\n'
+    "                {{- '}\\n</tool_call>' }}\n"
+    '            {%- endfor %}\n'
+    '        {%- endif %}\n'
+    "        {{- '<|im_end|>\\n' }}\n"
+    '    {%- elif message.role == "tool" %}\n'
+    '        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}\n'
+    "            {{- '<|im_start|>user' }}\n"
+    '        {%- endif %}\n'
+    "        {{- '\\n<tool_response>\\n' }}\n"
+    '        {{- message.content }}\n'
+    "        {{- '\\n</tool_response>' }}\n"
+    '        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
+    "            {{- '<|im_end|>\\n' }}\n"
+    '        {%- endif %}\n'
+    '    {%- endif %}\n'
+    '{%- endfor %}\n'
+    '{%- if add_generation_prompt %}\n'
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    '    {%- if enable_thinking is defined and enable_thinking is false %}\n'
+    "        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
+    '    {%- endif %}\n'
+    '{%- endif %}')
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BPE_VOCAB = 300  # at most: byte alphabet (256) + merges; the specials follow the learnt ids
 MODEL_VOCAB = 320  # the embedding has spare rows, as Qwen's 151936 > 151669 tokens

@@ -35,7 +35,9 @@ and scripts/resume_check.py kills whole runs, many times, during saves and betwe
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from typing import Any, NamedTuple
 
@@ -71,30 +73,104 @@ def committed_steps(folder: str) -> list[int]:
                 and os.path.isdir(os.path.join(folder, name)))
 
 
-def check_complete(step_dir: str) -> None:
-  """CheckpointError unless `step_dir` holds every part of a checkpoint (state/, data/, config/)."""
+def one_line(error: Exception, limit: int = 200) -> str:
+  """An exception as one short line: its type and the first line of its message."""
+  text = str(error).strip().splitlines()
+  first = text[0] if text else ""
+  return f"{type(error).__name__}: {first[:limit]}{'...' if len(first) > limit else ''}"
+
+
+def _previous_intact(step_dir: str) -> int | None:
+  """The newest step before `step_dir`'s in its folder whose parts are all there and whose array
+  metadata reads (cheap: no array is read), or None."""
+  folder, name = os.path.split(os.path.normpath(step_dir))
+  if not name.isdigit():
+    return None
+  for step in reversed([s for s in committed_steps(folder) if s < int(name)]):
+    try:
+      _check_parts(os.path.join(folder, str(step)))
+      _read_shapes(os.path.join(folder, str(step), "state"))
+    except CheckpointError:
+      continue
+    return step
+  return None
+
+
+def damaged(step_dir: str, reason: str) -> CheckpointError:
+  """The one-line error for a checkpoint that cannot be read: what is wrong, the intact step before
+  it (if any) and what to do; nothing on disk is changed."""
+  previous = _previous_intact(step_dir)
+  if previous is not None:
+    todo = (f"step {previous} before it is intact: move {step_dir} aside (e.g. to {step_dir}.damaged) "
+            f"to resume from step {previous}")
+  else:
+    todo = "no earlier step of its folder is intact: start afresh in another work directory"
+  return CheckpointError(f"checkpoint {step_dir} is damaged ({reason}); {todo}. Nothing was changed.")
+
+
+def _check_parts(step_dir: str) -> None:
   if not os.path.isdir(step_dir):
     raise CheckpointError(f"checkpoint {step_dir} does not exist.")
   missing = [name for name in _ITEMS if not os.path.isdir(os.path.join(step_dir, name))]
   if missing:
-    raise CheckpointError(f"checkpoint {step_dir} is incomplete (a partial copy?): it has no "
-                          f"{', '.join(m + '/' for m in missing)}; restore another step or delete it.")
+    raise CheckpointError(f"it has no {', '.join(m + '/' for m in missing)} (a partial copy?)")
+
+
+def check_complete(step_dir: str) -> None:
+  """CheckpointError unless `step_dir` holds every part of a checkpoint (state/, data/, config/)."""
+  try:
+    _check_parts(step_dir)
+  except CheckpointError as error:
+    if not os.path.isdir(step_dir):
+      raise
+    raise damaged(step_dir, str(error)) from None
+
+
+def check_readable(step_dir: str) -> None:
+  """CheckpointError (naming the intact step before it) unless `step_dir` is complete and its array
+  metadata and JSON parts read; reads no array. Call it before a run that resumes writes anything."""
+  check_complete(step_dir)
+  saved_shapes(os.path.join(step_dir, "state"))
+  for item in ("data", "config", "extra"):
+    try:
+      _read_json(os.path.join(step_dir, item))
+    except (OSError, ValueError) as error:
+      raise damaged(step_dir, f"{item}/metadata: {one_line(error)}") from None
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+  """Orbax logs a warning per missing optional metadata file while it reads; the caller reports."""
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
+def _read_shapes(state_dir: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+  try:
+    with _quiet_absl():
+      meta = ocp.PyTreeCheckpointer().metadata(state_dir)
+  except Exception as e:  # pylint: disable=broad-except  (orbax raises many kinds)
+    raise CheckpointError(f"its array metadata cannot be read: {one_line(e)}") from None
+  tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
+  if tree is None:
+    raise CheckpointError("it has no array metadata (an emptied or partial state/ folder?)")
+  leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
+  return {"/".join(_key_name(k) for k in path): (tuple(leaf.shape), np.dtype(leaf.dtype))
+          for path, leaf in leaves}
 
 
 def saved_shapes(state_dir: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
   """{"params/embed/embedding": (shape, dtype), ...} of the arrays saved in `state_dir` (metadata
-  only, no array is read)."""
+  only, no array is read); CheckpointError naming the intact step before it when it cannot be read."""
   try:
-    meta = ocp.PyTreeCheckpointer().metadata(state_dir)
-  except Exception as e:  # pylint: disable=broad-except  (orbax raises many kinds)
-    raise CheckpointError(f"checkpoint {state_dir} cannot be read: {type(e).__name__}: {e}") from None
-  tree = getattr(getattr(meta, "item_metadata", meta), "tree", None)
-  if tree is None:
-    raise CheckpointError(f"checkpoint {state_dir} cannot be read: it has no array metadata (damaged, "
-                          "or a partial copy?).")
-  leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
-  return {"/".join(_key_name(k) for k in path): (tuple(leaf.shape), np.dtype(leaf.dtype))
-          for path, leaf in leaves}
+    return _read_shapes(state_dir)
+  except CheckpointError as error:
+    raise damaged(os.path.dirname(os.path.normpath(state_dir)), str(error)) from None
 
 
 def _shape_errors(saved: dict, wanted: dict) -> list[str]:
@@ -120,6 +196,20 @@ def _architecture_diff(saved: dict, config: dict) -> list[str]:
     diffs += [f"{section}.{k}={mine[k]!r} (checkpoint: {theirs[k]!r})" for k in sorted(mine)
               if k in theirs and theirs[k] != mine[k]]
   return diffs
+
+
+def check_saved_config(step_dir: str, config: Any) -> None:
+  """CheckpointError when the config saved in `step_dir` is of another model than `config` (a
+  model.* / moe.* field that gives the parameters another meaning differs). Reads one small file."""
+  saved = _read_json(os.path.join(step_dir, "config"))
+  # The fields a checkpoint may differ in (how the model computes, not what its parameters mean),
+  # as for model.init_from; train/init_from.py imports this module, hence the late import.
+  from meshrl.train.init_from import _RUN_FIELDS  # pylint: disable=import-outside-toplevel
+  diffs = [d for d in _architecture_diff(saved, _config_dict(config)) if d.split("=")[0] not in _RUN_FIELDS]
+  if diffs:
+    raise CheckpointError(f"checkpoint {step_dir} was saved by a run of another model: {', '.join(diffs)}. "
+                          "Give this run another work directory (--workdir), or pass --overwrite to "
+                          "replace the run there; nothing was changed.")
 
 
 def _read_json(path: str) -> dict:
@@ -264,16 +354,7 @@ class Checkpointer:
     if step is None:
       return
     check_complete(self.step_dir(step))
-    saved = _read_json(os.path.join(self.step_dir(step), "config"))
-    # The fields a checkpoint may differ in (how the model computes, not what its parameters mean),
-    # as for model.init_from; train/init_from.py imports this module, hence the late import.
-    from meshrl.train.init_from import _RUN_FIELDS  # pylint: disable=import-outside-toplevel
-    diffs = [d for d in _architecture_diff(saved, _config_dict(config))
-             if d.split("=")[0] not in _RUN_FIELDS]
-    if diffs:
-      raise CheckpointError(f"checkpoint {self.step_dir(step)} was saved by a run of another model: "
-                            f"{', '.join(diffs)}. Use another workdir (or checkpoint.restore=false "
-                            "to start afresh elsewhere); nothing was changed.")
+    check_saved_config(self.step_dir(step), config)
 
   def restore(self, target: Any, *, step: int | None = None) -> Restored | None:
     """Reads a checkpoint into the layout and shardings of `target`.
@@ -309,8 +390,7 @@ class Checkpointer:
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # pylint: disable=broad-except  (orbax/tensorstore raise many kinds)
-      raise CheckpointError(f"checkpoint {step_dir} cannot be read (damaged or partial?): "
-                            f"{type(e).__name__}: {str(e)[:500]}") from e
+      raise damaged(step_dir, f"its arrays cannot be read: {one_line(e)}") from e
     return Restored(step=step, state=from_nested_dict(out["state"], target),
                     data_state=dict(out["data"] or {}), config=dict(out["config"] or {}),
                     extra_state=dict((out["extra"] if has_extra else None) or {}))
@@ -386,5 +466,4 @@ def load_params(path: str, *, step: int | None = None, device: jax.Device | None
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True))
   except Exception as e:  # pylint: disable=broad-except
-    raise CheckpointError(f"checkpoint {step_dir} cannot be read (damaged or partial?): "
-                          f"{type(e).__name__}: {str(e)[:500]}") from e
+    raise damaged(step_dir, f"its arrays cannot be read: {one_line(e)}") from e

@@ -35,7 +35,7 @@ from meshrl.model.params import state_shardings
 from meshrl.model.tokenizer import tokenizer_from_config
 from meshrl.model.transformer import ModelConfig, Transformer
 from meshrl.sharding.rules import TRAIN_RULES, Rules
-from meshrl.train.checkpoint import from_nested_dict, to_nested_dict
+from meshrl.train.checkpoint import check_readable, damaged, from_nested_dict, one_line, to_nested_dict
 
 SAMPLE_PROMPT = "What is 12+7?"  # rendered by the chat template to check that it renders
 # Fields a checkpoint may differ in from the run: how the model computes or is trained, not what
@@ -107,6 +107,7 @@ def _check_checkpoint(cfg) -> None:
   path = cfg.model.init_from
   folder = checkpoint_dir(path)
   step = checkpoint_steps(folder)[-1]
+  check_readable(os.path.join(folder, str(step)))  # damaged: names the intact step before it
   saved = _flat(saved_config(folder, step))
   mine = _flat(cfg.to_dict())
   wrong = [f"{key}={mine[key]!r} (checkpoint: {saved[key]!r})" for key in sorted(mine)
@@ -182,10 +183,14 @@ def restore_params(folder: str, mc: ModelConfig, mesh: Mesh | None, *, step: int
   saved_head = saved_config(folder, step).get("model", {}).get("value_head")
   if "value_head" in target["params"] and saved_head is False:
     head = target["params"].pop("value_head")
-  state_dir = os.path.join(folder, str(step), "state")
-  restored = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
-      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-      partial_restore=True))
+  step_dir = os.path.join(folder, str(step))
+  check_readable(step_dir)
+  try:
+    restored = ocp.PyTreeCheckpointer().restore(os.path.join(step_dir, "state"), args=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True))
+  except Exception as e:  # pylint: disable=broad-except  (orbax/tensorstore raise many kinds)
+    raise damaged(step_dir, f"its arrays cannot be read: {one_line(e)}") from e
   if head is not None:
     restored["params"]["value_head"] = jax.tree.map(
         lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding), head)

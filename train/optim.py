@@ -68,6 +68,29 @@ OPTIMIZERS: dict[str, Callable[[optax.Schedule, object], optax.GradientTransform
 }
 
 
+def check_optim(optim_cfg, *, learning_rate: float | None = None, field: str = "optim.learning_rate") -> None:
+  """ValueError naming the optim.* field (or `field`, the peak rate's) whose value cannot train: a
+  rate <= 0 (gradient ascent, or nothing), betas outside [0, 1), eps <= 0, negative decay or steps."""
+  peak = optim_cfg.learning_rate if learning_rate is None else learning_rate
+  if not peak > 0:
+    raise ValueError(f"{field}={peak} must be positive (a rate <= 0 ascends the loss or does nothing).")
+  if optim_cfg.name not in OPTIMIZERS:
+    raise ValueError(f"optim.name={optim_cfg.name!r} is unknown; choose one of {sorted(OPTIMIZERS)}.")
+  if optim_cfg.schedule not in SCHEDULES:
+    raise ValueError(f"optim.schedule={optim_cfg.schedule!r} is unknown; choose one of {sorted(SCHEDULES)}.")
+  for name in ("b1", "b2"):
+    if not 0.0 <= optim_cfg[name] < 1.0:
+      raise ValueError(f"optim.{name}={optim_cfg[name]} must lie in [0, 1).")
+  for name, low, meaning in (("eps", None, "positive"), ("weight_decay", 0, ">= 0"), ("grad_clip", 0, ">= 0 (0 = off)"),
+                             ("warmup_steps", 0, ">= 0"), ("decay_steps", 1, ">= 1"),
+                             ("grad_accum_steps", 1, ">= 1")):
+    value = optim_cfg[name]
+    if not (value > 0 if low is None else value >= low):
+      raise ValueError(f"optim.{name}={value} must be {meaning}.")
+  if not 0.0 <= optim_cfg.end_lr_ratio <= 1.0:
+    raise ValueError(f"optim.end_lr_ratio={optim_cfg.end_lr_ratio} must lie in [0, 1] (a fraction of the peak).")
+
+
 def make_schedule(optim_cfg, *, learning_rate: float | None = None) -> optax.Schedule:
   """The learning rate as a function of the optimizer update count.
 
@@ -92,7 +115,8 @@ def make_schedule(optim_cfg, *, learning_rate: float | None = None) -> optax.Sch
   return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
 
 
-def make_optimizer(optim_cfg, *, learning_rate: float | None = None) -> optax.GradientTransformation:
+def make_optimizer(optim_cfg, *, learning_rate: float | None = None,
+                   rate_field: str = "optim.learning_rate") -> optax.GradientTransformation:
   """clip_by_global_norm(grad_clip) -> the rule of `optim.name` with `make_schedule`'s rate,
   wrapped in `optax.MultiSteps` when `optim.grad_accum_steps > 1`.
 
@@ -101,18 +125,11 @@ def make_optimizer(optim_cfg, *, learning_rate: float | None = None) -> optax.Gr
   one batch of k * n for a loss that is a mean over examples. The schedule counts real updates.
 
   Raises:
-    ValueError naming `optim.name`, `optim.grad_clip` or `optim.grad_accum_steps`.
+    ValueError naming the optim.* field (`rate_field` for the peak rate) that `check_optim` refuses.
   """
-  name = optim_cfg.name
-  if name not in OPTIMIZERS:
-    raise ValueError(f"optim.name={name!r} is unknown; choose one of {sorted(OPTIMIZERS)}.")
-  clip = float(optim_cfg.grad_clip)
-  if clip < 0:
-    raise ValueError(f"optim.grad_clip={clip} must be >= 0 (0 turns clipping off).")
-  accum = int(optim_cfg.grad_accum_steps)
-  if accum < 1:
-    raise ValueError(f"optim.grad_accum_steps={accum} must be at least 1.")
-  rule = OPTIMIZERS[name](make_schedule(optim_cfg, learning_rate=learning_rate), optim_cfg)
+  check_optim(optim_cfg, learning_rate=learning_rate, field=rate_field)
+  clip, accum = float(optim_cfg.grad_clip), int(optim_cfg.grad_accum_steps)
+  rule = OPTIMIZERS[optim_cfg.name](make_schedule(optim_cfg, learning_rate=learning_rate), optim_cfg)
   tx = optax.chain(optax.clip_by_global_norm(clip), rule) if clip else rule
   if accum > 1:
     tx = optax.MultiSteps(tx, every_k_schedule=accum).gradient_transformation()

@@ -1,4 +1,4 @@
-"""Preemption: SIGTERM asks a training loop to save and stop at the end of the current step.
+"""Preemption: SIGTERM or Ctrl-C asks a training loop to save and stop at the end of the current step.
 
   with Preemption() as preemption:        # installs the handler (main thread), restores it after
     for step in ...:
@@ -11,10 +11,16 @@ SIGKILL. The handler only sets a flag, so a step in flight (or an async save) is
 saves at the step's end and the process exits 0. A second SIGTERM while the flag is set is ignored
 (a run saving its last checkpoint is not killed by a repeated signal); SIGKILL cannot be caught,
 and orbax's atomic finalize keeps the previous checkpoint intact then.
+
+Ctrl-C (SIGINT) is the same request from a person at a terminal: the first one prints what happens
+and saves like SIGTERM; a second one raises KeyboardInterrupt at once (someone who presses it twice
+wants out now; checkpoints already committed stay intact), which scripts turn into one line
+(configs/cli.run).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -23,13 +29,13 @@ import numpy as np
 
 
 class Preemption:
-  """A flag set by SIGTERM (and any other `signals`) while the context is entered.
+  """A flag set by SIGTERM, SIGINT (and any other `signals`) while the context is entered.
 
   Args:
-    signals: the signals that request a stop (default SIGTERM).
+    signals: the signals that request a stop (default SIGTERM and SIGINT).
   """
 
-  def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+  def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
     self.signals = tuple(signals)
     self.signal_name: str | None = None  # the name of the signal received, e.g. "SIGTERM"
     self._flag = threading.Event()
@@ -39,6 +45,11 @@ class Preemption:
     if not self._flag.is_set():
       self.signal_name = signal.Signals(signum).name
       self._flag.set()
+      if signum == signal.SIGINT:  # os.write: print is not safe inside a signal handler
+        os.write(2, b"\nCtrl-C: finishing the step in flight, then saving it and stopping; press "
+                 b"Ctrl-C again to stop at once without saving it.\n")
+    elif signum == signal.SIGINT:
+      raise KeyboardInterrupt
 
   def request(self, name: str = "request") -> None:
     """Sets the flag from code (tests, a watchdog thread)."""

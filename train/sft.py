@@ -46,7 +46,8 @@ from meshrl.train.optim import make_optimizer, make_schedule
 from meshrl.train.preemption import Preemption
 from meshrl.train.state import (TrainState, abstract_train_state, create_train_state, merge_batch_model,
                                 merge_model, shardings_of, update_router_bias)
-from meshrl.train.stops import NonFiniteStreak, keep_unless, step_is_finite
+from meshrl.train.stops import NonFiniteStreak, guarded_update, keep_unless
+from meshrl.sharding.mesh import SEQUENCE_AXIS, axis_size
 
 
 MODEL_FIELDS = ("tokens", "positions", "segment_ids", "targets", "weights")
@@ -80,7 +81,7 @@ def zigzag_shards(cfg, mesh: Mesh | None) -> int:
   """mesh.sequence when ring attention runs with attention.zigzag, else 1."""
   if mesh is None or not cfg.attention.zigzag or cfg.attention.impl != "ring":
     return 1
-  return int(mesh.shape["sequence"])
+  return axis_size(mesh, SEQUENCE_AXIS)
 
 
 def _cross_entropy(model, batch: dict, targets, weights, logits_chunk: int):
@@ -155,13 +156,9 @@ def make_sft_step(model_graphdef: nnx.GraphDef, mesh: Mesh | None, cfg, tx: opta
 
   def sft_step(state: TrainState, batch: dict):
     grads, metrics = grad_fn(state.params, state.extra, batch=batch)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    grad_norm = optax.tree.norm(grads)
     # NaN guard (train/stops.py): a non-finite loss or gradient leaves params and optimiser state as
     # they were; the router bias is not moved by its loads either.
-    finite = step_is_finite(metrics["loss"], grad_norm)
-    params, opt_state = keep_unless(finite, (params, opt_state), (state.params, state.opt_state))
+    params, opt_state, grad_norm, finite = guarded_update(tx, state, grads, metrics["loss"])
     metrics["grad_norm"] = grad_norm
     metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
     if schedule is not None:
@@ -202,7 +199,7 @@ def check_shapes(cfg, mesh: Mesh | None) -> None:
                      f"(mesh data * fsdp * expert = {dict(mesh.shape)}).")
   pipeline.resolve_microbatches(int(cfg.mesh.get("microbatches", 0)), rows=batch_size, row_shards=rows,
                                 stages=int(cfg.mesh.get("stage", 1)), what="rl.sft_batch_size")
-  sequence = mesh.shape["sequence"]
+  sequence = axis_size(mesh, SEQUENCE_AXIS)
   multiple = sequence * (2 if zigzag_shards(cfg, mesh) > 1 else 1)
   if seq_len % multiple:
     twice = ", x2 for attention.zigzag" if multiple > sequence else ""
@@ -247,7 +244,7 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
   """
   num_steps = cfg.rl.sft_steps if num_steps is None else num_steps
   check_shapes(cfg, mesh)
-  tx = make_optimizer(cfg.optim, learning_rate=cfg.rl.sft_learning_rate)
+  tx = make_optimizer(cfg.optim, learning_rate=cfg.rl.sft_learning_rate, rate_field="rl.sft_learning_rate")
   ckpt = None
   if cfg.checkpoint.enabled:
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint.every,

@@ -154,3 +154,11 @@ def update_router_bias(extra: nnx.State, expert_load: jax.Array, rate: float) ->
     new_bias = jax.vmap(_update_bias, in_axes=(0, 0, None))(variable.get_value(), expert_load, rate)
     return variable.replace(new_bias)
   return jax.tree.map(update, extra, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def state_bytes(make_model: Callable[[], nnx.Module], tx: optax.GradientTransformation) -> int:
+  """Bytes of one train state of `make_model()`'s model and `tx` (parameters, other variables and
+  optimizer state): what one checkpoint holds. From shapes (eval_shape); nothing is allocated."""
+  _, params, extra = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)
+  opt_state = jax.eval_shape(tx.init, params)
+  return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves((params, extra, opt_state)))

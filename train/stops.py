@@ -6,7 +6,7 @@ keep failing stops with a checkpoint and a clear message.
   streak = NonFiniteStreak(limit=cfg.rl.max_nonfinite_steps)    # in the host loop
   if streak.update(all_nonfinite):  -> save, then raise streak.error(...)
 
-Used by the RL update (rl/update.py, per minibatch; rl/loop.py counts steps in which every minibatch
+Used by the RL update (rl/algo/update.py, per minibatch; rl/step/driver.py counts steps in which every minibatch
 was skipped) and by SFT (train/sft.py). A skipped step leaves parameters and optimiser state
 bit-identical (a select, not a zero update: Adam's moments and count do not move either).
 """
@@ -29,6 +29,26 @@ def step_is_finite(loss: jax.Array, grad_norm: jax.Array) -> jax.Array:
 def keep_unless(apply: jax.Array, new, old):
   """`new` where `apply` ([] bool) else `old`, leaf by leaf (pytrees of the same structure)."""
   return jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+
+
+def guarded_update(tx, state, grads, loss: jax.Array, when: jax.Array | None = None):
+  """One optimiser step that a non-finite loss or gradient leaves undone.
+
+  Args:
+    tx: the optax transformation; state: a TrainState (params, opt_state); grads: like state.params;
+    loss: [] the step's loss; when: [] bool, a further condition for applying the step (None: always).
+  Returns:
+    (params, opt_state, grad_norm [], finite [] bool): the updated pair where `finite` (and `when`),
+    else the old.
+  """
+  import optax  # pylint: disable=import-outside-toplevel  (keeps this module light for host code)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  grad_norm = optax.tree.norm(grads)
+  finite = step_is_finite(loss, grad_norm)
+  apply = finite if when is None else when & finite
+  params, opt_state = keep_unless(apply, (params, opt_state), (state.params, state.opt_state))
+  return params, opt_state, grad_norm, finite
 
 
 class NonFiniteStreak:

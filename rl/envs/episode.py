@@ -15,7 +15,8 @@ the environment `<done>`, so the episode is still graded. What the policy does w
 call, bytes that are not UTF-8, a call that raises or runs too long) is recorded, never raised; an
 environment failure (info["env_failure"]: a sandbox that cannot start, a checker that crashes) ends
 the episode, is reported to `on_env_failure(task, reason)` (the quarantine's hook, rl/envs/quality.py),
-and is kept apart from a wrong answer.
+and is kept apart from a wrong answer. However the episode ends, an environment with a `close()`
+(a TerminalEnv holds a sandbox session) is closed.
 """
 
 from __future__ import annotations
@@ -86,7 +87,17 @@ def run_episode(env: Environment, task, generate: Generate, budget: Budget = Bud
                 on_env_failure: Callable[[object, str], None] | None = None,
                 clock: Callable[[], float] = time.monotonic) -> Episode:
   """Runs one episode of `task` in `env` with the policy `generate` under `budget` (never raises for
-  what the policy or the environment does; ValueError only for a task the environment refuses)."""
+  what the policy or the environment does; ValueError only for a task the environment refuses).
+  An environment that holds resources (a sandbox session) is closed at the end (`env.close()`)."""
+  try:
+    return _episode(env, task, generate, budget, count_tokens, on_env_failure, clock)
+  finally:
+    close = getattr(env, "close", None)
+    if close is not None:
+      close()
+
+
+def _episode(env, task, generate, budget, count_tokens, on_env_failure, clock) -> Episode:
   observation = env.reset(task)
   episode = Episode(messages=[{"role": "user", "content": observation}])
 

@@ -8,9 +8,9 @@
 `FileTaskEnv` runs the episode in an in-memory file system with a four-command shell (`cat F`, `ls`,
 `echo WORDS > F`, `echo WORDS >> F`): no sandbox process per call, so the agent demo
 (configs/tiny_agent.py) spends its time on the model. Terminal task directories (rl/envs/terminal.py)
-run through the same multi-turn rollout (rl/multiturn.py) in the bubblewrap sandbox instead.
+run through the same multi-turn rollout (rl/step/episodes.py) in the bubblewrap sandbox instead.
 
-`data.tasks="files_copy:1.0"` draws it through `TaskPool` (rl/multiturn.py `episode_pools`), with the
+`data.tasks="files_copy:1.0"` draws it through `TaskPool` (rl/step/episodes.py `episode_pools`), with the
 held-out hash split of every family; `oracle_turns(example)` is the reference episode, which
 rl/multiturn_step.Demonstrations renders as warm-start rows.
 """

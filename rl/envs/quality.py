@@ -3,7 +3,8 @@
   report = run_gate(["tasks/"], k=3, repeats=5)      # scripts/env_qa.py
   -> {"tasks": n, "quarantined": [ids], "reasons": {id: reason}, "curriculum": {id: flag}, ...}
 
-Per task (terminal directory format, rl/envs/terminal.py), in one sandbox run:
+Per task (terminal directory format, rl/envs/terminal.py), in one sandbox run (Terminal-Bench task
+directories, rl/envs/tbench.py, get the same checks in sandbox sessions: `inspect_tbench_task`):
   - the oracle, each time in a fresh work directory, must make check.sh pass k out of k times, and
     must itself exit 0;
   - check.sh on the work directory as set up (the empty solution) must fail;
@@ -21,7 +22,9 @@ gates environments before training.
 
 `Quarantine(path)` is the list (JSONL of {"id", "reason", "source"}) the domain mixture honours
 (rl/envs/registry.py); `Quarantine.record_failure` is the hook the episode driver and the scheduler
-call with environment failures seen during training: a task that fails `threshold` times joins it.
+call with environment failures seen during training (rl/envs/driver.py `env_scheduler` wires it): a
+task that fails `threshold` times joins it. `state()` / `restore()` carry the list and the failure
+counts through a checkpoint.
 """
 
 from __future__ import annotations
@@ -86,6 +89,28 @@ class Quarantine:
         with open(self.path, "a", encoding="utf-8") as f:
           f.write(json.dumps({"id": task_id, "reason": reason, "source": source}) + "\n")
       return True
+
+  def state(self) -> dict:
+    """What a checkpoint keeps: the quarantined ids with their reasons and the failure counts of
+    tasks not (yet) quarantined (JSON-serialisable)."""
+    with self._lock:
+      return {"reasons": dict(self.reasons), "failures": dict(self.failures),
+              "threshold": self.threshold}
+
+  def restore(self, state: dict) -> None:
+    """Resumes from `state()`: quarantined ids come back (and are appended to the file if it lacks
+    them), failure counts go on from where they were. ValueError for a malformed state."""
+    if not isinstance(state, dict) or not isinstance(state.get("reasons"), dict) \
+        or not isinstance(state.get("failures"), dict):
+      raise ValueError(f"a quarantine state is {{'reasons': {{id: reason}}, 'failures': {{id: count}}}}, "
+                       f"got {str(state)[:80]!r}.")
+    for task_id, reason in state["reasons"].items():
+      self.add(str(task_id), str(reason), source="checkpoint")
+    with self._lock:
+      for task_id, count in state["failures"].items():
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+          raise ValueError(f"quarantine state: failures[{task_id!r}]={count!r} must be a count.")
+        self.failures[str(task_id)] = max(self.failures.get(str(task_id), 0), count)
 
   def record_failure(self, task, reason: str) -> bool:
     """An environment failure of `task` (an id, a TerminalTask or an example with "task_id") seen
@@ -174,12 +199,12 @@ def inspect_task(task: TerminalTask, runner: ShellRunner, *, k: int = 3, repeats
   return Verdict(task.id, tuple(reasons), time.monotonic() - started)
 
 
-def curriculum_flag(task: TerminalTask, policy: Callable, *, samples: int, runner: ShellRunner,
+def curriculum_flag(task: TerminalTask, policy: Callable, *, samples: int,
                     budget: Budget | None = None) -> tuple[str | None, str | None]:
   """(flag, env failure) from `samples` policy episodes: "always_solved", "never_solved" or None."""
   solved = 0
   for _ in range(samples):
-    env = TerminalEnv(runner)
+    env = TerminalEnv()
     episode = run_episode(env, task, policy, budget or Budget(max_turns=task.max_turns))
     if episode.env_failure:
       return None, episode.env_failure
@@ -187,10 +212,23 @@ def curriculum_flag(task: TerminalTask, policy: Callable, *, samples: int, runne
   return ("never_solved" if solved == 0 else "always_solved" if solved == samples else None), None
 
 
+def inspect_tbench_task(task, *, k: int, repeats: int, runtime: str) -> Verdict:
+  """The gate on one Terminal-Bench task (rl/envs/tbench.py `gate_task`, in sandbox sessions)."""
+  from meshrl.rl.envs import tbench  # pylint: disable=import-outside-toplevel
+  started = time.monotonic()
+  try:
+    task = task.with_runtime(tbench.resolve_runtime(task.environment.runtime, runtime))
+    reasons = tbench.gate_task(task, k=k, repeats=repeats)
+  except (ValueError, RuntimeError, OSError) as error:  # a runtime that cannot be had, a sandbox
+    reasons = [f"could not be checked: {error}"]
+  return Verdict(task.id, tuple(reasons), time.monotonic() - started)
+
+
 def run_gate(paths: Sequence[str], *, k: int = 3, repeats: int = 5, workers: int = 2,
              runner: ShellRunner | None = None, policy: Callable | None = None, samples: int = 4,
-             quarantine: Quarantine | None = None) -> dict:
-  """The gate over every task directory under `paths` (see the module docstring).
+             quarantine: Quarantine | None = None, runtime: str = "build") -> dict:
+  """The gate over every task directory under `paths` (see the module docstring); Terminal-Bench
+  task directories get their runtimes by `runtime` ("build" or "host", rl/envs/tbench.py).
 
   Returns {"tasks": n, "quarantined": [ids or folder names], "reasons": {id: reason},
   "curriculum": {id: flag}, "seconds": {id: s}}; quarantined ids are also added to `quarantine`.
@@ -203,10 +241,16 @@ def run_gate(paths: Sequence[str], *, k: int = 3, repeats: int = 5, workers: int
   seconds, curriculum = {}, {}
 
   def one(task):
-    verdict = inspect_task(task, runner, k=k, repeats=repeats)
+    if isinstance(task, TerminalTask):
+      verdict = inspect_task(task, runner, k=k, repeats=repeats)
+    else:
+      verdict = inspect_tbench_task(task, k=k, repeats=repeats, runtime=runtime)
+      if not verdict.reasons:
+        from meshrl.rl.envs import tbench  # pylint: disable=import-outside-toplevel
+        task = task.with_runtime(tbench.resolve_runtime(task.environment.runtime, runtime))
     flag = None
     if policy is not None and not verdict.reasons:
-      flag, failure = curriculum_flag(task, policy, samples=samples, runner=runner)
+      flag, failure = curriculum_flag(task, policy, samples=samples)
       if failure:
         return dataclasses.replace(verdict, reasons=(f"environment failure in a policy episode: "
                                                      f"{failure}",))

@@ -4,19 +4,22 @@ One JSON object per line (JSONL: no new dependency, and an error can name the li
   {"name": "arith_easy", "source": "generator:arithmetic", "reward": "numeric", "weight": 2.0,
    "priority": 1, "quota": 0.1, "timeout_s": 10, "max_turns": 1, "difficulty": 1}
 Required: name, source, reward, weight. Optional: priority (0), quota (0: none; least share of every
-batch), timeout_s (30), max_turns (1), difficulty (1; generators only). Unknown fields are errors.
+batch), timeout_s (30), max_turns (1), difficulty (1; generators only), runtime ("build" or "host":
+how Terminal-Bench task directories get their runtime, rl/envs/tbench.py). Unknown fields are errors.
   source  "generator:<family>" (rl/envs/mixture.py DOMAINS), "jsonl:<path>" or "tasks:<dir>" (terminal
-          task directories, rl/envs/terminal.py); paths relative to the domain file
+          task directories, rl/envs/terminal.py, and Terminal-Bench task directories, run as
+          multi-turn terminal tasks); paths relative to the domain file
   reward  a verifier name (rl.rewards VERIFIERS) stamped on every example as its "verifier"; task
           directories take "terminal" (check.sh after the episode)
 
 `DomainMixture` is random access like TaskMixture (example i depends on (domains, seed, i)), with the
 same hash split of prompts into train and eval sides, per-domain held-out examples
 (`held_out(per_domain)`), batches composed by the scheduler's quotas (rl/envs/scheduler.py
-`plan_batch`) when given `batch_size`, and a quarantine (rl/envs/quality.py): quarantined task ids
-are never drawn, including ids added while training runs. Every example's "domain" is the domain's
-name, so the RL step's reward_mean/<domain> and the evaluator's eval/accuracy/<domain> are per
-registry domain.
+`plan_batch`) when given `batch_size`, a quarantine (rl/envs/quality.py): quarantined task ids
+are never drawn, including ids added while training runs, and the gate's curriculum flags: tasks a
+policy always or never solves are drawn less (`flagged_weight`, a floor above zero). Every
+example's "domain" is the domain's name, so the RL step's reward_mean/<domain> and the evaluator's
+eval/accuracy/<domain> are per registry domain.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Container, Iterator, Sequence
+from typing import Container, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -35,9 +38,12 @@ from meshrl.rl.envs.scheduler import DomainPolicy, check_quotas, plan_batch
 from meshrl.rl.envs.terminal import load_tasks
 
 TERMINAL_REWARD = "terminal"
+CURRICULUM_FLAGS = ("always_solved", "never_solved")  # the quality gate's flags (rl/envs/quality.py)
+FLAGGED_WEIGHT = 0.25  # a flagged task's share of its domain's draws, relative to an unflagged one
 REQUIRED = {"name": str, "source": str, "reward": str, "weight": (int, float)}
 OPTIONAL = {"priority": (int, 0), "quota": ((int, float), 0.0), "timeout_s": ((int, float), 30.0),
-            "max_turns": (int, 1), "difficulty": (int, 1)}
+            "max_turns": (int, 1), "difficulty": (int, 1), "runtime": (str, "build")}
+RUNTIMES = ("build", "host")  # how Terminal-Bench task directories get their runtime (rl/envs/tbench.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +58,7 @@ class DomainSpec:
   timeout_s: float = 30.0
   max_turns: int = 1
   difficulty: int = 1
+  runtime: str = "build"
 
   @property
   def policy(self) -> DomainPolicy:
@@ -107,6 +114,8 @@ def parse_domain(row, where: str, base_dir: str, rewards: Container[str]) -> Dom
     _fail(where, name, f"field 'weight'={row['weight']} must be positive.")
   if not 0 <= values["quota"] <= 1:
     _fail(where, name, f"field 'quota'={values['quota']} must lie in [0, 1].")
+  if values["runtime"] not in RUNTIMES:
+    _fail(where, name, f"field 'runtime'={values['runtime']!r}: choose one of {list(RUNTIMES)}.")
   if not values["timeout_s"] > 0 or values["max_turns"] < 1:
     _fail(where, name, f"timeout_s={values['timeout_s']} must be > 0 and "
                        f"max_turns={values['max_turns']} >= 1.")
@@ -115,7 +124,7 @@ def parse_domain(row, where: str, base_dir: str, rewards: Container[str]) -> Dom
   return DomainSpec(name=name, kind=kind, target=target, reward=reward, weight=float(row["weight"]),
                     priority=values["priority"], quota=float(values["quota"]),
                     timeout_s=float(values["timeout_s"]), max_turns=values["max_turns"],
-                    difficulty=values["difficulty"])
+                    difficulty=values["difficulty"], runtime=values["runtime"])
 
 
 def load_domains(path: str, *, rewards: Container[str] | None = None) -> list[DomainSpec]:
@@ -156,7 +165,8 @@ def _pool(spec: DomainSpec) -> tuple[list[dict], dict]:
     tasks, broken = load_tasks([spec.target])
     rows = [task.example() for task in tasks]
   rows = [{**row, "domain": spec.name, "verifier": spec.reward, "max_turns": spec.max_turns,
-           "timeout_s": spec.timeout_s} for row in rows]
+           "timeout_s": spec.timeout_s, **({"runtime": spec.runtime} if spec.kind == "tasks" else {})}
+          for row in rows]
   return rows, broken
 
 
@@ -170,19 +180,32 @@ class DomainMixture:
     eval_fraction: held-out share of the prompt space (0 < f < 1 unless split == "all").
     quarantine: task ids never drawn (a set or rl/envs/quality.Quarantine, read at every draw).
     batch_size: when set, each run of batch_size examples is composed by `plan_batch` (quotas).
+    curriculum: {task_id: "always_solved" | "never_solved"} from the quality gate's report
+      (`load_curriculum`): such tasks are drawn `flagged_weight` times as often as the others of
+      their domain (a floor, never zero: a policy that improves still meets them).
   """
 
   def __init__(self, specs: Sequence[DomainSpec], *, seed: int = 0, split: str = "all",
                eval_fraction: float = 0.0, quarantine: Container[str] = frozenset(),
-               batch_size: int | None = None):
+               batch_size: int | None = None, curriculum: Mapping[str, str] | None = None,
+               flagged_weight: float = FLAGGED_WEIGHT):
     if split not in ("all", "train", "eval"):
       raise ValueError(f"split={split!r}; choose all, train or eval.")
+    if not (isinstance(flagged_weight, (int, float)) and 0 < flagged_weight <= 1):
+      raise ValueError(f"flagged_weight={flagged_weight!r} must lie in (0, 1]: flagged tasks are "
+                       f"drawn less, never not at all.")
+    curriculum = dict(curriculum or {})
+    unknown = sorted({str(f) for f in curriculum.values()} - set(CURRICULUM_FLAGS))
+    if unknown:
+      raise ValueError(f"curriculum flags {unknown} are unknown; the gate writes {list(CURRICULUM_FLAGS)}.")
+    self.curriculum, self.flagged_weight = curriculum, float(flagged_weight)
     if split != "all" and not 0.0 < eval_fraction < 1.0:
       raise ValueError(f"data.eval_fraction={eval_fraction} must lie strictly between 0 and 1.")
     self.seed, self.split, self.eval_fraction = seed, split, float(eval_fraction)
     self.quarantine, self.batch_size = quarantine, batch_size
     self.broken: dict[str, dict] = {}
     self.pools: dict[str, list[dict]] = {}
+    self._pool_probs: dict[str, np.ndarray] = {}
     self.specs: dict[str, DomainSpec] = {}
     for spec in specs:
       if spec.kind != "generator":
@@ -193,6 +216,9 @@ class DomainMixture:
         if not rows:
           continue  # nothing of this domain on this side (or all quarantined): left out, see .dropped
         self.pools[spec.name] = rows
+        weights = np.array([self.flagged_weight if r.get("task_id") in self.curriculum else 1.0
+                            for r in rows])
+        self._pool_probs[spec.name] = weights / weights.sum()
       self.specs[spec.name] = spec
     self.dropped = sorted({s.name for s in specs} - set(self.specs))
     if not self.specs:
@@ -231,12 +257,14 @@ class DomainMixture:
       return {**example, "domain": name, "verifier": spec.reward, "max_turns": spec.max_turns,
               "timeout_s": spec.timeout_s}
     pool = self.pools[name]
-    return dict(pool[int(rng.integers(len(pool)))])
+    return dict(pool[int(rng.choice(len(pool), p=self._pool_probs[name]))])
 
   def __getitem__(self, index: int) -> dict:
     if index < 0:
       raise IndexError(f"index={index} must be >= 0.")
-    name = self._domain_of(index, np.random.default_rng([self.seed, index]))
+    # Not [seed, index]: numpy seeds [s, i] and [s, i, 0] give the same stream, so the domain's
+    # choice and the example's first draw would be the same uniform number.
+    name = self._domain_of(index, np.random.default_rng([self.seed, index, 1 << 22]))
     for attempt in range(1000):
       example = self.draw(name, np.random.default_rng([self.seed, index, attempt]))
       if self.allowed(example):
@@ -277,6 +305,20 @@ class _DomainView:
     raise ValueError(f"domain {self.name!r}: no {m.split} example in 1000 draws.")
 
 
+def load_curriculum(path: str) -> dict[str, str]:
+  """{task_id: flag} of a quality-gate report (scripts/env_qa.py --json); ValueError naming the file."""
+  try:
+    with open(path, encoding="utf-8") as handle:
+      report = json.load(handle)
+  except (OSError, ValueError) as error:
+    raise ValueError(f"curriculum report {path}: {error}") from None
+  flags = report.get("curriculum") if isinstance(report, dict) else None
+  if not isinstance(flags, dict):
+    raise ValueError(f"curriculum report {path}: no 'curriculum' object (write it with "
+                     f"scripts/env_qa.py and a policy).")
+  return {str(k): str(v) for k, v in flags.items()}
+
+
 def write_many_domains(path: str, count: int = 300, *, seed: int = 0) -> list[dict]:
   """A `count`-domain file over the generated families, varied weights, priorities, quotas and
   difficulties (for the 300-domain mixture test and benchmarks); returns the rows."""
@@ -299,7 +341,7 @@ def write_many_domains(path: str, count: int = 300, *, seed: int = 0) -> list[di
 
 def check_single_turn(specs: Sequence[DomainSpec]) -> list[DomainSpec]:
   """`specs`, after checking the single-turn RL loop can score them: terminal task domains need the
-  multi-turn rollout (issue 11, part 2), which rl/step.py does not run yet."""
+  multi-turn rollout (issue 11, part 2), which rl/step/program.py does not run yet."""
   from meshrl.rl.rewards import VERIFIERS  # pylint: disable=import-outside-toplevel
   terminal = [s.name for s in specs if s.reward == TERMINAL_REWARD and TERMINAL_REWARD not in VERIFIERS]
   if terminal:

@@ -11,11 +11,16 @@ A task is a directory anyone can write:
 `load_task(dir)` raises TaskError with the reason a directory is broken; `load_tasks(paths)` returns
 the good tasks and {folder name: reason} for the broken ones, never raising for one bad directory.
 
-Each episode has its own work directory, kept across turns as a `WorkState` (files, modes, links).
-Every command runs in a fresh bubblewrap sandbox (rl/sandbox) that gets the state, runs the command
-with bash in /work under the per-call timeout (terminal_harness.py) and hands back the new state:
-files persist between turns, processes and the current directory do not. check.sh and oracle.sh are
-never in the work directory, so the policy cannot read or change them.
+Each episode runs in one persistent sandbox session (rl/sandbox/session.py): the task's setup/ is
+written into /work, every command runs in the session's shell under the per-call timeout, so files,
+the current directory, variables and background processes persist between turns (a task may say
+"start the service, then query it"); at the end check.sh runs in the same session, beside the shell,
+its verdict taken where the policy cannot forge it, and the session is closed (`TerminalEnv.close()`
+also ends it, e.g. when an episode is abandoned). check.sh and oracle.sh are never in the work
+directory, so the policy cannot read them.
+
+`ShellRunner` runs `Step`s over a `WorkState` in one fresh one-shot sandbox per call (the quality
+gate's repeated oracle and check runs, rl/envs/quality.py).
 """
 
 from __future__ import annotations
@@ -30,9 +35,13 @@ import stat
 import threading
 from typing import Sequence
 
-from meshrl.rl.envs.base import StepResult, parse_action
+from meshrl.model.tool_calls import plain_tool_results
+from meshrl.rl.envs.base import DONE, StepResult, parse_action
+from meshrl.rl.envs.tools import Toolbox
 from meshrl.rl.sandbox import Limits, Sandbox
 from meshrl.rl.sandbox import result as sandbox_result
+from meshrl.rl.sandbox.session import (SESSION_ENDED, CommandResult, PoolSet, Session, SessionPool,
+                                       SessionSpec)
 
 _HARNESS = (pathlib.Path(__file__).parent / "terminal_harness.py").read_text()
 TASK_FIELDS = {"id": str, "domain": str, "prompt": str, "max_turns": int, "timeout_s": (int, float)}
@@ -115,6 +124,21 @@ class TerminalTask:
             "task_dir": self.directory, "verifier": "terminal", "max_turns": self.max_turns,
             "timeout_s": self.timeout_s}
 
+  # What TerminalEnv needs of a task (rl/envs/tbench.py's TBenchTask has the same).
+  def session_spec(self, limits: Limits) -> SessionSpec:
+    return SessionSpec(limits)
+
+  @property
+  def setup_entries(self) -> tuple:
+    return self.setup.entries
+
+  @property
+  def env(self) -> dict:
+    return {}
+
+  def check_call(self) -> dict:
+    return {"argv": ["bash", "-c", self.check, "check.sh"], "timeout_s": self.timeout_s}
+
 
 def _read_text(path: str, name: str) -> str:
   if not os.path.isfile(path):
@@ -168,7 +192,7 @@ def load_task(directory: str) -> TerminalTask:
 
 def _is_task_dir(path: str) -> bool:
   return any(os.path.lexists(os.path.join(path, name))
-             for name in ("task.json", "check.sh", "oracle.sh", "setup"))
+             for name in ("task.json", "check.sh", "oracle.sh", "setup", "task.yaml", "run-tests.sh"))
 
 
 def task_dirs(paths: Sequence[str]) -> list[str]:
@@ -185,14 +209,16 @@ def task_dirs(paths: Sequence[str]) -> list[str]:
   return found
 
 
-def load_tasks(paths: Sequence[str]) -> tuple[list[TerminalTask], dict[str, str]]:
-  """(good tasks, {folder name: reason} of the broken ones). A second task with an id already seen
-  is broken too (ids name tasks in quarantine lists and metrics)."""
+def load_tasks(paths: Sequence[str]) -> tuple[list, dict[str, str]]:
+  """(good tasks, {folder name: reason} of the broken ones): TerminalTasks and Terminal-Bench tasks
+  (rl/envs/tbench.py; runtimes not resolved). A second task with an id already seen is broken too
+  (ids name tasks in quarantine lists and metrics)."""
+  from meshrl.rl.envs import tbench  # pylint: disable=import-outside-toplevel  (tbench imports this module)
   tasks, broken, seen = [], {}, {}
   for directory in task_dirs(paths):
     name = os.path.basename(os.path.normpath(directory))
     try:
-      task = load_task(directory)
+      task = tbench.load_tbench_task(directory) if tbench.is_tbench_dir(directory) else load_task(directory)
     except (TaskError, OSError) as error:
       broken[name] = str(error)
       continue
@@ -333,65 +359,202 @@ def default_runner() -> ShellRunner:
   return _DEFAULT_RUNNER
 
 
-# --- the environment --------------------------------------------------------------------------
+# --- the environment ---------------------------------------------------------------------------
+
+# Per-process and per-session limits of an episode's session (per-command timeouts come per call).
+EPISODE_LIMITS = Limits(timeout_s=10.0, cpu_s=60.0, memory_mb=1024, max_processes=64, disk_mb=256,
+                        max_files=20000, max_output_bytes=64 << 10)
+# A session that ends for one of these did so because of what the policy ran (reward 0, not an
+# environment failure); any other end (sandbox_error: ...) is the environment's.
+POLICY_SESSION_ENDS = ("session_timeout", "file_count_limit", "output_limit", "shell_failed")
+_DEFAULT_SESSIONS: PoolSet | None = None
+_DEFAULT_LOCK = threading.Lock()
 
 
-def observation_text(outcome: StepOutcome, cap: int) -> tuple[str, bool]:
+def default_sessions() -> PoolSet:
+  """The process-wide warm episode sessions, one pool per session spec (runtime, work dir)."""
+  global _DEFAULT_SESSIONS  # pylint: disable=global-statement
+  with _DEFAULT_LOCK:
+    if _DEFAULT_SESSIONS is None:
+      _DEFAULT_SESSIONS = PoolSet(warm=2)
+    return _DEFAULT_SESSIONS
+
+
+def load_any_task(example_or_dir, *, runtime_mode: str = "build"):
+  """A TerminalTask (task.json layout) or a Terminal-Bench task (task.yaml layout, its runtime
+  resolved: rl/envs/tbench.py) from a directory or a mixture example with "task_dir" (and an optional
+  "runtime": "build" | "host"); TaskError for a broken one."""
+  from meshrl.rl.envs import tbench  # pylint: disable=import-outside-toplevel  (tbench imports this module)
+  if isinstance(example_or_dir, dict):
+    directory = example_or_dir["task_dir"]
+    runtime_mode = example_or_dir.get("runtime", runtime_mode)
+  else:
+    directory = example_or_dir
+  if not tbench.is_tbench_dir(directory):
+    return load_task(directory)
+  task = tbench.load_tbench_task(directory)
+  if isinstance(example_or_dir, dict) and example_or_dir.get("max_turns"):
+    task = dataclasses.replace(task, max_turns=int(example_or_dir["max_turns"]))
+  return task.with_runtime(tbench.resolve_runtime(task.environment.runtime, runtime_mode))
+
+
+def observation_text(outcome: StepOutcome | CommandResult, cap: int) -> tuple[str, bool]:
   """(what the policy sees of a command, whether its output was UTF-8); long output keeps its head
   and tail."""
+  output = outcome.output if isinstance(outcome, StepOutcome) else outcome.stdout + outcome.stderr
   try:
-    text, valid = outcome.output.decode("utf-8"), True
+    text, valid = output.decode("utf-8"), True
   except UnicodeDecodeError:
-    text, valid = outcome.output.decode("utf-8", errors="replace"), False
+    text, valid = output.decode("utf-8", errors="replace"), False
   if len(text) > cap:
     text = text[:cap // 2] + "\n...\n" + text[-cap // 2:]
-  if outcome.truncated:
+  truncated = outcome.truncated if isinstance(outcome, StepOutcome) else (
+      outcome.stdout_truncated or outcome.stderr_truncated)
+  if truncated:
     text += "\n[output truncated]"
-  return f"{text}[{outcome.describe()}]", valid
+  note = ""
+  if isinstance(outcome, CommandResult) and outcome.shell_restarted:
+    note = "; the shell was restarted in the work directory"
+  return f"{text}[{outcome.describe()}{note}]", valid
+
+
+def session_end(result: CommandResult) -> tuple[str | None, str | None]:
+  """(policy end, environment failure) of a command whose session ended (both None if it lives)."""
+  reason = result.killed_reason or ""
+  if not reason.startswith(SESSION_ENDED):
+    return None, None
+  return classify_end(reason[len(SESSION_ENDED) + 2:])
+
+
+def classify_end(why: str) -> tuple[str | None, str | None]:
+  """(policy end, environment failure) of a session that ended for `why` (Session.ended)."""
+  return (why, None) if why in POLICY_SESSION_ENDS else (None, f"sandbox session: {why}")
+
+
+def session_timeout_s(max_turns: int, call_timeout_s: float, check_timeout_s: float) -> float:
+  """Wall clock of an episode's session: every turn at its timeout, the check, and slack."""
+  return max_turns * (call_timeout_s + 2.0) + check_timeout_s + 30.0
 
 
 class TerminalEnv:
-  """A terminal task as an environment: tool calls run in the episode's own work directory; `<done>`,
-  or the task's max_turns, runs check.sh (reward 1 solved, 0 not; a checker error is an env failure).
+  """A terminal task as an environment: actions run in the episode's persistent session; `<done>`
+  (or a `submit` call), or the task's max_turns, runs check.sh there (reward 1 solved, 0 not; a
+  checker error is an env failure) and ends the session.
+
+  Actions are `<cmd>...</cmd>` turns (base.parse_action), or with a `toolbox` (rl/envs/tools.py)
+  JSON tool calls: `env.tools` are the schemas to render into the prompt, each observation is the
+  plain rendering of the turn's tool results and `info["tool_messages"]` the results themselves, for
+  a loop that renders them with the tokenizer's chat template (Toolbox.observation).
 
   Args:
-    runner: the sandbox runner (default: a shared one).
+    sessions: where sessions come from (default: `default_sessions()`).
     call_timeout_s: seconds one command may run (capped by the task's timeout_s).
     observation_chars: most characters of a command's output shown to the policy.
+    toolbox: tool-call actions instead of `<cmd>` (e.g. Toolbox.standard()).
   """
 
-  def __init__(self, runner: ShellRunner | None = None, *, call_timeout_s: float = 10.0,
-               observation_chars: int = 2000):
-    self.runner = runner or default_runner()
+  def __init__(self, sessions: SessionPool | PoolSet | None = None, *, call_timeout_s: float = 10.0,
+               observation_chars: int = 2000, toolbox: Toolbox | None = None,
+               limits: Limits = EPISODE_LIMITS):
+    self.sessions, self.toolbox, self.limits = sessions, toolbox, limits
     self.call_timeout_s, self.observation_chars = float(call_timeout_s), int(observation_chars)
-    self.task: TerminalTask | None = None
-    self.state, self.turns, self.invalid_utf8 = WorkState(), 0, 0
+    self.task = None
+    self.session: Session | None = None
+    self.turns, self.invalid_utf8 = 0, 0
 
   def reset(self, task) -> str:
-    """`task`: a TerminalTask, or a mixture example with "task_dir" (TaskError if it is broken)."""
+    """`task`: a TerminalTask, a Terminal-Bench task (rl/envs/tbench.py, its runtime resolved), or a
+    mixture example with "task_dir" (TaskError if it is broken). Starts the episode's session (one
+    that cannot start raises SessionStartError / SandboxUnavailable: an environment failure)."""
     if isinstance(task, dict):
-      task = load_task(task["task_dir"])
-    if not isinstance(task, TerminalTask):
-      raise ValueError(f"TerminalEnv.reset takes a TerminalTask or an example with 'task_dir', "
+      task = load_any_task(task)
+    if not hasattr(task, "session_spec"):
+      raise ValueError(f"TerminalEnv.reset takes a terminal task or an example with 'task_dir', "
                        f"got {type(task).__name__}.")
-    self.task, self.state, self.turns, self.invalid_utf8 = task, task.setup, 0, 0
+    self.close()
+    timeout = min(self.call_timeout_s, task.timeout_s)
+    budget = session_timeout_s(task.max_turns, timeout, getattr(task, "test_timeout_s", task.timeout_s))
+    self.session = self._acquire(task.session_spec(self.limits), task.env, budget)
+    try:
+      self.session.write_entries(task.setup_entries)
+    except BaseException:
+      self.close()
+      raise
+    self.task, self.turns, self.invalid_utf8 = task, 0, 0
     return task.prompt
 
+  def _acquire(self, spec: SessionSpec, env: dict, budget: float) -> Session:
+    if isinstance(self.sessions, SessionPool):
+      given = self.sessions.spec
+      if (given.work, given.runtime, tuple(given.extra_writable)) != (
+          spec.work, spec.runtime, tuple(spec.extra_writable)):
+        raise ValueError(f"the TerminalEnv's session pool is for work dir {given.work} and runtime "
+                         f"{given.runtime}, the task needs {spec.work} and {spec.runtime}: pass a "
+                         f"PoolSet (or None) to serve tasks of several runtimes.")
+      return self.sessions.acquire(env=env, session_timeout_s=budget)
+    return (self.sessions or default_sessions()).acquire(spec, env=env, session_timeout_s=budget)
+
+  def close(self) -> None:
+    """Ends the episode's session (every process and file of it); safe to call twice."""
+    if self.session is not None:
+      self.session.close()
+      self.session = None
+
+  def _finish(self, reward: float, info: dict) -> StepResult:
+    self.task = None
+    self.close()
+    return StepResult("", reward, True, {"turns": self.turns, "invalid_utf8_outputs": self.invalid_utf8,
+                                         **info})
+
   def _check(self) -> StepResult:
-    task, self.task = self.task, None
-    report = self.runner.run([Step(task.check, task.timeout_s)], self.state, snapshot=False)
-    info = {"turns": self.turns, "invalid_utf8_outputs": self.invalid_utf8}
-    failure = report.env_failure or report.unreadable
-    if failure is None and report.steps[0].check_status == "error":
-      failure = f"check.sh: {report.steps[0].describe()}"
+    task = self.task
+    call = task.check_call()
+    result = self.session.check(call["argv"], files=call.get("files"), env=call.get("env"),
+                                timeout_s=call["timeout_s"])
+    ended, failure = session_end(result)
+    if ended is not None:
+      return self._finish(0.0, {"solved": False, "session_ended": ended})
+    if failure is None and (result.timed_out or result.exit_code is None
+                            or result.exit_code in CHECK_ERROR_EXITS):
+      failure = f"check.sh: {result.describe()}"
     if failure is not None:
-      return StepResult("", 0.0, True, {**info, "env_failure": failure, "task_id": task.id})
-    solved = report.steps[0].check_status == "pass"
-    return StepResult("", 1.0 if solved else 0.0, True, {**info, "solved": solved})
+      return self._finish(0.0, {"env_failure": failure, "task_id": task.id})
+    solved = result.exit_code == 0
+    return self._finish(1.0 if solved else 0.0, {"solved": solved})
+
+  @property
+  def tools(self) -> list[dict]:
+    """The tool schemas to offer the policy ([] for `<cmd>` actions)."""
+    return self.toolbox.schemas() if self.toolbox is not None else []
+
+  def _tool_step(self, action_text) -> StepResult:
+    timeout = min(self.call_timeout_s, self.task.timeout_s)
+    outcome = self.toolbox.step(action_text, self.session, timeout_s=timeout, turn=self.turns)
+    if not self.session.alive:
+      ended, failure = classify_end(self.session.ended or "sandbox_error: the sandbox exited")
+      if failure is not None:
+        return self._finish(0.0, {"env_failure": failure, "task_id": self.task.id})
+      return self._finish(0.0, {"solved": False, "session_ended": ended})
+    info = {"tool_messages": outcome.messages, "tool_errors": outcome.errors}
+    if outcome.errors and outcome.errors >= outcome.calls:  # nothing usable: a malformed turn
+      info["error"] = outcome.messages[0]["content"]
+    if outcome.submitted:
+      result = self._check()
+      result.info.update(info, answer=outcome.answer)
+      return result
+    return StepResult(plain_tool_results(outcome.messages), 0.0, False, info)
 
   def step(self, action_text: str) -> StepResult:
     if self.task is None:
       raise RuntimeError("step() before reset() or after the episode ended.")
+    if self.toolbox is not None:
+      self.turns += 1
+      if action_text == DONE:  # the episode driver ends a turn-limited episode this way
+        return self._check()
+      result = self._tool_step(action_text)
+      if not result.done and self.turns >= self.task.max_turns:
+        return self._check()
+      return result
     action = parse_action(action_text)
     self.turns += 1
     if action.kind == "done":
@@ -400,18 +563,15 @@ class TerminalEnv:
       result = StepResult(f"error: {action.error}", 0.0, False, {"error": action.error})
     else:
       timeout = min(self.call_timeout_s, self.task.timeout_s)
-      report = self.runner.run([Step(action.command, timeout)], self.state)
-      if report.env_failure:
-        self.task = None
-        return StepResult("", 0.0, True, {"env_failure": report.env_failure})
-      if report.unreadable:  # the command broke the harness: the policy's doing, state unchanged
-        result = StepResult(f"error: the command's result could not be read ({report.unreadable:.200})",
-                            0.0, False, {"command_error": report.unreadable})
-      else:
-        self.state = report.state
-        text, valid = observation_text(report.steps[0], self.observation_chars)
-        self.invalid_utf8 += not valid
-        result = StepResult(text, 0.0, False, {})
+      outcome = self.session.run(action.command, timeout_s=timeout)
+      ended, failure = session_end(outcome)
+      if failure is not None:
+        return self._finish(0.0, {"env_failure": failure, "task_id": self.task.id})
+      if ended is not None:  # the policy's doing: the episode ends unsolved
+        return self._finish(0.0, {"solved": False, "session_ended": ended})
+      text, valid = observation_text(outcome, self.observation_chars)
+      self.invalid_utf8 += not valid
+      result = StepResult(text, 0.0, False, {})
     if self.turns >= self.task.max_turns:
       return self._check()
     return result
@@ -419,13 +579,16 @@ class TerminalEnv:
 
 def terminal_reward(completion: str, example: dict) -> float:
   """The one-step episode as a reward `(completion, example) -> float`, for the single-turn loop:
-  runs the completion's tool call (if any) in the task's work directory, then check.sh. Raises on an
+  runs the completion's tool call (if any) in the task's session, then check.sh. Raises on an
   environment failure, which the reward pool counts as an error, not as a wrong answer."""
   env = TerminalEnv()
-  env.reset(example)
-  result = env.step(completion)
-  if not result.done:
-    result = env.step("<done>")
+  try:
+    env.reset(example)
+    result = env.step(completion)
+    if not result.done:
+      result = env.step("<done>")
+  finally:
+    env.close()
   if result.info.get("env_failure"):
     raise RuntimeError(f"terminal task {example.get('task_id')}: {result.info['env_failure']}")
   return result.reward

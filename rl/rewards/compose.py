@@ -84,11 +84,16 @@ class WeightedReward:
 
 
 def compose(spec: str, *, registry: Mapping[str, RewardFn] = REWARDS) -> WeightedReward:
-  """The reward named by cfg.rl.rewards, e.g. "answer:1.0,format:0.1"."""
+  """The reward named by cfg.rl.rewards, e.g. "answer:1.0,format:0.1". Every function scores how
+  good a completion is (in [0, 1]), so a weight must be positive: a negative one trains the policy
+  away from what the function rewards, a zero one does nothing."""
   terms = []
-  for name, weight in parse_weights(spec, field="rewards"):
+  for name, weight in parse_weights(spec, field="rl.rewards"):
     if name not in registry:
-      raise ValueError(f"rewards={spec!r}: {name!r} is unknown; choose from {sorted(registry)}.")
+      raise ValueError(f"rl.rewards={spec!r}: {name!r} is unknown; choose from {sorted(registry)}.")
+    if not weight > 0:
+      raise ValueError(f"rl.rewards={spec!r}: weight {weight} of {name!r} must be positive (each reward "
+                       "scores how good a completion is; drop a term you do not want).")
     terms.append((name, weight, registry[name]))
   return WeightedReward(tuple(terms))
 

@@ -60,8 +60,12 @@ class Runtime:
     return cls(tuple(binds), tuple(symlinks), "/opt/python/bin/python3")
 
 
-def bwrap_argv(runtime: Runtime, *, disk_mb: int) -> list[str]:
-  """bwrap's options for one run (the command follows `--`)."""
+def bwrap_argv(runtime: Runtime, *, disk_mb: int, work: str = WORK,
+               extra_writable: tuple[str, ...] = ()) -> list[str]:
+  """bwrap's options for one sandbox (the command follows `--`): `work` is the working directory and
+  HOME (default /work; a session may use another absolute path, e.g. a Dockerfile's WORKDIR), and
+  `extra_writable` more private tmpfs mounts of `disk_mb` each (e.g. /tests)."""
+  writable = check_mounts(work, extra_writable)
   argv = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
           "--new-session", "--as-pid-1", "--uid", "1000", "--gid", "1000",
           "--hostname", "sandbox"]
@@ -71,13 +75,43 @@ def bwrap_argv(runtime: Runtime, *, disk_mb: int) -> list[str]:
     argv += ["--symlink", target, dest]
   size = str(int(disk_mb) << 20)
   argv += ["--proc", "/proc", "--dev", "/dev"]
-  for path in WRITABLE:
-    argv += ["--size", size, "--perms", "1777" if path != WORK else "0755", "--tmpfs", path]
-  argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORK, "--clearenv"]
-  for name, value in (("PATH", "/usr/local/bin:/usr/bin:/bin"), ("HOME", WORK),
-                      ("LANG", "C.UTF-8"), ("TMPDIR", "/tmp"), ("PYTHONDONTWRITEBYTECODE", "1")):
+  for path in writable:
+    argv += ["--size", size, "--perms", "0755" if path in (work, *extra_writable) else "1777",
+             "--tmpfs", path]
+  argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", work, "--clearenv"]
+  for name, value in base_env(work).items():
     argv += ["--setenv", name, value]
   return argv
+
+
+def base_env(work: str = WORK) -> dict[str, str]:
+  """The environment every sandboxed program starts with."""
+  return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": work, "LANG": "C.UTF-8", "TMPDIR": "/tmp",
+          "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+_RESERVED = ("/", "/proc", "/dev", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+             "/etc", "/opt")
+
+
+def check_mounts(work: str, extra_writable: tuple[str, ...] = ()) -> tuple[str, ...]:
+  """The writable mounts (work dir, /tmp, /dev/shm, extras) after checking each is a normalised
+  absolute path outside the read-only runtime and that none is given twice; ValueError naming it."""
+  writable = (work, "/tmp", "/dev/shm", *extra_writable)
+  for path in (work, *extra_writable):
+    if not isinstance(path, str) or not path.startswith("/") or os.path.normpath(path) != path \
+        or "\0" in path:
+      raise ValueError(f"sandbox mount {path!r} must be a normalised absolute path.")
+    if any(path == top or path.startswith(top + "/") for top in _RESERVED if top != "/") \
+        or path == "/":
+      raise ValueError(f"sandbox mount {path!r} lies in the read-only runtime "
+                       f"({', '.join(_RESERVED)}); choose another path, e.g. /work or /app.")
+  for path in writable:
+    for other in writable:
+      if path == other and writable.count(path) > 1 or other.startswith(path + "/"):
+        raise ValueError(f"sandbox mounts {list(writable)}: {other!r} lies in (or is) {path!r}; "
+                         f"give separate folders.")
+  return writable
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,7 +14,7 @@ from meshrl import configs
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESETS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "configs", "*.py"))
                  if not os.path.basename(p).startswith("_")
-                 and os.path.basename(p) not in ("loader.py", "cli.py", "hugepages.py"))
+                 and os.path.basename(p) not in ("loader.py", "cli.py", "hugepages.py", "checks.py"))
 
 
 NEEDS_ARGUMENT = {"hf_qwen3_moe"}  # loaded with a model folder in tests/train/test_init_from.py
@@ -48,7 +48,7 @@ def test_preset_argument_through_base():
 
 def test_peer_preset_is_the_issue_shape_and_passes_the_run_check():
   """configs/tiny.py:peer holds the shape issue 9 times the peers at, and a run would accept it."""
-  from meshrl.rl.loop import check_config  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.driver import check_config  # pylint: disable=import-outside-toplevel
   cfg = configs.load("configs/tiny.py:peer")
   m, moe, rl = cfg.model, cfg.moe, cfg.rl
   assert (m.num_layers, m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim) == (4, 256, 8, 4, 32)

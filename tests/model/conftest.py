@@ -1,6 +1,7 @@
 """Shared attention-kernel cases of tests/model (test_splash.py, test_splash_ring.py): packed inputs,
 the outputs and q/k/v gradients of several kernels on them, and whether a call runs a Pallas kernel,
-through the `attention_cases` fixture."""
+through the `attention_cases` fixture; `reorder_close`, the comparison of two float32 computations that
+differ only in the order of their sums."""
 
 import types
 
@@ -50,3 +51,27 @@ def attention_cases():
   """The helpers above as one namespace (test modules load by path, so they share through fixtures)."""
   return types.SimpleNamespace(packed_inputs=packed_inputs, outputs_and_grads=outputs_and_grads,
                                calls_pallas=calls_pallas)
+
+
+# Two float32 programs that add the same terms in another order (another kernel, layout or block
+# size) differ by a few units in the last place of the values' scale at each rounding, compounded
+# through the layers. 64 ulps of the largest value bounds that with room (a tiny model's KV cache:
+# 6e-6 to 1.1e-5 on values up to 8.2, i.e. 6-12 ulps), and stays far below any real defect (a wrong
+# mask, position or block moves entries by the values' own size).
+REORDER_ULPS = 64
+
+
+def assert_reorder_close(actual, desired, *, ulps: int = REORDER_ULPS, what: str = "") -> None:
+  """|actual - desired| <= ulps * float32 eps * max|desired|, elementwise (a relative bound on the
+  array's scale, not an absolute atol set at the edge of one run)."""
+  actual, desired = np.asarray(actual, np.float32), np.asarray(desired, np.float32)
+  scale = float(np.max(np.abs(desired))) if desired.size else 0.0
+  tolerance = ulps * float(np.finfo(np.float32).eps) * max(scale, np.finfo(np.float32).tiny)
+  np.testing.assert_allclose(actual, desired, rtol=0, atol=tolerance,
+                             err_msg=f"{what}: more than {ulps} float32 ulps of the scale {scale:.3g}")
+
+
+@pytest.fixture
+def reorder_close():
+  """`assert_reorder_close(actual, desired, ulps=64, what="")` for tests of this folder."""
+  return assert_reorder_close

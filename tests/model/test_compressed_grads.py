@@ -12,7 +12,7 @@ from flax import nnx
 from meshrl import configs
 from meshrl.model.init import build_model
 from meshrl.model.transformer import ModelConfig
-from meshrl.rl import traffic
+from meshrl.sharding import traffic
 from meshrl.sharding import make_mesh
 from meshrl.train.sft import sft_loss
 

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshrl.model import expert_parallel, moe_dispatch
 from meshrl.model.moe import MoE
 from meshrl.model.moe_dispatch import ExpertWeights
-from meshrl.rl import aot
+from meshrl.rl.step import aot
 from meshrl.sharding import make_mesh
 
 D, F, E, K = 32, 48, 4, 2  # D, F distinct, so a gathered expert weight is recognisable by shape
@@ -382,13 +382,13 @@ def test_bad_ep_weights_names_the_field_and_choices():
 
 
 def test_run_summary_prints_the_layout_per_phase():
-  """The RL run's console line (rl/loop.py dispatch_summary) names the layout each phase runs under
+  """The RL run's console line (rl/step/driver.py dispatch_summary) names the layout each phase runs under
   the default moe.ep_weights=auto: here decode's 32 one-token rows stay sharded and training's
   192-token minibatches gather (fsdp=4 x expert=2, 512-wide experts)."""
   from meshrl import configs  # pylint: disable=import-outside-toplevel
   from meshrl.model.moe import ep_weights_plan  # pylint: disable=import-outside-toplevel
   from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
-  from meshrl.rl.loop import dispatch_summary  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.driver import dispatch_summary  # pylint: disable=import-outside-toplevel
   cfg = configs.load("configs/tiny.py", ["mesh.fsdp=4", "mesh.expert=2", "moe.expert_mlp_dim=512",
                                          "rl.prompts_per_step=4"])
   assert cfg.moe.ep_weights == "auto"

@@ -15,7 +15,7 @@ from meshrl import configs
 from meshrl.model import pipeline
 from meshrl.model.init import build_model
 from meshrl.model.transformer import ModelConfig
-from meshrl.rl.traffic import replica_groups
+from meshrl.sharding.traffic import replica_groups
 from meshrl.sharding import make_mesh
 from meshrl.train.sft import sft_loss
 

@@ -19,8 +19,8 @@ from meshrl.model import quant
 from meshrl.model.params import state_shardings
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig, Transformer
-from meshrl.rl.engine import make_engine
-from meshrl.rl.rollout import make_rollout, rollout_model_config
+from meshrl.rl.generation.quality import int8_quality
+from meshrl.rl.step.spec import make_generator, rollout_model_config
 from meshrl.sharding import make_mesh
 from meshrl.sharding.rules import logical_to_spec, rules_from_config
 
@@ -124,19 +124,21 @@ def test_int8_cache_bytes_are_about_half_of_bfloat16():
   assert ratio({"k": (3, 8, 128), "v": (3, 8, 128)}) < 0.51
 
 
-def _greedy(cfg, make, params, rest, **kw):
+def _greedy(cfg, params, rest):
   tokens, mask = TOK.encode_batch(["1+2=", "rev abcd=", "x", "sort 9 1 5="], length=8, padding="left")
-  return make(cfg, None, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id, temperature=0.0, **kw)(
+  return make_generator(cfg, None, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id, temperature=0.0)(
       params, rest, tokens, mask, jax.random.key(3))
+
+
+ENGINE = ("rl.engine=continuous", "rl.decode_slots=3")
 
 
 def test_engine_on_an_int8_cache_agrees_greedily_with_the_float_engine():
   """Greedy, 4 prompts x G=2 on 3 slots (refills copy int8 rows with their scales): the int8 engine's
   tokens are the float engine's (but where a near-tie flips), log-probs close."""
   _, _, _, params, rest = _model(*DENSE)
-  float_engine = _greedy(_cfg(*DENSE, "rl.group_size=2"), make_engine, params, rest, slots=3)
-  int8_engine = _greedy(_cfg(*DENSE, "rl.group_size=2", "rl.kv_cache_dtype=int8"), make_engine, params, rest,
-                        slots=3)
+  float_engine = _greedy(_cfg(*DENSE, *ENGINE, "rl.group_size=2"), params, rest)
+  int8_engine = _greedy(_cfg(*DENSE, *ENGINE, "rl.group_size=2", "rl.kv_cache_dtype=int8"), params, rest)
   response = np.asarray(float_engine.response_mask)
   same = np.asarray(int8_engine.tokens)[response] == np.asarray(float_engine.tokens)[response]
   assert same.mean() >= 0.9, same.mean()
@@ -150,8 +152,8 @@ def test_static_rollout_on_an_int8_cache_equals_the_int8_engine():
   """The static rollout (a prompt's int8 cache repeated over its group) and the engine (int8 rows
   copied into slots) give exactly the same greedy samples."""
   _, _, _, params, rest = _model(*DENSE)
-  cfg8 = _cfg(*DENSE, "rl.group_size=2", "rl.kv_cache_dtype=int8")
-  static, engine = _greedy(cfg8, make_rollout, params, rest), _greedy(cfg8, make_engine, params, rest, slots=3)
+  static = _greedy(_cfg(*DENSE, "rl.group_size=2", "rl.kv_cache_dtype=int8"), params, rest)
+  engine = _greedy(_cfg(*DENSE, *ENGINE, "rl.group_size=2", "rl.kv_cache_dtype=int8"), params, rest)
   np.testing.assert_array_equal(np.asarray(static.tokens), np.asarray(engine.tokens))
   np.testing.assert_allclose(np.asarray(static.logprobs), np.asarray(engine.logprobs), atol=1e-5)
 
@@ -208,13 +210,14 @@ def test_generation_with_int8_weights_is_close_and_takes_int8_arguments():
   _, _, _, params, rest = _model()
   tokens, mask = TOK.encode_batch(["1+2=", "rev abcd="], length=8, padding="left")
   key = jax.random.key(0)
-  make = lambda *o: make_rollout(_cfg(*opts, *o), None, stop_ids=(), pad_id=TOK.pad_id,  # noqa: E731
-                                 temperature=0.0)
+  make = lambda *o: make_generator(_cfg(*opts, *o), None, stop_ids=(), pad_id=TOK.pad_id,  # noqa: E731
+                                   temperature=0.0)
   full_rollout, int8_rollout = make(), make("rl.generation_weights=int8")
-  qparams = int8_rollout.quantize(params)
+  qparams = int8_rollout.prepare(params)
   full_program = full_rollout.lower(params, rest, tokens, mask, key).compile()
-  int8_program = int8_rollout.jitted.lower(qparams, rest, tokens, mask, key).compile()
-  full, int8 = full_program(params, rest, tokens, mask, key), int8_program(qparams, rest, tokens, mask, key)
+  int8_program = int8_rollout.lower(params, rest, tokens, mask, key).compile()  # takes the int8 weights
+  full, _ = full_program(params, rest, None, tokens, mask, key, None, 0)
+  int8, _ = int8_program(qparams, rest, None, tokens, mask, key, None, 0)
   assert np.mean(np.asarray(full.tokens) == np.asarray(int8.tokens)) >= 0.9
   logprob_error = np.abs(np.asarray(int8.logprobs) - np.asarray(full.logprobs))
   assert 0 < logprob_error.max() < 0.3 and logprob_error.mean() < 0.05, logprob_error.max()
@@ -283,10 +286,10 @@ def test_bad_generation_options_are_rejected():
 
 @pytest.mark.slow
 def test_quality_report_measures_every_variant():
-  """quality_report's keys (scripts/bench_speed.py reads them): agreements are fractions, errors are
+  """int8_quality's keys (scripts/quant_report.py writes them): agreements are fractions, errors are
   positive and below the logits' spread, the cache ratio is the bfloat16 one from the arrays."""
   cfg, _, _, params, rest = _model()
-  report = quant.quality_report(cfg, params, _tokens(2, 6), new_tokens=24, extra=rest)
+  report = int8_quality(ModelConfig.from_config(cfg), params, rest, _tokens(2, 6), new_tokens=24)
   assert set(report) == {"int8_kv_greedy_agreement", "int8_kv_max_logit_err", "int8_kv_cache_bytes_ratio",
                          "int8_weights_greedy_agreement", "int8_weights_max_logit_err",
                          "int8_all_greedy_agreement"}

@@ -203,7 +203,7 @@ def test_zigzag_roundtrip_and_layout():
 
 @pytest.mark.parametrize("sequence,data,axis", [(4, 2, 1), (8, 1, 2), (2, 2, 1)])
 def test_unzigzag_on_mesh_is_unzigzag_without_a_gather(sequence, data, axis):
-  """The ring prefill's cache write-back (and the RL step's advantages, rl/layouts.py): equal to
+  """The ring prefill's cache write-back (and the RL step's advantages, rl/batches/layouts.py): equal to
   `unzigzag`, sharded like its input, and moved by collective permutes only (no all-gather: no device
   holds more than its slice); `zigzag_on_mesh` likewise equals `zigzag`."""
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel

@@ -99,7 +99,7 @@ def test_bad_local_kernel_names_the_field_and_choices():
                                        r"splash"):
     KernelConfig("blockwise", local_kernel="flash")
   KernelConfig("ring", local_kernel="splash")  # ring block pairs: tests/model/test_splash_ring.py
-  from meshrl.rl.loop import check_config  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.driver import check_config  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match=r"attention.local_kernel='pallas'"):
     check_config(configs.load("configs/tiny.py", ["attention.local_kernel=pallas"]))
   with pytest.raises(ValueError, match=r"needs attention.impl='blockwise' or 'ring', got 'reference'"):
@@ -112,7 +112,7 @@ def _with_kernel(mc: ModelConfig, local_kernel: str) -> ModelConfig:
 
 @pytest.mark.slow  # about 15 s on a quiet 2-core machine (two models' forward + backward compile)
 def test_model_with_splash_equals_jnp_on_rollout_layout(attention_cases):
-  """The RL update's layout (rl/rollout.py): left-padded prompts and an invalid tail, both segment
+  """The RL update's layout (rl/generation/core.py): left-padded prompts and an invalid tail, both segment
   0 at position 0, real tokens segment 1. Splash and jnp agree on every real token's logits and on
   the gradient of a loss over real tokens (pad rows may differ: no real token sees them)."""
   mc = ModelConfig.from_config(configs.load("configs/tiny.py", TINY))
@@ -146,7 +146,7 @@ def test_blockwise_model_compiles_splash_for_v5p():
   forward + backward compiles through libtpu with splash's three Pallas kernels in the program."""
   pytest.importorskip("libtpu", reason="compiling for TPU topologies needs libtpu (the tpu extra)")
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
-  from meshrl.rl import aot  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step import aot  # pylint: disable=import-outside-toplevel
   from meshrl.sharding.rules import rules_from_config  # pylint: disable=import-outside-toplevel
   from meshrl.train.optim import make_optimizer  # pylint: disable=import-outside-toplevel
   from meshrl.train.state import abstract_train_state  # pylint: disable=import-outside-toplevel

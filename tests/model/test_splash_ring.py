@@ -150,13 +150,13 @@ def test_model_equals_the_jnp_ring_in_either_layout(attention_cases, zigzag):
     np.testing.assert_allclose(g, g_jnp, atol=1e-5, rtol=1e-4)
 
 
-def test_ring_prefill_with_splash_equals_the_jnp_ring_prefill(attention_cases):
+def test_ring_prefill_with_splash_equals_the_jnp_ring_prefill(attention_cases, reorder_close):
   """Two prompts of up to 500 tokens, left-padded, in a 512-slot cache on data=2 x sequence=2 x
   tensor=2, zigzag: the prefill's block pairs run on splash (keys and values read back from the
   token-order cache and put in the queries' layout) and every layer's cache entries and the next-token
   logits equal the jnp ring prefill's (what the decode steps, the same code for both, start from)."""
   from meshrl.model.tokenizer import ByteTokenizer  # pylint: disable=import-outside-toplevel
-  from meshrl.rl.rollout import prefill_prompts  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.generation.core import prefill_prompts  # pylint: disable=import-outside-toplevel
   tok, prompt_len, new = ByteTokenizer(), 500, 12
   base = SMALL + [f"rl.max_prompt_len={prompt_len}", f"rl.max_new_tokens={new}",
                   "mesh.data=2", "mesh.sequence=2", "mesh.tensor=2"]
@@ -173,8 +173,8 @@ def test_ring_prefill_with_splash_equals_the_jnp_ring_prefill(attention_cases):
   (cache, logits), (cache_jnp, logits_jnp) = results["splash"], results["jnp"]
   assert cache.max_len == 512
   np.testing.assert_allclose(np.asarray(logits), np.asarray(logits_jnp), atol=1e-4)
-  for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(cache_jnp)):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5)
+  for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(cache_jnp)):  # summed in another order
+    reorder_close(a, b, what="cache entry")
 
 
 @pytest.mark.slow  # a libtpu compile, ~20 s
@@ -185,7 +185,7 @@ def test_ring_model_compiles_splash_for_v5p():
   pytest.importorskip("libtpu", reason="compiling for TPU topologies needs libtpu (the tpu extra)")
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
   from meshrl.model.transformer import Transformer  # pylint: disable=import-outside-toplevel
-  from meshrl.rl import aot  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step import aot  # pylint: disable=import-outside-toplevel
   from meshrl.sharding.rules import rules_from_config  # pylint: disable=import-outside-toplevel
   from meshrl.train.optim import make_optimizer  # pylint: disable=import-outside-toplevel
   from meshrl.train.state import abstract_train_state  # pylint: disable=import-outside-toplevel
@@ -231,9 +231,9 @@ def test_the_rl_update_and_log_probs_tell_the_splash_ring_their_batches_are_zigz
   log-prob program and loss (rl_loss with the run's LossSpec, as make_update calls it) on it equal the
   jnp ring's under splash (a splash ring left at token order gives other numbers)."""
   from meshrl.model.tokenizer import ByteTokenizer  # pylint: disable=import-outside-toplevel
-  from meshrl.rl.batches import UpdateBatch, zigzag_batch  # pylint: disable=import-outside-toplevel
-  from meshrl.rl.step import build_run  # pylint: disable=import-outside-toplevel
-  from meshrl.rl.update import rl_loss  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.batches.handover import UpdateBatch, zigzag_batch  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.program import build_run  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.algo.update import rl_loss  # pylint: disable=import-outside-toplevel
   base = SMALL + ["mesh.fsdp=2", "mesh.sequence=2", "mesh.tensor=2", "rl.max_prompt_len=500",
                   "rl.max_new_tokens=12", "rl.prompts_per_step=2", "rl.group_size=2", "rl.kl_coef=0.0"]
   rng = np.random.RandomState(0)

@@ -1,6 +1,7 @@
 """Fixtures of the sandbox attack tests (tests/rl/test_sandbox_attacks_*.py): `box` and `hang_box`
-(one sandbox per test module, with sandbox_attack_helpers.LIMITS and .HANG), `host_helper` (a host
-process the attacks try to reach).
+(one sandbox per test module and mode, with sandbox_attack_helpers.LIMITS and .HANG; each attack runs
+in a one-shot sandbox and in a persistent session), `host_helper` (a host process the attacks try to
+reach).
 
 tests/ is no package and pytest imports with --import-mode=importlib, so a helper file beside the
 tests is not importable by name; as tests/conftest.py does for hf_fixtures.py, this file loads
@@ -33,14 +34,15 @@ def _load_helpers():
 _helpers = _load_helpers()
 
 
-@pytest.fixture(scope="module")
-def box():
-  return _helpers._make(_helpers.LIMITS)  # pylint: disable=protected-access
+@pytest.fixture(scope="module", params=_helpers.MODES)
+def box(request):
+  """A one-shot Sandbox, then a persistent-session box (sandbox_attack_helpers.SessionBox)."""
+  return _helpers._make(_helpers.LIMITS, request.param)  # pylint: disable=protected-access
 
 
-@pytest.fixture(scope="module")
-def hang_box():
-  return _helpers._make(_helpers.HANG)  # pylint: disable=protected-access
+@pytest.fixture(scope="module", params=_helpers.MODES)
+def hang_box(request):
+  return _helpers._make(_helpers.HANG, request.param)  # pylint: disable=protected-access
 
 
 @pytest.fixture

@@ -5,6 +5,12 @@ program and then checks on the host that no sandbox process outlived it (`_sandb
 `_assert_nothing_left`). tests/rl/conftest.py loads this file as the module `sandbox_attack_helpers`
 and builds the `box`, `hang_box` and `host_helper` fixtures on it.
 
+Every attack runs twice (the fixtures are parametrized by `MODES`): in a one-shot `Sandbox` and in a
+persistent session (`SessionBox`: the program is one command of a fresh `Session`'s shell, after an
+earlier command left a background process and shell state behind; the session is closed after it,
+and `_run` then checks that nothing of it is left). `box.mode` says which; a few expectations differ
+by construction (in a session the program's parent is the shell, and PID 1 is not readable).
+
 Hostile programs against the sandbox: each test asserts the containment itself on the host side
 (canary unchanged, no process left, the host's server received nothing), not only an exit code.
 
@@ -16,13 +22,19 @@ import contextlib
 import fcntl
 import os
 import re
+import shlex
+import signal
 import textwrap
 import time
 
 import pytest
 
 from meshrl.rl import sandbox as sb
+from meshrl.rl.sandbox import result as sandbox_result
 from meshrl.rl.sandbox import runner
+from meshrl.rl.sandbox.session import SESSION_ENDED, Session, SessionSpec
+
+MODES = ("oneshot", "session")
 
 LIMITS = sb.Limits(timeout_s=4.0, cpu_s=4.0, memory_mb=256, max_processes=16, disk_mb=8,
                    max_files=300, max_output_bytes=4096)
@@ -31,9 +43,56 @@ HANG = sb.Limits(timeout_s=1.0, cpu_s=4.0, memory_mb=256, max_processes=16, disk
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _make(limits):
+class SessionBox:
+  """`Sandbox.run`'s interface over persistent sessions: each run starts a session, runs a first
+  command that leaves a background job and shell state, writes the files, runs the program as the
+  next command (stderr apart, stdin from a file), closes the session and returns a SandboxResult
+  (cpu_s, peak_memory_mb and startup_s are not measured per command: None)."""
+  mode = "session"
+
+  def __init__(self, limits):
+    self.limits = limits
+    self.spec = SessionSpec(limits)
+    sb.check_bwrap(sb.Runtime.host(), uid=runner.UID_BASE if os.geteuid() == 0 else None)
+
+  def run(self, cmd, *, files=None, stdin=None):
+    session = Session.start(self.spec)
+    try:
+      first = session.run("sleep 300 & MESHRL_EARLIER=1; cd /tmp")
+      assert first.ok, first
+      files = dict(files or {})
+      if isinstance(cmd, str):
+        files["main.py"], command = cmd, "cd /work && python3 -s main.py"
+      else:
+        command = "cd /work && " + shlex.join(cmd)
+      if stdin is not None:
+        files["/tmp/.stdin"] = stdin
+        command += " < /tmp/.stdin"
+      session.write_files(files)
+      result = session.run(command, stderr="separate")
+    finally:
+      session.close()
+    reason = result.killed_reason
+    if reason and reason.startswith(SESSION_ENDED + ": "):
+      reason = reason[len(SESSION_ENDED) + 2:]  # the session's limit ended the run
+    exit_code, signal_name = result.exit_code, None
+    if exit_code is not None and exit_code > 128 and reason is None:  # bash: 128 + signal
+      signal_name = signal.Signals(exit_code - 128).name
+      exit_code, reason = None, f"signal {signal_name}"
+    return sandbox_result.SandboxResult(
+        exit_code=exit_code, stdout=result.stdout, stderr=result.stderr,
+        stdout_truncated=result.stdout_truncated, stderr_truncated=result.stderr_truncated,
+        timed_out=result.timed_out, killed_reason=reason, wall_s=result.seconds, cpu_s=None,
+        peak_memory_mb=None, startup_s=None, signal=signal_name)
+
+
+def _make(limits, mode="oneshot"):
   try:
-    return sb.Sandbox(limits)
+    if mode == "session":
+      return SessionBox(limits)
+    box = sb.Sandbox(limits)
+    box.mode = "oneshot"
+    return box
   except sb.SandboxUnavailable as error:  # CI installs bubblewrap (.ci/run); a laptop may not.
     pytest.skip(f"bubblewrap unavailable: {error}")
 

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from meshrl.rl import advantages as adv
+from meshrl.rl.algo import advantages as adv
 
 REWARDS = np.array([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.0, 2.0], np.float32)  # P = 2, G = 4
 G = 4

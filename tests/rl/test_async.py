@@ -11,9 +11,9 @@ import pytest
 
 from meshrl import configs
 from meshrl.model.tokenizer import ByteTokenizer
-from meshrl.rl import loop
-from meshrl.rl.scoring import RewardPool
-from meshrl.rl.step import RLRun, collect
+from meshrl.rl.step import driver as loop
+from meshrl.rl.rewards.pool import RewardPool
+from meshrl.rl.step.program import RLRun, collect
 
 SMALL = ["rl.max_prompt_len=8", "rl.max_new_tokens=4", "model.max_seq_len=16", "rl.prompts_per_step=2",
          "rl.group_size=2", "rl.sft_steps=0", "rl.dynamic_sampling=false"]
@@ -91,7 +91,7 @@ def test_bad_async_settings_are_refused_by_name(overrides, message):
 def test_the_step_reports_the_speculative_rollouts_acceptance():
   """With rl.speculative on, each step's metrics carry the acceptance rate and tokens per target
   forward of that step's rollout (the speculative rollout's `.metrics`)."""
-  from meshrl.rl.rollout import RolloutBatch  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.generation.output import RolloutBatch  # pylint: disable=import-outside-toplevel
   cfg = _cfg("rl.speculative=ngram")
   stub = _Rollout(cfg)
 
@@ -100,15 +100,14 @@ def test_the_step_reports_the_speculative_rollouts_acceptance():
 
     def __call__(self, *args):
       rate = 0.25 * (1 + len(stub.calls))  # differs per call: the step must read the latest
-      self.metrics = types.SimpleNamespace(acceptance_rate=np.float32(rate),
-                                           tokens_per_forward=np.float32(1 + 4 * rate))
+      self.metrics = {"acceptance_rate": np.float32(rate), "tokens_per_forward": np.float32(1 + 4 * rate)}
       return RolloutBatch(**stub(*args), routing=None)
 
   rollout = Speculative()
   run = RLRun(cfg=cfg, mesh=None, graphdef=None, state=types.SimpleNamespace(params=None, extra=None),
               ref_params=None, spec=None, estimator=None, rollout=rollout, update=None, logprob_fn=None,
               advantages_fn=None, tokenizer=ByteTokenizer(), pool=RewardPool(lambda c, e: 1.0, num_workers=1),
-              batch_sharding=None, zigzag_shards=1, speculative=rollout)
+              batch_sharding=None, zigzag_shards=1)
   examples = itertools.cycle([{"prompt": "rev abc=", "answer": "cba", "domain": "reverse"}])
   rates = [collect(run, examples, jax.random.key(step))[1] for step in range(2)]
   run.close()

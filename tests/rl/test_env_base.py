@@ -114,3 +114,39 @@ def test_budget_rejects_bad_values():
     Budget(max_turns=0)
   with pytest.raises(ValueError, match="call_timeout_s"):
     Budget(call_timeout_s=0)
+
+
+class _Holding:
+  """An environment holding a resource: counts close() calls."""
+
+  def __init__(self, fail_reset=False):
+    self.closed, self.fail_reset = 0, fail_reset
+
+  def reset(self, task):
+    if self.fail_reset:
+      raise ValueError("refused")
+    return "go"
+
+  def step(self, action_text):
+    return StepResult("", 0.0, True, {}) if action_text == "<done>" else StepResult("out", 0.0, False, {})
+
+  def close(self):
+    self.closed += 1
+
+
+@pytest.mark.parametrize("ending", ["done", "max_turns", "policy_error", "refused"])
+def test_run_episode_closes_an_environment_that_holds_resources(ending):
+  """A session-holding env (TerminalEnv) is closed however the episode ends, even when reset raises."""
+  env = _Holding(fail_reset=ending == "refused")
+
+  def generate(conversation):
+    if ending == "policy_error":
+      raise RuntimeError("boom")
+    return "<done>" if ending == "done" else "<cmd>ls</cmd>"
+
+  if ending == "refused":
+    with pytest.raises(ValueError, match="refused"):
+      run_episode(env, {}, generate, Budget(max_turns=2))
+  else:
+    assert run_episode(env, {}, generate, Budget(max_turns=2)).end == ending
+  assert env.closed == 1

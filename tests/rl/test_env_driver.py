@@ -2,7 +2,6 @@
 scheduler; a task whose checker crashes is retried, then quarantined and never drawn again."""
 
 import json
-import os
 
 import pytest
 
@@ -12,17 +11,9 @@ from meshrl.rl.envs.episode import Budget
 from meshrl.rl.envs.quality import Quarantine
 from meshrl.rl.envs.registry import DomainMixture, load_domains
 from meshrl.rl.envs.scheduler import Scheduler
-from meshrl.rl.sandbox import SandboxUnavailable, check_bwrap
-from meshrl.rl.sandbox.bwrap import Runtime
-
-try:
-  check_bwrap(Runtime.host(), uid=61000 if os.geteuid() == 0 else None)
-  HAVE_BWRAP = True
-except SandboxUnavailable:
-  HAVE_BWRAP = False
 
 
-@pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap cannot run here")
+@pytest.mark.needs_sandbox
 def test_mixed_batch_with_retries_and_quarantine(tmp_path):
   oracles = {}
   for index in range(2):
@@ -65,3 +56,57 @@ def test_mixed_batch_with_retries_and_quarantine(tmp_path):
   assert stats.failed == len([e for e in examples if e.get("task_id") == "crashy"]) > 0
   assert "crashy" in quarantine and "exit 127" in quarantine.reasons["crashy"]
   assert "crashy" not in {e.get("task_id") for e in mixture.take(64, start=8)}
+
+
+class _FlakyEnv:
+  """A single-turn env whose reset fails `fail_times` times (an infrastructure failure: a sandbox
+  that does not start), then answers with reward 1 for "4" and 0 otherwise."""
+
+  def __init__(self, state, task_id):
+    self.state, self.task_id = state, task_id
+
+  def reset(self, task):
+    self.state[self.task_id] = self.state.get(self.task_id, 0) + 1
+    if self.state[self.task_id] <= task["fail_times"]:
+      from meshrl.rl.sandbox import SessionStartError  # pylint: disable=import-outside-toplevel
+      raise SessionStartError("a sandbox session did not start: bwrap exited")
+    return task["prompt"]
+
+  def step(self, action):
+    from meshrl.rl.envs.base import StepResult  # pylint: disable=import-outside-toplevel
+    return StepResult("", 1.0 if action.strip() == "4" else 0.0, True, {})
+
+
+def test_infrastructure_failures_are_retried_a_persistent_one_quarantines_and_the_checkpoint_remembers(tmp_path):
+  """env_scheduler: an environment that fails once is retried (with backoff) and scored; one that
+  keeps failing is given up on and quarantined against its task id; a wrong answer is a result,
+  never retried. The quarantine's state (a checkpoint's) brings the list and the counts back."""
+  from meshrl.rl.envs.driver import env_scheduler  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.envs.scheduler import DomainPolicy  # pylint: disable=import-outside-toplevel
+  attempts = {}
+  examples = [{"task_id": "flaky", "domain": "d", "prompt": "2+2=", "fail_times": 1},
+              {"task_id": "broken", "domain": "d", "prompt": "2+2=", "fail_times": 99},
+              {"task_id": "wrong", "domain": "d", "prompt": "2+3=", "fail_times": 0},
+              {"task_id": "half", "domain": "d", "prompt": "2+2=", "fail_times": 99}]
+  answers = {"flaky": "4", "broken": "4", "wrong": "6", "half": "4"}
+  quarantine = Quarantine(str(tmp_path / "q.jsonl"), threshold=2)
+  scheduler = env_scheduler({"d": DomainPolicy()}, quarantine, workers=2, max_retries=1, backoff_s=0.01)
+  results = run_batch(examples[:3], lambda c: answers[next(e["task_id"] for e in examples
+                                                              if e["prompt"] == c[0]["content"])],
+                      scheduler=scheduler, make_env=lambda e: _FlakyEnv(attempts, e["task_id"]))
+  assert [r.attempts for r in results] == [2, 2, 1]
+  assert results[0].value.reward == 1.0 and results[2].value.reward == 0.0  # scored; wrong: no retry
+  assert results[1].value is None and "did not start" in results[1].failure
+  assert quarantine.ids == frozenset() and quarantine.failures == {"broken": 1}  # threshold 2
+  run_batch(examples[1:2], lambda c: "4", scheduler=scheduler,
+            make_env=lambda e: _FlakyEnv(attempts, e["task_id"]))
+  assert quarantine.ids == {"broken"}  # kept failing: quarantined during the run
+  run_batch(examples[3:], lambda c: "4", scheduler=scheduler,
+            make_env=lambda e: _FlakyEnv(attempts, e["task_id"]))
+  state = json.loads(json.dumps(quarantine.state()))  # what a checkpoint stores
+  resumed = Quarantine(threshold=2)  # a fresh process, without the file
+  resumed.restore(state)
+  assert resumed.ids == {"broken"} and resumed.failures["half"] == 1
+  assert resumed.record_failure("half", "again") and resumed.ids == {"broken", "half"}  # counts went on
+  with pytest.raises(ValueError, match="quarantine state"):
+    resumed.restore({"reasons": []})

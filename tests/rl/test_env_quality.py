@@ -2,22 +2,12 @@
 quarantine list is append-only and fed by environment failures seen in training."""
 
 import json
-import os
 
 import pytest
 
 from meshrl.rl.envs import terminal_tasks
 from meshrl.rl.envs.quality import Quarantine, judge, run_gate
 from meshrl.rl.envs.terminal import StepOutcome, load_task
-from meshrl.rl.sandbox import SandboxUnavailable, check_bwrap
-from meshrl.rl.sandbox.bwrap import Runtime
-
-try:
-  check_bwrap(Runtime.host(), uid=61000 if os.geteuid() == 0 else None)
-  HAVE_BWRAP = True
-except SandboxUnavailable:
-  HAVE_BWRAP = False
-needs_bwrap = pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap cannot run here")
 
 
 def _outcome(exit_code=0, timed_out=False):
@@ -46,7 +36,7 @@ def test_judge_names_each_fault(tmp_path):
       "check.sh passes on the empty work directory (setup only)"]
 
 
-@needs_bwrap
+@pytest.mark.needs_sandbox
 def test_gate_quarantines_every_planted_fault_and_no_sound_task(tmp_path):
   faults = terminal_tasks.write_planted_faults(str(tmp_path / "faults"))
   sound = terminal_tasks.write_tasks(str(tmp_path / "sound"), per_family=1, seed=3)
@@ -64,7 +54,7 @@ def test_gate_quarantines_every_planted_fault_and_no_sound_task(tmp_path):
   assert "timeout_s=1" in report["reasons"]["fault-oracle_timeout"]
 
 
-@needs_bwrap
+@pytest.mark.needs_sandbox
 @pytest.mark.slow
 def test_gate_over_all_generated_tasks(tmp_path):
   names = terminal_tasks.write_tasks(str(tmp_path / "tasks"))
@@ -73,7 +63,7 @@ def test_gate_over_all_generated_tasks(tmp_path):
   assert report["quarantined"] == [], report["reasons"]
 
 
-@needs_bwrap
+@pytest.mark.needs_sandbox
 def test_policy_flags_curriculum(tmp_path):
   terminal_tasks.write_tasks(str(tmp_path / "t"), per_family=1, families=("create", "find"))
   report = run_gate([str(tmp_path / "t")], k=1, repeats=2, samples=2, policy=lambda c: "<done>")
@@ -94,3 +84,46 @@ def test_quarantine_file_is_append_only_and_fed_by_failures(tmp_path):
   path.write_text("not json\n")
   with pytest.raises(ValueError, match="q.jsonl:1"):
     Quarantine(str(path))
+
+
+def test_dataset_gate_flags_wrong_references_permissive_verifiers_and_duplicates(tmp_path):
+  """JSONL rows: a reference its verifier rejects, a verifier that passes a blank answer, a duplicate
+  prompt, a verifier that raises and a malformed line are each flagged; sound rows are not; flagged
+  rows with ids join the quarantine."""
+  from meshrl.rl.envs.dataset_gate import gate_jsonl  # pylint: disable=import-outside-toplevel
+  rows = [{"id": "ok", "prompt": "2+2=", "answer": "4", "verifier": "numeric"},
+          {"id": "ok2", "prompt": "reverse abc", "answer": "cba", "verifier": "exact"},
+          {"id": "wrong_ref", "prompt": "countdown", "answer": "1+1", "verifier": "countdown",
+           "numbers": [3, 5], "target": 8},
+          {"id": "dupe", "prompt": " 2+2= ", "answer": "4", "verifier": "numeric"},
+          {"id": "crash", "prompt": "x", "answer": "1", "verifier": "nope"}]
+  path = tmp_path / "rows.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{not json}\n"
+                  + json.dumps({"prompt": "3+3=", "answer": "6"}) + "\n")
+  quarantine = Quarantine(str(tmp_path / "q.jsonl"))
+  report = gate_jsonl(str(path), quarantine=quarantine, workers=1)
+  assert report["rows"] == 7
+  assert sorted(report["quarantined"]) == ["crash", "dupe", "line 6", "wrong_ref"], report["reasons"]
+  assert report["reasons"]["dupe"] == "duplicate prompt of ok"
+  assert "the reference answer scores 0" in report["reasons"]["wrong_ref"]
+  assert "verifier 'nope' raised" in report["reasons"]["crash"]
+  assert report["reasons"]["line 6"].startswith("malformed row")
+  assert quarantine.ids == {"crash", "dupe", "wrong_ref"}  # "line 6" has no id to name it by
+
+
+def test_dataset_gate_catches_a_verifier_that_passes_anything():
+  from meshrl.rl.envs.dataset_gate import check_examples  # pylint: disable=import-outside-toplevel
+  lenient = check_examples([{"prompt": "p", "answer": "a"}], ["p"], reward=lambda c, e: 1.0)
+  assert lenient["reasons"] == {"p": "a blank answer scores 1 by verifier 'default' (must be 0)"}
+
+
+@pytest.mark.needs_sandbox
+def test_dataset_gate_checks_code_tasks_by_their_own_tests():
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.envs.dataset_gate import check_examples  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.envs.mixture import make_example  # pylint: disable=import-outside-toplevel
+  examples = [make_example("code", np.random.default_rng(i), difficulty=1) for i in range(3)]
+  broken = dict(examples[1], answer=examples[1]["answer"].replace("return", "return None and"))
+  report = check_examples(examples + [broken], ["c0", "c1", "c2", "c1-broken"])
+  assert report["quarantined"] == ["c1-broken"], report["reasons"]
+  assert "the reference answer scores 0 by verifier 'code'" in report["reasons"]["c1-broken"]

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from meshrl import configs
-from meshrl.rl import loop
+from meshrl.rl.step import driver as loop
 from meshrl.rl.envs import terminal_tasks
 from meshrl.rl.envs.quality import Quarantine
 from meshrl.rl.envs.registry import DomainMixture, held_out_from_file, load_domains, write_many_domains
 from meshrl.rl.rewards import answer_reward
-from meshrl.rl.scoring import RewardPool
+from meshrl.rl.rewards.pool import RewardPool
 
 GOOD = {"name": "add", "source": "generator:arithmetic", "reward": "numeric", "weight": 1.0}
 
@@ -159,3 +159,32 @@ def test_rl_steps_over_300_domains_report_per_domain_rewards(tmp_path):
     assert len(per_domain) >= 8 and all(k.split("/")[1].rsplit("_", 1)[0] in
                                         ("arithmetic", "copy", "countdown", "reverse", "sort")
                                         for k in per_domain)
+
+
+def test_the_gates_curriculum_flags_drive_sampling_with_a_floor(tmp_path):
+  """Tasks the gate flags always / never solved are drawn flagged_weight times as often as the others
+  of their domain (never zero); the report's flags are read by load_curriculum."""
+  from meshrl.rl.envs.registry import load_curriculum  # pylint: disable=import-outside-toplevel
+  rows = [{"id": f"r{i}", "prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(4)]
+  path = _write(tmp_path / "domains.jsonl", {"name": "rows", "source": "jsonl:rows.jsonl",
+                                             "reward": "numeric", "weight": 1})
+  _write(tmp_path / "rows.jsonl", *rows)
+  report = tmp_path / "qa.json"
+  report.write_text(json.dumps({"curriculum": {"r0": "always_solved", "r1": "never_solved"}}))
+  flags = load_curriculum(str(report))
+  counts = {}
+  for weight in (1.0, 0.25):
+    mixture = DomainMixture(load_domains(path), curriculum=flags, flagged_weight=weight)
+    drawn = [e["task_id"] for e in mixture.take(4000)]
+    counts[weight] = {task: drawn.count(task) / len(drawn) for task in ("r0", "r1", "r2", "r3")}
+  assert all(abs(share - 0.25) < 0.03 for share in counts[1.0].values())  # weight 1: no effect
+  flagged = counts[0.25]["r0"] + counts[0.25]["r1"]
+  assert abs(flagged - 0.5 * 0.25 / (0.5 * 0.25 + 0.5)) < 0.03  # 0.2 of the draws, not 0.5
+  assert min(counts[0.25]["r0"], counts[0.25]["r1"]) > 0.05  # the floor: still drawn
+  with pytest.raises(ValueError, match="flagged_weight=0"):
+    DomainMixture(load_domains(path), curriculum=flags, flagged_weight=0)
+  with pytest.raises(ValueError, match=r"curriculum flags \['easy'\] are unknown"):
+    DomainMixture(load_domains(path), curriculum={"r0": "easy"})
+  (tmp_path / "other.json").write_text("{}")
+  with pytest.raises(ValueError, match="no 'curriculum' object"):
+    load_curriculum(str(tmp_path / "other.json"))

@@ -7,8 +7,8 @@ from meshrl import configs
 from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
-from meshrl.rl.evaluation import Evaluator
-from meshrl.rl.rollout import make_rollout
+from meshrl.rl.step.evaluation import Evaluator
+from meshrl.rl.step.spec import make_generator
 from meshrl.sharding import make_mesh
 from meshrl.train.state import split_model
 
@@ -25,7 +25,7 @@ def test_greedy_accuracy_scores_each_example_through_padded_batches(devices):
   _, params, extra = split_model(model)
   prompts = [f"{a}+{b}=" for a, b in zip(range(13), range(5, 18))]  # 13: one full batch of 8 + 5
   # What the model answers greedily, from a separate rollout of one prompt at a time.
-  greedy = make_rollout(cfg, mesh, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id, group_size=8,
+  greedy = make_generator(cfg, mesh, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id, group_size=8,
                         temperature=0.0)
   answers = []
   for prompt in prompts:

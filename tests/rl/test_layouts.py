@@ -1,4 +1,4 @@
-"""rl/layouts.py: the update batch's layout (zigzag, packed) to one contiguous row per sample and back,
+"""rl/batches/layouts.py: the update batch's layout (zigzag, packed) to one contiguous row per sample and back,
 on the mesh, equal to the host transforms, split like the batch; and an RL step's `prepare` pulls
 nothing to the host."""
 
@@ -8,8 +8,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrl.model.ring_attention import zigzag
-from meshrl.rl import packing
-from meshrl.rl.layouts import sample_layout
+from meshrl.rl.batches import packing
+from meshrl.rl.batches.layouts import sample_layout
 from meshrl.sharding import hosts
 
 B, S = 8, 16
@@ -67,8 +67,8 @@ def test_prepare_pulls_nothing_to_the_host(devices, monkeypatch):  # pylint: dis
   from meshrl.model.init import build_model
   from meshrl.model.tokenizer import ByteTokenizer
   from meshrl.model.transformer import ModelConfig
-  from meshrl.rl.batches import ScoredBatch
-  from meshrl.rl.step import _rollout_arrays, build_run, prepare
+  from meshrl.rl.batches.handover import ScoredBatch
+  from meshrl.rl.step.program import _rollout_arrays, build_run, prepare
   from meshrl.sharding import make_mesh
   # pylint: enable=import-outside-toplevel
   tok = ByteTokenizer()

@@ -8,10 +8,10 @@ import pytest
 
 from meshrl import configs
 from meshrl.model.tokenizer import ByteTokenizer
-from meshrl.rl import loop
-from meshrl.rl.batch import next_prompts, score_rollout, select_groups
-from meshrl.rl.batches import ScoredBatch
-from meshrl.rl.scoring import RewardPool
+from meshrl.rl.step import driver as loop
+from meshrl.rl.step.groups import next_prompts, score_rollout, select_groups
+from meshrl.rl.batches.handover import ScoredBatch
+from meshrl.rl.rewards.pool import RewardPool
 
 TOK = ByteTokenizer()
 

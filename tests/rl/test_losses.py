@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from meshrl.rl import losses
+from meshrl.rl.algo import losses
 
 RNG = np.random.default_rng(0)
 B, T = 3, 4

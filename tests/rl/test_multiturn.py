@@ -1,4 +1,4 @@
-"""Multi-turn rollout (rl/multiturn.py): stop strings, observation masking, cache extension = full
+"""Multi-turn rollout (rl/step/episodes.py): stop strings, observation masking, cache extension = full
 re-prefill, budgets, malformed calls, and an update loss blind to observation tokens."""
 
 import dataclasses
@@ -14,15 +14,16 @@ from meshrl.model import kv_cache as kvc
 from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
-from meshrl.rl import losses
-from meshrl.rl import multiturn as mt
-from meshrl.rl import multiturn_step as mts
-from meshrl.rl.batches import UpdateBatch, align_for_update
+from meshrl.rl.algo import losses
+from meshrl.rl.step import episodes as mt
+from meshrl.rl.step import episode_collect as mts
+from meshrl.rl.batches.handover import UpdateBatch, align_for_update
 from meshrl.rl.envs.base import StepResult
 from meshrl.rl.envs.file_tasks import FileTaskEnv, copy_task, oracle_turns
-from meshrl.rl.sampling import Sampler
-from meshrl.rl.rows import DeviceRows
-from meshrl.rl.update import rl_loss
+from meshrl.rl.generation.sampling import Sampler
+from meshrl.rl.step.spec import episode_runner
+from meshrl.rl.batches.rows import DeviceRows
+from meshrl.rl.algo.update import rl_loss
 from meshrl.sharding import make_mesh
 from meshrl.train.optim import make_optimizer
 from meshrl.train.state import create_train_state
@@ -68,7 +69,7 @@ def _setup(*extra):
 def scripted():
   """One rollout of 2 prompts x 2 samples against ScriptedEnv with a random tiny model (shared)."""
   cfg, graphdef, state = _setup()
-  programs = mt.MultiTurnPrograms(cfg, None, TOK, make_env=lambda e: ScriptedEnv())
+  programs = episode_runner(cfg, None, TOK, make_env=lambda e: ScriptedEnv())
   examples = [{"prompt": "do the thing:", "domain": "a"}, {"prompt": "another task!", "domain": "b"}]
   out = programs.rollout(state.params, state.extra, examples, jax.random.key(1), version=3)
   yield cfg, graphdef, state, programs, out
@@ -86,7 +87,7 @@ def test_episodes_are_written_on_the_devices_split_by_rows():
   and they hold the same episodes as the host records."""
   cfg, _, state = _setup("mesh.data=4", "mesh.fsdp=2")
   mesh = make_mesh(cfg.mesh)
-  programs = mt.MultiTurnPrograms(cfg, mesh, TOK, make_env=lambda e: ScriptedEnv())
+  programs = episode_runner(cfg, mesh, TOK, make_env=lambda e: ScriptedEnv())
   examples = [{"prompt": "do the thing:"}, {"prompt": "another task!"}]
   out = programs.rollout(state.params, state.extra, examples, jax.random.key(1), version=3)
   programs.close()
@@ -152,6 +153,7 @@ def test_turn_budget_ends_episodes(scripted):
 class _FakeOut:
   logits: jax.Array
   cache: kvc.KVCache
+  aux: dict = dataclasses.field(default_factory=dict)
 
 
 class _ScriptModel:
@@ -160,37 +162,52 @@ class _ScriptModel:
   def __init__(self, script):
     self.script = jnp.asarray(script)
 
-  def __call__(self, tokens, *, positions, segment_ids, cache):
+  def __call__(self, tokens, *, positions, segment_ids, cache, layer_weights=None):
     nxt = jnp.take_along_axis(self.script, jnp.minimum(cache.index + 1, self.script.shape[1] - 1)[:, None],
                               1)[:, 0]
-    return _FakeOut(jax.nn.one_hot(nxt, TOK.vocab_size)[:, None] * 50.0,
-                    cache.replace(index=cache.index + 1))
+    return _FakeOut(jax.nn.one_hot(nxt, TOK.vocab_size)[:, None] * 50.0, cache.replace(index=cache.index + 1))
 
 
 def test_stop_strings_and_limits_end_a_turn():
+  """The decode core's turn rules: a stop sequence (`</cmd>`, `<done>`) or a stop id ends a turn,
+  `</cm>` does not, the turn limit and the episode's limit end it too; every end pauses the sample
+  for the host (rl/generation/core.py, pause_on_stop), a stop marked as such."""
+  from meshrl.rl.generation import core  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.generation.state import Counters, Slots, new_pool  # pylint: disable=import-outside-toplevel
   rows = ["ab</cmd>zzz", "<done>xxxxx", "abc", "</cm>zz</cmd", "abcdefghijkl"]
   script = np.full((len(rows), 16), ord("q"), np.int32)
   for b, text in enumerate(rows):
     ids = TOK.encode(text, add_bos=False)
     script[b, :len(ids)] = ids
   script[2, 3] = TOK.eos_id
-  spec = mt.MultiTurnSpec(
-      group_size=1, prompt_len=4, episode_len=16, max_turns=2, max_turn_tokens=12, max_episode_tokens=16,
-      max_obs_tokens=8, sampler=Sampler(0.0), stop_ids=TOK.stop_ids,
-      stop_sequences=tuple(tuple(TOK.encode(s, add_bos=False)) for s in ("</cmd>", "<done>")),
-      pad_id=TOK.pad_id, env_workers=1, env_timeout_s=1.0)
+  config = core.StepConfig(sampler=Sampler(0.0), stop_tokens=tuple(TOK.stop_ids), pad_id=TOK.pad_id,
+                           stop_sequences=tuple(tuple(TOK.encode(s, add_bos=False)) for s in ("</cmd>", "<done>")),
+                           pause_on_stop=True, turn_tokens=12)
   batch = len(rows)
-  cache = kvc.KVCache(layers={}, positions=jnp.zeros((batch, 8), jnp.int32),
-                      segment_ids=jnp.zeros((batch, 8), jnp.int32), index=jnp.zeros((batch,), jnp.int32))
-  logits = jax.nn.one_hot(jnp.asarray(script[:, 0]), TOK.vocab_size) * 50.0
-  limits = jnp.asarray([12, 12, 12, 12, 5])
-  _, _, positions, tokens, _, lengths, stopped = jax.jit(
-      lambda *a: mt.decode_turn(_ScriptModel(script), spec, *a))(
-          cache, logits, jnp.zeros((batch,), jnp.int32), limits, jax.random.key(0))
-  assert np.asarray(lengths).tolist() == [8, 6, 4, 12, 5]
-  assert np.asarray(stopped).tolist() == [True, True, True, False, False]
-  assert TOK.decode(np.asarray(tokens[0, :8])) == "ab</cmd>"
-  assert np.asarray(positions).tolist() == [8, 6, 4, 12, 5]
+  prompts = jnp.full((batch, 1), 7, jnp.int32)
+  pool = new_pool(prompts, prompts > 0, jax.random.split(jax.random.key(0), batch), group_size=1, width=17,
+                  pad_id=TOK.pad_id, max_lengths=jnp.asarray([16, 16, 16, 16, 5]), max_new_tokens=16)
+  cache = kvc.KVCache(layers={}, positions=jnp.zeros((batch, 24), jnp.int32),
+                      segment_ids=jnp.zeros((batch, 24), jnp.int32), index=jnp.zeros((batch,), jnp.int32))
+  slots = Slots(sid=jnp.arange(batch, dtype=jnp.int32), cache=cache, draft_cache=None,
+                logits=jax.nn.one_hot(jnp.asarray(script[:, 0]), TOK.vocab_size) * 50.0,
+                position=jnp.ones((batch,), jnp.int32), window=jnp.full((batch, config.window), -1, jnp.int32),
+                sampling=None)
+  models = core.Models(_ScriptModel(script))
+
+  @jax.jit
+  def turn(slots, pool):
+    def body(carry):
+      s, p = carry
+      s, p, _ = core.decode_step(models, config, s, p, jnp.int32(0), Counters.zeros(batch))
+      return s, p
+    return jax.lax.while_loop(lambda c: jnp.any(core.live_slots(*c)), body, (slots, pool))
+  slots, pool = turn(slots, pool)
+  assert np.asarray(pool.generated).tolist() == [8, 6, 4, 12, 5]
+  assert np.asarray(pool.paused).all() and not np.asarray(pool.done).any()
+  assert np.asarray(pool.stopped).tolist() == [True, True, True, False, False]
+  assert TOK.decode(np.asarray(pool.tokens[0, 1:9])) == "ab</cmd>"
+  assert np.asarray(slots.position).tolist() == [9, 7, 5, 13, 6]
 
 
 def test_file_task_episodes_malformed_calls_budgets_and_env_failures():
@@ -201,7 +218,7 @@ def test_file_task_episodes_malformed_calls_budgets_and_env_failures():
   examples = [copy_task(np.random.default_rng(i), 1) for i in range(2)]
   for e in examples:
     e["verifier"] = "files"
-  programs = mt.MultiTurnPrograms(cfg, None, TOK)
+  programs = episode_runner(cfg, None, TOK)
   out = programs.rollout(state.params, state.extra, examples, jax.random.key(2))
   programs.close()
   lp, a = cfg.rl.max_prompt_len, _host(out.arrays)
@@ -211,7 +228,7 @@ def test_file_task_episodes_malformed_calls_budgets_and_env_failures():
     assert observed.startswith("<out>error")
     assert episode.reward == 0.0 and episode.env_failure is None
   cfg2, _, state2 = _setup("rl.max_new_tokens=20", "rl.max_turns=8", "rl.env_timeout_s=0.5")
-  programs = mt.MultiTurnPrograms(cfg2, None, TOK, make_env=lambda e: _BrokenEnv(e["prompt"]))
+  programs = episode_runner(cfg2, None, TOK, make_env=lambda e: _BrokenEnv(e["prompt"]))
   examples = [{"prompt": "go:"}, {"prompt": "slow"}, {"prompt": "boom"}]
   out = programs.rollout(state2.params, state2.extra, examples, jax.random.key(3))
   programs.close()
@@ -272,26 +289,27 @@ def test_update_loss_ignores_observation_tokens(scripted):
   assert value(np.where(aligned["loss_mask"], base - 0.5, base)) != pytest.approx(value(base), abs=1e-4)
 
 
-def test_config_rejects_what_it_cannot_serve():
-  cfg = configs.load("configs/tiny.py", SMALL + ["rl.engine=continuous"])
-  with pytest.raises(ValueError, match="rl.engine"):
-    mt.check_multiturn_config(cfg)
-  cfg = configs.load("configs/tiny.py", SMALL + ["rl.kv_cache_dtype=int8"])
-  with pytest.raises(ValueError, match="rl.kv_cache_dtype='int8'"):
-    mt.check_multiturn_config(cfg)
-  cfg = configs.load("configs/tiny.py", SMALL + ["rl.max_obs_tokens=64"])
-  with pytest.raises(ValueError, match="model.max_seq_len"):
-    mt.check_multiturn_config(cfg)
-  cfg = configs.load("configs/tiny.py", SMALL + ["rl.max_turns=0"])
-  with pytest.raises(ValueError, match="rl.max_turns"):
-    mt.check_multiturn_config(cfg)
+def test_config_refuses_only_what_no_engine_could_serve():
+  """Every generation option composes with multi-turn episodes (the core serves them all); what is
+  refused is a cache too short for an observation's slack and a budget below one turn, by name."""
+  from meshrl.rl.step.spec import check_generation  # pylint: disable=import-outside-toplevel
+  for extra in (["rl.engine=continuous", "rl.decode_slots=2"], ["rl.kv_cache_dtype=int8"],
+                ["rl.generation_weights=int8", "rl.tis_level=token"], ["rl.generation_layout=gathered"],
+                ["rl.speculative=ngram", "rl.speculative_k=4"], ["rl.pack_updates=true"],
+                ["rl.max_staleness=1", "rl.tis_level=token"],
+                ["rl.engine=continuous", "rl.rollout_token_budget=64", "rl.max_resample_rounds=0"]):
+    check_generation(configs.load("configs/tiny.py", SMALL + extra))
+  for extra, message in ((["rl.max_obs_tokens=64"], "rl.max_obs_tokens=64 .* exceeds model.max_seq_len"),
+                         (["rl.max_turns=0"], "rl.max_turns=0")):
+    with pytest.raises(ValueError, match=message):
+      check_generation(configs.load("configs/tiny.py", SMALL + extra))
 
 
 @pytest.mark.slow
 def test_agent_demo_runs_rl_steps_end_to_end(tmp_path):
   """configs/tiny_agent.py shrunk: warm start on demonstrations, two GRPO steps on multi-turn episodes
-  through rl/step.py (collect -> prepare -> update), multi-turn evaluation (about a minute)."""
-  from meshrl.rl import loop  # pylint: disable=import-outside-toplevel
+  through rl/step/program.py (collect -> prepare -> update), multi-turn evaluation (about a minute)."""
+  from meshrl.rl.step import driver as loop  # pylint: disable=import-outside-toplevel
   cfg = configs.load("configs/tiny_agent.py", [
       "rl.sft_steps=4", "rl.num_steps=2", "eval.every=1", "eval.num_prompts=8", "eval.batch_size=8",
       "rl.prompts_per_step=2", "rl.group_size=4", "log.progress_bar=false", "log.tensorboard=false",
@@ -304,6 +322,7 @@ def test_agent_demo_runs_rl_steps_end_to_end(tmp_path):
     assert record["generated_tokens"] > 0 and record["extend_tokens"] > 0
 
 
+@pytest.mark.needs_sandbox
 def test_terminal_task_episodes_run_in_the_sandbox_and_are_graded_by_check_sh(tmp_path):
   """Terminal task directories in the multi-turn rollout: each episode gets a TerminalEnv with its own
   sandbox work directory, and at its end check.sh runs there: a sound task is not solved by a random
@@ -318,7 +337,7 @@ def test_terminal_task_episodes_run_in_the_sandbox_and_are_graded_by_check_sh(tm
               {"prompt": "create the file:", "verifier": "terminal", "domain": "terminal", "max_turns": 2,
                "task_dir": str(tmp_path / "faults" / empty), "timeout_s": 10.0}]
   cfg, _, state = _setup("rl.group_size=1", "rl.max_turns=2")
-  programs = mt.MultiTurnPrograms(cfg, None, TOK)
+  programs = episode_runner(cfg, None, TOK)
   out = programs.rollout(state.params, state.extra, examples, jax.random.key(4))
   programs.close()
   assert [e.env_failure for e in out.episodes] == [None, None]

@@ -1,4 +1,4 @@
-"""Packed updates (rl/packing.py): the plan maps both ways, rows are token-balanced, bad input is
+"""Packed updates (rl/batches/packing.py): the plan maps both ways, rows are token-balanced, bad input is
 refused by name, and on real rollouts a packed update equals the padded one (loss, gradients,
 parameters after a step) while segment ids keep packed samples apart."""
 
@@ -12,10 +12,10 @@ from meshrl.model.init import build_model
 from meshrl.model.ring_attention import unzigzag
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
-from meshrl.rl import packing
-from meshrl.rl.batches import ScoredBatch, UpdateBatch, align_for_update
-from meshrl.rl.loop import check_config
-from meshrl.rl.step import _rollout_arrays, build_run, prepare
+from meshrl.rl.batches import packing
+from meshrl.rl.batches.handover import ScoredBatch, UpdateBatch, align_for_update
+from meshrl.rl.step.driver import check_config
+from meshrl.rl.step.program import _rollout_arrays, build_run, prepare
 from meshrl.sharding import make_mesh
 
 TOK = ByteTokenizer()
@@ -91,10 +91,10 @@ def test_bad_packing_input_is_refused_by_name():
   for overrides, match in (
       (["rl.packed_row_len=20"], r"rl.packed_row_len=20 must lie between .* = 24"),
       (["rl.packed_rows=5"], r"rl.num_minibatches=2 must divide the rl.packed_rows=5"),
-      (["rl.packed_rows=-1"], r"rl.packed_rows=-1 .* must be >= 0"),
+      (["rl.packed_rows=-1"], r"rl.packed_rows=-1 must be at least 0"),
       (["rl.tis_level=seq"], r"rl.tis_level='seq'; choose one of"),
       (["rl.tis_cap=0.5"], r"rl.tis_cap=0.5 must be >= 1"),
-      (["attention.logits_chunk=-1"], r"attention.logits_chunk=-1 must be >= 0")):
+      (["attention.logits_chunk=-1"], r"attention.logits_chunk=-1 must be at least 0")):
     with pytest.raises(ValueError, match=match):
       check_config(configs.load("configs/tiny.py", base + overrides))
   with pytest.raises(ValueError, match=r"rl.packed_rows=6 / rl.num_minibatches=2 packed rows per minibatch "

@@ -9,10 +9,11 @@ from meshrl import configs
 from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
-from meshrl.rl import loop
-from meshrl.rl.batches import ScoredBatch
-from meshrl.rl.step import _rollout_arrays, build_run, prepare, rl_step
+from meshrl.rl.batches.handover import ScoredBatch
+from meshrl.rl.step import driver as loop
+from meshrl.rl.step.program import _rollout_arrays, build_run, prepare, rl_step
 from meshrl.sharding import make_mesh
+from meshrl.sharding.mesh import FSDP_AXIS, STAGE_AXIS, axis_size
 
 TOK = ByteTokenizer()
 SMALL = ["model.num_layers=4", "moe.first_k_dense=2", "model.embed_dim=64", "model.head_dim=16",
@@ -62,7 +63,7 @@ def test_two_slice_mesh_runs_an_rl_step(devices):
   cfg = configs.load("configs/tiny.py", SMALL + ["mesh.num_slices=2", "mesh.stage=2", "mesh.fsdp=-1",
                                                  "model.init_std=0.3"])
   run, prompts = loop.setup(cfg)
-  assert dict(run.mesh.shape)["stage"] == 2 and dict(run.mesh.shape)["fsdp"] == 4
+  assert axis_size(run.mesh, STAGE_AXIS) == 2 and axis_size(run.mesh, FSDP_AXIS) == 4
   assert [sorted(d.id for d in row.flat) for row in run.mesh.devices.reshape(2, 4)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
   before = [np.asarray(x) for x in jax.tree.leaves(run.state.params)]
   shardings = [x.sharding for x in jax.tree.leaves(run.state.params)]

@@ -1,4 +1,4 @@
-"""The layout planner (rl/planner.py, scripts/plan_layout.py): it proposes only meshes that divide the
+"""The layout planner (rl/step/planner.py, scripts/plan_layout.py): it proposes only meshes that divide the
 chips and split what each axis splits, and it ranks by the compiled programs' figures, not its own
 estimate."""
 
@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from meshrl import configs
-from meshrl.rl import planner
+from meshrl.rl.step import planner
 from meshrl.sharding import make_mesh
 from meshrl.sharding.mesh import global_mesh_sizes, mesh_shape_for
 

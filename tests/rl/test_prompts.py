@@ -7,9 +7,9 @@ import json
 import pytest
 
 from meshrl import configs
-from meshrl.rl import loop
+from meshrl.rl.step import driver as loop
 from meshrl.rl.envs import TaskMixture
-from meshrl.rl.prompts import ArrayRecordSource, JsonlSource, PromptStream
+from meshrl.rl.envs.prompts import ArrayRecordSource, JsonlSource, PromptStream
 
 ROWS = ['{"prompt": "rev abc=", "answer": "cba", "domain": "reverse"}', '{"answer": "3"}', '',
         'not json', '{"prompt": "1+1=", "answer": 2}']
@@ -50,7 +50,7 @@ import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
 from meshrl.rl.envs import TaskMixture
-from meshrl.rl.prompts import PromptStream
+from meshrl.rl.envs.prompts import PromptStream
 mixture = TaskMixture("reverse:1.0,arithmetic:1.0", seed=3, split="train", eval_fraction=0.2)
 host = jax.process_index()
 stream = PromptStream(mixture, shard=(host, 2), prefetch=0)

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from meshrl import configs
-from meshrl.rl import loop
+from meshrl.rl.step import driver as loop
 from meshrl.train.init_from import initial_model
 
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""What a rollout sends through the hosts (rl/step.py `_rollout_arrays`, issue 14). A step keeps the
+"""What a rollout sends through the hosts (rl/step/program.py `_rollout_arrays`, issue 14). A step keeps the
 per-token fields on the devices (rl/rows.DeviceRows, equal to the batch pulled whole) and pulls only
 their response columns, for scoring and the staleness metric, for both rollout engines, the
 asynchronous queue and partial rollouts (the ended groups' rows of the pool's batch)."""
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from meshrl import configs
-from meshrl.rl import loop
-from meshrl.rl import step as step_lib
-from meshrl.rl.rollout import PER_TOKEN_FIELDS
-from meshrl.rl.rows import DeviceRows
+from meshrl.rl.step import driver as loop
+from meshrl.rl.step import program as step_lib
+from meshrl.rl.batches.rows import PER_TOKEN_FIELDS
+from meshrl.rl.batches.rows import DeviceRows
 from meshrl.sharding import hosts
 
 PROMPT, NEW = 12, 4

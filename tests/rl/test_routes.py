@@ -1,4 +1,4 @@
-"""rl/routes.py: MoE routes for routing replay stay on the devices. RoutingRows moves samples like a
+"""rl/batches/routes.py: MoE routes for routing replay stay on the devices. RoutingRows moves samples like a
 host [B, L, S, K] array would (slices, index arrays, concatenation with blank samples), `assemble`
 builds the padded (zigzag) and packed update layouts on the mesh equal to the host layouts, and an RL
 step never brings the routes to the host."""
@@ -13,8 +13,8 @@ from meshrl.model.init import build_model
 from meshrl.model.ring_attention import zigzag
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
-from meshrl.rl import packing, routes, rows
-from meshrl.rl.routes import RoutingRows
+from meshrl.rl.batches import packing, routes, rows
+from meshrl.rl.batches.routes import RoutingRows
 from meshrl.sharding import hosts, make_mesh
 
 L, S, K, E = 2, 8, 2, 8
@@ -55,7 +55,7 @@ def test_assemble_builds_the_update_layouts_on_the_mesh(devices):
   padded = routes.assemble(joined, batch_sharding, zigzag_shards=4)
   np.testing.assert_array_equal(np.asarray(padded), zigzag(want, 4, axis=2))
   assert padded.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("fsdp", None, "sequence", None)), 4)
-  # Packed: the samples' real tokens packed into rows (rl/packing.py), routes moved cell by cell.
+  # Packed: the samples' real tokens packed into rows (rl/batches/packing.py), routes moved cell by cell.
   lengths = np.array([3, 8, 5, 2, 6, 4, 0, 0])
   segment_ids = (np.arange(S)[None] < lengths[:, None]).astype(np.int32)
   spec = packing.PackingSpec(rows=6, row_len=S, zigzag_shards=2)  # the plan lays its columns zigzag
@@ -68,7 +68,7 @@ def test_assemble_builds_the_update_layouts_on_the_mesh(devices):
 def test_an_rl_step_keeps_the_routes_on_the_devices(devices, monkeypatch):
   """collect + prepare with routing replay, two rollout rounds of dynamic sampling: nothing of routes'
   size reaches the host (hosts.to_host), and the update batch gets them split like its tokens."""
-  from meshrl.rl.step import build_run, collect, prepare  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.program import build_run, collect, prepare  # pylint: disable=import-outside-toplevel
   tok = ByteTokenizer()
   cfg = configs.load("configs/tiny.py", [
       "model.num_layers=2", "model.embed_dim=32", "model.head_dim=8", "model.mlp_dim=32",

@@ -1,4 +1,4 @@
-"""rl/rows.py: a rollout's per-token fields stay on the devices. DeviceRows moves samples like a host
+"""rl/batches/rows.py: a rollout's per-token fields stay on the devices. DeviceRows moves samples like a host
 [B, S] array (slices, index arrays, concatenation with blank samples of its fill), pulls chosen columns,
 and gathers its rows on the mesh; `prepare` then builds the update batch there, equal to the batch it
 builds from host arrays, padded, packed and zigzag, with nothing of the batch's size on the host."""
@@ -12,11 +12,11 @@ from meshrl import configs
 from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
-from meshrl.rl import rows
-from meshrl.rl.batch import select_groups
-from meshrl.rl.batches import ScoredBatch
-from meshrl.rl.rows import DeviceRows
-from meshrl.rl.step import _rollout_arrays, build_run, prepare
+from meshrl.rl.batches import rows
+from meshrl.rl.step.groups import select_groups
+from meshrl.rl.batches.handover import ScoredBatch
+from meshrl.rl.batches.rows import DeviceRows
+from meshrl.rl.step.program import _rollout_arrays, build_run, prepare
 from meshrl.sharding import hosts, make_mesh
 
 TOK = ByteTokenizer()

@@ -177,6 +177,7 @@ def test_missing_or_broken_bwrap_says_how_to_install(monkeypatch, tmp_path):
     bwrap.check_bwrap.__wrapped__(runtime)
 
 
+@pytest.mark.needs_sandbox  # bubblewrap must run for the bind check below to be the failure it tests
 @pytest.mark.skipif(sys.base_prefix.startswith("/usr"), reason="interpreter already under /usr")
 def test_interpreter_prefix_runtime_is_bound_at_a_neutral_path():
   runtime = bwrap.Runtime.host(python_prefix=sys.base_prefix)

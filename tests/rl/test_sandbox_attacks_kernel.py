@@ -6,6 +6,7 @@ injection, and one sandbox reading another's files while both run. Each test che
 tests/rl/sandbox_attack_helpers.py; fixtures: tests/rl/conftest.py.
 """
 
+import concurrent.futures
 import os
 import re
 import secrets
@@ -15,8 +16,9 @@ import time
 import pytest
 
 from meshrl.rl import sandbox as sb
+from meshrl.rl.sandbox.session import SessionPool, SessionSpec
 from sandbox_attack_helpers import (  # loaded by tests/rl/conftest.py
-    LIMITS, _assert_nothing_left, _leases, _make, _run, _sandbox_processes)
+    LIMITS, MODES, _assert_nothing_left, _leases, _make, _run, _sandbox_processes)
 
 
 
@@ -48,7 +50,7 @@ def test_signalling_the_parent_and_host_processes(box, host_helper):
       """)
   assert result.exit_code in (0, None)
   assert host_helper.poll() is None, "a host process was killed from inside the sandbox"
-  assert _make(LIMITS).run(["true"]).ok  # the supervisor and the host are fine
+  assert _make(LIMITS, box.mode).run(["true"]).ok  # the supervisor and the host are fine
 
 
 def test_setuid_binaries_give_no_privileges(box):
@@ -172,9 +174,13 @@ def test_tty_injection_has_no_terminal(box):
   assert result.stdout_text.split("\n")[0] == "OSError"
 
 
-def test_reading_another_sandboxs_work_directory_while_both_run():
+@pytest.mark.parametrize("mode", MODES)
+def test_reading_another_sandboxs_work_directory_while_both_run(mode):
+  """Two sandboxes at once (two pool runs, or two persistent sessions of one SessionPool): the thief
+  searches everything it can see while the victim holds its secret in /work, /tmp and /dev/shm."""
   try:
-    pool = sb.SandboxPool(2, limits=LIMITS)
+    pool = sb.SandboxPool(2, limits=LIMITS) if mode == "oneshot" else SessionPool(
+        SessionSpec(LIMITS), warm=2)
   except sb.SandboxUnavailable as error:
     pytest.skip(str(error))
   secret = secrets.token_hex(16)
@@ -191,29 +197,46 @@ import os, time
 SECRET = {secret[::-1]!r}[::-1].encode()  # never written out whole: main.py holds it reversed
 time.sleep(0.6)
 seen = []
+def read(path):  # non-blocking: /proc/<pid>/fd/ holds pipes (in a session, the shell's input)
+  try:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+      seen.append(os.read(fd, 4096))
+    finally:
+      os.close(fd)
+  except OSError:
+    pass
 for top in ('/work', '/tmp', '/dev/shm', '/proc'):
   for root, dirs, files in os.walk(top):
     if root.count('/') > 4:
       dirs[:] = []
     for name in files:
-      try:
-        seen.append(open(os.path.join(root, name), 'rb').read(4096))
-      except OSError:
-        pass
+      read(os.path.join(root, name))
 for pid in [p for p in os.listdir('/proc') if p.isdigit()]:
   for rel in ('root/work/secret.txt', 'cwd/secret.txt', 'root/tmp/secret.txt'):
-    try:
-      seen.append(open(f'/proc/{{pid}}/{{rel}}', 'rb').read())
-    except OSError:
-      pass
+    read(f'/proc/{{pid}}/{{rel}}')
 print(len(seen) > 100, any(SECRET in data for data in seen))
 """
   before = set(_sandbox_processes())
   with pool, _leases() as uids:
-    victim_future = pool.submit(victim)
-    thief_result = pool.submit(thief).result()
-    victim_result = victim_future.result()
+    if mode == "oneshot":
+      victim_future = pool.submit(victim)
+      thief_result = pool.submit(thief).result()
+      victim_result = victim_future.result()
+    else:
+      sessions = [pool.acquire(), pool.acquire()]
+      with concurrent.futures.ThreadPoolExecutor(2) as threads:
+        runs = [threads.submit(_session_program, session, code)
+                for session, code in zip(sessions, (victim, thief))]
+        victim_result, thief_result = [run.result() for run in runs]
+      for session in sessions:
+        session.close()
   _assert_nothing_left(before, uids if os.geteuid() == 0 else None)
   assert victim_result.ok and victim_result.stdout == b"victim ready\n"
   assert thief_result.ok, thief_result
   assert thief_result.stdout == b"True False\n"  # it read plenty, but never the victim's secret
+
+
+def _session_program(session, code):
+  session.write_files({"main.py": code})
+  return session.run("python3 -s main.py", stderr="separate")

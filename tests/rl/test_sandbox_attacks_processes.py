@@ -92,7 +92,8 @@ def test_memory_bomb(box):
         print(8 * len(chunks))
       """)
   assert int(result.stdout) < LIMITS.memory_mb
-  assert result.peak_memory_mb <= LIMITS.memory_mb
+  if box.mode == "oneshot":  # a session does not measure one command's peak memory
+    assert result.peak_memory_mb <= LIMITS.memory_mb
 
 
 def test_memory_bomb_in_many_processes(box):
@@ -112,7 +113,8 @@ def test_memory_bomb_in_many_processes(box):
       """)
   sizes = [int(line) for line in result.stdout.split()]
   assert len(sizes) == 4 and max(sizes) < LIMITS.memory_mb
-  assert result.peak_memory_mb <= LIMITS.memory_mb
+  if box.mode == "oneshot":
+    assert result.peak_memory_mb <= LIMITS.memory_mb
 
 
 def test_busy_loops_in_many_processes(hang_box):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from meshrl.rl.rewards import compose
-from meshrl.rl.scoring import RewardPool
+from meshrl.rl.rewards.pool import RewardPool
 
 
 def test_scores_equal_serial_scoring_in_sample_order():

@@ -11,9 +11,9 @@ import pytest
 
 from meshrl import configs
 from meshrl.model.tokenizer import ByteTokenizer
-from meshrl.rl import loop
-from meshrl.rl.scoring import RewardPool
-from meshrl.rl.step import rl_step
+from meshrl.rl.step import driver as loop
+from meshrl.rl.rewards.pool import RewardPool
+from meshrl.rl.step.program import rl_step
 
 TOK = ByteTokenizer()
 SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
@@ -137,8 +137,8 @@ def test_script_prints_config_errors_as_one_line(tmp_path, capsys):
   spec = importlib.util.spec_from_file_location("rl_script", "scripts/rl.py")
   rl_script = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(rl_script)
-  code = rl_script.main(["--config=configs/tiny.py", "--config.data.jsonl=/nonexistent.jsonl",
-                         f"--workdir={tmp_path / 'run'}"])
+  code = rl_script.cli.run(rl_script.main, ["--config=configs/tiny.py", "--config.data.jsonl=/nonexistent.jsonl",
+                                             f"--workdir={tmp_path / 'run'}"])
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(err) == 1 and "data.jsonl='/nonexistent.jsonl': no such file" in err[0]
   assert not os.path.exists(tmp_path / "run")

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from meshrl import configs
-from meshrl.rl import envs, loop
-from meshrl.rl.evaluation import held_out_examples
+from meshrl.rl import envs
+from meshrl.rl.step import driver as loop
+from meshrl.rl.step.evaluation import held_out_examples
 
 
 def _examples(domain, difficulty, count=300):

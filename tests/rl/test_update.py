@@ -12,10 +12,10 @@ from meshrl import configs
 from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
-from meshrl.rl import losses
-from meshrl.rl.batches import ScoredBatch, UpdateBatch
-from meshrl.rl.step import _rollout_arrays, build_run, prepare
-from meshrl.rl.update import make_update, rl_loss
+from meshrl.rl.algo import losses
+from meshrl.rl.batches.handover import ScoredBatch, UpdateBatch
+from meshrl.rl.step.program import _rollout_arrays, build_run, prepare
+from meshrl.rl.algo.update import make_update, rl_loss
 from meshrl.sharding import make_mesh
 from meshrl.train.optim import make_optimizer
 
@@ -181,11 +181,16 @@ def test_empty_and_non_finite_minibatches_leave_the_state_unchanged(tis_case):
   for bad, counter in ((empty, "skipped_minibatches"), (poisoned, "nonfinite_minibatches")):
     state, metrics = run.update(state, bad, jax.random.key(0))
     assert float(metrics[counter]) == 1.0, counter
-    assert np.isfinite(float(metrics["loss"]))
+    assert float(metrics["updated_minibatches"]) == 0.0
+    # Nothing was measured: NaN, which rl/loop.without_unmeasured leaves out of the record (an
+    # entropy of 0 had been reported for such a step).
+    for name in ("loss", "entropy", "grad_norm", "ratio_mean_first"):
+      assert np.isnan(float(metrics[name])), name
     for want, got in zip(jax.tree.leaves(before), jax.tree.leaves((state.params, state.opt_state))):
       np.testing.assert_array_equal(np.asarray(got), want)
   state, metrics = run.update(state, batch, jax.random.key(0))
   assert float(metrics["skipped_minibatches"]) == 0.0 and float(metrics["nonfinite_minibatches"]) == 0.0
+  assert float(metrics["updated_minibatches"]) == 1.0 and np.isfinite(float(metrics["entropy"]))
   moved = [np.abs(np.asarray(g) - w).max() for w, g in zip(jax.tree.leaves(before[0]),
                                                            jax.tree.leaves(state.params))]
   assert max(moved) > 0
@@ -216,7 +221,7 @@ def test_importance_weights_follow_the_behaviour_policy(tis_case):
   behaviour, by the cap when old - behaviour = 1 (e > 2), by e^-1 when it is -1; the update reports
   the mean weight and the truncated fraction."""
   run, scored, batch, loss_and_grad = tis_case
-  from meshrl.rl.batches import align_for_update  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.batches.handover import align_for_update  # pylint: disable=import-outside-toplevel
   np.testing.assert_array_equal(np.asarray(batch.behaviour_logprobs), align_for_update(scored)["old_logprobs"])
   mask = np.asarray(batch.loss_mask)
   assert np.abs(np.asarray(batch.old_logprobs) - np.asarray(batch.behaviour_logprobs))[mask].max() < 1e-4
@@ -239,3 +244,23 @@ def test_importance_weights_follow_the_behaviour_policy(tis_case):
   run.state = state
   assert float(metrics["tis_weight_mean"]) == pytest.approx(1.0, abs=1e-3)
   assert float(metrics["tis_truncated_frac"]) == 0.0
+
+
+def test_update_metrics_average_the_applied_minibatches_only():
+  """2 epochs x 2 minibatches, the second of each empty (dynamic sampling dropped its groups): its
+  zeros must not halve the entropy; with none applied there is no value, and the step's record
+  leaves the key out (rl/loop.without_unmeasured)."""
+  from meshrl.rl.step.driver import without_unmeasured  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.algo.update import _update_metrics  # pylint: disable=import-outside-toplevel
+  per = {"entropy": jnp.array([[2.0, 0.0], [4.0, 0.0]]), "ratio_mean": jnp.array([[1.0, 0.0], [1.1, 0.0]]),
+         "logprob_diff_max": jnp.zeros((2, 2)), "clip_frac_low": jnp.zeros((2, 2)),
+         "clip_frac_high": jnp.zeros((2, 2)), "skipped_minibatches": jnp.array([[0.0, 1.0], [0.0, 1.0]]),
+         "nonfinite_minibatches": jnp.zeros((2, 2)), "applied": jnp.array([[1.0, 0.0], [1.0, 0.0]])}
+  metrics = _update_metrics(dict(per))
+  assert float(metrics["entropy"]) == 3.0 and float(metrics["updated_minibatches"]) == 0.5
+  assert float(metrics["skipped_minibatches"]) == 0.5 and float(metrics["ratio_mean_first"]) == 1.0
+  none = _update_metrics({**per, "applied": jnp.zeros((2, 2))})
+  assert np.isnan(float(none["entropy"])) and float(none["updated_minibatches"]) == 0.0
+  record = without_unmeasured({"reward_mean": 0.5, **{k: float(v) for k, v in none.items()}})
+  assert "entropy" not in record and "ratio_mean_first" not in record
+  assert record["reward_mean"] == 0.5 and record["skipped_minibatches"] == 0.5

@@ -8,10 +8,10 @@ from meshrl import configs
 from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig
-from meshrl.rl.batches import ScoredBatch
+from meshrl.rl.batches.handover import ScoredBatch
 from meshrl.rl.envs import TaskMixture
-from meshrl.rl.step import _rollout_arrays, build_run, prepare
-from meshrl.rl.update import rl_loss
+from meshrl.rl.step.program import _rollout_arrays, build_run, prepare
+from meshrl.rl.algo.update import rl_loss
 from meshrl.sharding import make_mesh
 from meshrl.train.data import make_sft_data
 from meshrl.train.sft import model_rows, sft_loss, zigzag_shards

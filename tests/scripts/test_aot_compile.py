@@ -1,4 +1,4 @@
-"""scripts/aot_compile.py and rl/aot.py: the real RL programs compile for TPU topologies through
+"""scripts/aot_compile.py and rl/step/aot.py: the real RL programs compile for TPU topologies through
 libtpu (compile only, on this CPU), with per-chip figures read from the compiled program, and bad
 input fails with the numbers. Skipped where libtpu (the `tpu` extra) is not installed."""
 
@@ -21,7 +21,7 @@ def _small(*overrides):
 @pytest.fixture(scope="module")
 def aot():
   pytest.importorskip("libtpu", reason="compiling for TPU topologies needs libtpu (the tpu extra)")
-  from meshrl.rl import aot as module  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step import aot as module  # pylint: disable=import-outside-toplevel
   return module
 
 
@@ -132,7 +132,7 @@ def _script(*args):
                                                                                    "aot_compile.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.main(list(args))
+  return module.cli.run(module.main, list(args))
 
 
 @pytest.mark.slow
@@ -159,6 +159,20 @@ def test_script_rejects_unknown_topology_mismatched_mesh_and_step(aot, capsys):
   assert "4 chips" in err and "fsdp=8" in err
   assert _script("--config=configs/tiny.py", "--topology=v5e:2x2", "--step=update,rollout") == 2
   assert "['rollout']" in capsys.readouterr().err
+  assert _script("--config=configs/tiny.py", "--step=update") == 2
+  assert capsys.readouterr().err == ("error: --topology is needed to compile (e.g. --topology=v5e:2x2); "
+                                     "--count_params alone needs none.\n")
+
+
+def test_count_params_needs_no_topology(capsys):
+  """The README's `aot_compile.py --config=configs/paper_3t.py --count_params` exited 2 (--topology
+  was required even to count)."""
+  from meshrl import configs  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step import aot  # pylint: disable=import-outside-toplevel
+  assert _script("--config=configs/paper_3t.py", "--count_params") == 0
+  counts = aot.parameter_counts_of(configs.load("configs/paper_3t.py"))
+  assert capsys.readouterr().out == (f"# configs/paper_3t.py: {counts['total']:.4g} parameters, "
+                                     f"{counts['active_per_token']:.4g} active per token (from shapes)\n")
 
 
 def test_generation_layout_trades_a_reshard_for_gather_free_decode_steps(aot):
@@ -179,7 +193,7 @@ def test_generation_layout_trades_a_reshard_for_gather_free_decode_steps(aot):
 
 
 def test_batch_compiles_for_v5p_2x2x1_split_like_the_update_batch(aot):
-  """The update batch's per-token fields assembled on the devices (rl/rows.py, batches.align_on_devices,
+  """The update batch's per-token fields assembled on the devices (rl/batches/rows.py, batches.align_on_devices,
   zigzag) for a ring update on fsdp=2 x sequence=2: compiled for TPU, every field lands split over the
   batch and `sequence` axes like the update's tokens; part of --step=all."""
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
@@ -200,7 +214,7 @@ def test_batch_compiles_for_v5p_2x2x1_split_like_the_update_batch(aot):
 
 
 def test_routes_compile_for_v5p_2x2x1_split_like_the_update_batch(aot):
-  """Routing replay's routes, assembled on the devices (rl/routes.py) for a ring update on fsdp=2 x
+  """Routing replay's routes, assembled on the devices (rl/batches/routes.py) for a ring update on fsdp=2 x
   sequence=2: compiled for TPU, the output lands split over the batch and `sequence` axes like the
   update's tokens. Without routing replay there is nothing to assemble: left out of --step=all and
   refused by name."""

@@ -30,6 +30,7 @@ def test_make_terminal_tasks_writes_every_family(tmp_path):
     make.main(["--out", str(tmp_path / "tasks")])
 
 
+@pytest.mark.needs_sandbox
 def test_env_qa_writes_report_and_quarantine_list(tmp_path, capsys):
   from meshrl.rl.envs import terminal_tasks
   terminal_tasks.write_tasks(str(tmp_path / "tasks"), per_family=1, families=("create",))
@@ -53,11 +54,39 @@ def test_env_qa_writes_report_and_quarantine_list(tmp_path, capsys):
       qa.main(bad)
 
 
+def test_env_qa_gates_tbench_tasks_and_jsonl_datasets(tmp_path):
+  """Terminal-Bench task directories (host runtime) and --jsonl datasets in one report and one
+  quarantine list."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.sandbox import SandboxUnavailable, check_bwrap  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.sandbox.bwrap import Runtime  # pylint: disable=import-outside-toplevel
+  try:
+    check_bwrap(Runtime.host(), uid=61000 if os.geteuid() == 0 else None)
+  except SandboxUnavailable as error:
+    pytest.skip(f"bubblewrap unavailable: {error}")
+  shipped = os.path.join(REPO, "tasks", "tbench", "hello-file")
+  shutil.copytree(shipped, tmp_path / "tasks" / "hello-file")
+  shutil.copytree(shipped, tmp_path / "tasks" / "lazy")
+  (tmp_path / "tasks" / "lazy" / "solution.sh").write_text("true\n")
+  data = tmp_path / "rows.jsonl"
+  data.write_text('{"id": "a", "prompt": "1+1=", "answer": "2"}\n{"id": "b", "prompt": "1+1=", "answer": "2"}\n')
+  out = tmp_path / "qa.json"
+  assert _script("env_qa").main(["--tasks", str(tmp_path / "tasks"), "--jsonl", str(data), "--json",
+                                 str(out), "--k", "1", "--repeats", "2", "--runtime", "host"]) == 0
+  report = json.loads(out.read_text())
+  assert report["tasks"] == 2 and report["quarantined"] == ["lazy"]
+  assert report["datasets"][str(data)]["reasons"] == {"b": "duplicate prompt of a"}
+  assert [json.loads(l)["id"] for l in open(tmp_path / "quarantine.jsonl")] == ["lazy", "b"]
+  with pytest.raises(SystemExit):
+    _script("env_qa").main(["--json", str(out)])  # neither --tasks nor --jsonl
+
+
 TINY = ["model.num_layers=1", "model.embed_dim=32", "model.num_heads=2", "model.num_kv_heads=1",
         "model.head_dim=16", "model.mlp_dim=64", "model.max_seq_len=256", "rl.temperature=1.0",
         "rl.max_turn_tokens=8", "serve.slots=2", "serve.decode_chunk=8"]
 
 
+@pytest.mark.needs_sandbox
 def test_env_qa_flags_tasks_a_random_checkpoint_never_solves(tmp_path):
   """--checkpoint of a freshly initialised tiny model (saved like a run saves it): every sound task is
   flagged never_solved, the planted fault is still quarantined (and gets no policy episodes)."""

@@ -92,16 +92,22 @@ def test_bad_flags_are_one_line_and_write_nothing(trained, tiny_qwen3_moe, tmp_p
                                              "--architecture=GPT2LMHeadModel"],
       r"DeepseekV3ForCausalLM cannot represent model.attention_type='gqa'": [
           f"--checkpoint={workdir}", f"--out={tmp_path}/f", "--architecture=DeepseekV3ForCausalLM"],
+      # int8 without scales wrote weights that were 99.7% zeros, and exited 0.
+      r"--dtype='int8' cannot hold the weights .*choose one of float32, bfloat16, float16": [
+          f"--checkpoint={workdir}", f"--out={tmp_path}/h", "--dtype=int8"],
+      r"--dtype='int4' cannot hold the weights": [f"--checkpoint={workdir}", f"--out={tmp_path}/i", "--dtype=int4"],
+      "is a file; give a new or empty folder": [f"--checkpoint={workdir}", f"--out={tmp_path}/full/keep.txt"],
   }
   script = _script()
   for error, argv in cases.items():
     if argv is None:  # a config that does not fit the checkpoint
       argv = [f"--checkpoint={workdir}", f"--out={tmp_path}/d", "--config.moe.num_experts=8"]
-    assert script.main([config, *argv]) == 2, error
+    assert script.cli.run(script.main, [config, *argv]) == 2, error
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
     assert re.search(error, err), (error, err)
   with pytest.raises(SystemExit):
-    script.main([config, f"--checkpoint={workdir}", f"--out={tmp_path}/g", "--config.model.no_such=1"])
+    script.cli.run(script.main, [config, f"--checkpoint={workdir}", f"--out={tmp_path}/g",
+                                 "--config.model.no_such=1"])
   assert "unknown config key 'model.no_such'" in capsys.readouterr().err
   assert sorted(os.listdir(tmp_path)) == ["full"] and os.listdir(tmp_path / "full") == ["keep.txt"]

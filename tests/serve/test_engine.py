@@ -1,5 +1,5 @@
 """The serving engine (serve/engine.py) and its prefix cache (serve/prefix_cache.py): greedy output
-equals rl/rollout.py `generate` whatever runs in the other slots, prefix reuse changes nothing but
+equals the RL generator's (rl/generation) whatever runs in the other slots, prefix reuse changes nothing but
 the work done, cancelled requests free their slot."""
 
 import queue
@@ -12,8 +12,11 @@ import pytest
 
 from flax import nnx
 
+from meshrl import configs
+from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
-from meshrl.rl.rollout import make_rollout
+from meshrl.model.transformer import ModelConfig
+from meshrl.rl.step.spec import make_generator
 from meshrl.serve.engine import Engine, EngineSpec, Request
 from meshrl.serve.prefix_cache import PrefixCache, block_hashes
 
@@ -26,7 +29,7 @@ QUESTIONS = ["rev abc=", "1+2=", "sort 9 1 5=", "x", "what is a cat?"]
 @pytest.fixture(scope="module")
 def served(tiny_served):
   cfg, model, engine = tiny_served
-  rollout = make_rollout(cfg, None, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id, group_size=1, temperature=0.0)
+  rollout = make_generator(cfg, None, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id, group_size=1, temperature=0.0, multi_turn=False, complete=True)
   _, params, extra = nnx.split(model, nnx.Param, ...)
 
   def reference(texts):
@@ -190,7 +193,7 @@ def test_moe_greedy_equals_generate_with_prefix_reuse():
   engine = Engine(model, EngineSpec(slots=2, max_len=MAX_LEN, chunk=4, prefix_block=8),
                   stop_ids=TOK.stop_ids, pad_id=TOK.pad_id).start()
   texts = [SYSTEM + "rev abc=", SYSTEM + "1+2=", "x", "sort 9 1 5="]
-  rollout = make_rollout(cfg, None, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id, group_size=1, temperature=0.0)
+  rollout = make_generator(cfg, None, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id, group_size=1, temperature=0.0, multi_turn=False, complete=True)
   _, params, extra = nnx.split(model, nnx.Param, ...)
   tokens, mask = TOK.encode_batch(texts, length=PROMPT_LEN, padding="left")
   out = rollout(params, extra, tokens, mask, jax.random.key(0))
@@ -201,3 +204,44 @@ def test_moe_greedy_equals_generate_with_prefix_reuse():
     assert engine.metrics()["reused_tokens"] >= 16
   finally:
     engine.close()
+
+
+def test_speculative_server_gives_the_plain_servers_text(tiny_served):
+  """The server speculating (n-gram prompt lookup, and a draft model) answers every request with the
+  plain engine's tokens, greedy and sampled with a seed (proposals are accepted only where they are
+  the target's own draws), in fewer target forwards when proposals are accepted."""
+  from meshrl.rl.generation.proposers import ProposerSpec  # pylint: disable=import-outside-toplevel
+  cfg, model, plain = tiny_served
+  draft_cfg = configs.load("configs/tiny.py:dense", ["model.num_layers=1", "model.embed_dim=32",
+                                                     "model.head_dim=16", "model.max_seq_len=64"])
+  draft = build_model(ModelConfig.from_config(draft_cfg, None), None, seed=4)
+  prompts = [TOK.encode(t) for t in ("abcabcabcabc", "rev abc=", "1+2=1+2=1+2=")]
+  requests = [dict(), dict(temperature=0.9, top_p=0.95, seed=11)]
+  want = [[plain.generate(p, NEW, **kw)[0] for p in prompts] for kw in requests]
+  for proposer, draft_model in ((ProposerSpec("ngram", k=3, ngram_n=2), None), (ProposerSpec("draft", k=3), draft),
+                                (ProposerSpec("draft", k=2), model)):
+    spec = EngineSpec(slots=2, max_len=MAX_LEN - proposer.k, chunk=4, prefix_block=8, prefix_cache_bytes=0)
+    engine = Engine(model, spec, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id, proposer=proposer, draft=draft_model)
+    engine.start()
+    try:
+      got = [[engine.generate(p, NEW, **kw)[0] for p in prompts] for kw in requests]
+      forwards = engine.metrics()["target_forwards"]
+    finally:
+      engine.close()
+    assert got == want, proposer
+    if draft_model is model:  # the target as its own draft: every proposal accepted
+      assert forwards < sum(len(t) for row in want for t in row) * 0.6, forwards
+
+
+def test_bad_speculative_server_settings_name_them(tiny_served):
+  from meshrl.rl.generation.proposers import ProposerSpec  # pylint: disable=import-outside-toplevel
+  _, model, _ = tiny_served
+  with pytest.raises(ValueError, match=r"serve.max_len=64 \+ rl.speculative_k=3 exceeds model.max_seq_len=64"):
+    Engine(model, EngineSpec(slots=1, max_len=MAX_LEN), stop_ids=TOK.stop_ids, pad_id=TOK.pad_id,
+           proposer=ProposerSpec("ngram", k=3))
+  wide_cfg = configs.load("configs/tiny.py:dense", ["model.num_layers=1", "model.embed_dim=32", "model.head_dim=16",
+                                                    "model.vocab_size=300"])
+  wide = build_model(ModelConfig.from_config(wide_cfg, None), None)
+  with pytest.raises(ValueError, match="draft model vocab_size=300 differs from the target's vocab_size=259"):
+    Engine(model, EngineSpec(slots=1, max_len=32), stop_ids=TOK.stop_ids, pad_id=TOK.pad_id,
+           proposer=ProposerSpec("draft", k=2), draft=wide)

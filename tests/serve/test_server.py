@@ -3,6 +3,7 @@ completions and chat (streamed and whole) agree with the engine, stop strings, m
 errors that name the problem, a disconnecting client frees its slot, and a concurrent load test."""
 
 import json
+import threading
 import time
 
 import httpx
@@ -11,6 +12,7 @@ import pytest
 
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.serve.app import ServerThread, make_app
+from meshrl.serve.engine import Request
 from meshrl.serve.loadtest import load_test
 from meshrl.serve.openai_api import render_chat
 
@@ -84,7 +86,7 @@ def test_bad_input_gets_a_4xx_naming_the_problem(server):
   cases = [
       ("/v1/completions", "{not json", 400, "JSON"),
       ("/v1/completions", {**ok, "model": "gpt-9"}, 404, "gpt-9"),
-      ("/v1/completions", {**ok, "n": 2}, 400, "`n`"),
+      ("/v1/completions", {**ok, "n": 17}, 400, "`n`"),
       ("/v1/completions", {**ok, "logprobs": 3}, 400, "`logprobs`"),
       ("/v1/completions", {**ok, "frobnicate": 1}, 400, "frobnicate"),
       ("/v1/completions", {**ok, "prompt": "x" * 80}, 400, "context length"),
@@ -102,10 +104,45 @@ def test_bad_input_gets_a_4xx_naming_the_problem(server):
     assert reply.status_code == status, (body, reply.text)
     error = reply.json()["error"]
     assert needle in error["message"] and error["type"], (body, error)
-  assert post("/v1/completions", {**ok, "n": 2}).json()["error"]["param"] == "n"
+  assert post("/v1/completions", {**ok, "n": 0}).json()["error"]["param"] == "n"
   with pytest.raises(openai.BadRequestError, match="best_of"):
     client.completions.create(model=NAME, prompt="hi", best_of=3)
   assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_n_samples_and_logprobs(server, tiny_served):
+  """n=3 answers three samples (a seeded request repeats them; its samples differ), each with its
+  chosen tokens' log-probs; greedy log-probs are the model's own (a full forward), streamed choices
+  carry their index."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  _, _, client = server
+  kw = dict(model=NAME, prompt="rev abc=", max_tokens=8, temperature=1.0, seed=5, n=3, logprobs=0)
+  first, again = client.completions.create(**kw), client.completions.create(**kw)
+  texts = [c.text for c in first.choices]
+  assert [c.index for c in first.choices] == [0, 1, 2] and texts == [c.text for c in again.choices]
+  assert len(set(texts)) > 1
+  for choice in first.choices:
+    assert "".join(choice.logprobs.tokens) == choice.text or choice.finish_reason == "stop"
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+  chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                        temperature=0, logprobs=True)
+  content = chat.choices[0].logprobs.content
+  prompt = TOK.encode(render_chat(TOK, [{"role": "user", "content": "hi"}]))
+  engine = tiny_served[2]
+  events = []
+  done = threading.Event()
+  engine.submit(Request(prompt=prompt, max_tokens=6, emit=lambda e: (events.append(e), e.finish_reason and done.set())))
+  assert done.wait(60)
+  tokens = [t for e in events for t in e.tokens]
+  want = [lp for e in events for lp in e.logprobs]
+  assert [c.logprob for c in content] == pytest.approx(want, abs=1e-6) and len(want) == len(tokens) == 6
+  ids = np.asarray([prompt + tokens])  # the engine's log-probs are the model's own
+  logits = np.asarray(jax.nn.log_softmax(tiny_served[1](ids).logits[0], axis=-1))
+  np.testing.assert_allclose(want, [logits[len(prompt) - 1 + i, t] for i, t in enumerate(tokens)], atol=1e-4)
+  streamed = client.completions.create(**{**kw, "stream": True})
+  indices = {choice.index for event in streamed for choice in event.choices}
+  assert indices == {0, 1, 2}
 
 
 def test_client_disconnecting_mid_stream_frees_its_slot(server):
@@ -186,7 +223,49 @@ def test_serve_script_exits_2_naming_a_bad_field_or_checkpoint(tmp_path, capsys)
   spec = importlib.util.spec_from_file_location("serve_script", path)
   script = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(script)
-  assert script.main(["--config=configs/tiny.py", "--config.serve.slots=0"]) == 2
-  assert "serve.slots=0" in capsys.readouterr().err
-  assert script.main(["--config=configs/tiny.py", f"--checkpoint={tmp_path / 'missing'}"]) == 2
-  assert "model.init_from" in capsys.readouterr().err
+  import socket  # pylint: disable=import-outside-toplevel
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    cases = {  # each one line; before issue 31, --port=70000 was reported as given and listened on 4464
+        "error: serve.slots=0 must be at least 1.": ["--config.serve.slots=0"],
+        f"error: --checkpoint={str(tmp_path / 'missing')!r} does not exist.": [
+            f"--checkpoint={tmp_path / 'missing'}"],
+        "error: --port=70000 must lie in 1..65535.": ["--port=70000"],
+        "error: --port=0 must lie in 1..65535.": ["--port=0"],
+        f"error: --host=127.0.0.1 --port={busy}: cannot listen there": [f"--port={busy}"],
+        "error: --host=no.such.host.invalid --port=8000: cannot listen there": ["--host=no.such.host.invalid"],
+    }
+    for fragment, argv in cases.items():
+      assert script.cli.run(script.main, ["--config=configs/tiny.py", *argv]) == 2, fragment
+      err = capsys.readouterr().err
+      assert err.startswith(fragment) and err.count("\n") == 1, (fragment, err)
+
+
+def test_serve_script_names_the_intact_step_before_a_damaged_checkpoint(tmp_path, capsys):
+  """The server loading a damaged checkpoint printed a 134-line storage dump and no word of the
+  intact step before it; now one line names both, and nothing is served."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  from meshrl.configs import load  # pylint: disable=import-outside-toplevel
+  from meshrl.model.init import build_model  # pylint: disable=import-outside-toplevel
+  from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
+  from meshrl.train.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from meshrl.train.optim import make_optimizer  # pylint: disable=import-outside-toplevel
+  from meshrl.train.state import create_train_state  # pylint: disable=import-outside-toplevel
+  cfg = load("configs/tiny.py")
+  _, state = create_train_state(build_model(ModelConfig.from_config(cfg)), make_optimizer(cfg.optim))
+  with Checkpointer(str(tmp_path / "checkpoints"), async_save=False) as ckpt:
+    for step in (1, 2):
+      ckpt.save(step, state, config=cfg, force=True)
+  (tmp_path / "checkpoints" / "2" / "state" / "manifest.ocdbt").write_bytes(b"")
+  path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "serve.py")
+  spec = importlib.util.spec_from_file_location("serve_script", path)
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  assert script.cli.run(script.main, ["--config=configs/tiny.py", f"--checkpoint={tmp_path}"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1, err
+  assert f"checkpoint {tmp_path / 'checkpoints' / '2'} is damaged (" in err
+  assert "step 1 before it is intact" in err

@@ -24,8 +24,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.rl.rewards import compose
-from meshrl.rl.scoring import RewardPool
-from meshrl.rl.step import score_own_block
+from meshrl.rl.rewards.pool import RewardPool
+from meshrl.rl.step.program import score_own_block
 me = jax.process_index()
 out = {"rows": hosts.gather_rows(np.full((2, 3), me, np.int32)).tolist(),
        "flags": hosts.gather_rows(np.array([me == 0, True])).tolist(),
@@ -77,7 +77,7 @@ out["scored_here"] = scored_here
 # Asynchronous RL's rollouts in flight: each host holds its own block of their examples; the
 # checkpoint's state has all of them, and restoring gives each host its own block back.
 import collections, types
-from meshrl.rl.step import InFlight, in_flight_state, restore_in_flight
+from meshrl.rl.step.program import InFlight, in_flight_state, restore_in_flight
 run = types.SimpleNamespace(in_flight=collections.deque(
     [InFlight(examples, {"tokens": arrays["tokens"]}, 3)]),
     cfg=types.SimpleNamespace(rl=types.SimpleNamespace(rollout_token_budget=0, prompts_per_step=4)))
@@ -87,14 +87,14 @@ out["in_flight"] = {"saved": [item["examples"] for item in saved], "version": ru
                     "tokens": run.in_flight[0].arrays()["tokens"].tolist()}
 out["restored_own"] = run.in_flight[0].examples  # per host (popped below)
 
-# Multi-turn episodes (rl/multiturn.py): 4 examples x 2 rows; each host resets and steps only the
+# Multi-turn episodes (rl/step/episodes.py): 4 examples x 2 rows; each host resets and steps only the
 # environments of its own 4 rows, which answer with the host's index; everything else is shared.
 from flax import nnx
 from meshrl import configs
 from meshrl.model.init import build_model
 from meshrl.model.transformer import ModelConfig
 from meshrl.rl.envs.base import StepResult
-from meshrl.rl.multiturn import make_multiturn
+from meshrl.rl.step.spec import episode_runner
 resets = []
 
 class HostEnv:
@@ -109,7 +109,7 @@ class HostEnv:
 
 cfg = configs.load("configs/tiny.py", json.loads(sys.argv[4]))
 _, params, extra = nnx.split(build_model(ModelConfig.from_config(cfg, None), None), nnx.Param, ...)
-programs = make_multiturn(cfg, None, tokenizer, make_env=lambda example: HostEnv())
+programs = episode_runner(cfg, None, tokenizer, make_env=lambda example: HostEnv())
 encoded, encode = [], programs._encode_prompts  # pylint: disable=protected-access
 programs._encode_prompts = lambda texts: (encoded.append(list(texts)), encode(texts))[1]
 episodes = programs.rollout(params, extra, batch["examples"], jax.random.key(0))
@@ -162,7 +162,7 @@ def test_prompts_that_do_not_split_over_the_hosts_are_shared():
   """Every host draws the same prompts and scores its share when they do not split into equal
   blocks (paper_3t: 8 prompts on the 1,024 hosts of a v5p 16x16x16) or with partial rollouts."""
   from meshrl import configs  # pylint: disable=import-outside-toplevel
-  from meshrl.rl.batch import shared_prompts  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.groups import shared_prompts  # pylint: disable=import-outside-toplevel
   load = lambda *o: configs.load("configs/tiny.py", ["rl.prompts_per_step=4", *o])  # noqa: E731
   assert not shared_prompts(load(), 1) and not shared_prompts(load(), 2) and not shared_prompts(load(), 4)
   assert shared_prompts(load(), 3) and shared_prompts(load(), 8)
@@ -210,9 +210,9 @@ def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
 
   # The one-process reference: the whole batch scored at once.
   from meshrl.model.tokenizer import ByteTokenizer  # pylint: disable=import-outside-toplevel
-  from meshrl.rl.batch import score_rollout  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.groups import score_rollout  # pylint: disable=import-outside-toplevel
   from meshrl.rl.rewards import compose  # pylint: disable=import-outside-toplevel
-  from meshrl.rl.scoring import RewardPool  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.rewards.pool import RewardPool  # pylint: disable=import-outside-toplevel
   pool = RewardPool(compose("answer:1.0"), num_workers=1, timeout_s=10)
   want = score_rollout(arrays, examples, ByteTokenizer(), pool, group_size=2, max_new_tokens=4,
                        overlong_buffer=0, overlong_penalty_value=0.0)

@@ -197,14 +197,14 @@ def test_bad_checkpoints_are_named_and_left_untouched(cfg, saved_sharded, tmp_pa
   shutil.copytree(tmp_path / "ok", tmp_path / "partial")
   shutil.rmtree(tmp_path / "partial" / "5" / "data")
   with Checkpointer(str(tmp_path / "partial")) as ckpt:
-    with pytest.raises(CheckpointError, match=r"partial/5 is incomplete .*no data/"):
+    with pytest.raises(CheckpointError, match=r"partial/5 is damaged \(it has no data/ \(a partial copy\?\)\); no earlier step"):
       ckpt.restore(saved)
   shutil.copytree(tmp_path / "ok", tmp_path / "damaged")
   for path in (tmp_path / "damaged" / "5" / "state").rglob("*"):
     if path.is_file() and "manifest" not in path.name and "METADATA" not in path.name.upper():
       path.write_bytes(b"\0" * 16)
   with Checkpointer(str(tmp_path / "damaged")) as ckpt:
-    with pytest.raises(CheckpointError, match=r"damaged/5(/state)? cannot be read"):
+    with pytest.raises(CheckpointError, match=r"damaged/5 is damaged \((its arrays cannot be read|it has no array metadata).*\); no earlier step"):
       ckpt.restore(saved)
 
 
@@ -228,15 +228,15 @@ def test_load_params_onto_one_cpu_device_equals_the_saved_values(saved_sharded):
   assert set(both) == {"params", "extra"}
 
 
-def test_readme_restore_snippet_runs_in_a_fresh_process(saved_sharded, tmp_path):
-  """The README's "Restore a checkpoint" code, run as written (only the path replaced) in a new
-  process, reads exactly the saved parameters onto one CPU device."""
+def test_documented_restore_snippet_runs_in_a_fresh_process(saved_sharded, tmp_path):
+  """docs/real-checkpoints.md's "Restore a checkpoint" code, run as written (only the path replaced)
+  in a new process, reads exactly the saved parameters onto one CPU device."""
   import re  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
   from pathlib import Path  # pylint: disable=import-outside-toplevel
-  readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-  section = readme[readme.index("### Restore a checkpoint"):]
+  guide = (Path(__file__).resolve().parents[2] / "docs" / "real-checkpoints.md").read_text()
+  section = guide[guide.index("## Restore a checkpoint"):]
   code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
   workdir, saved = saved_sharded
   state_dir = workdir / "checkpoints" / "5" / "state"
@@ -256,3 +256,38 @@ def test_readme_restore_snippet_runs_in_a_fresh_process(saved_sharded, tmp_path)
   assert got.keys() == want.keys()
   for key, value in want.items():
     np.testing.assert_array_equal(got[key], value)
+
+
+@pytest.mark.parametrize("damage", ["emptied manifest", "emptied metadata", "zeroed arrays", "no data/"])
+def test_a_damaged_latest_checkpoint_names_the_intact_step_before_it(tmp_path, damage):
+  """Step 2 of two is damaged (an emptied OCDBT manifest ended a resume in "Event loop is closed"):
+  check_readable (metadata only) or restore raise one line naming step 2, what is wrong and the
+  intact step 1 to resume from; not a byte changes; step 1 still restores."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  from meshrl.train.checkpoint import CheckpointError, check_readable  # pylint: disable=import-outside-toplevel
+  state = {"params": {"w": jnp.arange(16.0).reshape(4, 4)}, "step": jnp.zeros((), jnp.int32)}
+  with Checkpointer(str(tmp_path / "ck"), async_save=False, max_to_keep=3) as ckpt:
+    ckpt.save(1, state, config={"a": 1}, force=True)
+    ckpt.save(2, jax.tree.map(lambda x: x + 1, state), config={"a": 1}, force=True)
+  step_dir = tmp_path / "ck" / "2"
+  if damage == "emptied manifest":
+    (step_dir / "state" / "manifest.ocdbt").write_bytes(b"")
+  elif damage == "emptied metadata":
+    (step_dir / "state" / "_METADATA").write_bytes(b"")
+  elif damage == "zeroed arrays":
+    for path in (step_dir / "state").rglob("*"):
+      if path.is_file() and "manifest" not in path.name and "METADATA" not in path.name.upper():
+        path.write_bytes(b"\0" * 16)
+  else:
+    shutil.rmtree(step_dir / "data")
+  before = _tree_files(tmp_path / "ck")
+  with Checkpointer(str(tmp_path / "ck")) as ckpt:
+    with pytest.raises(CheckpointError) as raised:
+      check_readable(str(step_dir))
+      ckpt.restore(state)  # zeroed arrays pass the metadata check; reading them fails
+    message = str(raised.value)
+    assert "\n" not in message and len(message) < 600, message
+    assert f"checkpoint {step_dir} is damaged (" in message
+    assert "step 1 before it is intact: move" in message and "to resume from step 1" in message
+    assert ckpt.restore(state, step=1).state["params"]["w"][0, 1] == 1.0  # step 1 really is intact
+  assert _tree_files(tmp_path / "ck") == before

@@ -1,0 +1,174 @@
+"""Checks of a run config that need nothing but the config: signs, ranges and files, section by section.
+
+  checks.check_sections(cfg, "run", "rl", "data", "eval", "checkpoint", "log")
+
+Each check raises ValueError naming the field, the value and what is allowed, before anything runs
+or is written. `rl/loop.check_config` (RL runs) and the other scripts call the sections they use;
+fields whose meaning belongs to another layer are checked where that layer turns the config into its
+spec (model.* / moe.* / attention.* in `ModelConfig.from_config`, optim.* in `train/optim.py`).
+This module imports no jax.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable
+
+
+def value_of(cfg, field: str):
+  """cfg's value at a dotted field name ("rl.num_steps")."""
+  node = cfg
+  for part in field.split("."):
+    node = node[part]
+  return node
+
+
+def at_least(cfg, field: str, low: float, meaning: str = "") -> None:
+  """ValueError unless `field` >= `low` (and finite)."""
+  value = value_of(cfg, field)
+  if not (math.isfinite(value) and value >= low):
+    raise ValueError(f"{field}={value} must be at least {low}{meaning}.")
+
+
+def positive(cfg, field: str, meaning: str = "") -> None:
+  """ValueError unless `field` > 0 (and finite)."""
+  value = value_of(cfg, field)
+  if not (math.isfinite(value) and value > 0):
+    raise ValueError(f"{field}={value} must be positive{meaning}.")
+
+
+def between(cfg, field: str, low: float, high: float, *, high_open: bool = False) -> None:
+  """ValueError unless low <= `field` <= high (< high with `high_open`)."""
+  value = value_of(cfg, field)
+  inside = low <= value < high if high_open else low <= value <= high
+  if not inside:
+    raise ValueError(f"{field}={value} must lie in [{low}, {high}{')' if high_open else ']'}.")
+
+
+def one_of(cfg, field: str, choices) -> None:
+  """ValueError unless `field` is one of `choices`."""
+  value = value_of(cfg, field)
+  if value not in choices:
+    raise ValueError(f"{field}={value!r} is not one of {', '.join(map(repr, choices))}.")
+
+
+def existing_file(field: str, path: str) -> None:
+  """ValueError unless `path` ("" = unset) is a readable file."""
+  if path and not os.path.isfile(path):
+    raise ValueError(f"{field}={path!r}: no such file.")
+
+
+def check_run(cfg) -> None:
+  """name, workdir and seed: the work directory is `workdir` with {name} filled in; the seed feeds
+  jax keys and grain's shuffles, which take non-negative 31-bit integers."""
+  between(cfg, "seed", 0, 2 ** 31 - 1)
+  if not str(cfg.name).strip():
+    raise ValueError("name='' is empty; give the run a name (it fills {name} in workdir).")
+  if not str(cfg.workdir).strip():
+    raise ValueError("workdir='' is empty; give a folder for the run's outputs (or --workdir).")
+
+
+def check_rl(cfg) -> None:
+  """rl.*: step counts, minibatches, coefficients, budgets; the algorithm's own choices
+  (estimator, loss, sampler, engine) are checked by their builders in rl/loop.check_config."""
+  at_least(cfg, "rl.num_steps", 0, " (0 = the warm start alone)")
+  at_least(cfg, "rl.sft_steps", 0, " (0 = no warm start)")
+  at_least(cfg, "rl.num_minibatches", 1)
+  at_least(cfg, "rl.sft_batch_size", 1)
+  if cfg.rl.sft_steps:
+    positive(cfg, "rl.sft_learning_rate", " (a warm start with a rate <= 0 does not descend)")
+  for field in ("max_resample_rounds", "max_nonfinite_steps", "packed_rows", "packed_row_len",
+                "decode_slots", "rollout_token_budget", "overlong_buffer"):
+    at_least(cfg, f"rl.{field}", 0)
+  for field in ("speculative_k", "ngram_n"):
+    at_least(cfg, f"rl.{field}", 1)
+  for field in ("entropy_coef", "value_coef", "value_clip", "kl_coef", "overlong_penalty", "clip_low",
+                "clip_high", "dual_clip"):
+    at_least(cfg, f"rl.{field}", 0)
+  positive(cfg, "rl.adv_eps", " (it keeps an all-equal group's std from dividing by zero)")
+  for field in ("gamma", "gae_lambda"):
+    between(cfg, f"rl.{field}", 0.0, 1.0)
+  try:
+    [int(t) for t in str(cfg.rl.stop_tokens).split(",") if t.strip()]
+  except ValueError:
+    raise ValueError(f"rl.stop_tokens={cfg.rl.stop_tokens!r} must be comma-separated token ids, "
+                     "e.g. '13,198'.") from None
+
+
+def check_moe(cfg) -> None:
+  """moe.* loss weights and rates (the layer's numbers are checked by ModelConfig.from_config)."""
+  for field in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+    at_least(cfg, f"moe.{field}", 0.0)
+
+
+def check_data(cfg) -> None:
+  """data.*: lengths, workers, the held-out share and the files (rows are checked as they load)."""
+  at_least(cfg, "data.seq_len", 1)
+  at_least(cfg, "data.num_workers", 0, " (0 = in-process)")
+  at_least(cfg, "data.difficulty", 1)
+  between(cfg, "data.eval_fraction", 0.0, 1.0, high_open=True)
+  existing_file("data.jsonl", cfg.data.jsonl)
+  for path in filter(None, cfg.data.array_record.split(",")):
+    existing_file("data.array_record", path)
+  existing_file("data.domains", cfg.data.domains)
+  quarantine_dir = os.path.dirname(os.path.abspath(cfg.data.quarantine)) if cfg.data.quarantine else ""
+  if quarantine_dir and not os.path.isdir(quarantine_dir):
+    raise ValueError(f"data.quarantine={cfg.data.quarantine!r}: its folder {quarantine_dir} does not "
+                     "exist (environment failures are appended to this file).")
+
+
+def check_eval(cfg) -> None:
+  """eval.*: counts and the held-out file."""
+  at_least(cfg, "eval.every", 0, " (0 = no evaluation)")
+  at_least(cfg, "eval.num_prompts", 1)
+  at_least(cfg, "eval.batch_size", 1)
+  at_least(cfg, "eval.pass_k", 0, " (0 = greedy only)")
+  existing_file("eval.jsonl", cfg.eval.jsonl)
+
+
+def check_checkpoint(cfg) -> None:
+  at_least(cfg, "checkpoint.every", 1)
+  at_least(cfg, "checkpoint.max_to_keep", 1)
+
+
+def check_log(cfg) -> None:
+  at_least(cfg, "log.every", 1)
+
+
+def check_serve(cfg) -> None:
+  """serve.*: slots, lengths and the prefix cache."""
+  for field in ("slots", "decode_chunk", "prefix_block"):
+    at_least(cfg, f"serve.{field}", 1)
+  at_least(cfg, "serve.prefix_cache_mb", 0.0, " (0 = no prefix cache)")
+  between(cfg, "serve.max_len", 0, cfg.model.max_seq_len)  # 0 = model.max_seq_len
+
+
+def check_rm(cfg) -> None:
+  """rm.*: counts, the margin, the overflow rule and the pair files (rows are checked as they load)."""
+  for field in ("steps", "batch_size", "synthetic_pairs", "eval_pairs"):
+    at_least(cfg, f"rm.{field}", 1)
+  positive(cfg, "rm.learning_rate", " (a rate <= 0 does not descend)")
+  at_least(cfg, "rm.eval_every", 0, " (0 = only before the first step and at the end)")
+  at_least(cfg, "rm.margin", 0.0, " (the score gap a pair's chosen side must clear)")
+  at_least(cfg, "rm.max_len", 0, " (0 = model.max_seq_len)")
+  one_of(cfg, "rm.overflow", ("reject", "truncate"))
+  existing_file("rm.train_jsonl", cfg.rm.train_jsonl)
+  existing_file("rm.eval_jsonl", cfg.rm.eval_jsonl)
+  if not (cfg.rm.train_jsonl and cfg.rm.eval_jsonl):
+    between(cfg, "data.eval_fraction", 0.0, 1.0, high_open=True)
+    if cfg.data.eval_fraction == 0.0:
+      raise ValueError("data.eval_fraction=0.0 holds out no prompts: the reward model's held-out pairs come "
+                       "from that share (or give both rm.train_jsonl and rm.eval_jsonl).")
+
+
+SECTIONS: dict[str, Callable] = {
+    "run": check_run, "rl": check_rl, "moe": check_moe, "data": check_data, "eval": check_eval,
+    "checkpoint": check_checkpoint, "log": check_log, "serve": check_serve, "rm": check_rm,
+}
+
+
+def check_sections(cfg, *names: str) -> None:
+  """Runs the checks of the named sections (keys of SECTIONS), in order; the first error raises."""
+  for name in names:
+    SECTIONS[name](cfg)

@@ -1,0 +1,1 @@
+"""The RL algorithm as functions of arrays: advantage estimators, losses, the jitted update, draft distillation."""

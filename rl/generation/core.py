@@ -1,0 +1,396 @@
+"""The decode core: one decode step, "extend rows at their own index", and rollback.
+
+Every token meshrl generates goes through `decode_step`; every token fed without being generated (a
+prompt refilled into a slot, a multi-turn observation, a sample resumed under new parameters) goes
+through `extend` or `resume`. Schedulers (rl/generation/loop.py inside one jitted loop,
+rl/generation/host.py between jitted chunks) only decide which slot holds which sample and when.
+
+The invariant between steps, per live slot: every token of its sample up to `count` is in the slot's
+cache rows, and `logits` are the distribution of the next one. A decode step then:
+  1. draws t0 from the logits with the key (sample, t) (t: the sample's policy tokens so far);
+  2. asks the proposer for d_0..d_{k-1} after t0 (k = 0: none);
+  3. feeds [t0, d_0..d_{k-1}] in ONE forward at the slot's own cache index, getting the distributions
+     after each;
+  4. accepts the leading run of d_i that equal the target's own draw there (with d_i's key): those
+     are exactly the tokens plain decoding would have drawn (rl/generation/sampling.py), so the
+     output is the plain sampler's whatever the proposer; commits t0 and the accepted run, cut at a
+     stop token, a stop sequence or the sample's limit; their behaviour log-probs, policy version and
+     MoE routes go to the sample's buffer;
+  5. keeps the logits after the last committed token and rolls the caches back past it (the rejected
+     proposals' columns become empty again).
+With k = 0 this is plain decoding. Rows move by different counts, so the caches have per-row write
+indices; a static batch without proposals keeps one shared index (`lockstep`: every row writes at
+the same column, a finished row's writes land in its own dead row), which lets XLA update the cache
+in place instead of selecting over it.
+
+Axis legend: B samples, C slots, R rows extended, T tokens extended, k proposals, K1 = k + 1, S
+cache/buffer columns, V vocab, L MoE layers, K experts per token, M stop sequences, W their length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshrl.model import kv_cache as kvc
+from meshrl.model.ring_attention import unzigzag_on_mesh, zigzag
+from meshrl.rl.generation.proposers import ProposerSpec, draft_propose, ngram_propose
+from meshrl.rl.generation.sampling import Sampler, token_keys
+from meshrl.rl.generation.state import Counters, Pool, Slots
+from meshrl.sharding.mesh import SEQUENCE_AXIS, axis_size
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """The static numbers of a decode step."""
+  sampler: Sampler
+  stop_tokens: tuple[int, ...]
+  pad_id: int
+  proposer: ProposerSpec = ProposerSpec()
+  stop_sequences: tuple[tuple[int, ...], ...] = ()  # token sequences that end a turn (`</cmd>`)
+  pause_on_stop: bool = False  # a turn's end pauses the sample for the host (episodes) instead of ending it
+  turn_tokens: int = 0  # policy tokens per turn (0: no turn limit)
+
+  @property
+  def window(self) -> int:
+    """W, the longest stop sequence (0: none)."""
+    return max((len(s) for s in self.stop_sequences), default=0)
+
+
+class Models(NamedTuple):
+  """The target (and draft) model a decode loop calls, with the per-layer weights taken once outside
+  the loop when the model decodes unrolled (Transformer.decode_loop_inputs)."""
+  target: Any
+  weights: Any = None
+  draft: Any = None
+  draft_weights: Any = None
+
+
+def bind(target, draft=None, *, unrolled: bool | None = None) -> Models:
+  """Models for a decode loop: per-layer weights when the target decodes unrolled (its
+  ModelConfig.unrolled_decode, or `unrolled`); the caches must then be kvc.unstack'ed too."""
+  unrolled = target.config.unrolled_decode if unrolled is None else unrolled
+  if not unrolled:
+    return Models(target, None, draft, None)
+  return Models(target, target.layer_weights(), draft, None if draft is None else draft.layer_weights())
+
+
+def per_layer(models: Models, cache):
+  """`cache` in the form `models` decodes with (kv_cache.unstack when unrolled), None stays None."""
+  return cache if cache is None or models.weights is None else kvc.unstack(cache)
+
+
+# --- the decode step -------------------------------------------------------------------------------
+
+
+def _stop_sequence_hits(window: jax.Array, fed: jax.Array, sequences) -> jax.Array:
+  """[C, K1] bool: fed[:, j] completes one of the stop sequences, reading the turn's earlier tokens
+  in window [C, W] (-1 before the turn's first)."""
+  width = window.shape[1]
+  ids = np.full((len(sequences), width), -1, np.int32)
+  for i, s in enumerate(sequences):
+    ids[i, width - len(s):] = s
+  history = jnp.concatenate([window, fed], axis=1)  # [C, W + K1]
+  ends = jnp.arange(fed.shape[1])[:, None] + 1 + jnp.arange(width)[None, :]  # [K1, W]
+  last = history[:, ends]  # [C, K1, W]: the W tokens ending at fed[:, j]
+  table, used = jnp.asarray(ids), jnp.asarray(ids >= 0)
+  match = jnp.all((last[:, :, None, :] == table) | ~used, axis=-1)  # [C, K1, M]
+  return jnp.any(match, axis=-1)
+
+
+def _shift_window(window: jax.Array, fed: jax.Array, count: jax.Array) -> jax.Array:
+  """The last W tokens after committing fed[:, :count] to the turn: window [C, W], fed [C, K1]."""
+  width = window.shape[1]
+  history = jnp.concatenate([window, fed], axis=1)
+  return jnp.take_along_axis(history, count[:, None] + jnp.arange(width)[None, :], axis=1)
+
+
+def _write(buffer: jax.Array, sid: jax.Array, columns: jax.Array, values) -> jax.Array:
+  """buffer [B, S] with values [C, K1] written at rows sid [C], columns [C, K1] (S: dropped)."""
+  return buffer.at[jnp.broadcast_to(sid[:, None], columns.shape), columns].set(values, mode="drop")
+
+
+def live_slots(slots: Slots, pool: Pool) -> jax.Array:
+  """[C] bool: the slot holds a sample that is neither done nor paused."""
+  num = pool.num_samples
+  rows = jnp.clip(slots.sid, 0, num - 1)
+  return (slots.sid < num) & ~pool.done[rows] & ~pool.paused[rows]
+
+
+def decode_step(models: Models, config: StepConfig, slots: Slots, pool: Pool, version: jax.Array,
+                counters: Counters, *, lockstep: bool = False) -> tuple[Slots, Pool, Counters]:
+  """One decode step of every live slot (see the module docstring). Pure; jit it (inside a loop)."""
+  sampler, k = config.sampler, config.proposer.window
+  num, width = pool.num_samples, pool.width
+  rows = jnp.clip(slots.sid, 0, num - 1)
+  live = live_slots(slots, pool)
+  generated, fill = pool.generated[rows], pool.count[rows]
+  keys = jax.random.wrap_key_data(pool.keys[rows])  # [C]
+  offsets = jnp.arange(k + 1)[None, :]  # [1, K1]
+  window_keys = token_keys(keys, generated[:, None] + offsets)  # [C, K1]: keys of tokens t .. t+k
+
+  # 1-2. Draw the next token; propose k more after it.
+  first = sampler.draw(slots.logits, window_keys[:, 0], slots.sampling)  # [C]
+  draft_cache = slots.draft_cache
+  if config.proposer.method == "draft":
+    proposals, draft_cache = draft_propose(models.draft, models.draft_weights, draft_cache, first,
+                                           slots.position, sampler, window_keys[:, 1:], k, slots.sampling)
+  elif config.proposer.method == "ngram":
+    history = jnp.where(jnp.arange(width)[None, :] >= pool.pad[rows][:, None], pool.tokens[rows], -1)
+    history = history.at[jnp.arange(rows.shape[0]), jnp.minimum(fill, width - 1)].set(first)
+    proposals = ngram_propose(history, fill + 1, config.proposer.ngram_n, k)
+  fed = first[:, None] if k == 0 else jnp.concatenate([first[:, None], proposals], axis=1)  # [C, K1]
+
+  # 3. One forward of the window at each slot's own index.
+  start = slots.cache.index
+  out = models.target(fed, positions=slots.position[:, None] + offsets, segment_ids=jnp.ones_like(fed),
+                      cache=slots.cache, layer_weights=models.weights)
+
+  # 4. Accept proposals equal to the target's draws; commit up to a stop or the sample's limit.
+  if k:
+    target_draws = sampler.draw(out.logits[:, :k], window_keys[:, 1:], slots.sampling)  # [C, k]
+    accepted = jnp.sum(jnp.cumprod(proposals == target_draws, axis=1), axis=1).astype(jnp.int32)
+  else:
+    accepted = jnp.zeros_like(generated)
+  room = jnp.minimum(pool.max_lengths[rows] - generated, width - fill)  # [C] tokens the sample may add
+  if config.turn_tokens:
+    room = jnp.minimum(room, config.turn_tokens - (generated - pool.turn_start[rows]))
+  in_run = (offsets <= accepted[:, None]) & (offsets < room[:, None])
+  is_stop = jnp.isin(fed, jnp.asarray(config.stop_tokens, jnp.int32))
+  if config.stop_sequences:
+    is_stop |= _stop_sequence_hits(slots.window, fed, config.stop_sequences)
+  if slots.stops is not None:  # a request's own stop ids
+    is_stop |= jnp.any(fed[:, :, None] == slots.stops[:, None, :], axis=-1)
+  is_stop &= in_run
+  hit = jnp.any(is_stop, axis=1)
+  count = jnp.where(hit, jnp.argmax(is_stop, axis=1) + 1, jnp.minimum(accepted + 1, room))
+  count = jnp.where(live, count, 0).astype(jnp.int32)  # [C] tokens committed
+  ended = live & (hit | (count >= room))
+
+  dists = slots.logits[:, None] if k == 0 else jnp.concatenate([slots.logits[:, None], out.logits[:, :k]], 1)
+  logprobs = sampler.log_probs(dists, fed, slots.sampling)  # [C, K1]: token j from the logits before it
+  committed = offsets < count[:, None]
+  columns = jnp.where(committed, fill[:, None] + offsets, width)  # [C, K1] (width: dropped)
+  sid = jnp.where(live, slots.sid, num)
+  routing = pool.routing
+  if routing is not None:
+    routes = jnp.where(committed[None, :, :, None], out.aux["routing"], 0)  # [L, C, K1, K]
+    routing = routing.at[:, jnp.broadcast_to(sid[:, None], columns.shape), columns].set(routes, mode="drop")
+  end_field = "paused" if config.pause_on_stop else "done"
+  pool = pool.replace(
+      tokens=_write(pool.tokens, sid, columns, fed), logprobs=_write(pool.logprobs, sid, columns, logprobs),
+      versions=_write(pool.versions, sid, columns, jnp.broadcast_to(version, fed.shape)),
+      policy=_write(pool.policy, sid, columns, True), routing=routing,
+      count=pool.count.at[sid].add(count, mode="drop"), generated=pool.generated.at[sid].add(count, mode="drop"),
+      stopped=pool.stopped.at[sid].set(hit, mode="drop"),
+      **{end_field: getattr(pool, end_field).at[sid].set(ended, mode="drop")})
+
+  # 5. The logits after the last committed token; the caches forget everything after it.
+  after = jnp.take_along_axis(out.logits, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+  logits = jnp.where((count > 0)[:, None], after, slots.logits)
+  if lockstep:
+    cache = out.cache
+  else:
+    cache = rollback(out.cache, start + count)
+    draft_cache = None if draft_cache is None else rollback(draft_cache, start + count)
+  window = None if slots.window is None else _shift_window(slots.window, fed, count)
+  accepted = jnp.where(live, jnp.minimum(accepted, jnp.maximum(count - 1, 0)), 0)
+  counters = counters.replace(
+      steps=counters.steps + 1, slot_steps=counters.slot_steps + jnp.sum(live),
+      committed=counters.committed + jnp.sum(count), proposed=counters.proposed + k * jnp.sum(live),
+      accepted=counters.accepted + jnp.sum(accepted),
+      row_accepted=counters.row_accepted.at[sid].add(accepted, mode="drop"))
+  slots = slots.replace(cache=cache, draft_cache=draft_cache, logits=logits, position=slots.position + count,
+                        window=window)
+  return slots, pool, counters
+
+
+def rollback(cache: kvc.KVCache, keep: jax.Array) -> kvc.KVCache:
+  """Forgets every column at or after keep [C] that was written since (up to cache.index [C]): their
+  positions go back to EMPTY_POSITION (segments EMPTY_SEGMENT) so no query attends them, and the
+  write index returns to keep. Entries stay; the next write overwrites them."""
+  columns = jnp.arange(cache.max_len)[None, :]  # [1, S]
+  stale = (columns >= keep[:, None]) & (columns < cache.index[:, None])  # [C, S]
+  return cache.replace(positions=jnp.where(stale, kvc.EMPTY_POSITION, cache.positions),
+                       segment_ids=jnp.where(stale, kvc.EMPTY_SEGMENT, cache.segment_ids),
+                       index=keep.astype(jnp.int32))
+
+
+# --- feeding tokens that were not generated ---------------------------------------------------------
+
+
+def extend(models: Models, slots: Slots, rows: jax.Array, tokens: jax.Array, lengths: jax.Array):
+  """Feeds tokens [R, T] (right-padded; row r's first lengths[r] real) into slots `rows` [R] (C: no
+  slot) at each one's own write index and position, in one forward (rows with length 0 keep their
+  cache, logits and position). Returns (slots, routes [L, R, T, K] of the fed tokens or None)."""
+  span = tokens.shape[1]
+  real = jnp.arange(span)[None, :] < lengths[:, None]  # [R, T]
+  at = jnp.clip(rows, 0, slots.num_slots - 1)
+  position = slots.position[at]
+  positions = jnp.where(real, position[:, None] + jnp.arange(span), kvc.EMPTY_POSITION)
+
+  def feed(model, weights, cache):
+    sub = kvc.take_rows(cache, at)
+    index = sub.index
+    out = model(tokens, positions=positions, segment_ids=real.astype(jnp.int32), cache=sub, layer_weights=weights)
+    return kvc.put_rows(cache, rows, out.cache.replace(index=index + lengths)), out
+  cache, out = feed(models.target, models.weights, slots.cache)
+  draft_cache = slots.draft_cache
+  if draft_cache is not None:
+    draft_cache, _ = feed(models.draft, models.draft_weights, draft_cache)
+  last = jnp.take_along_axis(out.logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+  fed = lengths > 0
+  logits = slots.logits.at[rows].set(jnp.where(fed[:, None], last, slots.logits[at]), mode="drop")
+  slots = slots.replace(cache=cache, draft_cache=draft_cache, logits=logits,
+                        position=slots.position.at[rows].add(lengths, mode="drop"))
+  return slots, out.aux.get("routing")
+
+
+def append(pool: Pool, sid: jax.Array, tokens: jax.Array, lengths: jax.Array, routes=None) -> Pool:
+  """The pool with tokens [R, T] (the first lengths[r] of each) appended to samples sid [R] (B: none)
+  as extensions (not the policy's), with their routes [L, R, T, K]; the samples' turns restart."""
+  span = tokens.shape[1]
+  num, width = pool.num_samples, pool.width
+  fill = pool.count[jnp.clip(sid, 0, num - 1)]
+  offsets = jnp.arange(span)[None, :]
+  columns = jnp.where(offsets < lengths[:, None], fill[:, None] + offsets, width)  # [R, T]
+  routing = pool.routing
+  if routing is not None and routes is not None:
+    routing = routing.at[:, jnp.broadcast_to(sid[:, None], columns.shape), columns].set(routes, mode="drop")
+  return pool.replace(tokens=_write(pool.tokens, sid, columns, tokens.astype(jnp.int32)), routing=routing,
+                      count=pool.count.at[sid].add(lengths, mode="drop"),
+                      turn_start=pool.turn_start.at[sid].set(pool.generated[jnp.clip(sid, 0, num - 1)],
+                                                             mode="drop"))
+
+
+def observe(models: Models, slots: Slots, pool: Pool, rows: jax.Array, tokens: jax.Array,
+            lengths: jax.Array) -> tuple[Slots, Pool]:
+  """A multi-turn observation: tokens [R, T] extended into slots `rows` [R] and appended to their
+  samples, which resume (unpaused) with a fresh turn (their stop-sequence window cleared)."""
+  sid = slots.sid[jnp.clip(rows, 0, slots.num_slots - 1)]
+  sid = jnp.where(rows < slots.num_slots, sid, pool.num_samples)
+  slots, routes = extend(models, slots, rows, tokens, lengths)
+  pool = append(pool, sid, tokens, lengths, routes)
+  pool = pool.replace(paused=pool.paused.at[sid].set(False, mode="drop"))
+  if slots.window is not None:
+    slots = slots.replace(window=slots.window.at[rows].set(-1, mode="drop"))
+  return slots, pool
+
+
+def resume(models: Models, slots: Slots, pool: Pool, rows: jax.Array, sid: jax.Array) -> Slots:
+  """Samples sid [R] (B: none) re-prefilled from their buffers, every token so far, into slots `rows`
+  [R] under the current parameters (a partial rollout carried to the next step, a sample moved to
+  another slot). Their caches are rebuilt whole; their logits and positions follow."""
+  num = pool.num_samples
+  at = jnp.clip(sid, 0, num - 1)
+  real = pool.real()[at]  # [R, S]
+  positions = jnp.where(real, pool.positions()[at], kvc.EMPTY_POSITION)
+
+  def feed(model, weights, cache):
+    fresh = kvc.with_row_index(per_layer_like(model.init_cache(rows.shape[0], cache.max_len), cache))
+    out = model(pool.tokens[at], positions=positions, segment_ids=real.astype(jnp.int32), cache=fresh,
+                layer_weights=weights)
+    return kvc.put_rows(cache, rows, out.cache.replace(index=pool.count[at])), out
+  cache, out = feed(models.target, models.weights, slots.cache)
+  draft_cache = slots.draft_cache
+  if draft_cache is not None:
+    draft_cache, _ = feed(models.draft, models.draft_weights, draft_cache)
+  last = jnp.take_along_axis(out.logits, jnp.maximum(pool.count[at] - 1, 0)[:, None, None], axis=1)[:, 0]
+  window = slots.window
+  if window is not None:  # the current turn's last W tokens
+    width = window.shape[1]
+    columns = pool.count[at][:, None] - width + jnp.arange(width)[None, :]  # [R, W]
+    turn_begins = pool.count[at] - (pool.generated[at] - pool.turn_start[at])
+    recent = jnp.take_along_axis(pool.tokens[at], jnp.maximum(columns, 0), axis=1)
+    window = window.at[rows].set(jnp.where(columns >= turn_begins[:, None], recent, -1), mode="drop")
+  return slots.replace(sid=slots.sid.at[rows].set(sid, mode="drop"), cache=cache, draft_cache=draft_cache,
+                       logits=slots.logits.at[rows].set(last, mode="drop"),
+                       position=slots.position.at[rows].set(pool.count[at] - pool.pad[at], mode="drop"),
+                       window=window)
+
+
+def per_layer_like(cache: kvc.KVCache, like: kvc.KVCache) -> kvc.KVCache:
+  """`cache` in `like`'s form (kv_cache.unstack'ed when `like` is)."""
+  return kvc.unstack(cache) if kvc.is_unstacked(like) and not kvc.is_unstacked(cache) else cache
+
+
+# --- prompts ---------------------------------------------------------------------------------------
+
+
+def prompt_layout(prompt_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Positions (0.. over real tokens) and segment ids (1 real, 0 pad) of left-padded prompts [P, Lp]
+  (numpy in, numpy out; jax in, jax out)."""
+  xp = np if isinstance(prompt_mask, np.ndarray) else jnp
+  positions = xp.maximum(xp.cumsum(prompt_mask.astype(xp.int32), axis=1) - 1, 0).astype(xp.int32)
+  return positions, prompt_mask.astype(xp.int32)
+
+
+def uses_ring_prefill(mc) -> bool:
+  """Whether prompts are prefilled by ring attention into a sequence-sharded cache: attention.impl
+  = "ring" on a mesh whose `sequence` axis has more than one device."""
+  mesh = mc.kernel.mesh
+  return mc.kernel.impl == "ring" and axis_size(mesh, SEQUENCE_AXIS) > 1
+
+
+def ring_prefill_length(mc, total: int) -> int:
+  """The cache length of a ring prefill: `total` rounded up to a multiple of the `sequence` axis
+  (of twice it with the zigzag layout, attention.zigzag: two chunks per device)."""
+  shards = axis_size(mc.kernel.mesh, SEQUENCE_AXIS)
+  multiple = 2 * shards if mc.kernel.zigzag else shards
+  length = -(-total // multiple) * multiple
+  if length > mc.max_seq_len:
+    what = f"2 x mesh.sequence={multiple} (attention.zigzag)" if mc.kernel.zigzag else f"mesh.sequence={shards}"
+    raise ValueError(f"ring prefill: a cache of {total} slots rounded up to a multiple of {what} is "
+                     f"{length}, above model.max_seq_len={mc.max_seq_len}.")
+  return length
+
+
+def prefill_prompts(model, prompts: jax.Array, prompt_mask: jax.Array, total: int):
+  """Prefills left-padded prompts [P, Lp] into a fresh KV cache of `total` columns.
+
+  Returns (cache with index Lp, last-token logits [P, V] float32, routing [L, P, Lp, K] or None).
+
+  Short path (default): the prompt runs through the model with the cache attached.
+  Ring path (`uses_ring_prefill`: impl="ring", mesh.sequence > 1; for 1M-token prompts): the prompt
+  is padded to the cache length (`ring_prefill_length`) with empty columns, so token j lands in
+  cache column j and the cache's `sequence` shard r holds exactly the tokens device r prefilled:
+  attention is ring attention over the prompt (Liu et al. 2023) and the keys/values are written into
+  the cache where they were made, with no gather. Only the last real token's logits are projected.
+  With attention.zigzag the padded prompt runs in the zigzag layout (every device the same causal
+  work); each layer's keys and values are put back in token order as they are written
+  (ring_attention.unzigzag_on_mesh: collective permutes of one chunk, no gather), so the cache and
+  the decode steps are the same in both layouts.
+  """
+  num_prompts, prompt_len = prompts.shape
+  positions, segment_ids = prompt_layout(prompt_mask)
+  mc = model.config
+  if not uses_ring_prefill(mc):
+    out = model(prompts, positions=positions, segment_ids=segment_ids, cache=model.init_cache(num_prompts, total))
+    return out.cache, out.logits[:, -1], out.aux.get("routing")
+  length = ring_prefill_length(mc, total)
+  tail = (num_prompts, length - prompt_len)
+  tokens = jnp.concatenate([prompts.astype(jnp.int32), jnp.zeros(tail, jnp.int32)], axis=1)
+  positions = jnp.concatenate([positions, jnp.full(tail, kvc.EMPTY_POSITION, jnp.int32)], axis=1)
+  segment_ids = jnp.concatenate([segment_ids, jnp.full(tail, kvc.EMPTY_SEGMENT, jnp.int32)], axis=1)
+  rules = tuple((name, (SEQUENCE_AXIS,) if name == "length" else axes) for name, axes in mc.kernel.rules)
+  prefill = model.with_kernel(rules=rules, inputs_zigzag=mc.kernel.zigzag)  # length split like the cache
+  last_column = prompt_len - 1  # where the last prompt token is in the layout the model runs
+  if mc.kernel.zigzag:
+    shards = axis_size(mc.kernel.mesh, SEQUENCE_AXIS)
+    tokens, positions, segment_ids = (zigzag(x, shards) for x in (tokens, positions, segment_ids))
+    last_column = int(np.flatnonzero(zigzag(np.arange(length), shards, axis=0) == prompt_len - 1)[0])
+  out = prefill(tokens, positions=positions, segment_ids=segment_ids, cache=prefill.init_cache(num_prompts, length),
+                return_hidden=True)
+  logits = jnp.einsum("bd,dv->bv", out.hidden[:, last_column], prefill.output_projection()).astype(jnp.float32)
+  logits = mc.kernel.constrain(logits, ("batch", "vocab"))
+  cache = out.cache.replace(index=jnp.asarray(prompt_len, jnp.int32))
+  routing = out.aux.get("routing")  # [L, P, S, K] in the layout the model ran
+  if routing is None:
+    return cache, logits, None
+  if mc.kernel.zigzag:
+    routing = unzigzag_on_mesh(routing, mc.kernel.mesh, axis=2)
+  return cache, logits, routing[:, :, :prompt_len]

@@ -1,0 +1,242 @@
+"""The episodic scheduler: samples that pause at the end of each turn while the host answers them.
+
+A sample of a multi-turn episode decodes in its slot until its turn ends (a stop token, a stop
+sequence such as `</cmd>`, or the turn's or episode's token limit: core.StepConfig.pause_on_stop).
+It then pauses; the host reads the turn, asks `respond` for what comes next (an environment step in a
+worker thread: a Future of the observation's tokens, or of None when the episode is over) and, when
+the answer arrives, feeds the observation into the slot at its own cache index (core.observe) or
+finishes the sample and gives the slot to a waiting one. The other slots keep decoding meanwhile, so
+no episode waits for the slowest environment.
+
+  barrier=False  (episodic) answers are fed as they arrive, between decode chunks of `chunk_steps`;
+  barrier=True   (static, turn-synchronous) answers are held until no slot is decoding and every
+                 paused sample has its answer: every turn of every episode waits for the slowest.
+Both feed the same tokens: a sample's t-th policy token draws with the key (sample, t), so with the
+same environments both give the same episodes, token for token.
+
+A step budget (`max_steps`, partial rollouts) ends a call early; samples that have not finished stay
+in the pool, and answers still pending stay with the scheduler, for the next call, which resumes the
+samples from their buffers (core.resume) under the parameters of that call.
+
+Several host processes: each host answers the samples it owns (`owns`); the answers are gathered
+(sharding/hosts.gather_objects) so every host calls the same programs with the same arguments.
+
+Axis legend: B samples, C slots, R rows fed at once, T observation tokens.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshrl.rl.generation import host
+from meshrl.rl.generation.host import SlotEngine
+from meshrl.rl.generation.state import Counters, Pool
+from meshrl.sharding import hosts
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+  """A finished turn, for `respond`: the sample, the turn's policy tokens, whether it ended on a stop
+  token or stop sequence (else a token limit), and the sample's policy tokens so far."""
+  sample: int
+  tokens: np.ndarray
+  stopped: bool
+  generated: int
+  count: int
+
+
+Respond = Callable[[Turn], "concurrent.futures.Future[Optional[list[int]]]"]
+
+
+def _buckets(limit: int) -> tuple[int, ...]:
+  """Lengths programs are compiled for: powers of two from 8 below `limit`, and `limit`."""
+  sizes, size = [], 8
+  while size < limit:
+    sizes.append(size)
+    size *= 2
+  return tuple(sizes) + (limit,)
+
+
+@dataclasses.dataclass
+class Stats:
+  """What a call did, for metrics."""
+  decode_calls: int = 0
+  extend_calls: int = 0
+  extend_tokens: int = 0
+  extend_slots: int = 0  # rows x padded length fed by the extensions
+  host_wait_s: float = 0.0  # time the devices sat idle waiting for answers
+  counters: Counters | None = None
+
+
+class EpisodicScheduler:
+  """Runs a pool of episodes on a SlotEngine's slots (see the module docstring).
+
+  engine: the jitted programs; chunk_steps: decode steps between looks at the host; barrier: turn-
+  synchronous (the static multi-turn rollout); max_obs_tokens: the longest observation (T);
+  turn_width: columns read back per finished turn (the longest turn)."""
+
+  def __init__(self, engine: SlotEngine, *, chunk_steps: int, barrier: bool, max_obs_tokens: int,
+               turn_width: int, owns: Callable[[int], bool] = lambda sample: True):
+    self.engine, self.chunk_steps, self.barrier = engine, chunk_steps, barrier
+    self.obs_buckets = _buckets(max_obs_tokens)
+    self.row_buckets = _buckets(engine.num_slots)
+    self.turn_width, self.owns = turn_width, owns
+    self.pending: dict[int, concurrent.futures.Future] = {}  # this host's unanswered turns
+    self.answers: dict[int, Optional[list[int]]] = {}  # gathered answers not yet fed
+
+  def run(self, weights, pool: Pool, prompts, prompt_mask, respond: Respond, *, version,
+          max_steps: int = 0) -> tuple[Pool, Stats]:
+    """Decodes the pool's episodes until every one has finished (or `max_steps` decode steps ran) ->
+    (pool, stats). prompts [P, Lp] (left-padded) are the episodes' first observations, shared by each
+    group; samples with tokens already (carried) resume from their buffers."""
+    engine, stats = self.engine, Stats()
+    num = pool.num_samples
+    version = jnp.asarray(version, jnp.int32)
+    prompt_rows = engine.prefill(weights, prompts, prompt_mask)
+    slots = engine.empty(weights, num, prompt_rows[2].shape[-1])
+    view = host.read(slots, pool)
+    fresh = view["count"] == np.asarray(prompts).shape[1]
+    carried = np.flatnonzero(~view["done"] & ~fresh)
+    if carried.size:
+      slots, pool, view = self._place(weights, slots, pool, carried, resume=True)
+    steps = 0
+    counters = Counters.zeros(num)
+    while True:
+      slots, pool, view = self._admit(weights, slots, pool, prompt_rows, view)
+      live = self._live(view)
+      if live.any() and (not max_steps or steps < max_steps):
+        chunk = self.chunk_steps if not max_steps else min(self.chunk_steps, max_steps - steps)
+        slots, pool, chunk_counters = engine.decode(weights, slots, pool, version, steps=chunk)
+        counters = jax.tree.map(jnp.add, counters, chunk_counters)
+        stats.decode_calls += 1
+        view = host.read(slots, pool)
+        steps += int(chunk_counters.steps)
+      self._ask(pool, view, respond)
+      decoding = self._live(view).any() and (not max_steps or steps < max_steps)
+      self._collect(block=not decoding, stats=stats)
+      if self.barrier and (decoding or self._any_pending()):
+        continue
+      if self.answers:
+        slots, pool, view = self._feed(weights, slots, pool, view, stats)
+        continue
+      if view["done"].all() or (max_steps and steps >= max_steps and not self._live(view).any()) or (
+          not decoding and not self._any_pending() and not self._waiting(view).size):
+        break
+    stats.counters = counters
+    return pool, stats
+
+  # --- host bookkeeping ------------------------------------------------------------------------------
+
+  @staticmethod
+  def _live(view) -> np.ndarray:
+    """[C] bool: slots decoding a sample."""
+    num = view["done"].shape[0]
+    sid = np.minimum(view["sid"], num - 1)
+    return (view["sid"] < num) & ~view["done"][sid] & ~view["paused"][sid]
+
+  @staticmethod
+  def _waiting(view) -> np.ndarray:
+    """Samples not in a slot that can decode (not done, not paused): their ids, lowest first."""
+    num = view["done"].shape[0]
+    in_slot = np.zeros(num, bool)
+    in_slot[view["sid"][view["sid"] < num]] = True
+    return np.flatnonzero(~in_slot & ~view["done"] & ~view["paused"])
+
+  def _any_pending(self) -> bool:
+    return any(hosts.gather_objects([len(self.pending)]))
+
+  def _ask(self, pool: Pool, view, respond: Respond) -> None:
+    """Sends every newly paused sample this host owns to `respond`."""
+    asked = [b for b in np.flatnonzero(view["paused"]) if int(b) not in self.pending and int(b) not in self.answers]
+    if not asked:
+      return
+    ids = np.asarray(asked, np.int32)
+    turns = np.asarray(host.read_tokens(pool.tokens, jnp.asarray(ids), jnp.asarray(view["count"][ids]),
+                                        self.turn_width))
+    for i, b in enumerate(asked):
+      b = int(b)
+      length = int(view["generated"][b] - view["turn_start"][b])
+      if self.owns(b):
+        turn = Turn(sample=b, tokens=turns[i, self.turn_width - length:], stopped=bool(view["stopped"][b]),
+                    generated=int(view["generated"][b]), count=int(view["count"][b]))
+        self.pending[b] = respond(turn)
+      else:
+        self.pending.setdefault(b, None)  # another host answers it; its answer arrives by gathering
+
+  def _collect(self, *, block: bool, stats: Stats) -> None:
+    """Moves answered turns (every host's, gathered) from pending to answers; waits for one when
+    `block` and this host has futures pending."""
+    mine = {b: f for b, f in self.pending.items() if f is not None}
+    if block and mine and not any(f.done() for f in mine.values()):
+      t0 = time.perf_counter()
+      concurrent.futures.wait(list(mine.values()), timeout=0.5, return_when=concurrent.futures.FIRST_COMPLETED)
+      stats.host_wait_s += time.perf_counter() - t0
+    done = [[b, f.result()] for b, f in mine.items() if f.done()]
+    for b, answer in hosts.gather_objects(done):
+      self.answers[int(b)] = None if answer is None else [int(t) for t in answer]
+      self.pending.pop(int(b), None)
+
+  def _feed(self, weights, slots, pool, view, stats: Stats):
+    """Feeds the gathered answers: observations into their slots (batched by length buckets),
+    finished samples out of theirs."""
+    engine, answers = self.engine, self.answers
+    self.answers = {}
+    slot_of = {int(b): c for c, b in enumerate(view["sid"]) if b < view["done"].shape[0]}
+    finished = [b for b, answer in answers.items() if answer is None or not answer]
+    if finished:
+      ids = np.asarray(finished, np.int32)
+      slots, pool = engine.finish(slots, pool, jnp.asarray(ids), jnp.ones(len(ids), bool))
+    observed = [(slot_of[b], answer) for b, answer in answers.items() if answer and b in slot_of]
+    if observed:
+      rows = self.row_buckets[np.searchsorted(self.row_buckets, len(observed))]
+      span = self.obs_buckets[np.searchsorted(self.obs_buckets, max(len(a) for _, a in observed))]
+      slot_rows = np.full(rows, engine.num_slots, np.int32)
+      tokens = np.zeros((rows, span), np.int32)
+      lengths = np.zeros(rows, np.int32)
+      for i, (slot, answer) in enumerate(observed):
+        slot_rows[i], lengths[i] = slot, len(answer)
+        tokens[i, :len(answer)] = answer
+      slots, pool = engine.observe(weights, slots, pool, jnp.asarray(slot_rows), jnp.asarray(tokens),
+                                   jnp.asarray(lengths))
+      stats.extend_calls += 1
+      stats.extend_tokens += int(lengths.sum())
+      stats.extend_slots += rows * span
+    unplaced = [b for b, answer in answers.items() if answer and b not in slot_of]
+    if unplaced:  # a carried sample paused when its last call ended: resume it, then feed it
+      slots, pool, view = self._place(weights, slots, pool, np.asarray(unplaced), resume=True)
+      self.answers.update({b: answers[b] for b in unplaced})
+      return slots, pool, view
+    return slots, pool, host.read(slots, pool)
+
+  def _place(self, weights, slots, pool, samples: np.ndarray, *, resume: bool):
+    """Re-prefills `samples` (carried from an earlier call) into free slots, as many as fit."""
+    view = host.read(slots, pool)
+    free = np.flatnonzero(view["sid"] >= view["done"].shape[0])[:len(samples)]
+    if free.size:
+      rows = np.full(self.engine.num_slots, self.engine.num_slots, np.int32)
+      sid = np.full(self.engine.num_slots, view["done"].shape[0], np.int32)
+      rows[:free.size], sid[:free.size] = free, samples[:free.size]
+      slots = self.engine.resume(weights, slots, pool, jnp.asarray(rows), jnp.asarray(sid))
+      view = host.read(slots, pool)
+    return slots, pool, view
+
+  def _admit(self, weights, slots, pool, prompt_rows, view):
+    """Fresh waiting samples (no token yet) into free slots, lowest id first."""
+    num = view["done"].shape[0]
+    free = np.flatnonzero(view["sid"] >= num)
+    waiting = [b for b in self._waiting(view) if view["generated"][b] == 0 and int(b) not in self.answers]
+    take = min(free.size, len(waiting))
+    if not take:
+      return slots, pool, view
+    rows = np.full(self.engine.num_slots, self.engine.num_slots, np.int32)
+    sid = np.full(self.engine.num_slots, num, np.int32)
+    rows[:take], sid[:take] = free[:take], waiting[:take]
+    slots, pool = self.engine.admit(weights, slots, pool, prompt_rows, jnp.asarray(rows), jnp.asarray(sid))
+    return slots, pool, host.read(slots, pool)

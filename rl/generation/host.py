@@ -1,0 +1,227 @@
+"""Decode slots driven from the host between jitted calls: the episodic scheduler and the server.
+
+When what a slot is fed next is not known when the loop starts (an environment's observation, a
+request that arrives later), the host holds the device state (`Slots`, `Pool`) between jitted
+programs that all call rl/generation/core.py:
+
+  prefill    prompts [P, Lp] -> their cache rows, next-token logits and MoE routes (prefix sharing)
+  admit      copy prompt rows into free slots for new samples (a group shares its prompt's prefill)
+  start      a request's prompt extended into a free slot after a prefix already placed there (the
+             server: no shared prompts; `place` puts saved prefix blocks into a slot's cache row)
+  decode     up to `steps` decode steps of every live slot (core.decode_step); ends early when no
+             slot is live
+  observe    observation tokens extended into paused slots, which resume (core.observe)
+  resume     samples re-prefilled from their buffers into slots (core.resume)
+  finish / free  end samples, free slots
+  read       the small per-slot and per-sample vectors the host schedules by
+
+Every program takes the generation weights (params, extra, draft params) first, so new parameters
+reuse the compiled programs; the caches stay on the devices in the form the decode steps read
+(kv_cache.unstack'ed where the model decodes unrolled).
+
+Axis legend: P prompts, B samples, C slots, R rows, T tokens, Lp prompt columns, S buffer columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from meshrl.model import kv_cache as kvc
+from meshrl.rl.generation import core
+from meshrl.rl.generation.core import StepConfig
+from meshrl.rl.generation.state import Counters, Pool, Slots, empty_slots
+
+
+@dataclasses.dataclass(frozen=True)
+class Graphs:
+  """The model graphs the programs merge weights into: target and (speculative) draft."""
+  target: Any
+  rest: Any = None  # the target's non-parameter state is passed in `extra`
+  draft: Any = None
+  draft_rest: Any = None
+
+
+class SlotEngine:
+  """The jitted programs of host-driven decode slots (see the module docstring).
+
+  graphs: the target's (and draft's) GraphDef; config: the decode step's numbers; slots C; cache_len:
+  the caches' columns (buffer width + speculative window + extension slack)."""
+
+  def __init__(self, graphs: Graphs, config: StepConfig, *, slots: int, cache_len: int,
+               per_row_sampling: bool = False, stop_ids: int = 0, unrolled: bool | None = None):
+    self.graphs, self.config = graphs, config
+    self.num_slots, self.cache_len = slots, cache_len
+    self.per_row_sampling, self.stop_ids, self.unrolled = per_row_sampling, stop_ids, unrolled
+    self.decode = jax.jit(self._decode, static_argnames=("steps",), donate_argnums=(1, 2))
+    self.observe = jax.jit(self._observe, donate_argnums=(1, 2))
+    self.admit = jax.jit(self._admit, donate_argnums=(1,))
+    self.start = jax.jit(self._start, donate_argnums=(1, 2))
+    self.read_block = jax.jit(_read_block, static_argnums=(3,))
+    self.place = jax.jit(_place_block, donate_argnums=(0,))
+    self.resume = jax.jit(self._resume, donate_argnums=(1,))
+    self.prefill = jax.jit(self._prefill)
+    self.finish = jax.jit(_finish, donate_argnums=(0, 1))
+
+  # --- building blocks -------------------------------------------------------------------------
+
+  def models(self, weights) -> core.Models:
+    params, extra, draft_params = weights
+    target = nnx.merge(self.graphs.target, params, extra)
+    draft = None if self.graphs.draft is None else nnx.merge(self.graphs.draft, draft_params, self.graphs.draft_rest)
+    return core.bind(target, draft, unrolled=self.unrolled)
+
+  @functools.partial(jax.jit, static_argnums=(0, 2, 3))
+  def empty(self, weights, num_samples: int, vocab: int) -> Slots:
+    """C empty slots over fresh caches, in the models' decode form."""
+    models = self.models(weights)
+    draft = None if models.draft is None else models.draft.init_cache(self.num_slots, self.cache_len)
+    slots = empty_slots(models.target.init_cache(self.num_slots, self.cache_len), draft,
+                        num_samples=num_samples, vocab=vocab, window=self.config.window,
+                        per_row_sampling=self.per_row_sampling, stop_ids=self.stop_ids)
+    return slots.replace(cache=core.per_layer(models, slots.cache),
+                         draft_cache=core.per_layer(models, slots.draft_cache))
+
+  def _prefill(self, weights, prompts, prompt_mask):
+    """prompts [P, Lp] -> (cache rows, draft cache rows or None, logits [P, V], routing or None)."""
+    models = self.models(weights)
+    cache, logits, routing = core.prefill_prompts(models.target, prompts, prompt_mask, self.cache_len)
+    draft_cache = None
+    if models.draft is not None:
+      positions, segments = core.prompt_layout(prompt_mask)
+      draft_cache = models.draft(prompts, positions=positions, segment_ids=segments,
+                                 cache=models.draft.init_cache(prompts.shape[0], self.cache_len)).cache
+    as_rows = lambda c: None if c is None else core.per_layer(models, kvc.with_row_index(c))  # noqa: E731
+    return as_rows(cache), as_rows(draft_cache), logits, routing
+
+  def _admit(self, weights, slots: Slots, pool: Pool, prompts, rows, sid):
+    """Samples sid [R] into slots rows [R] (C: none) from their prompts' rows of `prompts` (a
+    `prefill` result); the samples' prompt columns get the prefill's routes."""
+    del weights
+    cache, draft_cache, logits, routing = prompts
+    num = pool.num_samples
+    take = jnp.zeros((slots.num_slots,), bool).at[rows].set(sid < num, mode="drop")
+    new_sid = slots.sid.at[rows].set(sid, mode="drop")
+    group = pool.group_of[jnp.clip(new_sid, 0, num - 1)]
+    at = jnp.clip(new_sid, 0, num - 1)
+    slots = slots.replace(
+        sid=jnp.where(take, new_sid, slots.sid), cache=kvc.copy_rows(slots.cache, cache, group, take),
+        draft_cache=None if slots.draft_cache is None else kvc.copy_rows(slots.draft_cache, draft_cache, group, take),
+        logits=jnp.where(take[:, None], logits[group], slots.logits),
+        position=jnp.where(take, pool.count[at] - pool.pad[at], slots.position),
+        window=None if slots.window is None else jnp.where(take[:, None], -1, slots.window))
+    if pool.routing is not None and routing is not None:
+      width = routing.shape[2]
+      valid = sid < num
+      rows_routes = routing[:, pool.group_of[jnp.clip(sid, 0, num - 1)]]  # [L, R, Lp, K]
+      current = pool.routing[:, jnp.clip(sid, 0, num - 1), :width]
+      merged = jnp.where(valid[None, :, None, None], rows_routes, current)
+      pool = pool.replace(routing=pool.routing.at[:, jnp.clip(sid, 0, num - 1), :width].set(merged))
+    return slots, pool
+
+  def _decode(self, weights, slots: Slots, pool: Pool, version, *, steps: int):
+    """Up to `steps` decode steps (fewer when no slot is live) -> (slots, pool, counters)."""
+    models = self.models(weights)
+
+    def keep_going(carry):
+      step, s, p, _ = carry
+      return (step < steps) & jnp.any(core.live_slots(s, p))
+
+    def body(carry):
+      step, s, p, c = carry
+      s, p, c = core.decode_step(models, self.config, s, p, version, c)
+      return step + 1, s, p, c
+    carry = (jnp.zeros((), jnp.int32), slots, pool, Counters.zeros(pool.num_samples))
+    _, slots, pool, counters = jax.lax.while_loop(keep_going, body, carry)
+    return slots, pool, counters
+
+  def _observe(self, weights, slots, pool, rows, tokens, lengths):
+    return core.observe(self.models(weights), slots, pool, rows, tokens, lengths)
+
+  def _resume(self, weights, slots, pool, rows, sid):
+    return core.resume(self.models(weights), slots, pool, rows, sid)
+
+  def _start(self, weights, slots: Slots, pool: Pool, slot, row_tokens, length, prefix, rest, request):
+    """A request into slot `slot` (the server; sample `slot` of a pool of C): its buffer row becomes
+    row_tokens [S] (the prompt, its first `length` real), columns [0, prefix) of the slot's cache
+    already hold the prompt's first `prefix` tokens (placed from the prefix cache), and the rest,
+    rest [1, T] (the prompt's tokens from `prefix` on, right-padded), is fed now. request:
+    (max_tokens [], raw key [2], temperature [], top_p [], stop ids [M])."""
+    models = self.models(weights)
+    max_tokens, key, temperature, top_p, stops = request
+    put = lambda a, v: a.at[slot].set(v)  # noqa: E731
+    pool = pool.replace(
+        tokens=put(pool.tokens, row_tokens), policy=put(pool.policy, False), logprobs=put(pool.logprobs, 0.0),
+        versions=put(pool.versions, -1), pad=put(pool.pad, 0), count=put(pool.count, length),
+        generated=put(pool.generated, 0), turn_start=put(pool.turn_start, 0), max_lengths=put(pool.max_lengths, max_tokens),
+        keys=put(pool.keys, key), done=put(pool.done, False), stopped=put(pool.stopped, False),
+        paused=put(pool.paused, False))
+    cache = slots.cache
+    slots = slots.replace(sid=put(slots.sid, slot), position=put(slots.position, prefix),
+                          cache=cache.replace(index=put(cache.index, prefix)),
+                          draft_cache=None if slots.draft_cache is None else slots.draft_cache.replace(
+                              index=put(slots.draft_cache.index, prefix)))
+    if slots.sampling is not None:
+      slots = slots.replace(sampling=slots.sampling.replace(temperature=put(slots.sampling.temperature, temperature),
+                                                            top_p=put(slots.sampling.top_p, top_p)))
+    if slots.stops is not None:
+      slots = slots.replace(stops=put(slots.stops, stops))
+    rows = jnp.reshape(slot, (1,)).astype(jnp.int32)
+    slots, _ = core.extend(models, slots, rows, rest, jnp.reshape(length - prefix, (1,)).astype(jnp.int32))
+    return slots, pool
+
+
+def _finish(slots: Slots, pool: Pool, sid, free):
+  """Samples sid [R] (B: none) end (done, unpaused); with free [R] their slots are emptied."""
+  num = pool.num_samples
+  pool = pool.replace(done=pool.done.at[sid].set(True, mode="drop"),
+                      paused=pool.paused.at[sid].set(False, mode="drop"))
+  freed = jnp.isin(slots.sid, jnp.where(free, sid, num)) & (slots.sid < num)
+  return slots.replace(sid=jnp.where(freed, num, slots.sid)), pool
+
+
+def _read_block(cache: kvc.KVCache, slot: jax.Array, start: jax.Array, size: int) -> dict:
+  """The KV entries of cache columns [start, start + size) of row `slot` (a stacked cache):
+  {stack: {entry: [L, P, ...]}}, a prefix-cache block."""
+  def take(a):  # [L, C, S, ...] -> [L, P, ...]
+    a = jax.lax.dynamic_index_in_dim(a, slot, axis=1, keepdims=False)
+    return jax.lax.dynamic_slice_in_dim(a, start, size, axis=1)
+  return jax.tree.map(take, cache.layers)
+
+
+def _place_block(cache: kvc.KVCache, slot: jax.Array, block: dict, start: jax.Array) -> kvc.KVCache:
+  """`cache` (stacked) with a saved block {stack: {entry: [L, P, ...]}} written into row `slot` at
+  columns [start, start + P) as real tokens at positions start.. of segment 1."""
+  size = jax.tree.leaves(block)[0].shape[1]
+
+  def put(a, b):  # a [L, C, S, ...], b [L, P, ...]
+    row = jax.lax.dynamic_update_slice_in_dim(a[:, slot], b.astype(a.dtype), start, axis=1)
+    return a.at[:, slot].set(row)
+  positions = jax.lax.dynamic_update_slice_in_dim(cache.positions[slot], start + jnp.arange(size, dtype=jnp.int32),
+                                                  start, axis=0)
+  segments = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids[slot], jnp.ones((size,), jnp.int32), start, axis=0)
+  return cache.replace(layers=jax.tree.map(put, cache.layers, block), positions=cache.positions.at[slot].set(positions),
+                       segment_ids=cache.segment_ids.at[slot].set(segments))
+
+
+def read(slots: Slots, pool: Pool) -> dict[str, np.ndarray]:
+  """The host's view of the state: per slot sid [C]; per sample count, generated, turn_start, done,
+  paused, stopped [B] (numpy)."""
+  fields = {"sid": slots.sid, "count": pool.count, "generated": pool.generated,
+            "turn_start": pool.turn_start, "done": pool.done, "paused": pool.paused, "stopped": pool.stopped}
+  return {name: np.asarray(value) for name, value in jax.device_get(fields).items()}
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def read_tokens(tokens: jax.Array, sid: jax.Array, end: jax.Array, width: int) -> jax.Array:
+  """tokens [B, S] (or any [B, S] field): the `width` columns before end [R] of rows sid [R] (-1 before
+  column 0) -> [R, W]."""
+  columns = end[:, None] - width + jnp.arange(width)[None, :]
+  picked = jnp.take_along_axis(tokens[sid], jnp.maximum(columns, 0), axis=1)
+  return jnp.where(columns >= 0, picked, jnp.asarray(-1).astype(tokens.dtype))

@@ -1,0 +1,1 @@
+"""The RL step program (collect -> score -> prepare -> update), its driver and hooks, the run spec, evaluation, multi-turn episodes and partial rollouts around the generation engine, and the AOT programs."""

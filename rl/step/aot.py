@@ -1,0 +1,620 @@
+"""Ahead-of-time compilation of the real RL programs for a TPU topology, from a CPU: will it fit?
+
+libtpu describes any TPU topology ("v5p:16x16x16") as compile-only devices. `make_mesh` lays the run's
+mesh over them, every input is a `jax.ShapeDtypeStruct` carrying its sharding (nothing is allocated),
+and XLA compiles the same jitted programs a run executes:
+
+  update   rl/algo/update.py `make_update`: epochs x minibatches of the RL loss, its gradient and the
+           optimizer step, on an UpdateBatch of rl.prompts_per_step * rl.group_size rows of
+           rl.max_prompt_len + rl.max_new_tokens tokens (TRAIN rules).
+  prefill  the prefill of generation engine (rl/generation/core.py `prefill_prompts`): rl.prompts_per_step prompts of rl.max_prompt_len
+           tokens written into an empty KV cache of the full length, last logits kept, and the
+           prompt's MoE routes with routing replay (ROLLOUT rules;
+           with attention.impl="ring" and mesh.sequence > 1 the ring prefill, `length` split over
+           `sequence` like the cache).
+  decode   one decode step of `generate` against a full-length cache: sample, forward one token per
+           row of the batch, write it into the cache (ROLLOUT rules; the cache is donated).
+  sft      train/sft.py `make_sft_step` on rl.sft_batch_size rows of data.seq_len tokens.
+  reshard  the one-off cost of the generation layout: the train-layout weights resharded once per
+           rollout into rl.generation_layout = "gathered" (split over tensor/expert only; "decode"
+           then reads its weights without a per-token all-gather over fsdp) or, with pipeline stages
+           (mesh.stage > 1), into the stage-free layout (sharding/rules.stage_free_shardings: the
+           blocks' layers replicated over `stage`, every other axis kept), in which prefill and
+           decode run: generation never runs through the pipeline.
+  routes   rl/batches/routes.py: the update batch's MoE routes (routing replay) built on the devices from the
+           rollout's, rows in any order (dynamic sampling, partial rollouts), so they never cross
+           the host.
+  batch    the update batch's per-token fields built on the devices from the rollout's (rl/batches/rows.py,
+           rl/batches/handover.py `align_on_devices`, zigzag when the update is), rows in any order, so no
+           host holds the batch's tokens.
+
+A step's report (`StepReport`) is read off the compiled program: `memory_analysis()` gives the bytes
+per chip (arguments, outputs, temporaries, generated code; total = argument + output + temp + code -
+aliased), libtpu's own HBM size decides `fits` (total <= HBM_FRACTION of it), `cost_analysis()` the
+FLOPs per chip. XLA's cost analysis counts the body of a rolled loop (`lax.scan` over layers, epochs,
+minibatches, ring steps, `while_loop`) once, so `flops` is NOT the step's work (train/metrics.py
+`program_flops`, which multiplies loop bodies, counts `dot` ops and finds none in TPU HLO, where
+matmuls are `convolution`s). The projection uses `model_flops` instead, from train/metrics.py
+`model_flops_per_token` (6 N_active + 3 attention per token for training, 2 N_active + attention for
+generation) times the step's tokens, and
+`projected_step_s = model_flops / (chips * peak bf16 FLOP/s * ASSUMED_MFU)`, divided by 1 - bubble for a
+pipelined step (the update and SFT with mesh.stage > 1: `bubble_fraction`, (S - 1) / (M + S - 1) of
+each chip's pipeline iterations idle, model/pipeline.py) and multiplied by the stages for prefill and
+decode, which every stage group runs whole (pipeline.on_every_stage). `collective_bytes`
+adds up the result bytes of every collective op in the compiled HLO, each op once (loop bodies once
+too): a lower bound of what moves per step, good for comparing layouts. `ici_bytes`, `dcn_bytes` and
+`grad_collective_bytes` are sharding/traffic.py's: the bytes one chip sends under ring algorithms, loop bodies
+counted as often as they run, split by link, and the gradients' reductions among them
+(optim.grad_collective_dtype sets their wire format: sharding/compress.py).
+
+A program that does not fit fails to compile on TPU with RESOURCE_EXHAUSTED; both that and a compile
+that lands above the HBM fraction give `fits=False` and a `diagnosis` naming the bytes needed, the
+bytes available and the largest buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshrl.model import kv_cache as kvc
+from meshrl.model import pipeline
+from meshrl.model.init import parameter_counts
+from meshrl.model.ring_attention import zigzag_on_mesh
+from meshrl.model.transformer import ModelConfig, Transformer
+from meshrl.rl.algo import advantages as adv_lib
+from meshrl.rl.algo import losses
+from meshrl.rl.batches import routes
+from meshrl.rl.batches.handover import ALIGNED_FROM, UpdateBatch, align_arrays
+from meshrl.rl.generation import core
+from meshrl.rl.generation.state import Counters, Pool, Slots
+from meshrl.rl.step.spec import generation_spec, rollout_model_config
+from meshrl.rl.algo.update import make_update
+from meshrl.sharding import traffic
+from meshrl.sharding.mesh import STAGE_AXIS, axis_size, make_mesh, mesh_shape_for
+from meshrl.sharding.rules import data_parallel_size, generation_param_shardings, logical_to_spec, rules_from_config
+from meshrl.train.metrics import model_flops_per_token, peak_flops
+from meshrl.train.optim import make_optimizer
+from meshrl.train.sft import MODEL_FIELDS, make_sft_step, zigzag_shards
+from meshrl.train.state import abstract_train_state, shardings_of
+
+STEPS = ("update", "prefill", "decode", "sft", "reshard", "routes", "batch")  # reshard: rl.generation_layout's one-off cost
+HBM_FRACTION = 0.9  # a step "fits" when its bytes per chip are at most this share of HBM
+ASSUMED_MFU = 0.4  # model FLOPs utilisation the projected step time assumes
+TOPOLOGY_FORMAT = re.compile(r"^(v4|v5e|v5p|v6e|tpu7x):\d+(x\d+){1,2}$")
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute")
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices of a topology and their HBM.
+
+
+def topology_devices(topology: str, num_slices: int = 1) -> list[jax.Device]:
+  """The compile-only devices of a TPU topology ("v5e:2x2", "v5p:16x16x16"), all slices.
+
+  Raises ValueError naming the topology for a malformed or unknown name, and RuntimeError when
+  libtpu (the `tpu` extra) is not installed.
+  """
+  if not TOPOLOGY_FORMAT.match(topology):
+    raise ValueError(f"--topology={topology!r} is not a TPU topology: expected GENERATION:AxB[xC] "
+                     "with GENERATION one of v4, v5e, v5p, v6e, tpu7x (e.g. v5e:2x2, v5p:16x16x16).")
+  if num_slices < 1:
+    raise ValueError(f"--num_slices={num_slices} must be at least 1.")
+  try:
+    import libtpu  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    raise RuntimeError("compiling for a TPU topology needs libtpu: pip install -e '.[tpu]'") from None
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  try:
+    return list(topologies.get_topology_desc(
+        platform="tpu", topology_name=topology, chip_config_name="default",
+        chips_per_host_bounds=(2, 2, 1), num_slices=num_slices).devices)
+  except Exception as error:  # pylint: disable=broad-except  (libtpu raises JaxRuntimeError)
+    raise ValueError(f"libtpu does not know the topology {topology!r} ({num_slices} slice(s)): "
+                     f"{str(error).splitlines()[0]}") from None
+
+
+_HBM_CACHE: dict[str, int] = {}
+
+
+def hbm_bytes(device: jax.Device) -> int | None:
+  """Per-chip HBM in bytes as libtpu enforces it (read from its out-of-memory message), or None for
+  a device that is not a TPU."""
+  if device.platform != "tpu":
+    return None
+  if device.device_kind not in _HBM_CACHE:
+    mesh = Mesh(np.array([device]), ("x",))
+    too_big = jax.ShapeDtypeStruct((2 ** 40 // 4,), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+    try:
+      jax.jit(lambda x: x * 2).lower(too_big).compile()
+    except Exception as error:  # pylint: disable=broad-except
+      found = re.search(r"available HBM \(([\d.]+)([GM])\)", str(error))
+      if not found:
+        raise RuntimeError(f"could not read the HBM size of {device.device_kind} from libtpu: "
+                           f"{str(error)[:300]}") from None
+      _HBM_CACHE[device.device_kind] = int(float(found.group(1)) * (2 ** 30 if found.group(2) == "G"
+                                                                     else 2 ** 20))
+  return _HBM_CACHE[device.device_kind]
+
+
+def topology_mesh(cfg, devices: Sequence[jax.Device]) -> Mesh:
+  """`make_mesh(cfg.mesh)` over `devices`; ValueError naming the mesh sizes and the chip count when
+  they do not match (the sizes of cfg.mesh are per slice)."""
+  try:
+    mesh_shape_for(cfg.mesh, len(devices))
+  except ValueError as error:
+    raise ValueError(f"the config's mesh does not match the topology's {len(devices)} chips: "
+                     f"{error}") from None
+  return make_mesh(cfg.mesh, devices=devices)
+
+
+# ---------------------------------------------------------------------------------------------
+# Abstract inputs: shapes and shardings, nothing allocated.
+
+
+def _struct(mesh: Mesh, rules, shape, dtype, names) -> jax.ShapeDtypeStruct:
+  spec = logical_to_spec(names, rules, mesh, shape=shape)
+  return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=NamedSharding(mesh, spec))
+
+
+def abstract_update_batch(cfg, mesh: Mesh, spec: losses.LossSpec, mc: ModelConfig) -> UpdateBatch:
+  """The UpdateBatch of one RL step, [B, S] with B = prompts x group, S = prompt + response budget,
+  laid out as the run lays it (batch, length) under the TRAIN rules; optional fields as `spec` needs."""
+  rules = rules_from_config(cfg.mesh)
+  rows, length = cfg.rl.prompts_per_step * cfg.rl.group_size, cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
+  token = lambda dtype: _struct(mesh, rules, (rows, length), dtype, ("batch", "length"))  # noqa: E731
+  fields = dict(tokens=token(jnp.int32), positions=token(jnp.int32), segment_ids=token(jnp.int32),
+                targets=token(jnp.int32), loss_mask=token(jnp.bool_), old_logprobs=token(jnp.float32),
+                advantages=token(jnp.float32))
+  for name in spec.required_fields():
+    if name == "routing":
+      fields[name] = _struct(mesh, rules, (rows, mc.num_moe_layers, length, mc.num_experts_per_tok),
+                             jnp.int32, ("batch", None, "length", None))
+    else:
+      fields[name] = token(jnp.float32)
+  return UpdateBatch(**fields).check(spec)
+
+
+def abstract_cache(mc: ModelConfig, mesh: Mesh, rules, batch: int, length: int) -> kvc.KVCache:
+  """A full KV cache of `length` slots for `batch` rows, each entry (int8 values and their scales
+  with mc.kv_cache_dtype = "int8") laid out by kv_cache.CACHE_AXES."""
+  dtype = "int8" if mc.kv_cache_dtype == "int8" else mc.dtype
+  shapes = jax.eval_shape(lambda: kvc.init_cache(mc.cache_entry_shapes(), batch, length, dtype))
+  layers = {stack: {name: _struct(mesh, rules, x.shape, x.dtype, kvc.CACHE_AXES[name])
+                    for name, x in entries.items()}
+            for stack, entries in shapes.layers.items()}
+  ids = lambda: _struct(mesh, rules, (batch, length), jnp.int32, ("batch", "cache_length"))  # noqa: E731
+  return kvc.KVCache(layers=layers, positions=ids(), segment_ids=ids(),
+                     index=jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec())))
+
+
+# ---------------------------------------------------------------------------------------------
+# The programs.
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """A jitted function, its abstract arguments, the model FLOPs and tokens of one call, and for a
+  pipelined training step its microbatches and bubble fraction (model/pipeline.py)."""
+  fn: Any
+  args: tuple
+  tokens: int
+  model_flops: float
+  microbatches: int | None = None
+  bubble_fraction: float | None = None
+  copies: int = 1  # groups of chips running the same program (generation on every pipeline stage)
+
+
+def _pipeline_figures(cfg, mesh: Mesh, rows: int) -> dict:
+  """{microbatches, bubble_fraction} of a training forward on `rows` rows with mesh.stage > 1 (the
+  microbatch count the model resolves for them), or {} without stages."""
+  stages = int(cfg.mesh.get("stage", 1))
+  if stages == 1 and int(cfg.mesh.get("microbatches", 0)) <= 1:
+    return {}
+  count = pipeline.resolve_microbatches(int(cfg.mesh.microbatches), rows=rows, row_shards=data_parallel_size(mesh),
+                                        stages=stages)
+  return dict(microbatches=count, bubble_fraction=pipeline.bubble_fraction(stages, count))
+
+
+def _model(cfg, mesh: Mesh, rules=None) -> tuple[ModelConfig, Callable[[], Transformer]]:
+  mc = ModelConfig.from_config(cfg, mesh, rules=rules)
+  return mc, lambda: Transformer(mc, rngs=nnx.Rngs(cfg.seed))
+
+
+def update_program(cfg, mesh: Mesh) -> Program:
+  """rl/algo/update.py `make_update` over the abstract train state and UpdateBatch."""
+  estimator = adv_lib.make_estimator(cfg.rl.advantage, eps=cfg.rl.adv_eps, gamma=cfg.rl.gamma,
+                                     lam=cfg.rl.gae_lambda)
+  spec = dataclasses.replace(losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic),
+                             zigzag_inputs=zigzag_shards(cfg, mesh) > 1)
+  tx = make_optimizer(cfg.optim)
+  mc, make = _model(cfg, mesh)
+  graphdef, state = abstract_train_state(make, tx, mesh, rules_from_config(cfg.mesh))
+  rows = cfg.rl.prompts_per_step * cfg.rl.group_size
+  update = make_update(spec, graphdef, tx, batch_size=rows, num_minibatches=cfg.rl.num_minibatches,
+                       epochs=cfg.rl.epochs, aux_free_bias=cfg.moe.aux_free_bias,
+                       bias_update_rate=cfg.moe.bias_update_rate)
+  batch = abstract_update_batch(cfg, mesh, spec, mc)
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(mesh, PartitionSpec()))
+  length = cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
+  tokens = rows * length * cfg.rl.epochs
+  return Program(update, (state, batch, key), tokens,
+                 tokens * model_flops_per_token(mc, seq_len=length, training=True),
+                 **_pipeline_figures(cfg, mesh, rows // cfg.rl.num_minibatches))
+
+
+def _rollout_state(cfg, mesh: Mesh, *, layout: str | None = None):
+  """(ModelConfig, graphdef, params, extra) of the rollout: parameters in the TRAIN layout (the
+  same arrays the update trains), or in the generation layout `generation_params_shardings` gives
+  (rl.generation_layout = "gathered", or pipeline stages); activations by the ROLLOUT rules."""
+  mc = rollout_model_config(cfg, mesh)
+  graphdef, state = abstract_train_state(lambda: Transformer(mc, rngs=nnx.Rngs(cfg.seed)),
+                                         make_optimizer(cfg.optim), mesh, rules_from_config(cfg.mesh))
+  params = state.params
+  if layout != "train":
+    params = _relaid(params, generation_params_shardings(cfg, jax.tree.map(lambda x: x.sharding, params)))
+  return mc, graphdef, params, state.extra
+
+
+def generation_params_shardings(cfg, shardings):
+  """The layout prefill and decode read the parameters in: sharding/rules.generation_param_shardings for
+  rl.generation_layout (stage-free with pipeline stages)."""
+  return generation_param_shardings(cfg.rl.generation_layout, shardings)
+
+
+def _relaid(params, shardings):
+  """Abstract params -> the same shapes in `shardings`."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+
+
+def reshard_program(cfg, mesh: Mesh) -> Program:
+  """The one-off cost of the generation layout (`generation_params_shardings`): the train-layout
+  parameters resharded into it (once per rollout), as a jitted identity with the new out_shardings."""
+  _, _, params, _ = _rollout_state(cfg, mesh, layout="train")
+  out = generation_params_shardings(cfg, jax.tree.map(lambda x: x.sharding, params))
+  return Program(jax.jit(lambda p: p, out_shardings=out), (params,), 0, 0.0)
+
+
+def prefill_program(cfg, mesh: Mesh) -> Program:
+  """The prompt prefill of the generation core (rl/generation/core.prefill_prompts): P prompts of Lp
+  tokens into an empty full-length cache; with attention.impl="ring" and mesh.sequence > 1 the ring
+  prefill into the sequence-sharded cache."""
+  mc, graphdef, params, extra = _rollout_state(cfg, mesh)
+  rules = rules_from_config(cfg.mesh, "rollout")
+  prompts_n, prompt_len = cfg.rl.prompts_per_step, cfg.rl.max_prompt_len
+  total = generation_spec(cfg, stop_ids=(0,), pad_id=0).cache_len
+
+  def prefill(params, extra, prompts, prompt_mask):
+    model = nnx.merge(graphdef, params, extra)
+    cache, logits, routing = core.prefill_prompts(model, prompts, prompt_mask, total)
+    return cache, logits, routing if cfg.rl.replay_routing else None  # the prompt's routes, kept
+
+  prompts = _struct(mesh, rules, (prompts_n, prompt_len), jnp.int32, ("batch", "length"))
+  mask = _struct(mesh, rules, (prompts_n, prompt_len), jnp.bool_, ("batch", "length"))
+  tokens = prompts_n * prompt_len
+  return Program(jax.jit(prefill), (params, extra, prompts, mask), tokens,
+                 tokens * model_flops_per_token(mc, seq_len=prompt_len, training=False),
+                 copies=axis_size(mesh, STAGE_AXIS))
+
+
+def decode_program(cfg, mesh: Mesh) -> Program:
+  """One decode step of the generation core (rl/generation/core.decode_step) for B = prompts x group
+  slots against a full cache, in the static scheduler's form (one shared write index): draw from the
+  last logits, run the new tokens through the model, write them into the cache and the samples'
+  buffers (tokens, log-probs, versions and, with routing replay, the MoE routes)."""
+  mc, graphdef, params, extra = _rollout_state(cfg, mesh)
+  rules = rules_from_config(cfg.mesh, "rollout")
+  rows = cfg.rl.prompts_per_step * cfg.rl.group_size
+  gen = generation_spec(cfg, stop_ids=(0,), pad_id=0, multi_turn=False)
+  width = cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
+  batch = lambda shape, dtype, names: _struct(mesh, rules, shape, dtype, names)  # noqa: E731
+  per_token = lambda dtype: batch((rows, width), dtype, ("batch", None))  # noqa: E731
+  per_sample = lambda dtype: batch((rows,), dtype, ("batch",))  # noqa: E731
+  routing = None
+  if cfg.rl.replay_routing and mc.num_experts and mc.num_moe_layers:
+    routing = _struct(mesh, rules, (mc.num_moe_layers, rows, width, mc.num_experts_per_tok), jnp.int32,
+                      (None, "batch", None, None))
+  key_data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+  pool = Pool(tokens=per_token(jnp.int32), logprobs=per_token(jnp.float32), versions=per_token(jnp.int32),
+              policy=per_token(jnp.bool_), pad=per_sample(jnp.int32), count=per_sample(jnp.int32),
+              generated=per_sample(jnp.int32), turn_start=per_sample(jnp.int32), max_lengths=per_sample(jnp.int32),
+              keys=batch((rows,) + key_data.shape, key_data.dtype, ("batch", None)),
+              group_of=per_sample(jnp.int32), priority=per_sample(jnp.int32), done=per_sample(jnp.bool_),
+              stopped=per_sample(jnp.bool_), paused=per_sample(jnp.bool_), routing=routing)
+  slots = Slots(sid=per_sample(jnp.int32), cache=abstract_cache(mc, mesh, rules, rows, gen.cache_len),
+                draft_cache=None, logits=batch((rows, mc.vocab_size), jnp.float32, ("batch", "vocab")),
+                position=per_sample(jnp.int32), window=None, sampling=None)
+  version = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+
+  def decode(params, extra, slots, pool, version):
+    models = core.bind(nnx.merge(graphdef, params, extra), unrolled=False)
+    slots, pool, _ = core.decode_step(models, gen.step, slots, pool, version, Counters.zeros(rows), lockstep=True)
+    return slots, pool
+
+  return Program(jax.jit(decode, donate_argnums=(2, 3)), (params, extra, slots, pool, version),
+                 rows, rows * model_flops_per_token(mc, seq_len=width, causal=False, training=False),
+                 copies=axis_size(mesh, STAGE_AXIS))
+
+
+def sft_program(cfg, mesh: Mesh) -> Program:
+  """train/sft.py `make_sft_step` on rl.sft_batch_size packed rows of data.seq_len tokens."""
+  tx = make_optimizer(cfg.optim)
+  rules = rules_from_config(cfg.mesh)
+  mc, make = _model(cfg, mesh)
+  graphdef, state = abstract_train_state(make, tx, mesh, rules)
+  step = make_sft_step(graphdef, mesh, cfg, tx, state_shardings=shardings_of(state))
+  shape = (cfg.rl.sft_batch_size, cfg.data.seq_len)
+  dtypes = dict(tokens=jnp.int32, positions=jnp.int32, segment_ids=jnp.int32, targets=jnp.int32,
+                weights=jnp.float32)
+  batch = {name: _struct(mesh, rules, shape, dtypes[name], ("batch", "length")) for name in MODEL_FIELDS}
+  tokens = math.prod(shape)
+  return Program(step, (state, batch), tokens,
+                 tokens * model_flops_per_token(mc, seq_len=cfg.data.seq_len, training=True),
+                 **_pipeline_figures(cfg, mesh, cfg.rl.sft_batch_size))
+
+
+def routes_program(cfg, mesh: Mesh) -> Program:
+  """rl/batches/routes.py's padded assembly: the update batch's MoE routes [B, L, S, K] (donated, filled in)
+  built on the devices from a rollout's [L, B, S, K] (taken to be split like the update batch, batch
+  axes x `sequence`), rows in any order, zigzag when the update is. Only with routing replay of an
+  MoE model."""
+  mc = ModelConfig.from_config(cfg, mesh)
+  if not (cfg.rl.replay_routing and mc.num_moe_layers):
+    raise ValueError("--step=routes needs rl.replay_routing=True and MoE layers (nothing to assemble).")
+  rules = rules_from_config(cfg.mesh)
+  rows, length = cfg.rl.prompts_per_step * cfg.rl.group_size, cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
+  sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh, shape=(rows, length)))
+  out_sharding = routes.routes_sharding(sharding)  # [B, L, S, K]: (batch, -, sequence, -)
+  batch_axes, _, sequence_axes, _ = out_sharding.spec
+  source = jax.ShapeDtypeStruct((mc.num_moe_layers, rows, length, mc.num_experts_per_tok), jnp.int32,
+                                sharding=NamedSharding(mesh, PartitionSpec(None, batch_axes, sequence_axes, None)))
+  order = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+  out = jax.ShapeDtypeStruct((rows, mc.num_moe_layers, length, mc.num_experts_per_tok), jnp.int32,
+                             sharding=out_sharding)
+  return Program(routes.rows_program(out_sharding, zigzag_shards(cfg, mesh)), (out, source, order), 0, 0.0)
+
+
+def batch_program(cfg, mesh: Mesh) -> Program:
+  """The update batch's per-token fields [B, S] built on the devices from a rollout's (taken to be
+  split like the update batch, batch axes x `sequence`): rows gathered in any order (dynamic
+  sampling), shifted to predicting positions (`align_arrays`), zigzag when the update is. A run
+  calls the gathers (rl/batches/rows.py), the alignment and the zigzag (rl/batches/layouts.py) as separate programs;
+  here they are one, which needs at least as much as any of them."""
+  rules = rules_from_config(cfg.mesh)
+  rows, length = cfg.rl.prompts_per_step * cfg.rl.group_size, cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
+  sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh, shape=(rows, length)))
+  dtypes = {"tokens": jnp.int32, "positions": jnp.int32, "segment_ids": jnp.int32, "response_mask": jnp.bool_,
+            "logprobs": jnp.float32}
+  sources = {name: jax.ShapeDtypeStruct((rows, length), dtypes[name], sharding=sharding) for name in ALIGNED_FROM}
+  replicated = NamedSharding(mesh, PartitionSpec())
+  order = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=replicated)
+  valid = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=replicated)
+  shards = zigzag_shards(cfg, mesh)
+
+  def build(sources, order, valid):
+    aligned = align_arrays({name: jnp.take(source, order, axis=0) for name, source in sources.items()}, valid)
+    return {name: zigzag_on_mesh(value, mesh, axis=1) for name, value in aligned.items()} if shards > 1 else aligned
+  return Program(jax.jit(build, out_shardings=sharding), (sources, order, valid), 0, 0.0)
+
+
+def default_steps(cfg) -> tuple[str, ...]:
+  """The steps `--step=all` compiles: reshard only when the parameters change layout for generation
+  (rl.generation_layout = "gathered", or pipeline stages), routes only with routing replay of an MoE
+  model."""
+  skip = set()
+  if cfg.rl.generation_layout != "gathered" and int(cfg.mesh.get("stage", 1)) == 1:
+    skip.add("reshard")
+  if not (cfg.rl.replay_routing and ModelConfig.from_config(cfg).num_moe_layers):  # as routes_program
+    skip.add("routes")
+  return tuple(s for s in STEPS if s not in skip)
+
+
+def parameter_counts_of(cfg) -> dict[str, int]:
+  """{"total", "active_per_token", "embedding"} of the config's model, from shapes (model/init.py)."""
+  return parameter_counts(ModelConfig.from_config(cfg))
+
+
+PROGRAMS = {"update": update_program, "prefill": prefill_program, "decode": decode_program,
+            "sft": sft_program, "reshard": reshard_program, "routes": routes_program, "batch": batch_program}
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling and reading the program.
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|c64|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
+
+
+def _shape_bytes(text: str) -> list[tuple[int, str]]:
+  """(bytes, "dtype[dims]") of every array shape written in `text`."""
+  found = []
+  for dtype, dims in _SHAPE.findall(text):
+    size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+    found.append((size * _DTYPE_BYTES.get(dtype, 4), f"{dtype}[{dims}]"))
+  return found
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+  """{op: bytes} summed over the collective ops of a compiled HLO module, each op once (a loop body
+  once), by result shape. An asynchronous pair counts at its `-done`, whose result is the output (a
+  `-start` result also holds the operand and context scalars)."""
+  totals = {op: 0 for op in COLLECTIVES}
+  pattern = re.compile(r"=\s*(.*?)\s(" + "|".join(map(re.escape, COLLECTIVES)) + r")(-start|-done)?\(")
+  for line in hlo_text.splitlines():
+    match = pattern.search(line)
+    if match and match.group(3) != "-start":
+      totals[match.group(2)] += sum(size for size, _ in _shape_bytes(match.group(1)))
+  return {op: total for op, total in totals.items() if total}
+
+
+def largest_buffers(hlo_text: str, count: int = 5) -> list[str]:
+  """The `count` largest array results of the compiled HLO's instructions ("name dtype[dims] GiB")."""
+  results = []
+  for line in hlo_text.splitlines():
+    match = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)", line)
+    if match:
+      shapes = _shape_bytes(match.group(2))
+      if shapes:
+        size, shape = max(shapes)
+        results.append((size, f"{match.group(1)} {shape} {size / 2 ** 30:.2f} GiB"))
+  results.sort(key=lambda r: -r[0])
+  return [text for _, text in results[:count]]
+
+
+def largest_arguments(args: Any, count: int = 5) -> list[str]:
+  """The `count` largest per-chip shards among abstract arguments ("path dtype[shard shape] GiB")."""
+  found = []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(args):
+    if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:
+      shard = leaf.sharding.shard_shape(leaf.shape)
+      size = math.prod(shard) * leaf.dtype.itemsize
+      name = jax.tree_util.keystr(path, simple=True, separator="/")
+      found.append((size, f"{name} {leaf.dtype}{list(shard)} {size / 2 ** 30:.2f} GiB"))
+  found.sort(key=lambda f: -f[0])
+  return [text for _, text in found[:count]]
+
+
+@dataclasses.dataclass
+class StepReport:
+  """What one compiled step needs per chip, and what it would take (see the module docstring)."""
+  step: str
+  topology: str
+  chips: int
+  mesh: dict
+  per_chip: dict  # {argument, output, temp, code, alias, total} bytes; empty if compile ran out of HBM
+  hbm_per_chip: int | None
+  fits: bool | None  # None: no HBM size known (not a TPU)
+  flops: float | None  # XLA cost analysis per chip; loop bodies counted once
+  model_flops: float  # the step's model FLOPs over all chips (train/metrics.py)
+  tokens: int
+  collective_bytes: dict
+  projected_step_s: float | None  # model_flops / (chips x peak x ASSUMED_MFU) / (1 - bubble_fraction)
+  compile_s: float
+  diagnosis: str = ""  # why it does not fit: bytes needed vs available, largest buffers
+  microbatches: int | None = None  # pipelined training steps: microbatches per forward
+  bubble_fraction: float | None = None  # pipelined training steps: (S - 1) / (M + S - 1)
+  grad_collective_bytes: float | None = None  # bytes a chip sends reducing gradients per step (sharding/traffic.py)
+  ici_bytes: float | None = None  # bytes a chip sends over ICI per step, loops counted as they run
+  dcn_bytes: float | None = None  # bytes a chip sends across slices (DCN) per step
+
+  @classmethod
+  def from_json(cls, record: dict) -> "StepReport":
+    """The report `to_json` wrote (its explanatory keys dropped; a field it lacks is None)."""
+    return cls(**{f.name: record.get(f.name) for f in dataclasses.fields(cls)})
+
+  def to_json(self) -> dict:
+    out = dataclasses.asdict(self)
+    out.update(hbm_fraction=HBM_FRACTION, assumed_mfu=ASSUMED_MFU,
+               flops_counting="XLA cost_analysis per chip; scan/while bodies counted once",
+               projection="model_flops / (chips * peak_bf16_flops * assumed_mfu) / (1 - bubble_fraction)")
+    return out
+
+
+def _oom_diagnosis(step: str, message: str, hbm: int | None, args: Any) -> str:
+  """libtpu's RESOURCE_EXHAUSTED (bytes required vs available) and the largest argument shards."""
+  needed = re.search(r"(total memory required.*?available HBM \([\d.]+[GMK]?\))", message)
+  head = needed.group(1) if needed else message.strip().splitlines()[0][:300]
+  if "Vmem" in message:  # a Pallas kernel's blocks overflow the core's scoped VMEM, not HBM
+    head = f"a kernel's blocks exceed the TPU core's scoped VMEM (smaller blocks fit): {head}"
+  return (f"step {step!r} does not fit: {head}, HBM per chip {hbm} bytes; largest arguments per "
+          f"chip: " + " | ".join(largest_arguments(args)))
+
+
+def compile_step(step: str, cfg, mesh: Mesh, topology: str) -> StepReport:
+  """Builds `step` (one of STEPS) for `mesh`, compiles it and reads it (`measure`)."""
+  if step not in PROGRAMS:
+    raise ValueError(f"--step={step!r}; choose one of {STEPS} or all.")
+  return measure(step, PROGRAMS[step](cfg, mesh), mesh, topology)
+
+
+def measure(step: str, program: Program, mesh: Mesh, topology: str) -> StepReport:
+  """Lowers and compiles `program` on `mesh` and reads its report. Never raises for a program that
+  does not fit: its report says fits=False, with a diagnosis (bytes needed vs available, largest
+  buffers)."""
+  devices = list(mesh.devices.flat)
+  hbm = hbm_bytes(devices[0])
+  start = time.perf_counter()
+  peak = peak_flops(devices)
+  projected = program.model_flops / (peak * ASSUMED_MFU) if peak else None
+  if projected is not None and program.bubble_fraction:
+    projected /= 1.0 - program.bubble_fraction
+  if projected is not None:
+    projected *= program.copies  # each copy does all the work on its share of the chips
+  common = dict(step=step, topology=topology, chips=len(devices), mesh=dict(mesh.shape),
+                hbm_per_chip=hbm, model_flops=program.model_flops, tokens=program.tokens,
+                projected_step_s=projected, microbatches=program.microbatches,
+                bubble_fraction=program.bubble_fraction)
+  try:
+    compiled = program.fn.lower(*program.args).compile()
+  except Exception as error:  # pylint: disable=broad-except
+    message = str(error)
+    if "RESOURCE_EXHAUSTED" not in message and "Ran out of memory" not in message:
+      raise
+    return StepReport(per_chip={}, fits=False, flops=None, collective_bytes={},
+                      compile_s=time.perf_counter() - start,
+                      diagnosis=_oom_diagnosis(step, message, hbm, program.args), **common)
+  memory = compiled.memory_analysis()
+  per_chip = dict(argument=memory.argument_size_in_bytes, output=memory.output_size_in_bytes,
+                  temp=memory.temp_size_in_bytes, code=memory.generated_code_size_in_bytes,
+                  alias=memory.alias_size_in_bytes)
+  per_chip["total"] = (per_chip["argument"] + per_chip["output"] + per_chip["temp"] + per_chip["code"]
+                       - per_chip["alias"])
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  hlo = compiled.as_text()
+  fits = None if hbm is None else per_chip["total"] <= HBM_FRACTION * hbm
+  diagnosis = ""
+  if fits is False:
+    diagnosis = (f"step {step!r} does not fit: it needs {per_chip['total']} bytes per chip "
+                 f"({per_chip['total'] / 2 ** 30:.2f} GiB), more than {HBM_FRACTION:.0%} of the {hbm} "
+                 f"bytes of HBM ({HBM_FRACTION * hbm / 2 ** 30:.2f} GiB); largest buffers: "
+                 + " | ".join(largest_buffers(hlo)) + "; largest arguments per chip: "
+                 + " | ".join(largest_arguments(program.args)))
+  slices = {d.id: getattr(d, "slice_index", 0) for d in devices}
+  sent = traffic.traffic(hlo, slice_of=lambda i: slices.get(i, 0))
+  return StepReport(per_chip=per_chip, fits=fits, flops=float(cost.get("flops", 0.0)) if cost else None,
+                    collective_bytes=collective_bytes(hlo), compile_s=time.perf_counter() - start,
+                    diagnosis=diagnosis, grad_collective_bytes=sent.grad, ici_bytes=sent.ici,
+                    dcn_bytes=sent.dcn, **common)
+
+
+def compile_steps(cfg, topology: str, steps: Sequence[str], num_slices: int = 1,
+                  devices: Sequence[jax.Device] | None = None) -> list[StepReport]:
+  """Compiles each of `steps` for `topology` (its libtpu devices, or `devices` when given)."""
+  unknown = [s for s in steps if s not in PROGRAMS]
+  if unknown:
+    raise ValueError(f"unknown step(s) {unknown}; choose from {STEPS}.")
+  devices = topology_devices(topology, num_slices) if devices is None else list(devices)
+  mesh = topology_mesh(cfg, devices)
+  return [compile_step(step, cfg, mesh, topology) for step in steps]
+
+
+def markdown_table(reports: Sequence[StepReport]) -> str:
+  """The "Will it fit?" table of docs/benchmarks.md; with a pipelined step among the reports, a last
+  column gives each step's microbatches and bubble fraction."""
+  gib = lambda b: f"{b / 2 ** 30:.1f}"  # noqa: E731
+  piped = any(r.bubble_fraction is not None for r in reports)
+  lines = ["| step | topology | chips | argument GiB | temp GiB | total GiB / chip | HBM GiB | "
+           "fits (<= 90%) | model PFLOP | projected s (MFU 40%) |" + (" microbatches, bubble |" if piped else ""),
+           "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if piped else "")]
+  for r in reports:
+    total = gib(r.per_chip["total"]) if r.per_chip else "OOM"
+    bubble = "-" if r.bubble_fraction is None else f"{r.microbatches}, {r.bubble_fraction:.0%}"
+    lines.append(
+        f"| {r.step} | {r.topology} | {r.chips} | {gib(r.per_chip['argument']) if r.per_chip else '-'} | "
+        f"{gib(r.per_chip['temp']) if r.per_chip else '-'} | {total} | "
+        f"{gib(r.hbm_per_chip) if r.hbm_per_chip else '-'} | {'yes' if r.fits else 'NO'} | "
+        f"{r.model_flops / 1e15:.3g} | "
+        f"{'-' if r.projected_step_s is None else f'{r.projected_step_s:.3g}'} |" + (f" {bubble} |" if piped else ""))
+  return "\n".join(lines)

@@ -1,0 +1,651 @@
+"""The RL driver: check the config, warm start, then RL steps with hooks for metrics, evaluation and
+checkpoints.
+
+  check_config(cfg, num_devices)    every config error a run would hit, before anything runs
+  run(cfg, workdir)                 the whole job (scripts/rl.py)
+  setup(cfg, mesh=, model=)         the RLRun and its prompt stream, for tests and benchmarks
+  train_steps(run, prompts, ...)    RL steps (rl/step/program.py) with hooks at the edge
+
+Plain Python around the jitted programs of rl/step/program.py; side effects (files, threads, the progress bar)
+live here and in the hooks.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+from typing import Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from meshrl.configs import checks, save_config
+from meshrl.model import pipeline, splash
+from meshrl.model.tokenizer import tokenizer_from_config
+from meshrl.rl.algo import advantages as adv_lib
+from meshrl.rl.algo import losses
+from meshrl.rl.step.groups import shared_prompts
+from meshrl.rl.envs import TaskMixture
+from meshrl.rl.envs.quality import Quarantine
+from meshrl.rl.envs.registry import DomainMixture, check_single_turn, load_domains
+from meshrl.rl.step.evaluation import Evaluator, held_out_examples
+from meshrl.rl.step.episodes import EPISODE_FAMILIES, episode_pools, wants_multi_turn
+from meshrl.rl.step.episode_collect import Demonstrations, MultiTurnEvaluator
+from meshrl.rl.step.episode_collect import held_out as multiturn_held_out
+from meshrl.rl.envs.prompts import ArrayRecordSource, JsonlSource, PromptStream
+from meshrl.rl.batches.packing import update_shape
+from meshrl.rl.rewards import compose
+from meshrl.rl.step.spec import check_generation
+from meshrl.rl.step.program import RLRun, build_run, in_flight_state, restore_in_flight, rl_step
+from meshrl.sharding import make_mesh
+from meshrl.sharding.mesh import EXPERT_AXIS, SEQUENCE_AXIS, axis_size, global_mesh_sizes, platform
+from meshrl.sharding.rules import data_parallel_size, rules_from_config
+from meshrl.train.checkpoint import Checkpointer, check_readable, check_saved_config, committed_steps
+from meshrl.train.init_from import check_initial_model, initial_model
+from meshrl.model.transformer import ModelConfig
+from meshrl.train.optim import check_optim
+from meshrl.train.metrics import CompileCounter, MetricsWriter, peak_flops, plot_curve, read_jsonl, truncate_jsonl
+from meshrl.sharding import hosts
+from meshrl.train.preemption import Preemption
+from meshrl.train.stops import NonFiniteError, NonFiniteStreak  # noqa: F401 (NonFiniteError: loop API)
+from meshrl.configs.cli import disk_full
+from meshrl.train.workdir import check_free_space, check_workdir, clear_outputs, disk_full_message
+
+Hook = Callable[[int, RLRun, dict], None]
+
+
+# --- one check of every setting, before anything runs ------------------------------------------
+
+
+def check_model_and_optimizer(cfg) -> None:
+  """model.*, moe.*, attention.*, mesh rules and optim.* (both peak rates), by building their specs:
+  ValueError naming the field, as a run would raise it only after writing its config."""
+  ModelConfig.from_config(cfg)
+  rules_from_config(cfg.mesh, "rollout")
+  check_optim(cfg.optim)
+  if cfg.rl.sft_steps:
+    check_optim(cfg.optim, learning_rate=cfg.rl.sft_learning_rate, field="rl.sft_learning_rate")
+
+
+def check_config(cfg, num_devices: int | None = None) -> None:
+  """Raises ValueError naming the field for every setting the run would fail on, before the warm
+  start, any compilation or any file written. With `num_devices`, also the mesh-dependent checks."""
+  checks.check_sections(cfg, "run", "rl", "moe", "data", "eval", "checkpoint", "log")
+  check_model_and_optimizer(cfg)
+  rl = cfg.rl
+  estimator = adv_lib.make_estimator(rl.advantage, eps=rl.adv_eps, gamma=rl.gamma, lam=rl.gae_lambda)
+  if estimator.needs_groups and rl.group_size < 2:
+    raise ValueError(f"rl.advantage={rl.advantage!r} is group-relative and needs rl.group_size >= 2,"
+                     f" got {rl.group_size}.")
+  if estimator.needs_critic and not cfg.model.value_head:
+    raise ValueError("rl.advantage='gae' needs a critic: set model.value_head=true.")
+  losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic)
+  for field in ("prompts_per_step", "group_size", "max_prompt_len", "max_new_tokens", "epochs",
+                "reward_workers"):
+    if rl[field] < 1:
+      raise ValueError(f"rl.{field}={rl[field]} must be at least 1.")
+  if not rl.reward_timeout_s > 0:
+    raise ValueError(f"rl.reward_timeout_s={rl.reward_timeout_s} must be positive.")
+  batch = rl.prompts_per_step * rl.group_size
+  if batch % rl.num_minibatches or rl.num_minibatches < 1:
+    raise ValueError(f"rl.num_minibatches={rl.num_minibatches} must divide the batch of {batch} sequences "
+                     f"(rl.prompts_per_step * rl.group_size).")
+  total = rl.max_prompt_len + rl.max_new_tokens
+  rows, row_len = update_shape(cfg)
+  if rl.pack_updates:
+    if rl.packed_rows < 0 or rl.packed_row_len < 0:
+      raise ValueError(f"rl.packed_rows={rl.packed_rows} and rl.packed_row_len={rl.packed_row_len} must be "
+                       ">= 0 (0 = one row per sample, the prompt + response budget).")
+    if row_len < total or row_len > cfg.model.max_seq_len:
+      raise ValueError(f"rl.packed_row_len={row_len} must lie between rl.max_prompt_len + rl.max_new_tokens "
+                       f"= {total} (a trajectory fits in a row) and model.max_seq_len={cfg.model.max_seq_len}.")
+    if rows % rl.num_minibatches:
+      raise ValueError(f"rl.num_minibatches={rl.num_minibatches} must divide the rl.packed_rows={rows} "
+                       "packed rows of an update batch.")
+  if total > cfg.model.max_seq_len:
+    raise ValueError(f"rl.max_prompt_len={rl.max_prompt_len} + rl.max_new_tokens={rl.max_new_tokens} "
+                     f"exceeds model.max_seq_len={cfg.model.max_seq_len}.")
+  if rl.prompt_overflow not in ("truncate", "reject"):
+    raise ValueError(f"rl.prompt_overflow={rl.prompt_overflow!r}; choose truncate or reject.")
+  if rl.overlong_buffer > rl.max_new_tokens:
+    raise ValueError(f"rl.overlong_buffer={rl.overlong_buffer} must lie in [0, rl.max_new_tokens="
+                     f"{rl.max_new_tokens}] (the penalty ramps over the last tokens of the budget).")
+  check_generation(cfg)  # scheduler, proposer, sampler, int8 and layout options, cache length
+  if not wants_multi_turn(cfg) and episode_pools(cfg):
+    raise ValueError(f"data.tasks={cfg.data.tasks!r} names multi-turn families {sorted(episode_pools(cfg))}: "
+                     "set rl.multi_turn=true.")
+  splash.check_local_kernel(cfg.attention.local_kernel, cfg.attention.impl)
+  if rl.max_staleness < 0:
+    raise ValueError(f"rl.max_staleness={rl.max_staleness} must be >= 0 (0 = synchronous RL).")
+  if rl.max_staleness and rl.tis_level == "none":
+    raise ValueError(f"rl.max_staleness={rl.max_staleness} trains on samples of older policies: set "
+                     "rl.tis_level to 'token' or 'sequence' so they are importance-corrected.")
+  if rl.max_staleness and rl.rollout_token_budget:
+    raise ValueError(f"rl.max_staleness={rl.max_staleness} and rl.rollout_token_budget="
+                     f"{rl.rollout_token_budget} cannot be combined yet: partial rollouts already carry "
+                     "off-policy segments; choose one.")
+  compose(rl.rewards)
+  if cfg.data.domains:
+    _domain_specs(cfg)
+  Quarantine(cfg.data.quarantine)  # a malformed list is named by file and line
+  if cfg.data.tasks:
+    TaskMixture(cfg.data.tasks, difficulty=cfg.data.difficulty, seed=cfg.seed,
+                pools={**{name: [{}] for name in _pool_names(cfg)}, **episode_pools(cfg)})
+  elif not cfg.data.jsonl and not cfg.data.array_record:
+    raise ValueError("data.tasks is empty and neither data.jsonl nor data.array_record is set: there "
+                     "are no prompts.")
+  if cfg.eval.every and not cfg.eval.jsonl and not 0.0 < cfg.data.eval_fraction < 1.0:
+    raise ValueError(f"data.eval_fraction={cfg.data.eval_fraction} must lie strictly between 0 and 1 "
+                     "to hold out evaluation prompts (or give eval.jsonl).")
+  check_initial_model(cfg)
+  ModelConfig.from_config(cfg)  # the model's own checks, mesh.stage against the layers among them
+  if rl.sft_steps:
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+      raise ValueError(f"data.seq_len={cfg.data.seq_len} is longer than model.max_seq_len="
+                       f"{cfg.model.max_seq_len}.")
+  if num_devices is None:
+    return
+  sizes = global_mesh_sizes(cfg.mesh, num_devices)  # stage and data span the slices
+  shards = data_parallel_size(sizes)
+  if batch % shards:
+    raise ValueError(f"the rollout batch of {batch} sequences (rl.prompts_per_step * rl.group_size) is "
+                     f"not divisible by the data-parallel axes data*fsdp*expert = {shards}.")
+  if rl.pack_updates and (rows // rl.num_minibatches) % shards:
+    raise ValueError(f"rl.packed_rows={rows} / rl.num_minibatches={rl.num_minibatches} packed rows per "
+                     f"minibatch are not divisible by the data-parallel axes data*fsdp*expert = {shards}.")
+  check_generation(cfg, data_parallel=shards)
+  if rl.sft_steps and rl.sft_batch_size % shards:
+    raise ValueError(f"rl.sft_batch_size={rl.sft_batch_size} is not divisible by the data-parallel axes "
+                     f"data*fsdp*expert = {shards}.")
+  # The pipeline's microbatches split each training forward's batch shards (model/pipeline.py).
+  trained = [("the update's minibatch (rl.prompts_per_step * rl.group_size / rl.num_minibatches, or "
+              "rl.packed_rows / rl.num_minibatches)", rows // rl.num_minibatches)]
+  if rl.sft_steps:
+    trained.append(("rl.sft_batch_size", rl.sft_batch_size))
+  pipeline.check_batches(cfg.mesh, trained, row_shards=shards)
+  sequence = sizes[SEQUENCE_AXIS]
+  if sequence > 1:
+    multiple = 2 * sequence if cfg.attention.zigzag and cfg.attention.impl == "ring" else sequence
+    for field, length in (("rl.max_prompt_len + rl.max_new_tokens", total),
+                          ("rl.packed_row_len", row_len),
+                          ("data.seq_len", cfg.data.seq_len if rl.sft_steps else multiple)):
+      if length % multiple:
+        raise ValueError(f"{field} = {length} is not divisible by {multiple} (mesh.sequence={sequence}"
+                         f"{', x2 for attention.zigzag' if multiple != sequence else ''}).")
+
+
+def _domain_specs(cfg):
+  """data.domains' specs; terminal (multi-turn) domains only when the run is multi-turn."""
+  specs = load_domains(cfg.data.domains)
+  if wants_multi_turn(cfg):
+    return specs
+  try:
+    return check_single_turn(specs)
+  except ValueError as error:
+    raise ValueError(f"{error} Set rl.multi_turn=true to run them as multi-turn episodes.") from None
+
+
+def _pool_names(cfg) -> list[str]:
+  return [name for name, path in (("jsonl", cfg.data.jsonl), ("array_record", cfg.data.array_record))
+          if path]
+
+
+# --- prompts ------------------------------------------------------------------------------------
+
+
+def file_sources(cfg) -> dict:
+  """The pools of file rows (grain random-access sources, rl/envs/prompts.py): data.jsonl as "jsonl",
+  data.array_record as "array_record"; malformed rows are skipped and listed in each `.bad`."""
+  pools = {}
+  if cfg.data.jsonl:
+    pools["jsonl"] = JsonlSource(cfg.data.jsonl, skip_bad=cfg.data.skip_bad_rows)
+  if cfg.data.array_record:
+    pools["array_record"] = ArrayRecordSource(cfg.data.array_record.split(","),
+                                              skip_bad=cfg.data.skip_bad_rows)
+  return pools
+
+
+def train_source(cfg) -> TaskMixture | DomainMixture:
+  """The training prompts: the domains of data.domains (batches composed by their quotas, the
+  quarantine list data.quarantine honoured), else data.tasks (and the file pools, weight 1 each), on
+  the train side of the held-out split (data.eval_fraction; every prompt when 0)."""
+  if cfg.data.domains:
+    if cfg.data.jsonl or cfg.data.get("array_record"):
+      raise ValueError("data.domains and data.jsonl/data.array_record are both set: declare the file "
+                       "as a domain (source jsonl:<path>) in data.domains.")
+    split = "train" if cfg.data.eval_fraction > 0 and not cfg.eval.jsonl else "all"
+    return DomainMixture(_domain_specs(cfg), seed=cfg.seed, split=split,
+                         eval_fraction=cfg.data.eval_fraction, quarantine=Quarantine(cfg.data.quarantine),
+                         batch_size=cfg.rl.prompts_per_step)
+  pools, spec = file_sources(cfg) or None, cfg.data.tasks
+  for name in pools or ():
+    spec = f"{name}:1.0" if not spec else f"{spec},{name}:1.0"
+  pools = {**(pools or {}), **episode_pools(cfg)} or None  # multi-turn families named in data.tasks
+  split = "train" if cfg.data.eval_fraction > 0 and not cfg.eval.jsonl else "all"
+  return TaskMixture(spec, difficulty=cfg.data.difficulty, seed=cfg.seed, pools=pools, split=split,
+                     eval_fraction=cfg.data.eval_fraction)
+
+
+def prompt_stream(source, position: int = 0, *, per_step: int = 1, shared: bool = False) -> PromptStream:
+  """This host's stream of training examples (grain, rl/envs/prompts.py): its blocks of
+  per_step / process_count examples of `source`, so the hosts' blocks side by side are the
+  `per_step` prompts one process would draw; with `shared` (partial rollouts, whose groups end
+  unevenly over the hosts, or fewer prompts than hosts: rl/step.shared_prompts) the whole stream on
+  every host."""
+  hosts = 1 if shared else jax.process_count()
+  index = 0 if shared else jax.process_index()
+  return PromptStream(source, position, shard=(index, hosts), block=max(per_step // hosts, 1))
+
+
+def skipped_rows(source: TaskMixture) -> str:
+  """One line on the malformed file rows skipped (file:line: reason of the first few), or ""."""
+  bad = [row for pool in getattr(source, "pools", {}).values() for row in getattr(pool, "bad", ())]
+  if not bad:
+    return ""
+  shown = "; ".join(f"{b.file}:{b.line}: {b.reason}" for b in bad[:3])
+  return f"skipped {len(bad)} malformed data rows ({shown}{'; ...' if len(bad) > 3 else ''})"
+
+
+def train_prompts(source: TaskMixture) -> list[str]:
+  """The prompts training may draw from fixed pools (JSONL), for the eval overlap check."""
+  return [e["prompt"] for name, pool in source.pools.items() if name not in EPISODE_FAMILIES
+          for e in pool]  # noqa (reads each file once; generated episode pools are endless)
+
+
+# --- building a run -----------------------------------------------------------------------------
+
+
+def setup(cfg, *, mesh=None, model=None, tokenizer=None, position: int = 0) -> tuple[RLRun, PromptStream]:
+  """The RLRun (train state and jitted programs) and the training prompt stream for `cfg`."""
+  mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+  check_config(cfg, mesh.size)
+  tokenizer = tokenizer_from_config(cfg) if tokenizer is None else tokenizer
+  if model is None:
+    model = initial_model(cfg, mesh)
+  return build_run(cfg, mesh, model, tokenizer), prompt_stream(
+      train_source(cfg), position, per_step=cfg.rl.prompts_per_step, shared=shared_prompts(cfg))
+
+
+# --- hooks: metrics, evaluation, checkpoints ----------------------------------------------------
+
+
+def eval_hook(evaluator: Evaluator, every: int, last_step: int, eval_path: str | None) -> Hook:
+  """Evaluates every `every` steps and at the last step; adds eval/* to the step's metrics and
+  appends them to `eval_path` (JSONL)."""
+  def hook(step: int, run: RLRun, metrics: dict) -> None:
+    if step % every and step != last_step:
+      return
+    results = evaluator(run.state.params, run.state.extra)
+    metrics.update(results)
+    if eval_path:
+      with open(eval_path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": step, **results}) + "\n")
+  return hook
+
+
+def checkpoint_hook(checkpointer: Checkpointer, prompts: PromptStream,
+                    extra_state: Callable[[], dict] | None = None) -> Hook:
+  """Saves every checkpoint.every steps, and at once when the run is about to stop (non-finite
+  updates or preemption: metrics["stopping"]). The checkpoint holds the train state (params,
+  optimizer, step, router biases), the prompt stream's position, the resolved config and
+  `extra_state()` (e.g. carried rollouts, a quarantine list; JSON values); the step's PRNG key is
+  derived from (seed, step), so nothing else is needed to continue exactly."""
+  def hook(step: int, run: RLRun, metrics: dict) -> None:
+    checkpointer.save(step, run.state, data_state={"step": step, **prompts.get_state()},
+                      config=run.cfg, extra_state=extra_state() if extra_state else None,
+                      force=bool(metrics.get("stopping")))
+  return hook
+
+
+def carried_state(run: RLRun) -> dict:
+  """What a step carries to the next besides the train state (JSON): partial rollouts' groups and
+  asynchronous RL's rollouts in flight."""
+  state = {}
+  if run.partial is not None:
+    state["partial"] = run.partial.get_state()
+  if run.in_flight:
+    state["in_flight"] = in_flight_state(run)
+  return state
+
+
+def restore_carried_state(run: RLRun, state: dict) -> None:
+  """Continues from `carried_state`'s output."""
+  if run.partial is not None:
+    run.partial.set_state(state.get("partial", {}))
+  restore_in_flight(run, state.get("in_flight", []))
+
+
+def _abstract(tree):
+  """Arrays -> ShapeDtypeStructs; mesh shardings kept, single-device (uncommitted) ones dropped."""
+  def spec(x):
+    sharding = getattr(x, "sharding", None)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                sharding=sharding if isinstance(sharding, NamedSharding) else None)
+  return jax.tree.map(lambda x: spec(x) if isinstance(x, (jax.Array, np.ndarray)) else x, tree)
+
+
+class PhaseCost:
+  """Throughput and MFU of generation and update separately, from the FLOPs of the run's compiled
+  rollout and update programs.
+
+  Wraps `run.rollout` / `run.update` to see the first step's arguments; after that step the two
+  programs' optimised HLO is read once (`jitted.lower(...).compile()`, a cache hit, no new compile)
+  and counted by `train.metrics.program_flops`, which multiplies loop bodies by their trip counts
+  (XLA's cost_analysis counts a scanned layer or a decode step once). The decode loop stops when
+  every sequence has, so each rollout's FLOPs are fixed + per_step * (its longest response). Each
+  step then adds gen_flops_per_s, gen_tokens_per_s (generated tokens / rollout_s), update_flops_per_s,
+  update_tokens_per_s (update rows x row length x epochs / update_s) and, where the chips' peak is known
+  (train.metrics.peak_flops), gen_mfu and update_mfu. A compiled SPMD program is one device's share:
+  its count times the mesh size is what all chips execute, work a layout repeats on several
+  devices included (so MFU here is hardware FLOPs utilisation of the matmuls).
+  """
+
+  def __init__(self, run: RLRun, peak: float | None):
+    self.peak, self.cfg = peak, run.cfg
+    self.devices = run.mesh.size if run.mesh is not None else 1  # the programs are per device
+    self._rollout, self._update = run.rollout, run.update
+    self._rollout_args = self._update_args = None
+    self.rollout_flops = self.update_flops = None
+    self._decode_steps: list[int] = []
+    self.error: str | None = None
+    run.rollout, run.update = self._rollout_call, self._update_call
+
+  def _rollout_call(self, *args):
+    if self._rollout_args is None:
+      self._rollout_args = _abstract(args)
+    out = self._rollout(*args)
+    lengths = getattr(out, "lengths", None)
+    if lengths is not None:
+      self._decode_steps.append(int(np.max(hosts.to_host(lengths))))
+    return out
+
+  def _update_call(self, *args):
+    if self._update_args is None:
+      self._update_args = _abstract(args)
+    return self._update(*args)
+
+  def _count(self) -> None:
+    from meshrl.train.metrics import program_flops  # pylint: disable=import-outside-toplevel
+    self.rollout_flops = program_flops(self._rollout.lower(*self._rollout_args).compile().as_text())
+    self.update_flops = program_flops(self._update.lower(*self._update_args).compile().as_text()).fixed
+
+  def __call__(self, metrics: dict) -> dict:
+    """The phase metrics of the step whose `metrics` (rl_step's) are given."""
+    steps, self._decode_steps = self._decode_steps, []
+    if self.error or self._rollout_args is None or self._update_args is None:
+      return {}
+    if self.rollout_flops is None:
+      try:
+        self._count()
+      except Exception as e:  # pylint: disable=broad-except  (a wrapped or replaced program)
+        self.error = f"{type(e).__name__}: {e}"
+        print(f"phase FLOPs not counted: {self.error[:200]}")
+        return {}
+    gen = self.devices * sum(self.rollout_flops.at(n) for n in steps)
+    rows, row_len = update_shape(self.cfg)
+    slots = rows * row_len * self.cfg.rl.epochs
+    rollout_s, update_s = max(metrics["rollout_s"], 1e-9), max(metrics["update_s"], 1e-9)
+    out = {"gen_flops_per_s": gen / rollout_s, "gen_tokens_per_s": metrics["generated_tokens"] / rollout_s,
+           "update_flops_per_s": self.devices * self.update_flops / update_s,
+           "update_tokens_per_s": slots / update_s}
+    if self.peak:
+      out["gen_mfu"] = out["gen_flops_per_s"] / self.peak
+      out["update_mfu"] = out["update_flops_per_s"] / self.peak
+    return out
+
+
+def without_unmeasured(metrics: dict) -> dict:
+  """A step's metrics without the update's measurements when no minibatch was applied (every one
+  empty or non-finite: rl/algo/update.py reports NaN for them): a record holds nothing for what did not
+  run (it had reported entropy=0)."""
+  if metrics.get("updated_minibatches", 1.0) > 0:
+    return metrics
+  return {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
+
+
+def train_steps(run: RLRun, prompts: PromptStream, *, start_step: int = 0, num_steps: int | None = None,
+                hooks: tuple[Hook, ...] = (), writer: MetricsWriter | None = None,
+                checkpoint: Hook | None = None, preemption: Preemption | None = None,
+                phase_cost: PhaseCost | None = None) -> list[dict]:
+  """RL steps start_step + 1 .. num_steps; returns their metric records. After each step the hooks
+  run in order (evaluation adds to the record), then the record is written, then `checkpoint` runs
+  (so a checkpoint never runs ahead of metrics.jsonl: a kill between the two redoes the step; the
+  last step is always saved). Step
+  k's PRNG key is derived from (seed, k), so a resumed run draws what the uninterrupted one would.
+
+  With `preemption` (train/preemption.py), a SIGTERM during a step ends the loop after that step:
+  the step is checkpointed at once (metrics["stopping"]) and the records so far are returned. With
+  `phase_cost`, each record gets generation and update throughput and MFU (`PhaseCost`)."""
+  num_steps = run.cfg.rl.num_steps if num_steps is None else num_steps
+  streak = NonFiniteStreak(run.cfg.rl.max_nonfinite_steps, what="RL", field="rl.max_nonfinite_steps")
+  key = jax.random.key(run.cfg.seed + 1)
+  records, counter = [], CompileCounter()
+  run.version = start_step  # one policy update per RL step
+  try:
+    for step in range(start_step + 1, num_steps + 1):
+      metrics = without_unmeasured(rl_step(run, prompts, jax.random.fold_in(key, step)))
+      if phase_cost is not None:
+        metrics.update(phase_cost(metrics))
+      metrics["compiles"] = counter.count()
+      nonfinite = streak.update(metrics["nonfinite_minibatches"] >= 1.0)  # every minibatch skipped
+      metrics["nonfinite_streak"] = streak.streak
+      preempted = preemption is not None and preemption.requested() and step < num_steps
+      metrics["stopping"] = nonfinite or preempted
+      for hook in hooks:
+        hook(step, run, metrics)
+      stopping = metrics.pop("stopping")
+      records.append(writer.write(step, metrics) if writer is not None else {"step": step, **metrics})
+      if checkpoint is not None:
+        checkpoint(step, run, {**metrics, "stopping": stopping or step == num_steps})
+      if nonfinite:
+        raise streak.error(step, saved=checkpoint is not None)
+      if preempted:
+        print(preemption.stopped_message("RL", step, num_steps, saved=checkpoint is not None), flush=True)
+        break
+  finally:
+    counter.close()
+  return records
+
+
+# --- the whole job ------------------------------------------------------------------------------
+
+
+def dispatch_summary(cfg, mesh) -> str:
+  """One line: which MoE expert dispatch each phase of the RL step runs (moe.dispatch=auto picks
+  per backend and phase, model/moe_dispatch.py `choose`), for the run's console summary."""
+  from meshrl.model import moe_dispatch  # pylint: disable=import-outside-toplevel
+  mc = ModelConfig.from_config(cfg, mesh)
+  if not mc.num_moe_layers:
+    return "moe dispatch: no MoE layers"
+  rl = cfg.rl
+  rows = rl.prompts_per_step * rl.group_size
+  tokens = {"train": rows * (rl.max_prompt_len + rl.max_new_tokens) // rl.num_minibatches,
+            "prefill": rl.prompts_per_step * rl.max_prompt_len, "decode": rows}
+  if axis_size(mesh, EXPERT_AXIS) > 1:
+    from meshrl.model.moe import ep_weights_plan  # pylint: disable=import-outside-toplevel
+    layouts = ", ".join(f"{p} {layout}" for p, (layout, _) in ep_weights_plan(mc, mesh, tokens).items())
+    return (f"moe dispatch: expert_parallel all-to-all over {axis_size(mesh, EXPERT_AXIS)} devices ({mc.dispatch}); "
+            f"expert weights ({mc.ep_weights}): {layouts}")
+  backend = platform(mesh)
+  chosen = moe_dispatch.plan(mc.dispatch, backend=backend, k=mc.num_experts_per_tok,
+                             num_experts=mc.num_experts, tokens_by_phase=tokens)
+  return f"moe dispatch ({mc.dispatch} on {backend}): " + ", ".join(f"{p} {n}" for p, n in chosen.items())
+
+
+
+def run(cfg, workdir: str, *, mesh=None, overwrite: bool = False) -> list[dict]:
+  """Warm start (SFT) if configured, then RL with evaluation and checkpoints; writes into `workdir`:
+  config.json, metrics.jsonl, eval.jsonl, tb/, reward_curve.png, sft/ and checkpoints/.
+
+  Everything that can refuse the run is checked before the first write (`prepare`): the config, a
+  work directory holding another run (refused unless this run resumes it or `overwrite`, which
+  removes that run's outputs first), a damaged checkpoint to resume from, the data and held-out
+  files, the initial model, and room on disk for a checkpoint.
+
+  SIGTERM or Ctrl-C (SIGINT) at any point (warm start or RL) finishes the step in flight, saves it
+  and returns (the records so far; none when it came during the warm start): running the same
+  command resumes. A second Ctrl-C stops at once (KeyboardInterrupt; the last checkpoint stays)."""
+  with Preemption() as preemption:
+    return _run(cfg, workdir, mesh, preemption, overwrite)
+
+
+class _Prepared(NamedTuple):
+  mesh: Any
+  tokenizer: Any
+  source: Any
+  held_out: list
+  model: Any
+  resuming: bool
+  leftovers: list  # an earlier run's outputs to remove first (overwrite)
+  checkpoint_bytes: int  # one checkpoint of the train state, for the disk checks
+
+
+def _latest_step_dir(folder: str) -> str | None:
+  steps = committed_steps(folder)
+  return os.path.join(folder, str(steps[-1])) if steps else None
+
+
+def checkpoint_bytes(cfg) -> int:
+  """Bytes of one checkpoint of cfg's train state (train/state.state_bytes; from shapes)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from meshrl.model.transformer import Transformer  # pylint: disable=import-outside-toplevel
+  from meshrl.train.optim import make_optimizer  # pylint: disable=import-outside-toplevel
+  from meshrl.train.state import state_bytes  # pylint: disable=import-outside-toplevel
+  mc = ModelConfig.from_config(cfg)
+  return state_bytes(lambda: Transformer(mc, rngs=nnx.Rngs(0)), make_optimizer(cfg.optim))
+
+
+def prepare(cfg, workdir: str, mesh=None, *, overwrite: bool = False) -> _Prepared:
+  """Every check of a run and what it reads, before anything is written (see `run`)."""
+  mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+  check_config(cfg, mesh.size)
+  step_dirs = [d for d in (_latest_step_dir(os.path.join(workdir, "checkpoints")),
+                           _latest_step_dir(os.path.join(workdir, "sft", "checkpoints"))) if d]
+  resuming = bool(cfg.checkpoint.enabled and cfg.checkpoint.restore and step_dirs and not overwrite)
+  leftovers = check_workdir(workdir, cfg, resuming=resuming, overwrite=overwrite)
+  if resuming:  # a damaged checkpoint, or one of another model, stops the run here
+    for step_dir in step_dirs:
+      check_readable(step_dir)
+      check_saved_config(step_dir, cfg)
+  tokenizer = tokenizer_from_config(cfg)
+  source = train_source(cfg)
+  if skipped_rows(source):
+    print(skipped_rows(source))
+  held_out = []
+  if cfg.eval.every:
+    held_out = (multiturn_held_out if wants_multi_turn(cfg) else held_out_examples)(
+        cfg, train_prompts=train_prompts(source))
+    if not held_out:
+      raise ValueError("eval.every > 0 but there are no held-out prompts (eval.jsonl, data.eval_fraction).")
+  size = checkpoint_bytes(cfg)
+  if cfg.checkpoint.enabled and hosts.is_primary():
+    check_free_space(workdir, size)
+  model = initial_model(cfg, mesh)
+  return _Prepared(mesh, tokenizer, source, held_out, model, resuming, leftovers, size)
+
+
+def _run(cfg, workdir: str, mesh, preemption: Preemption, overwrite: bool) -> list[dict]:
+  ready = prepare(cfg, workdir, mesh, overwrite=overwrite)
+  mesh = ready.mesh
+  primary = hosts.is_primary()  # process 0 writes the run's files; every process checkpoints
+  if primary:
+    clear_outputs(workdir, ready.leftovers)
+  os.makedirs(workdir, exist_ok=True)
+  if primary:
+    save_config(cfg, workdir)
+  print(dispatch_summary(cfg, mesh))
+  print(ModelConfig.from_config(cfg, mesh).kernel.summary())  # which attention kernel runs
+  checkpointer = None
+  if cfg.checkpoint.enabled:
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint.every,
+                                max_to_keep=cfg.checkpoint.max_to_keep, async_save=cfg.checkpoint.async_save)
+  try:
+    return _train(cfg, workdir, ready, checkpointer, preemption)
+  except Exception as error:  # pylint: disable=broad-except
+    if not disk_full(error):
+      raise
+    latest = committed_steps(os.path.join(workdir, "checkpoints"))
+    raise OSError(errno.ENOSPC, disk_full_message(workdir, ready.checkpoint_bytes,
+                                                  latest[-1] if latest else None)) from error
+
+
+def _train(cfg, workdir: str, ready: _Prepared, checkpointer: Checkpointer | None,
+           preemption: Preemption) -> list[dict]:
+  """The warm start, then RL steps with their hooks (after `prepare` and the first writes)."""
+  mesh, tokenizer, source, model = ready.mesh, ready.tokenizer, ready.source, ready.model
+  multi_turn, primary = wants_multi_turn(cfg), hosts.is_primary()
+  if cfg.rl.sft_steps:
+    from meshrl.train.sft import run_sft  # pylint: disable=import-outside-toplevel
+    try:
+      warm = run_sft(cfg, os.path.join(workdir, "sft"), mesh=mesh, model=model,
+                     source=Demonstrations(source) if multi_turn else source,
+                     tokenizer=tokenizer, preemption=preemption)
+    except BaseException:
+      if checkpointer is not None:
+        checkpointer.close()
+      raise
+    if warm.preempted:
+      if checkpointer is not None:
+        checkpointer.close()
+      return []
+    model = warm.model
+  rl_run = build_run(cfg, mesh, model, tokenizer)
+  prompts = prompt_stream(source, per_step=cfg.rl.prompts_per_step, shared=shared_prompts(cfg))
+  hooks, start_step, restored = [], 0, None
+  evaluator = None
+  try:
+    if checkpointer is not None and checkpointer.latest_step() is not None and cfg.checkpoint.restore:
+      restored = checkpointer.restore(rl_run.state)
+      rl_run.state, start_step = restored.state, restored.step
+      prompts.set_state(restored.data_state)
+      restore_carried_state(rl_run, restored.extra_state)
+      print(f"resumed from {checkpointer.directory} at step {start_step}")
+    if cfg.eval.every:
+      evaluator = (MultiTurnEvaluator if multi_turn else Evaluator)(cfg, mesh, tokenizer, ready.held_out)
+      eval_path = os.path.join(workdir, "eval.jsonl") if primary else None
+      if start_step == 0:
+        initial = evaluator(rl_run.state.params, rl_run.state.extra)
+        if eval_path:
+          with open(eval_path, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"step": 0, **initial}) + "\n")
+        print(f"held-out greedy accuracy before RL: {initial['eval/accuracy']:.3f} "
+              f"({initial['eval/num_prompts']} prompts)")
+      elif eval_path:
+        truncate_jsonl(eval_path, start_step)  # evaluations after the checkpoint are redone
+      hooks.append(eval_hook(evaluator, cfg.eval.every, cfg.rl.num_steps, eval_path))
+    save = None
+    if checkpointer is not None:
+      save = checkpoint_hook(checkpointer, prompts, extra_state=lambda: carried_state(rl_run))
+    records = []
+    if start_step < cfg.rl.num_steps:
+      phase_cost = PhaseCost(rl_run, peak_flops(mesh.devices.flat))
+      with MetricsWriter(workdir, tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar,
+                         total_steps=cfg.rl.num_steps, resume_step=start_step,
+                         bar_keys=("reward_mean", "kl", "entropy", "tokens_per_s")) as writer:
+        records = train_steps(rl_run, prompts, start_step=start_step, hooks=tuple(hooks), writer=writer,
+                              checkpoint=save, preemption=preemption, phase_cost=phase_cost)
+  finally:
+    if checkpointer is not None:
+      checkpointer.wait()
+      checkpointer.close()
+    rl_run.close()
+    if evaluator is not None:
+      evaluator.close()
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  if cfg.log.plot and primary and os.path.exists(metrics_path) and read_jsonl(metrics_path):
+    plot_curve(metrics_path, "reward_mean", os.path.join(workdir, "reward_curve.png"))
+  return records
+
+
+def metrics_equal(a: list[dict], b: list[dict], *, ignore=lambda key: key.endswith("_s")
+                  or key.endswith("_mfu") or key in ("mfu", "compiles")) -> bool:
+  """Whether two runs' metric records agree exactly, time fields (durations, rates, MFU) aside
+  (determinism checks).
+
+  `compiles` is left out too: it counts backend compilations, which a persistent compilation cache
+  turns into cache hits, so it describes the process, not the run."""
+  strip = lambda r: {k: v for k, v in r.items() if not ignore(k)}  # noqa: E731
+  return len(a) == len(b) and all(strip(x) == strip(y) for x, y in zip(a, b))

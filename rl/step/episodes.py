@@ -1,0 +1,525 @@
+"""Multi-turn tool episodes on the generation engine: generate a turn, step the environment, feed the
+observation into the KV cache.
+
+  runner = EpisodeRunner(cfg, mesh, tokenizer)                # the generator and its slot engine
+  out = runner.rollout(params, extra, examples, key, version)  # B = P * G episodes -> MultiTurnRollout
+  scored, metrics = collect_multiturn(run, examples, key)      # rl/step/episode_collect.py: the step's collect
+
+An episode is one sample of the generation pool (rl/generation/state.py) and has its own environment
+(rl/envs: FileTaskEnv, TerminalEnv with its own sandbox session, SingleTurnEnv, ...). The episodic
+scheduler (rl/generation/episodic.py) decodes every episode in a slot until its turn ends (a stop id,
+a stop string of rl/envs/base.py such as `</cmd>` or `<done>`, the turn's token limit or the
+episode's), pauses it and hands the turn to `_respond`, which steps the environment in a worker thread
+(under rl.env_timeout_s) and answers with the rendered observation's tokens (`<out>...</out>`), or ends
+the episode. The other slots keep decoding meanwhile (rl.engine = "continuous"); with rl.engine =
+"static" every turn waits for every episode's (turn-synchronous). Both give the same episodes: a token
+draws with the key (episode, its index among the episode's policy tokens).
+
+The cache of earlier turns is kept and extended, never rebuilt (rl/generation/core.observe). Every
+option of the generation core reaches episodes: speculative decoding (rl.speculative), int8 KV cache
+and weights, the gathered generation layout, and the MoE routes of every token fed (policy tokens,
+observations and prompt), so routing replay replays an episode exactly.
+
+Budgets: at most `max_turns` policy turns, `max_turn_tokens` per turn, `max_new_tokens` (the episode's
+columns after the prompt, policy tokens and observations together); when one runs out the environment
+gets `<done>`, so the episode is still graded. A malformed tool call is the environment's error
+observation, never an exception; an environment that raises or times out ends its episode as an
+environment failure (sample_valid False: no gradient, counted apart from wrong answers).
+
+Output: a RolloutBatch layout [B, S], S = Lp + N, built on the devices from the pool and kept there as
+rl/batches/rows.py DeviceRows; `response_mask` is True ONLY on the policy's own tokens.
+
+The stop strings are matched as token sequences: exact for the byte-level tokenizer; a BPE tokenizer
+that merges `</cmd>` with neighbouring text may miss one (the turn then ends at its token limit).
+
+Axis legend: P prompts, G group size, B = P * G episodes, Lp prompt length, N episode tokens after the
+prompt, S = Lp + N.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshrl.model.tokenizer import Tokenizer
+from meshrl.rl.envs import file_tasks
+from meshrl.rl.envs.base import DONE, StepResult, as_text
+from meshrl.rl.generation.episodic import EpisodicScheduler, Turn
+from meshrl.rl.generation.output import rollout_batch
+from meshrl.rl.generation.sampling import sample_keys
+from meshrl.rl.batches.rows import rollout_rows
+from meshrl.sharding import hosts
+from meshrl.sharding.rules import logical_to_spec
+
+OBS_OPEN, OBS_CLOSE = "<out>", "</out>"
+ENDS = ("done", "max_turns", "token_budget", "context", "env_failure")
+
+
+def render_observation(text: str) -> str:
+  """How an observation is shown to the policy, between its turns."""
+  return f"{OBS_OPEN}{text}{OBS_CLOSE}"
+
+
+EPISODE_FAMILIES = {file_tasks.FAMILY: file_tasks.TaskPool}  # data.tasks names served as pools
+
+
+def episode_pools(cfg) -> dict:
+  """{name: pool} of the multi-turn families data.tasks names (for TaskMixture's `pools`)."""
+  names = [part.split(":")[0].strip() for part in str(cfg.data.tasks).split(",")]
+  return {name: EPISODE_FAMILIES[name](cfg.data.difficulty, cfg.seed) for name in names
+          if name in EPISODE_FAMILIES}
+
+
+def default_env(example: dict):
+  """The environment an example names: FileTaskEnv ("files"), TerminalEnv ("terminal"), else a
+  SingleTurnEnv scored by rl.rewards.answer_reward."""
+  from meshrl.rl.envs.driver import env_for  # pylint: disable=import-outside-toplevel
+  if example.get("verifier") == file_tasks.VERIFIER:
+    return file_tasks.FileTaskEnv()
+  return env_for(example)
+
+
+def wants_multi_turn(cfg) -> bool:
+  """Whether the run's episodes are multi-turn: rl.multi_turn. (A data.domains registry with terminal
+  task domains, or data.tasks naming a multi-turn family, is refused without it, naming the flag.)"""
+  return bool(cfg.rl.multi_turn)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeBudget:
+  """The host's budgets of one episode (the generation core enforces the token limits)."""
+  max_turns: int
+  max_obs_tokens: int
+  prompt_len: int  # Lp
+  episode_len: int  # N: columns after the prompt (policy tokens and observations)
+  env_workers: int
+  env_timeout_s: float
+
+
+# --- the host side of an episode --------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class EpisodeStats:
+  reward: float = 0.0
+  end: str = ""  # one of ENDS
+  turns: int = 0
+  policy_tokens: int = 0
+  obs_tokens: int = 0
+  malformed_calls: int = 0
+  env_failure: str | None = None
+
+
+@dataclasses.dataclass
+class MultiTurnRollout:
+  arrays: dict  # the RolloutBatch fields: per-token [B, S] as rl/rows.DeviceRows (on the devices),
+  #               lengths and truncated [B] numpy on every host, routing as rl/routes.RoutingRows
+  episodes: list[EpisodeStats]  # [B]
+  texts: list[str]  # [B] the episode after the prompt, as text
+  counts: dict[str, Any]  # prefill_tokens (prompts, once), extend_tokens (observations), extend_calls, ...
+
+
+class _Failed:
+  """An environment call that raised or timed out, shaped like a StepResult."""
+
+  def __init__(self, reason: str):
+    self.observation, self.reward, self.done, self.info = "", 0.0, True, {"env_failure": reason}
+
+
+class TimedWorkers:
+  """A thread pool whose futures also resolve (to `_Failed`) when a call runs past `timeout_s` after
+  a worker picked it up; the thread cannot be killed and finishes on its own (sandboxed commands have
+  their own limits), its result dropped."""
+
+  def __init__(self, workers: int, timeout_s: float):
+    self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="env")
+    self.timeout_s = timeout_s
+    self._watch: dict[concurrent.futures.Future, list] = {}
+    self._lock = threading.Lock()
+    self._stop = threading.Event()
+    self._watchdog = threading.Thread(target=self._run_watchdog, name="env-watchdog", daemon=True)
+    self._watchdog.start()
+
+  def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+    """A Future of fn()'s result, of _Failed(reason) if it raises or times out."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    started = [None]
+
+    def call():
+      started[0] = time.monotonic()
+      try:
+        result = fn()
+      except Exception as error:  # pylint: disable=broad-except  (an environment failure, not ours)
+        result = _Failed(f"{type(error).__name__}: {error}")
+      with self._lock:
+        self._watch.pop(out, None)
+      _resolve(out, result)
+    with self._lock:
+      self._watch[out] = started
+    self._pool.submit(call)
+    return out
+
+  def chain(self, first: concurrent.futures.Future, then: Callable[[Any], Any]) -> concurrent.futures.Future:
+    """A Future of then(first's result), run in a worker once `first` resolves."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(future):
+      inner = self.submit(lambda: then(future.result()))
+      inner.add_done_callback(lambda f: out.set_result(f.result()))
+    first.add_done_callback(done)
+    return out
+
+  def _run_watchdog(self) -> None:
+    while not self._stop.wait(0.05):
+      now = time.monotonic()
+      with self._lock:
+        late = [f for f, started in self._watch.items() if started[0] is not None and now - started[0] > self.timeout_s]
+        for future in late:
+          self._watch.pop(future)
+      for future in late:  # resolved outside the lock: a callback may submit more work
+        _resolve(future, _Failed(f"environment call timed out after {self.timeout_s:g} s"))
+
+  def close(self) -> None:
+    self._stop.set()
+    self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _resolve(future: concurrent.futures.Future, result) -> None:
+  """Sets `result` unless the future is resolved already (a call that finishes after its timeout)."""
+  try:
+    future.set_result(result)
+  except concurrent.futures.InvalidStateError:
+    pass
+
+
+class _Episode:
+  """Host record of one episode: its environment and stats (on the host that runs it)."""
+
+  def __init__(self, env, max_turns: int):
+    self.env, self.max_turns = env, max_turns
+    self.stats = EpisodeStats()
+
+  def finish(self, result, end: str) -> None:
+    self.stats.reward, self.stats.end = float(result.reward), end
+    if result.info.get("env_failure"):
+      self.stats.env_failure, self.stats.end = str(result.info["env_failure"]), "env_failure"
+
+  def fail(self, reason: str) -> None:
+    self.stats.env_failure, self.stats.end, self.stats.reward = reason, "env_failure", 0.0
+
+  def close(self) -> None:
+    close = getattr(self.env, "close", None)
+    if close is not None:
+      try:
+        close()
+      except Exception:  # pylint: disable=broad-except  (a failing cleanup must not end the run)
+        pass
+
+
+class EpisodeRunner:
+  """The generator of a multi-turn run and the host loop around it (see the module docstring). Built
+  once per run; compiles on first use.
+
+  generator: rl/generation/generator.Generator whose spec has pause_on_stop and the turn limit
+  (rl/step/spec.py builds it); budget: the host's budgets; tokenizer; make_env(example) -> environment."""
+
+  def __init__(self, generator, budget: EpisodeBudget, tokenizer: Tokenizer, *, mesh=None, rules=None,
+               make_env: Callable[[dict], Any] = default_env):
+    self.generator, self.budget, self.tokenizer, self.make_env = generator, budget, tokenizer, make_env
+    self.spec = generator.spec
+    self.mesh, self.rules = mesh, rules
+    self.workers = TimedWorkers(budget.env_workers, budget.env_timeout_s)
+    self._engines: dict[int, Any] = {}
+
+  def close(self) -> None:
+    self.workers.close()
+
+  def scheduler(self, num: int) -> EpisodicScheduler:
+    """A scheduler of `num` episodes (its own answers in flight) over the slot engine of that size
+    (its compiled programs shared by every scheduler of the size)."""
+    if num not in self._engines:
+      self._engines[num] = self.generator.slot_engine(num_slots=self.spec.num_slots(num))
+    own = hosts.share(num)
+    return EpisodicScheduler(self._engines[num], chunk_steps=self.spec.chunk_steps, barrier=self.spec.barrier,
+                             max_obs_tokens=self.budget.max_obs_tokens,
+                             turn_width=self.spec.step.turn_tokens or self.spec.columns,
+                             owns=lambda b: own.start <= b < own.stop)
+
+  def weights(self, params, extra) -> tuple:
+    """The slot engine's weights argument (generation params, extra, draft params), made now. The
+    generator's own_weights (asynchronous RL) makes them copies the next update cannot donate away;
+    `extra` is copied then too."""
+    gen_params, draft_params = self.generator.weights(params)
+    if self.generator.own_weights:
+      extra = jax.tree.map(jnp.copy, extra)
+    return gen_params, extra, draft_params
+
+  # --- environments -------------------------------------------------------------------------------
+
+  def _observation_ids(self, text: str, limit: int) -> list[int] | None:
+    """The rendered observation in at most `limit` tokens: its head, then always the closing tag
+    (None when not even the tags and one token fit)."""
+    tok = self.tokenizer
+    close = tok.encode(OBS_CLOSE, add_bos=False)
+    head = tok.encode(OBS_OPEN + text, add_bos=False)
+    if limit - len(close) <= len(tok.encode(OBS_OPEN, add_bos=False)):
+      return None
+    return head[:limit - len(close)] + close
+
+  def _answer(self, episode: _Episode, turn: Turn, result) -> list[int] | None:
+    """After the environment's step: the observation's tokens, or None when the episode ends (with
+    `<done>` sent for a budget's end, so it is graded). Runs in a worker thread."""
+    budget, stats = self.budget, episode.stats
+    if isinstance(result, _Failed):
+      episode.fail(result.info["env_failure"])
+      return None
+    stats.malformed_calls += "error" in result.info
+    if result.done or result.info.get("env_failure"):
+      episode.finish(result, "done")
+      return None
+    end = None
+    if stats.turns >= episode.max_turns:
+      end = "max_turns"
+    elif turn.generated >= self.spec.max_new_tokens:
+      end = "token_budget"
+    else:
+      room = budget.episode_len - (turn.count - budget.prompt_len) - 1  # and one more policy token
+      ids = self._observation_ids(result.observation, min(room, budget.max_obs_tokens))
+      if ids is not None:
+        stats.obs_tokens += len(ids)
+        return ids
+      end = "context"
+    return self._end(episode, end)
+
+  def _end(self, episode: _Episode, end: str) -> None:
+    """Sends `<done>` so the episode is graded, and records how it ended."""
+    try:
+      result = episode.env.step(DONE)
+    except Exception as error:  # pylint: disable=broad-except
+      result = _Failed(f"{type(error).__name__}: {error}")
+    if isinstance(result, _Failed):
+      episode.fail(result.info["env_failure"])
+    else:
+      episode.finish(result, end)
+    return None
+
+  def _respond(self, episodes: dict[int, _Episode], turn: Turn) -> concurrent.futures.Future:
+    """The answer to a finished turn (a Future), stepping its environment in a worker."""
+    episode = episodes[turn.sample]
+    episode.stats.turns += 1
+    episode.stats.policy_tokens = turn.generated
+    if not len(turn.tokens):  # no room was left for a policy token
+      episode.stats.turns -= 1
+      return self.workers.submit(lambda: self._end(episode, "context"))
+    text, _ = as_text(self.tokenizer.decode(turn.tokens))
+    stepped = self.workers.submit(lambda: episode.env.step(text))
+    return self.workers.chain(stepped, lambda result: self._answer(episode, turn, result))
+
+  def _reset(self, example: dict):
+    env = self.make_env(example)
+    return env, env.reset(example)
+
+  # --- the rollout ----------------------------------------------------------------------------------
+
+  def _rows_sharding(self, rows: int) -> NamedSharding | None:
+    """[rows, ...] split over the mesh axes of the `batch` rule that divide `rows` (None: no mesh)."""
+    if self.mesh is None:
+      return None
+    return NamedSharding(self.mesh, logical_to_spec(("batch",), self.rules, self.mesh, shape=(rows,)))
+
+  def split_rows(self, pool):
+    """The pool with every [B, ...] field split by rows over the mesh axes of the `batch` rule that
+    divide B (routes [L, B, S, K] on their B axis), so no device holds every episode's tokens; the
+    slot engine's programs keep that layout. As it is without a mesh."""
+    if self.mesh is None:
+      return pool
+    rows = self._rows_sharding(pool.num_samples)
+    spec = rows.spec[0] if len(rows.spec) else None
+
+    def put(name, value):
+      if value is None:
+        return None
+      axes = (None, spec) if name == "routing" else (spec,)
+      return jax.device_put(value, NamedSharding(self.mesh, PartitionSpec(*axes)))
+    return pool.replace(**{f.name: put(f.name, getattr(pool, f.name)) for f in dataclasses.fields(pool)})
+
+  def _encode_prompts(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray, int]:
+    """Left-padded prompt tokens [P, Lp] and mask; over-long prompts keep their last Lp tokens."""
+    tok, length = self.tokenizer, self.spec.prompt_len
+    rendered = [tok.render_prompt(t) for t in texts]
+    truncated = sum(len(tok.encode(r)) > length for r in rendered)
+    ids, mask = tok.encode_batch(rendered, length=length, padding="left", overflow="truncate")
+    return np.asarray(ids, np.int32), np.asarray(mask, bool), int(truncated)
+
+  def _start(self, examples: Sequence[dict]):
+    """Each host resets the environments of its own episodes (in workers); returns (episodes {b:
+    _Episode} of this host, prompts [P, Lp], mask, counts). When every host's episodes are an equal
+    block of whole groups, each encodes its own groups' prompts (their first observations) into one
+    global array; otherwise (rl/batch.shared_prompts) the first observations are shared and every host
+    encodes every prompt."""
+    group = self.spec.group_size
+    per_row = [e for e in examples for _ in range(group)]
+    num = len(per_row)
+    own = hosts.share(num)
+    futures = {b: self.workers.submit(lambda e=e: self._reset(e)) for b, e in enumerate(per_row) if own.start <= b < own.stop}
+    results = {b: f.result() for b, f in futures.items()}
+    local_prompts = hosts.is_multihost() and len(examples) % jax.process_count() == 0
+    shared = dict(hosts.gather_objects([
+        [b, ["" if local_prompts else None, r.info["env_failure"]] if isinstance(r, _Failed)
+         else [None if local_prompts else r[1], None]] for b, r in sorted(results.items())]))
+    episodes, prompts_text, failed = {}, [], []
+    for b, example in enumerate(per_row):
+      first, failure = shared[b]
+      if b in results:
+        max_turns = max(1, min(self.budget.max_turns, int(example.get("max_turns", self.budget.max_turns))))
+        episodes[b] = _Episode(None if failure is not None else results[b][0], max_turns)
+        if failure is not None:
+          episodes[b].fail(failure)
+        elif local_prompts:
+          first = results[b][1]
+      if failure is not None:
+        failed.append(b)
+      if b % group == 0 and (not local_prompts or own.start <= b < own.stop):
+        prompts_text.append(first if first is not None and failure is None else str(example.get("prompt", "")))
+    prompts, mask, truncated = self._encode_prompts(prompts_text)
+    prefill_tokens = int(mask.sum())
+    if local_prompts:
+      split = self._rows_sharding(len(examples))
+      prompts, mask = hosts.global_rows(prompts, split), hosts.global_rows(mask, split)
+      sums = hosts.gather_rows(np.asarray([[truncated, prefill_tokens]])).sum(axis=0)
+      truncated, prefill_tokens = int(sums[0]), int(sums[1])
+    return episodes, prompts, mask, failed, {"prefill_tokens": prefill_tokens, "prompts_truncated": truncated}
+
+  def rollout(self, params, extra, examples: Sequence[dict], key: jax.Array, version: int = 0, *,
+              weights: tuple | None = None) -> MultiTurnRollout:
+    """B = len(examples) * G episodes, example p's on rows p*G .. p*G+G-1. weights: `self.weights`
+    made earlier (an asynchronous rollout's snapshot); default made now from params / extra."""
+    num = len(examples) * self.spec.group_size
+    episodes, prompts, mask, failed, counts = self._start(examples)
+    pool = self.generator.new_pool(jnp.asarray(prompts), jnp.asarray(mask), sample_keys(key, jnp.arange(num)))
+    if failed:  # an environment that failed at reset: its episode never decodes
+      pool = pool.replace(done=pool.done.at[jnp.asarray(failed)].set(True))
+    pool = self.split_rows(pool)
+    weights = self.weights(params, extra) if weights is None else weights
+    pool, stats = self.scheduler(num).run(weights, pool, prompts, mask, lambda turn: self._respond(episodes, turn),
+                                          version=version)
+    for episode in episodes.values():
+      episode.close()
+    return self.output(pool, episodes, np.arange(num), counts, stats)
+
+  def output(self, pool, episodes: dict[int, _Episode], rows: np.ndarray, counts: dict, stats) -> MultiTurnRollout:
+    """The episodes of pool rows `rows` (all of them, or a partial step's ended groups) as the step
+    takes them: per-token fields kept on the devices, stats and texts gathered from their hosts."""
+    batch = rollout_batch(pool, self.spec.prompt_len, self.spec.step.pad_id)
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    routing = fields.pop("routing")
+    arrays = rollout_rows(fields, rows)
+    num = pool.num_samples
+    own = hosts.share(num)
+    wanted = set(int(b) for b in rows)
+    mine = [[b, dataclasses.asdict(episodes[b].stats)] for b in range(own.start, own.stop) if b in wanted]
+    stats_of = {int(b): EpisodeStats(**s) for b, s in hosts.gather_objects(mine)}
+    chosen = [stats_of[int(b)] for b in rows]
+    arrays["truncated"] = np.asarray([s.end != "done" for s in chosen], bool)
+    if routing is not None:
+      from meshrl.rl.batches.routes import RoutingRows  # pylint: disable=import-outside-toplevel
+      arrays["routing"] = RoutingRows.of_rollout(routing, rows)
+    tokens, count = hosts.share_to_host(pool.tokens), hosts.to_host(pool.count)
+    lp, tok = self.spec.prompt_len, self.tokenizer
+    texts = dict(hosts.gather_objects([[b, tok.decode(tokens[b - own.start, lp:count[b]], stop_at_eos=False)]
+                                       for b in range(own.start, own.stop) if b in wanted]))
+    counts = dict(counts, extend_tokens=stats.extend_tokens, extend_slots=stats.extend_slots,
+                  extend_calls=stats.extend_calls, decode_calls=stats.decode_calls, host_wait_s=stats.host_wait_s,
+                  **{k: float(v) for k, v in jax.device_get(stats.counters.metrics()).items()})
+    return MultiTurnRollout(arrays=arrays, episodes=chosen, texts=[texts[int(b)] for b in rows], counts=counts)
+
+
+class PartialEpisodes:
+  """Multi-turn episodes carried across RL steps (rl.rollout_token_budget with rl.multi_turn): a pool
+  of `num_groups` groups of episodes; each step tops it up with new groups, decodes at most
+  budget // slots steps of the episodic scheduler and returns the groups whose episodes have all
+  finished. An unfinished episode keeps everything: its tokens, log-probs, versions and routes in the
+  pool, its environment (with whatever its sandbox session holds), and an environment step still
+  running when the step's budget ran out, whose answer is fed at the next step. Its tokens resume
+  under the next step's parameters, re-prefilled from the pool (rl/generation/core.resume), as
+  single-turn partial rollouts do (rl/step/partial.py)."""
+
+  def __init__(self, runner: EpisodeRunner, num_groups: int):
+    spec = runner.spec
+    if not spec.token_budget:
+      raise ValueError("partial episodes need rl.rollout_token_budget > 0.")
+    num = num_groups * spec.group_size
+    if spec.token_budget < spec.num_slots(num):
+      raise ValueError(f"rl.rollout_token_budget={spec.token_budget} is less than one token per decode slot "
+                       f"(rl.decode_slots resolves to {spec.num_slots(num)}).")
+    self.runner, self.spec, self.num_groups = runner, spec, num_groups
+    self.scheduler = runner.scheduler(num)  # its answers in flight are carried with it
+    self.pool = None
+    self.prompts = np.zeros((num_groups, spec.prompt_len), np.int32)
+    self.prompt_mask = np.zeros((num_groups, spec.prompt_len), bool)
+    self.examples: list = [None] * num_groups
+    self.live = np.zeros(num_groups, bool)
+    self.episodes: dict[int, _Episode] = {}
+    self.next_uid = 0
+    self.metrics = None
+
+  def _admit(self, draw, key) -> int:
+    """Fresh groups from draw(count) -> examples into the free group slots, their environments reset."""
+    free = np.flatnonzero(~self.live)
+    if not free.size:
+      return 0
+    examples = draw(int(free.size))
+    group = self.spec.group_size
+    episodes, prompts, mask, failed, _ = self.runner._start(examples)  # pylint: disable=protected-access
+    uids = self.next_uid + np.arange(free.size)
+    self.next_uid += int(free.size)
+    sample_ids = (uids[:, None] * group + np.arange(group)).reshape(-1)
+    fresh = self.runner.generator.new_pool(jnp.asarray(prompts), jnp.asarray(mask),
+                                           sample_keys(key, jnp.asarray(sample_ids, jnp.uint32)))
+    fresh = fresh.replace(priority=jnp.asarray(sample_ids, jnp.int32))
+    if failed:
+      fresh = fresh.replace(done=fresh.done.at[jnp.asarray(failed)].set(True))
+    if self.pool is None:
+      self.pool = self.runner.generator.new_pool(jnp.asarray(self.prompts), jnp.asarray(self.prompt_mask),
+                                                 sample_keys(key, jnp.arange(self.num_groups * group)))
+      self.pool = self.pool.replace(done=jnp.ones_like(self.pool.done))
+    from meshrl.rl.step.partial import _place_groups  # pylint: disable=import-outside-toplevel
+    self.pool = self.runner.split_rows(_place_groups(self.pool, fresh, free, group))
+    self.prompts[free], self.prompt_mask[free] = prompts, mask
+    for i, g in enumerate(free):
+      self.examples[g] = examples[i]
+      for j in range(group):
+        if i * group + j in episodes:
+          self.episodes[g * group + j] = episodes[i * group + j]
+    self.live[free] = True
+    return int(free.size)
+
+  def step(self, params, extra, draw, key, version):
+    """One step's episodes -> (MultiTurnRollout of the groups that finished, their examples, info)."""
+    admitted = self._admit(draw, key)
+    num = self.num_groups * self.spec.group_size
+    weights = self.runner.weights(params, extra)
+    self.pool, stats = self.scheduler.run(weights, self.pool, jnp.asarray(self.prompts), jnp.asarray(self.prompt_mask),
+                                          lambda turn: self.runner._respond(self.episodes, turn),  # pylint: disable=protected-access
+                                          version=version, max_steps=self.spec.max_steps(num))
+    group = self.spec.group_size
+    done = hosts.to_host(self.pool.done).reshape(self.num_groups, group).all(axis=1)
+    ended = np.flatnonzero(done & self.live)
+    rows = (ended[:, None] * group + np.arange(group)).reshape(-1)
+    out = self.runner.output(self.pool, self.episodes, rows, {"prefill_tokens": 0, "prompts_truncated": 0}, stats)
+    for b in rows:
+      episode = self.episodes.pop(int(b), None)
+      if episode is not None:
+        episode.close()
+    self.live[ended] = False
+    self.metrics = out.counts
+    return out, [self.examples[g] for g in ended], {"groups_admitted": admitted, "groups_ended": int(ended.size),
+                                                    "groups_carried": int(self.live.sum())}

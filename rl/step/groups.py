@@ -1,0 +1,205 @@
+"""Host-side glue between rollout and update: prompts in, scored and filtered update batches out.
+
+Pure numpy over one step's arrays; no jax here, so it runs beside the accelerator's work.
+
+Axis legend: P prompts, G group size, B = P * G sequences, S tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import jax
+import numpy as np
+
+from meshrl.model.tokenizer import Tokenizer
+from meshrl.rl.batches import rows as rows_lib
+from meshrl.rl.batches.handover import ScoredBatch
+from meshrl.rl.rewards import overlong_penalty
+from meshrl.rl.batches.rows import PAD_FILL
+from meshrl.rl.batches.rows import DeviceRows
+from meshrl.rl.rewards.pool import RewardPool
+
+
+@dataclasses.dataclass
+class PromptBatch:
+  examples: list[dict]  # P task examples ({"prompt", "answer", "domain", ...})
+  tokens: np.ndarray  # [P, Lp] int32, left-padded
+  mask: np.ndarray  # [P, Lp] bool
+  rejected: int  # prompts over budget that were skipped (prompt_overflow = "reject")
+  truncated: int  # prompts over budget that were cut to their last Lp tokens
+
+
+def next_prompts(examples: Iterator[dict], tokenizer: Tokenizer, *, count: int, max_len: int,
+                 overflow: str) -> PromptBatch:
+  """Draws `count` prompts, encodes them left-padded to `max_len`; over-long ones are truncated or
+  skipped (and counted) per `overflow` ("truncate" or "reject")."""
+  if overflow not in ("truncate", "reject"):
+    raise ValueError(f"rl.prompt_overflow={overflow!r}; choose truncate or reject.")
+  chosen, rejected, truncated = [], 0, 0
+  while len(chosen) < count:
+    example = next(examples)
+    length = len(tokenizer.encode(tokenizer.render_prompt(example["prompt"])))
+    if length > max_len:
+      if overflow == "reject":
+        rejected += 1
+        if rejected > 100 * count:
+          raise ValueError(f"every prompt is longer than rl.max_prompt_len={max_len} tokens "
+                           f"(the last had {length}); raise the budget or use truncate.")
+        continue
+      truncated += 1
+    chosen.append(example)
+  tokens, mask = tokenizer.encode_batch([tokenizer.render_prompt(e["prompt"]) for e in chosen], length=max_len,
+                                        padding="left", overflow="truncate")
+  return PromptBatch(chosen, tokens, mask, rejected, truncated)
+
+
+def shared_prompts(cfg, processes: int | None = None) -> bool:
+  """Whether every host draws the same prompts (the whole stream) and scores its `hosts.share` of the
+  samples, instead of an equal block of its own: for partial rollouts (whose groups end unevenly over
+  the hosts) and when the step's prompts do not split evenly over the host processes (a pod of more
+  hosts than prompts: paper_3t's 8 prompts of 1M tokens on 1,024 v5p hosts)."""
+  processes = jax.process_count() if processes is None else processes
+  return cfg.rl.rollout_token_budget > 0 or cfg.rl.prompts_per_step % processes != 0
+
+
+def score_rollout(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool: RewardPool, *,
+                  group_size: int, max_new_tokens: int, overlong_buffer: int,
+                  overlong_penalty_value: float) -> ScoredBatch:
+  """Decodes the responses of one rollout ([B, ...] numpy arrays, B = P * G) and scores them on
+  `pool`; a reward function that raises or hangs scores 0 and is counted in `info`.
+
+  DAPO overlong shaping adds a penalty (<= 0) to the reward of responses within `overlong_buffer`
+  tokens of the budget; `correct` keeps the unshaped task reward.
+  """
+  columns = response_columns(arrays, max_new_tokens)
+  texts = tokenizer.decode_batch(np.where(columns["response_mask"], columns["tokens"], tokenizer.pad_id))
+  per_sample = [ex for ex in examples for _ in range(group_size)]
+  rewards, info = pool.score(texts, per_sample)
+  correct = rewards.astype(np.float32)
+  shaped = correct + overlong_penalty(arrays["lengths"], max_len=max_new_tokens, buffer=overlong_buffer,
+                                      penalty=overlong_penalty_value)
+  return ScoredBatch(arrays=arrays, rewards=shaped.astype(np.float32), correct=correct,
+                     sample_valid=np.ones(len(texts), bool),
+                     domains=[str(ex.get("domain", "")) for ex in per_sample], texts=texts, info=info)
+
+
+def response_columns(arrays: dict, max_new_tokens: int, names: tuple[str, ...] = ("tokens", "response_mask")
+                     ) -> dict[str, np.ndarray]:
+  """The response columns [B, N] (the last N = max_new_tokens) of the per-token fields `names` as host
+  numpy. A field kept on the devices (rl/rows.DeviceRows) is sliced there and all-gathered, so with
+  several processes every host calls this with the same rows."""
+  columns = slice(-max_new_tokens, None)
+  return {name: arrays[name].to_host(columns) if isinstance(arrays[name], DeviceRows)
+          else np.asarray(arrays[name])[:, columns] for name in names}
+
+
+def informative_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
+  """[P] bool: groups whose rewards are not all equal (DAPO dynamic sampling keeps only these)."""
+  grouped = rewards.reshape(-1, group_size)
+  return grouped.max(axis=1) > grouped.min(axis=1)
+
+
+def enough_groups(rounds: list[ScoredBatch], cfg) -> bool:
+  """Whether the rollout rounds so far fill a step (cfg: the `rl` section): always without dynamic
+  sampling; with it, once rl.prompts_per_step informative groups have arrived."""
+  useful = sum(int(informative_groups(r.rewards, cfg.group_size).sum()) for r in rounds)
+  return not cfg.dynamic_sampling or useful >= cfg.prompts_per_step
+
+
+def step_groups(rounds: list[ScoredBatch], cfg) -> ScoredBatch:
+  """The step's batch of rl.prompts_per_step groups from its rollout rounds (`select_groups`)."""
+  return select_groups(rounds, num_groups=cfg.prompts_per_step, group_size=cfg.group_size,
+                       dynamic=cfg.dynamic_sampling)
+
+
+def empty_scored(arrays: dict) -> ScoredBatch:
+  """A ScoredBatch of no samples (arrays with 0 rows): a partial-rollout step in which no group ended."""
+  return ScoredBatch(arrays=arrays, rewards=np.zeros(0, np.float32), correct=np.zeros(0, np.float32),
+                     sample_valid=np.zeros(0, bool), domains=[], texts=[],
+                     info={"reward_errors": 0, "reward_timeouts": 0, "first_errors": []})
+
+
+def select_groups(rollouts: list[ScoredBatch], *, num_groups: int, group_size: int,
+                  dynamic: bool) -> ScoredBatch:
+  """Assembles a batch of exactly `num_groups` groups from one or more scored rollouts.
+
+  With `dynamic`, informative groups come first (in order of arrival); if too few exist the batch is
+  topped up with uninformative ones, whose samples get `sample_valid = False` (no gradient). If the
+  rollouts hold fewer than `num_groups` groups in all (partial rollouts: only the groups that ended),
+  the rest are blank padding groups (no real token, reward 0, `sample_valid = False`).
+  """
+  pieces = []  # (rollout index, group index, informative)
+  for r, rollout in enumerate(rollouts):
+    useful = informative_groups(rollout.rewards, group_size)
+    pieces += [(r, g, bool(u)) for g, u in enumerate(useful)]
+  if dynamic:
+    pieces = [p for p in pieces if p[2]] + [p for p in pieces if not p[2]]
+  pieces = pieces[:num_groups]
+
+  def rows(r, g):
+    return slice(g * group_size, (g + 1) * group_size)
+
+  blank = (num_groups - len(pieces)) * group_size
+
+  def padded(value, fill=0):
+    return np.concatenate([value, np.full((blank,) + value.shape[1:], fill, value.dtype)])
+
+  def gather(get, fill=0):
+    values = [get(rollout) for rollout in rollouts]
+    on_devices = [isinstance(v, DeviceRows) for v in values]
+    if all(on_devices):  # the samples stay on the devices: rows only (rl/batches/rows.py)
+      return rows_lib.concatenate([values[r][rows(r, g)] for r, g, _ in pieces] or [values[0][:0]], blank)
+    if any(on_devices):  # a round restored from a checkpoint (host arrays) among rounds on the devices
+      values = [v.to_host() if isinstance(v, DeviceRows) else v for v in values]
+    parts = [values[r][rows(r, g)] for r, g, _ in pieces]
+    return padded(np.concatenate(parts) if parts else values[0][:0], fill)
+
+  def gather_list(get):
+    return [item for r, g, _ in pieces for item in get(rollouts[r])[rows(r, g)]] + [""] * blank
+  arrays = {k: gather(lambda ro, k=k: ro.arrays[k], PAD_FILL.get(k, 0)) for k in rollouts[0].arrays}
+  valid = padded(np.repeat(np.array([u or not dynamic for _, _, u in pieces], bool), group_size))
+  return ScoredBatch(arrays=arrays, rewards=gather(lambda ro: ro.rewards),
+                     correct=gather(lambda ro: ro.correct), sample_valid=valid,
+                     domains=gather_list(lambda ro: ro.domains), texts=gather_list(lambda ro: ro.texts),
+                     info={})
+
+
+def per_domain(values: np.ndarray, domains: list[str], prefix: str) -> dict[str, float]:
+  """{"<prefix>/<domain>": mean of `values` [B] over that domain's samples}; {} without domains."""
+  names = sorted(set(domains))
+  if not names or names == [""]:
+    return {}
+  return {f"{prefix}/{d or 'none'}": float(np.mean(values[[x == d for x in domains]])) for d in names}
+
+
+def batch_metrics(first: ScoredBatch, batch: ScoredBatch, lengths: np.ndarray, group_size: int) -> dict:
+  """The reward and length metrics of a step's collect: of its `first` rollout round (an unbiased
+  sample of the policy; `lengths` [B] its response lengths) and of the assembled `batch` (after
+  dynamic sampling), overall and per domain."""
+  lengths = np.asarray(lengths, np.float32)
+  valid = batch.sample_valid
+  return {
+      "reward_mean": float(first.correct.mean()), "reward_std": float(first.correct.std()),
+      "shaped_reward_mean": float(first.rewards.mean()),
+      "batch_reward_mean": float(batch.correct[valid].mean()) if valid.any() else 0.0,
+      "response_len_mean": float(lengths.mean()),
+      "truncated_frac": float(first.arrays["truncated"].mean()),
+      "groups_kept": int(valid.reshape(-1, group_size)[:, 0].sum()),
+      "empty_responses": int((lengths <= 1).sum()),
+      "sample_text": first.texts[0][:40],
+      **per_domain(first.correct, first.domains, "reward_mean"),
+      **per_domain(lengths, first.domains, "response_len"),
+  }
+
+
+def staleness(arrays: dict, version: int, max_new_tokens: int) -> dict[str, float]:
+  """Policy versions behind the current one, over the batch's generated tokens (in the response
+  columns: the prompt's have version -1 and no response mask)."""
+  columns = response_columns(arrays, max_new_tokens, ("policy_version", "response_mask"))
+  versions = columns["policy_version"][columns["response_mask"]]
+  if versions.size == 0:
+    return {"staleness_mean": 0.0, "staleness_max": 0.0}
+  behind = version - versions
+  return {"staleness_mean": float(behind.mean()), "staleness_max": float(behind.max())}

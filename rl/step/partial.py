@@ -1,0 +1,182 @@
+"""Partial rollouts carried across RL steps: a pool of groups in flight on the devices, each step
+decoding at most rl.rollout_token_budget tokens and training on the groups that ended.
+
+  partial = PartialRollouts(generator, num_groups)                 # generator's scheduler: "budgeted"
+  arrays, examples, info = partial.step(params, extra, draw, key, version)
+  state = partial.get_state()                                       # JSON, with the checkpoint
+
+Each RL step decodes at most budget // slots steps of the budgeted scheduler (rl/generation/loop.py);
+groups whose samples have all ended form the step's batch, the others stay in the pool and continue
+at the next step under the new parameters, re-prefilled from their buffers (rl/generation/core.resume).
+Each token keeps the behaviour log-prob and the policy version that produced it
+(RolloutBatch.policy_version), so a carried sample's segments are told apart. Re-prefilling under the
+new parameters (rather than keeping the old cache) makes each new segment exactly the new policy's
+continuation of the sequence so far. Approach of Kimi k1.5 (partial rollouts, arXiv:2501.12599, sec.
+2.6.2) and Orca's iteration-level scheduling (Yu et al., OSDI 2022).
+
+Axis legend: P group slots, G group size, B = P * G samples, Lp prompt length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshrl.rl.generation.output import rollout_batch
+from meshrl.rl.generation.sampling import sample_keys
+from meshrl.rl.generation.state import Pool
+from meshrl.rl.batches.routes import RoutingRows
+from meshrl.rl.batches.rows import rollout_rows
+from meshrl.sharding import hosts
+from meshrl.train.checkpoint import array_from_json, array_to_json
+
+_PER_GROUP = ("prompts", "prompt_mask")
+
+
+class PartialRollouts:
+  """Partial rollouts across RL steps: a pool of `num_groups` groups in flight on the devices.
+
+  Each `step` tops the pool up with new groups (drawn from `draw(count)`), decodes one budgeted call,
+  and returns the groups that have ended (all G samples) in the RolloutBatch layout; the rest are
+  carried, their tokens, log-probs and versions kept, and resume at the next step under the
+  parameters passed then. The generator's proposer (rl.speculative) and options apply as in any call;
+  its last call's metrics are in `.metrics`.
+
+  Several host processes: `draw` gives every host the same prompts, so every host holds the same
+  pool bookkeeping and every group's example; the ended groups' per-token fields stay on the devices
+  (rl/rows.rollout_rows: rows of the pool's batch), and rl/step/program.py scores each host's share of them.
+  """
+
+  def __init__(self, generator, num_groups: int):
+    spec = generator.spec
+    if spec.scheduler != "budgeted":
+      raise ValueError(f"partial rollouts need the budgeted scheduler (rl.rollout_token_budget > 0), not "
+                       f"{spec.scheduler!r}.")
+    num = num_groups * spec.group_size
+    slots = spec.num_slots(num)
+    if spec.token_budget < slots:
+      raise ValueError(f"rl.rollout_token_budget={spec.token_budget} is less than one token per decode slot "
+                       f"(rl.decode_slots resolves to {slots}).")
+    self.generator, self.spec, self.num_groups = generator, spec, num_groups
+    self.pool: Pool | None = None
+    self.prompts = jnp.zeros((num_groups, spec.prompt_len), jnp.int32)  # each group slot's prompt (on the devices)
+    self.prompt_mask = jnp.zeros((num_groups, spec.prompt_len), bool)
+    self.examples: list = [None] * num_groups  # the task example of each group in the pool
+    self.live = np.zeros(num_groups, bool)  # group slot holds a group
+    self.next_uid = 0  # groups admitted so far (their admission order)
+    self.metrics = None
+
+  @property
+  def group_size(self) -> int:
+    return self.spec.group_size
+
+  def _blank(self) -> Pool:
+    """A pool of ended blank groups (every group slot free)."""
+    num = self.num_groups * self.group_size
+    pool = self.generator.new_pool(self.prompts, self.prompt_mask, sample_keys(jax.random.key(0), jnp.arange(num)))
+    return pool.replace(done=jnp.ones_like(pool.done))
+
+  def _admit(self, draw: Callable[[int], tuple[list, np.ndarray, np.ndarray]], key) -> int:
+    """Fills the free group slots with new groups from `draw(count) -> (examples, tokens, mask)`."""
+    free = np.flatnonzero(~self.live)
+    if free.size == 0:
+      return 0
+    examples, tokens, mask = draw(int(free.size))
+    group = self.group_size
+    uids = self.next_uid + np.arange(free.size)
+    self.next_uid += int(free.size)
+    sample_ids = (uids[:, None] * group + np.arange(group)).reshape(-1)
+    fresh = self.generator.new_pool(jnp.asarray(tokens), jnp.asarray(mask),
+                                    sample_keys(key, jnp.asarray(sample_ids, jnp.uint32)))
+    fresh = fresh.replace(priority=jnp.asarray(sample_ids, jnp.int32))
+    if self.pool is None:
+      self.pool = self._blank()
+    self.pool = _place_groups(self.pool, fresh, free, group)
+    where = jnp.asarray(free)
+    self.prompts = self.prompts.at[where].set(jnp.asarray(tokens, jnp.int32))
+    self.prompt_mask = self.prompt_mask.at[where].set(jnp.asarray(mask, bool))
+    for i, g in enumerate(free):
+      self.examples[g] = examples[i]
+    self.live[free] = True
+    return int(free.size)
+
+  def _decode(self, params, extra, pool: Pool, version):
+    """One budgeted call on `pool` -> (pool, its RolloutBatch, the call's metrics)."""
+    pool, metrics = self.generator.run_pool(params, extra, pool, self.prompts, self.prompt_mask, version)
+    return pool, rollout_batch(pool, self.spec.prompt_len, self.spec.step.pad_id), metrics
+
+  def step(self, params, extra, draw, key, version) -> tuple[dict, list, dict]:
+    """One RL step's generation -> (the ended groups' arrays [E * G, ...]: per-token fields kept on
+    the devices, rl/rows.rollout_rows; their examples; info). draw(count) -> (examples, tokens [count, Lp],
+    mask) supplies new groups; `key` seeds the new groups' samples; `version` is stamped on the tokens
+    generated now."""
+    admitted = self._admit(draw, key)
+    self.pool, batch, self.metrics = self._decode(params, extra, self.pool, jnp.asarray(version, jnp.int32))
+    group = self.group_size
+    done = hosts.to_host(self.pool.done).reshape(self.num_groups, group).all(axis=1)
+    ended = np.flatnonzero(done & self.live)
+    rows = (ended[:, None] * group + np.arange(group)).reshape(-1)
+    arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    routing = arrays.pop("routing")
+    arrays = rollout_rows(arrays, rows)  # the ended rows, kept on the devices (rl/batches/rows.py)
+    if routing is not None:  # stays on the devices (rl/batches/routes.py)
+      arrays["routing"] = RoutingRows.of_rollout(routing, rows)
+    examples = [self.examples[g] for g in ended]
+    self.live[ended] = False
+    return arrays, examples, {"groups_admitted": admitted, "groups_ended": int(ended.size),
+                              "groups_carried": int(self.live.sum())}
+
+  def get_state(self) -> dict:
+    """The carried groups as JSON values (for the checkpoint's extra state): the pool's
+    arrays, each group slot's prompt, the groups' examples, which group slots are live and the
+    admission counter; {} when nothing was drawn yet."""
+    if self.pool is None:
+      return {}
+    arrays = {f.name: hosts.to_host(getattr(self.pool, f.name)) for f in dataclasses.fields(self.pool)
+              if getattr(self.pool, f.name) is not None}
+    arrays.update(prompts=hosts.to_host(self.prompts), prompt_mask=hosts.to_host(self.prompt_mask))
+    return {"arrays": {name: array_to_json(value) for name, value in arrays.items()}, "examples": list(self.examples), "live": self.live.tolist(),
+            "next_uid": self.next_uid}
+
+  def set_state(self, state: dict) -> None:
+    """Continues from `get_state()`'s output ({}: nothing carried)."""
+    if not state:
+      return
+    arrays = {name: array_from_json(v) for name, v in state["arrays"].items()}
+    for name in _PER_GROUP:
+      want = getattr(self, name)
+      if arrays[name].shape != want.shape:
+        raise ValueError(f"carried rollouts: saved {name} has shape {arrays[name].shape}, this run expects "
+                         f"{want.shape} (rl.prompts_per_step and rl.max_prompt_len must match the saved run).")
+      setattr(self, name, jnp.asarray(arrays.pop(name), want.dtype))
+    blank = self._blank()
+    for name, value in arrays.items():
+      want = getattr(blank, name, None)
+      if want is None or want.shape != value.shape:
+        raise ValueError(f"carried rollouts: saved {name} has shape {value.shape}, this run expects "
+                         f"{None if want is None else want.shape} (rl.prompts_per_step, rl.group_size, "
+                         "rl.max_prompt_len, rl.max_new_tokens and the model must match the saved run).")
+    self.pool = blank.replace(**{name: jnp.asarray(value, getattr(blank, name).dtype) for name, value in arrays.items()})
+    self.examples = list(state["examples"])
+    self.live = np.asarray(state["live"], bool)
+    self.next_uid = int(state["next_uid"])
+
+
+def _place_groups(pool: Pool, fresh: Pool, where: np.ndarray, group_size: int) -> Pool:
+  """pool with its group slots `where` [F] replaced by fresh's F groups (in order)."""
+  rows = jnp.asarray((where[:, None] * group_size + np.arange(group_size)).reshape(-1))
+
+  def put(name, old, new):
+    if old is None:
+      return None
+    if name == "group_of":
+      return old.at[rows].set(rows // group_size)
+    if name == "routing":
+      return old.at[:, rows].set(new)
+    return old.at[rows].set(new)
+  return pool.replace(**{f.name: put(f.name, getattr(pool, f.name), getattr(fresh, f.name))
+                         for f in dataclasses.fields(pool)})

@@ -1,0 +1,448 @@
+"""The one RL step program: collect -> score -> advantages -> update.
+
+`scripts/rl.py`, `scripts/bench_rl.py`, `scripts/eval.py` and the tests all drive this module:
+
+  run = build_run(cfg, mesh, model, tokenizer)       # the jitted programs, built once
+  metrics = rl_step(run, examples, key)               # one step; run.state is replaced
+
+  collect   rollout(s) on the devices (jit) -> ScoredBatch, scored on the host's RewardPool, with
+            DAPO dynamic sampling; the samples' tokens stay on the devices (rl/rows.DeviceRows: the
+            host moves rows and pulls only the response columns it scores)
+  prepare   ScoredBatch -> UpdateBatch: prediction-aligned arrays, reference log-probs and critic
+            values (jit), advantages (jit, `advantages.make_advantages`), zigzag for ring attention
+            or packing, built on the devices from the rows; routing replay's MoE routes assembled
+            there too (rl/batches/routes.py), never on the host
+  update    the jitted policy/critic update over epochs x minibatches (rl/algo/update.py)
+
+Logging, evaluation and checkpoints are hooks of the driver (rl/step/driver.py), not part of the step. The
+rollout and the update read and replace the same `run.state.params` arrays on the one mesh.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshrl.model.tokenizer import Tokenizer
+from meshrl.rl.algo import advantages as adv_lib
+from meshrl.rl.algo import losses
+from meshrl.rl.batches import packing
+from meshrl.rl.batches import routes
+from meshrl.rl.step.groups import (batch_metrics, empty_scored, enough_groups, next_prompts, response_columns,
+                            score_rollout, shared_prompts, staleness, step_groups)
+from meshrl.rl.batches.handover import (ScoredBatch, UpdateBatch, align_for_update, align_on_devices,
+                               device_put_batch, zigzag_batch)
+from meshrl.rl.rewards import compose
+from meshrl.rl.batches.layouts import sample_layout
+from meshrl.rl.step.partial import PartialRollouts
+from meshrl.rl.step.episodes import PartialEpisodes, wants_multi_turn
+from meshrl.rl.step.episode_collect import collect_multiturn
+from meshrl.rl.batches.rows import rollout_rows
+from meshrl.rl.step.spec import episode_runner, make_generator
+from meshrl.rl.batches.routes import RoutingRows
+from meshrl.rl.batches.rows import DeviceRows
+from meshrl.rl.rewards.pool import RewardPool
+from meshrl.rl.algo.update import make_logprob_fn, make_update
+from meshrl.sharding import hosts
+from meshrl.sharding.rules import logical_to_spec, rules_from_config
+from meshrl.train.checkpoint import array_from_json, array_to_json
+from meshrl.train.optim import make_optimizer
+from meshrl.train.sft import zigzag_shards
+from meshrl.train.state import TrainState, create_train_state
+
+
+@dataclasses.dataclass
+class RLRun:
+  """Everything a step needs; built once by `build_run`."""
+  cfg: Any
+  mesh: Any
+  graphdef: Any
+  state: TrainState
+  ref_params: Any  # the initial params, kept only when a KL term is on (else None)
+  spec: losses.LossSpec
+  estimator: Any
+  rollout: Any  # jitted (params, extra, prompts, mask, key) -> RolloutBatch
+  update: Any  # jitted (state, UpdateBatch, key) -> (state, metrics)
+  logprob_fn: Any  # jitted (params, extra, UpdateBatch) -> (logp, values)
+  advantages_fn: Any  # jitted, advantages.make_advantages
+  tokenizer: Tokenizer
+  pool: RewardPool
+  batch_sharding: Any  # NamedSharding of [B, S] update arrays, or None without a mesh
+  zigzag_shards: int  # > 1: update batches are laid out zigzag over the sequence axis
+  samples_sharding: Any = None  # NamedSharding of [samples, S] contiguous arrays (packed updates' advantages)
+  partial: Any = None  # rl/partial.PartialRollouts (multi-turn: rl/multiturn.PartialEpisodes) when
+  #                      rl.rollout_token_budget > 0: groups carried over
+  version: int = 0  # policy version: RL updates applied so far (restored with the checkpoint's step)
+  in_flight: collections.deque = dataclasses.field(default_factory=collections.deque)  # InFlight
+  multiturn: Any = None  # rl/multiturn.EpisodeRunner when episodes are multi-turn (else None)
+  episode_thread: Any = None  # asynchronous multi-turn RL: the executor running episodes beside the update
+
+  def close(self) -> None:
+    self.pool.close()
+    if self.episode_thread is not None:
+      self.episode_thread.shutdown(wait=True)
+    if self.multiturn is not None:
+      self.multiturn.close()
+
+
+def build_run(cfg, mesh, model, tokenizer: Tokenizer) -> RLRun:
+  """The train state of `model` and the run's jitted programs (nothing is compiled yet)."""
+  estimator = adv_lib.make_estimator(cfg.rl.advantage, eps=cfg.rl.adv_eps, gamma=cfg.rl.gamma,
+                                     lam=cfg.rl.gae_lambda)
+  zigzag_over = zigzag_shards(cfg, mesh)
+  spec = dataclasses.replace(losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic),
+                             zigzag_inputs=zigzag_over > 1)
+  tx = make_optimizer(cfg.optim)
+  graphdef, state = create_train_state(model, tx, mesh)
+  sharding = samples_sharding = None
+  if mesh is not None:
+    split = lambda shape: NamedSharding(mesh, logical_to_spec(("batch", "length"), rules_from_config(cfg.mesh),  # noqa: E731
+                                                              mesh, shape=shape))
+    sharding = split(packing.update_shape(cfg))
+    samples_sharding = split((cfg.rl.prompts_per_step * cfg.rl.group_size,
+                              cfg.rl.max_prompt_len + cfg.rl.max_new_tokens))
+  multiturn = rollout = partial = None
+  if wants_multi_turn(cfg):
+    if cfg.rl.max_staleness and jax.process_count() > 1:
+      raise ValueError(f"rl.max_staleness={cfg.rl.max_staleness} with rl.multi_turn on {jax.process_count()} "
+                       "processes: asynchronous episodes gather their environments' answers across hosts from a "
+                       "second thread, whose collectives could interleave differently on each host; run "
+                       "multi-turn RL synchronously (rl.max_staleness=0) on several hosts.")
+    multiturn = episode_runner(cfg, mesh, tokenizer)
+    partial = PartialEpisodes(multiturn, cfg.rl.prompts_per_step) if cfg.rl.rollout_token_budget else None
+  else:
+    rollout = make_generator(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id)
+    partial = PartialRollouts(rollout, cfg.rl.prompts_per_step) if cfg.rl.rollout_token_budget else None
+  return RLRun(
+      cfg=cfg, mesh=mesh, graphdef=graphdef, state=state,
+      ref_params=jax.tree.map(jnp.copy, state.params) if spec.kl_metric else None,
+      spec=spec, estimator=estimator,
+      rollout=rollout,
+      partial=partial,
+      update=make_update(spec, graphdef, tx, batch_size=packing.update_rows(cfg),
+                         num_minibatches=cfg.rl.num_minibatches, epochs=cfg.rl.epochs,
+                         aux_free_bias=cfg.moe.aux_free_bias, bias_update_rate=cfg.moe.bias_update_rate),
+      logprob_fn=make_logprob_fn(graphdef, temperature=cfg.rl.temperature,
+                                 replay_routing=cfg.rl.replay_routing,
+                                 logits_chunk=spec.logits_chunk, zigzag_inputs=spec.zigzag_inputs),
+      advantages_fn=adv_lib.make_advantages(cfg), tokenizer=tokenizer,
+      pool=RewardPool(compose(cfg.rl.rewards), num_workers=cfg.rl.reward_workers,
+                      timeout_s=cfg.rl.reward_timeout_s),
+      batch_sharding=sharding, samples_sharding=samples_sharding, zigzag_shards=zigzag_over,
+      multiturn=multiturn)
+
+
+def _rollout_arrays(batch, keep_on_devices: bool = False) -> dict:
+  """RolloutBatch (device) -> the host's dict of its fields; the routing stays on the devices (a
+  RoutingRows of [B, L, S, K], rl/batches/routes.py) or is dropped.
+
+  keep_on_devices: the per-token fields [B, S] stay where they are too, as rl/rows.DeviceRows (the
+  host moves samples by row; scoring pulls the response columns, `prepare` builds the update batch on
+  the devices): no host ever holds the batch's tokens, [B, 1M] per field at a 1M-token context.
+  The per-sample fields (lengths, truncated [B]) come to every host. False: everything to the host
+  (`hosts.to_host`: every host's samples on every host)."""
+  arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+  routing = arrays.pop("routing")
+  arrays = rollout_rows(arrays) if keep_on_devices else jax.tree.map(hosts.to_host, arrays)
+  if routing is not None:
+    arrays["routing"] = RoutingRows.of_rollout(routing)
+  return arrays
+
+
+@dataclasses.dataclass
+class InFlight:
+  """A rollout dispatched ahead of the step that consumes it (asynchronous RL, rl.max_staleness)."""
+  examples: list  # the P task examples of its groups
+  batch: Any  # RolloutBatch on the devices, possibly still being computed (host arrays once restored);
+  #             for multi-turn episodes a Future of rl/multiturn.MultiTurnRollout, run in a thread
+  version: int  # policy version of the parameters that generated it
+  episodes: Any = None  # multi-turn: the episodes' stats and texts (JSON) once restored from a checkpoint
+
+  def arrays(self) -> dict:
+    """The rollout's fields as `collect` uses them: per-token fields kept on the devices (host arrays
+    once restored from a checkpoint)."""
+    if isinstance(self.batch, dict):
+      return self.batch
+    if hasattr(self.batch, "result"):  # multi-turn episodes
+      return self.batch.result().arrays
+    return _rollout_arrays(self.batch, keep_on_devices=True)
+
+  def episodes_state(self) -> dict | None:
+    """Multi-turn: {"stats": [...], "texts": [...]} of the episodes (waits for them); None otherwise."""
+    if self.episodes is not None:
+      return self.episodes
+    if hasattr(self.batch, "result"):
+      out = self.batch.result()
+      return {"stats": [dataclasses.asdict(e) for e in out.episodes], "texts": list(out.texts)}
+    return None
+
+
+def in_flight_state(run: RLRun) -> list[dict]:
+  """The rollouts in flight as JSON values, for the checkpoint (waits for them), so a resumed
+  asynchronous run trains on exactly the rollouts the uninterrupted one would have. Each host holds
+  only its own block of a rollout's examples (every host all of them with `shared_prompts`); the
+  state has every host's, in process order (every process calls this: the gather is collective)."""
+  def to_json(value):
+    return array_to_json(value.to_host() if isinstance(value, DeviceRows) else value)
+  shared = shared_prompts(run.cfg)
+  return [{"examples": list(item.examples) if shared else hosts.gather_objects(item.examples),
+           "version": item.version, "arrays": {name: to_json(value) for name, value in item.arrays().items()},
+           **({"episodes": item.episodes_state()} if item.episodes_state() is not None else {})}
+          for item in run.in_flight]
+
+
+def restore_in_flight(run: RLRun, state: list[dict]) -> None:
+  """Puts `in_flight_state`'s rollouts back in the queue (as host arrays), each host with its own
+  block of their examples (`hosts.own_block`; all of them with `shared_prompts`)."""
+  def from_json(name, value):
+    array = array_from_json(value)
+    return RoutingRows.from_host(array) if name == "routing" else array
+  shared = shared_prompts(run.cfg)
+  run.in_flight = collections.deque(
+      InFlight(item["examples"] if shared else item["examples"][hosts.own_block(len(item["examples"]))],
+               {name: from_json(name, v) for name, v in item["arrays"].items()}, item["version"],
+               episodes=item.get("episodes"))
+      for item in state)
+
+
+def next_in_flight(run: RLRun, draw, key: jax.Array) -> InFlight:
+  """Asynchronous RL: tops the queue of dispatched rollouts up to rl.max_staleness + 1 and pops the
+  oldest.
+
+  New rollouts are dispatched with the current parameters and not waited for: JAX dispatch returns
+  at once, so the devices generate them while the host scores the popped one (and the update that
+  follows queues behind them). Each queued rollout waits max_staleness steps, so a rollout generated
+  at version v is trained on at version v + max_staleness at most (v + step - 1 in the first steps).
+  draw(count) -> (examples, tokens [count, Lp], mask) gives the prompts.
+  """
+  cfg = run.cfg.rl
+  while len(run.in_flight) < cfg.max_staleness + 1:
+    examples, tokens, mask = draw(cfg.prompts_per_step)
+    batch = run.rollout(run.state.params, run.state.extra, tokens, mask,
+                        jax.random.fold_in(key, 1000 + len(run.in_flight)), None, run.version)
+    run.in_flight.append(InFlight(examples, batch, run.version))
+  return run.in_flight.popleft()
+
+
+def score_own_block(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool: RewardPool, *,
+                    examples_everywhere: bool = False, **kw) -> ScoredBatch:
+  """`score_rollout` of the whole batch `arrays` ([B, ...] numpy, every host's groups side by side),
+  where this host scores only its own groups and the scores are gathered from every host
+  (sharding/hosts.py); with one process, plain `score_rollout`.
+
+  Its own groups: the block of its own prompts (`examples` holds only those), or with
+  `examples_everywhere` (partial rollouts: `examples` lists every group's, on every host) its
+  `hosts.share` of the groups, as even as their count allows."""
+  if not hosts.is_multihost():
+    return score_rollout(arrays, examples, tokenizer, pool, **kw)
+  group_size = kw["group_size"]
+  groups = arrays["tokens"].shape[0] // group_size
+  if examples_everywhere:
+    mine = hosts.share(groups)
+    examples = examples[mine]
+  else:
+    mine = hosts.own_block(groups)
+  rows = slice(mine.start * group_size, mine.stop * group_size)
+  # What scoring reads, the response columns, pulled by every host alike (for fields kept on the
+  # devices the pull is collective), then this host's rows.
+  responses = {**{k: v for k, v in arrays.items() if k in ("lengths", "truncated")},
+               **response_columns(arrays, kw["max_new_tokens"])}
+  own_arrays = {k: v[rows] for k, v in responses.items()}
+  own = score_rollout(own_arrays, examples, tokenizer, pool, **kw) if examples else empty_scored(own_arrays)
+  infos = hosts.gather_objects([own.info])
+  info = {"reward_errors": sum(i["reward_errors"] for i in infos),
+          "reward_timeouts": sum(i["reward_timeouts"] for i in infos),
+          "first_errors": [e for i in infos for e in i["first_errors"]]}
+  return ScoredBatch(arrays=arrays, rewards=hosts.gather_rows(own.rewards),
+                     correct=hosts.gather_rows(own.correct),
+                     sample_valid=hosts.gather_rows(own.sample_valid),
+                     domains=hosts.gather_objects(own.domains), texts=hosts.gather_objects(own.texts),
+                     info=info)
+
+
+def _rows_sharding(sharding: NamedSharding | None) -> NamedSharding | None:
+  """[rows, ...] split over the batch axes of `sharding` (the samples' [B, S]), every column whole."""
+  if sharding is None:
+    return None
+  return NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0] if len(sharding.spec) else None))
+
+
+def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[ScoredBatch, dict]:
+  """Rollout(s) and their scores for one step -> (ScoredBatch of exactly prompts_per_step groups,
+  metrics). With rl.dynamic_sampling, up to rl.max_resample_rounds more rollouts refill the batch
+  with groups whose rewards differ (DAPO); groups kept only for the shape have no gradient.
+  With partial rollouts (run.partial) the batch is the groups that ended in this step's token
+  budget, padded with sample_valid=False groups; unfinished groups carry over to the next step.
+  With rl.max_staleness > 0 (asynchronous RL) the first round is the oldest rollout in flight
+  (`next_in_flight`); refill rounds of dynamic sampling run at once with the current parameters.
+  Every token carries the policy version that generated it; metrics report the staleness."""
+  if run.multiturn is not None:  # tool episodes: generate, step the environments, extend the cache
+    return collect_multiturn(run, examples, key)
+  cfg = run.cfg.rl
+  rounds = 1 + (cfg.max_resample_rounds if cfg.dynamic_sampling else 0)
+  scored_rounds, rejected, truncated = [], 0, 0
+  rollout_s = reward_s = 0.0
+  generated, reward_errors, reward_timeouts = 0, 0, 0
+  first_errors = []
+  partial_info = {}
+
+  shared = shared_prompts(run.cfg)
+
+  def draw(count):
+    """This host's block of `count` prompts (its examples), and every host's tokens side by side (a
+    global array of each host's own rows, `hosts.global_rows`). With `shared_prompts` every host
+    draws the same `count` prompts (its stream is the whole stream)."""
+    nonlocal rejected, truncated
+    prompts = next_prompts(examples, run.tokenizer, count=count if shared else count // jax.process_count(),
+                           max_len=cfg.max_prompt_len, overflow=cfg.prompt_overflow)
+    if shared:
+      rejected, truncated = rejected + prompts.rejected, truncated + prompts.truncated
+      return prompts.examples, prompts.tokens, prompts.mask
+    counts = hosts.gather_rows(np.asarray([[prompts.rejected, prompts.truncated]]))
+    rejected, truncated = rejected + int(counts[:, 0].sum()), truncated + int(counts[:, 1].sum())
+    rows = _rows_sharding(run.samples_sharding)
+    return prompts.examples, hosts.global_rows(prompts.tokens, rows), hosts.global_rows(prompts.mask, rows)
+
+  for round_index in range(rounds):
+    t0 = time.perf_counter()
+    if run.partial is not None:
+      arrays, round_examples, partial_info = run.partial.step(
+          run.state.params, run.state.extra, draw, jax.random.fold_in(key, round_index), run.version)
+    elif round_index == 0 and cfg.max_staleness > 0:
+      dispatched = next_in_flight(run, draw, key)
+      round_examples = dispatched.examples
+      t0 = time.perf_counter()  # the wait for a rollout dispatched earlier
+      arrays = dispatched.arrays()
+    else:
+      round_examples, tokens, mask = draw(cfg.prompts_per_step)
+      t0 = time.perf_counter()
+      arrays = _rollout_arrays(run.rollout(run.state.params, run.state.extra, tokens, mask,
+                                           jax.random.fold_in(key, round_index), None, run.version),
+                               keep_on_devices=True)
+    rollout_s += time.perf_counter() - t0
+    generated += int(arrays["lengths"].sum())
+    t0 = time.perf_counter()
+    scored = empty_scored(arrays) if not round_examples else score_own_block(
+        arrays, round_examples, run.tokenizer, run.pool, group_size=cfg.group_size,
+        max_new_tokens=cfg.max_new_tokens, overlong_buffer=cfg.overlong_buffer,
+        overlong_penalty_value=cfg.overlong_penalty, examples_everywhere=shared)
+    reward_s += time.perf_counter() - t0
+    reward_errors += scored.info["reward_errors"]
+    reward_timeouts += scored.info["reward_timeouts"]
+    first_errors += scored.info["first_errors"]
+    scored_rounds.append(scored)
+    if enough_groups(scored_rounds, cfg):
+      break
+  batch = step_groups(scored_rounds, cfg)
+  partial_info.update(staleness(batch.arrays, run.version, cfg.max_new_tokens))
+  generator = run.partial if run.partial is not None else run.rollout
+  if run.cfg.rl.speculative != "none" and generator.metrics is not None:  # the last rollout's
+    spec = jax.device_get(generator.metrics)
+    partial_info.update(spec_acceptance_rate=float(spec["acceptance_rate"]),
+                        spec_tokens_per_forward=float(spec["tokens_per_forward"]))
+  first = scored_rounds[0]  # the first round is an unbiased sample of the policy: report it
+  if not first.texts:  # partial rollouts: no group ended in this step
+    first = batch
+  metrics = {
+      **batch_metrics(first, batch, first.arrays["lengths"], cfg.group_size),
+      "reward_errors": reward_errors, "reward_timeouts": reward_timeouts,
+      "rollout_rounds": len(scored_rounds), "prompts_rejected": rejected, "prompts_truncated": truncated,
+      "rollout_s": rollout_s, "reward_s": reward_s, "generated_tokens": generated,
+  }
+  if first_errors:
+    metrics["first_reward_error"] = first_errors[0][:200]
+  metrics.update(partial_info)
+  return batch, metrics
+
+
+def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
+  """ScoredBatch -> UpdateBatch on the devices, with everything `run.spec` needs, checked.
+
+  Padded: one row per sample (zigzag for ring attention). Packed (rl.pack_updates): the valid
+  samples' tokens packed into rl.packed_rows rows (rl/batches/packing.py); advantages are computed per
+  sample and packed, reference log-probs and values are computed packed and unpacked for them.
+  With rl.tis_level the rollout's log-probs become `behaviour_logprobs` and `old_logprobs` are
+  recomputed under the current params (the proximal policy)."""
+  on_devices = isinstance(scored.arrays["tokens"], DeviceRows)
+  aligned = align_on_devices(scored, run.samples_sharding) if on_devices else align_for_update(scored)
+  routing = aligned.pop("routing", None) if run.spec.replay_routing else None
+  aligned.pop("routing", None)
+  if routing is not None and not isinstance(routing, RoutingRows):  # host routes [B, L, S, K]
+    routing = RoutingRows.from_host(routing)
+  plan, metrics = None, {}
+  if run.spec.packed:
+    spec = packing.PackingSpec.from_config(run.cfg, zigzag_shards=run.zigzag_shards)
+    spans = (packing.device_spans if on_devices else packing.trajectory_spans)(aligned["segment_ids"],
+                                                                              scored.sample_valid)
+    plan = packing.plan_from_spans(*spans, spec, num_columns=aligned["segment_ids"].shape[1])
+    metrics.update(packing.packing_metrics(plan))
+  layout = sample_layout(plan=plan, zigzag_shards=run.zigzag_shards, mesh=run.mesh,
+                         batch_sharding=run.batch_sharding, samples_sharding=run.samples_sharding)
+  if on_devices:  # the samples' rows never left the devices: laid out there (rl/batches/layouts.py)
+    fields = {name: layout.from_samples(value) for name, value in aligned.items()}
+    if plan is not None:
+      fields.update(packing.plan_ids(plan, run.batch_sharding))
+    batch = UpdateBatch(**fields, advantages=_zeros_like(fields["old_logprobs"]))
+  else:
+    host = UpdateBatch(**aligned, advantages=np.zeros_like(aligned["old_logprobs"]))
+    host = zigzag_batch(host, run.zigzag_shards) if plan is None else packing.pack_batch(host, plan)
+    batch = device_put_batch(host, run.batch_sharding)
+  if routing is not None:  # built on the devices, in the batch's layout (rl/batches/routes.py)
+    batch = batch.replace(routing=routes.assemble(routing, run.batch_sharding, zigzag_shards=run.zigzag_shards,
+                                                  plan=plan))
+  ref_logprobs = values = None
+  if run.ref_params is not None:
+    ref_logprobs, _ = run.logprob_fn(run.ref_params, run.state.extra, batch)
+  if run.spec.critic or run.spec.tis_level != "none":
+    proximal, values = run.logprob_fn(run.state.params, run.state.extra, batch)
+    if run.spec.tis_level != "none":
+      batch = batch.replace(behaviour_logprobs=batch.old_logprobs, old_logprobs=proximal)
+  # Advantages per sample in contiguous order ([B, S], the estimators' layout: GAE scans columns in
+  # order), then in the batch's layout (packed, or zigzag for ring attention).
+  # On the devices (rl/batches/layouts.py): nothing of the batch's size goes through the host.
+  to_samples = layout.to_samples
+  valid = jnp.asarray(scored.sample_valid)
+  advantages, returns, adv_metrics = run.advantages_fn(
+      jnp.asarray(scored.rewards), to_samples(batch.loss_mask), valid, to_samples(batch.old_logprobs),
+      to_samples(ref_logprobs), to_samples(values))
+  advantages, returns = layout.from_samples(advantages), layout.from_samples(returns)
+  batch = batch.replace(advantages=advantages, ref_logprobs=ref_logprobs,
+                        old_values=values if run.spec.critic else None,
+                        returns=returns if run.spec.critic else None)
+  metrics.update({k: float(v) for k, v in jax.device_get(adv_metrics).items()})
+  return batch.check(run.spec), metrics
+
+
+_zeros_like = jax.jit(jnp.zeros_like)  # in the argument's sharding
+
+
+def rl_step(run: RLRun, examples: Iterator[dict], key: jax.Array) -> dict:
+  """One RL step: collect -> score -> advantages -> update. Replaces `run.state`; returns metrics."""
+  t0 = time.perf_counter()
+  scored, metrics = collect(run, examples, jax.random.fold_in(key, 0))
+  t_prepare = time.perf_counter()
+  batch, prepare_metrics = prepare(run, scored)
+  metrics.update(prepare_metrics)
+  t_update = time.perf_counter()
+  metrics["prepare_s"] = t_update - t_prepare
+  run.state, update_metrics = run.update(run.state, batch, jax.random.fold_in(key, 1))
+  run.version += 1
+  update_metrics = jax.device_get(update_metrics)
+  # The metrics are read from one device; the others may still be finishing their shards of the new
+  # state (on 2 simulated CPU devices up to 0.1 s), which the next rollout would otherwise be timed for.
+  jax.block_until_ready(run.state)
+  metrics["update_s"] = time.perf_counter() - t_update
+  update_metrics.pop("expert_load", None)
+  metrics.update({k: float(v) for k, v in update_metrics.items()})
+  metrics.setdefault("kl", 0.0)
+  metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
+  metrics["time_s"] = time.perf_counter() - t0
+  metrics["tokens_per_s"] = np.prod(scored.arrays["tokens"].shape) / metrics["time_s"]
+  return metrics

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+tar -czf /app/backup.tar.gz --exclude='*.tmp' -C /app data

@@ -1,0 +1,131 @@
+"""Multi-turn episodes compose with every option of the generation core and of the RL step: the
+continuous (episodic) scheduler, speculative decoding, the int8 KV cache and weights, the gathered
+layout, MoE routing replay over every token, packed updates, asynchronous RL and partial episodes
+carried across steps, each asserting its effect."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshrl import configs
+from meshrl.model.tokenizer import ByteTokenizer
+from meshrl.rl.step import driver as loop
+from meshrl.rl.step import program as step_lib
+from meshrl.rl.envs.file_tasks import copy_task
+from meshrl.rl.batches.rows import DeviceRows
+from meshrl.rl.step.spec import episode_runner
+
+TOK = ByteTokenizer()
+SMALL = ["model.num_layers=2", "model.embed_dim=32", "model.num_heads=2", "model.num_kv_heads=1",
+         "model.head_dim=16", "model.mlp_dim=64", "moe.expert_mlp_dim=32", "moe.first_k_dense=1",
+         "rl.max_prompt_len=24", "rl.max_new_tokens=48", "model.max_seq_len=88", "rl.max_obs_tokens=16",
+         "model.init_std=0.3", "rl.multi_turn=true", "rl.max_turn_tokens=12", "rl.max_turns=3", "rl.group_size=2",
+         "rl.prompts_per_step=4", "rl.env_workers=2", "rl.sft_steps=0", "rl.num_minibatches=1",
+         "data.tasks=files_copy:1.0", "rl.max_resample_rounds=0", "rl.dynamic_sampling=false", "eval.every=0"]
+
+
+def _examples(seed=0):
+  rng = np.random.default_rng(seed)
+  return itertools.cycle([{**copy_task(rng, 1), "verifier": "files", "domain": "files_copy"} for _ in range(8)])
+
+
+def _host(arrays):
+  return {k: v.to_host() if isinstance(v, DeviceRows) else v for k, v in arrays.items() if k != "routing"}
+
+
+def _rollout(cfg, state, key=1):
+  runner = episode_runner(cfg, None, TOK)
+  try:
+    return runner, runner.rollout(state.params, state.extra, [next(_examples()) for _ in range(4)],
+                                  jax.random.key(key), version=2)
+  finally:
+    runner.close()
+
+
+def test_routes_of_every_token_are_replayed_exactly(devices):
+  """An MoE policy's multi-turn batch, built by the run's own collect and prepare: the update's log-
+  probs recomputed with the replayed routes equal the behaviour log-probs within 1e-4 on every policy
+  token of every turn; routes taken away from the observation tokens (expert 0 there) break it, so
+  the observations' routes were recorded and replayed."""
+  del devices
+  cfg = configs.load("configs/tiny.py", SMALL + ["rl.temperature=1.0", "moe.first_k_dense=0"])  # 2 MoE layers: layer 0's routes reach later tokens
+  run, _ = loop.setup(cfg)
+  scored, _ = step_lib.collect(run, _examples(), jax.random.key(3))
+  batch, _ = step_lib.prepare(run, scored)
+  logp, _ = run.logprob_fn(run.state.params, run.state.extra, batch)
+  mask = np.asarray(batch.loss_mask)
+  assert mask.sum() > 20
+  np.testing.assert_allclose(np.asarray(logp)[mask], np.asarray(batch.old_logprobs)[mask], atol=1e-4)
+  host = _host(scored.arrays)
+  observation = (host["segment_ids"] > 0) & ~host["response_mask"] & ~host["prompt_mask"]
+  assert observation.any()
+  # observation[b, s] is input column s: the routes of that token (axis 2 of [B, L, S, K]) go to 0.
+  wiped = batch.replace(routing=jnp.where(jnp.asarray(observation)[:, None, :, None], 0, batch.routing))
+  logp_wiped, _ = run.logprob_fn(run.state.params, run.state.extra, wiped)
+  after = mask & np.cumsum(observation, axis=1).astype(bool)  # policy tokens after an observation
+  assert np.abs(np.asarray(logp_wiped) - np.asarray(batch.old_logprobs))[after].max() > 1e-3
+  run.close()
+
+
+def test_generation_options_reach_episodes():
+  """The episodic scheduler (4 slots for 8 episodes) and n-gram speculation give the turn-synchronous
+  rollout's episodes token for token; the int8 KV cache decodes them on int8 cache rows; int8
+  weights are made for the episodes' generator."""
+  base = configs.load("configs/tiny.py", SMALL + ["rl.temperature=0.7"])
+  from meshrl.model.init import build_model  # pylint: disable=import-outside-toplevel
+  from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
+  from meshrl.train.optim import make_optimizer  # pylint: disable=import-outside-toplevel
+  from meshrl.train.state import create_train_state  # pylint: disable=import-outside-toplevel
+  _, state = create_train_state(build_model(ModelConfig.from_config(base, None), None), make_optimizer(base.optim),
+                                None)
+  _, want = _rollout(base, state)
+  want_arrays = _host(want.arrays)
+  for extra in (["rl.engine=continuous", "rl.decode_slots=4"],
+                ["rl.engine=continuous", "rl.speculative=ngram", "rl.speculative_k=3", "rl.ngram_n=1"]):
+    runner, got = _rollout(configs.load("configs/tiny.py", SMALL + ["rl.temperature=0.7"] + extra),
+                           state)
+    got_arrays = _host(got.arrays)
+    for name in ("tokens", "response_mask", "positions", "policy_version"):
+      np.testing.assert_array_equal(got_arrays[name], want_arrays[name], err_msg=f"{extra} {name}")
+    np.testing.assert_allclose(got_arrays["logprobs"], want_arrays["logprobs"], atol=1e-4)
+    if "rl.speculative=ngram" in extra:
+      assert got.counts["tokens_per_forward"] >= 1.0
+  int8 = configs.load("configs/tiny.py", SMALL + ["rl.kv_cache_dtype=int8", "rl.generation_weights=int8",
+                                                  "rl.tis_level=token"])
+  runner, out = _rollout(int8, state)
+  engine = runner.scheduler(4).engine
+  cache = engine.empty(runner.weights(state.params, state.extra), 4, TOK.vocab_size).cache
+  assert {str(a.dtype) for a in jax.tree.leaves(cache.layers) if a.ndim >= 3} >= {"int8"}
+  assert any(a.dtype == jnp.int8 for a in jax.tree.leaves(runner.generator.prepare(state.params)))
+  assert sum(e.policy_tokens for e in out.episodes) > 0
+
+
+@pytest.mark.parametrize("extra,check", [
+    (["rl.max_staleness=1", "rl.tis_level=token"], "async"),
+    (["rl.engine=continuous", "rl.decode_slots=8", "rl.rollout_token_budget=96"], "partial"),
+    (["rl.pack_updates=true"], "packed"),
+])
+def test_rl_steps_on_episodes_compose(extra, check, devices):
+  """RL steps of multi-turn episodes with asynchronous RL (episodes of batch k+1 run in a thread while
+  batch k updates: staleness 1 from the second step), partial episodes (a budget of 96 tokens per
+  step: groups are carried with their environments, several policy versions in a finished episode) and
+  packed updates (finite losses on packed rows)."""
+  del devices
+  cfg = configs.load("configs/tiny.py", SMALL + extra)
+  run, _ = loop.setup(cfg)
+  examples = _examples()
+  records = [step_lib.rl_step(run, examples, jax.random.key(i)) for i in range(3)]
+  run.close()
+  for record in records:
+    assert np.isfinite(record["loss"]) or record.get("updated_minibatches", 1) == 0, record
+  if check == "async":
+    assert [r["staleness_max"] for r in records[1:]] == [1.0, 1.0]
+  elif check == "partial":
+    assert sum(r["groups_carried"] for r in records) > 0
+    assert any(r["groups_ended"] > 0 for r in records)
+    assert max(r["staleness_max"] for r in records) >= 1.0  # a finished episode spans several versions
+  else:
+    assert records[-1]["generated_tokens"] > 0

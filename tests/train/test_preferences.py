@@ -1,0 +1,97 @@
+"""Preference pairs: every malformed line refused by file and line, rows encoded as the policy sees
+them, the length budget refused or truncated as asked, and synthetic pairs the verifier would judge."""
+
+import json
+
+import numpy as np
+import pytest
+
+from meshrl.model.tokenizer import load_tokenizer
+from meshrl.rl.envs.mixture import TaskMixture
+from meshrl.rl.rewards import answer_reward
+from meshrl.train.data import encode_example
+from meshrl.train.preferences import encode_pairs, read_pairs, split_pairs
+from meshrl.train.synthetic_pairs import synthetic_pairs
+
+GOOD = {"prompt": "rev abc=", "chosen": "cba", "rejected": "cab"}
+
+
+def _write(tmp_path, *lines):
+  path = tmp_path / "prefs.jsonl"
+  path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+  return str(path)
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    ({"prompt": "rev abc=", "chosen": "cba"}, ":3: 'rejected' is missing"),
+    ({"prompt": "rev abc=", "chosen": "", "rejected": "cab"}, ":3: 'chosen' is empty"),
+    ({"prompt": "rev abc=", "chosen": "cba", "rejected": "   "}, ":3: 'rejected' is empty"),
+    ({"chosen": "cba", "rejected": "cab"}, ":3: 'prompt' is missing"),
+    ({"prompt": "rev abc=", "chosen": 3, "rejected": "cab"}, ":3: 'chosen' is a int, not a string"),
+    ({**GOOD, "margin": "big"}, ":3: 'margin'='big' is not a finite number"),
+    ({**GOOD, "margin": float("nan")}, ":3: 'margin'=nan is not a finite number"),
+    ({**GOOD, "rejected": "cba"}, ":3: 'chosen' and 'rejected' are the same text"),
+    ("{not json", ":3: not JSON (Expecting property name"),
+    ("[1, 2]", ":3: a JSON list, not an object"),
+])
+def test_a_bad_line_is_named_by_file_and_line(tmp_path, bad, fragment):
+  path = _write(tmp_path, GOOD, "", bad, GOOD)  # line 2 is blank, the bad one is line 3
+  with pytest.raises(ValueError) as error:
+    read_pairs(path, field="rm.train_jsonl")
+  assert str(error.value).startswith(path + fragment), str(error.value)
+  assert "\n" not in str(error.value)
+
+
+def test_empty_and_missing_files(tmp_path):
+  with pytest.raises(ValueError, match=r"rm.train_jsonl='.*prefs.jsonl' holds no preference pairs"):
+    read_pairs(_write(tmp_path, ""), field="rm.train_jsonl")
+  with pytest.raises(ValueError, match=r"rm.eval_jsonl='.*nope.jsonl': no such file"):
+    read_pairs(str(tmp_path / "nope.jsonl"), field="rm.eval_jsonl")
+
+
+def test_rows_are_encoded_as_the_policy_sees_prompt_and_answer(tmp_path):
+  tokenizer = load_tokenizer()
+  pairs = read_pairs(_write(tmp_path, GOOD, {**GOOD, "chosen": "zyxw", "margin": 2}), field="f")
+  arrays = encode_pairs(pairs, tokenizer, max_len=16)
+  for i, pair in enumerate(pairs):
+    for side, tokens, lengths in (("chosen", arrays.chosen, arrays.chosen_lengths),
+                                  ("rejected", arrays.rejected, arrays.rejected_lengths)):
+      want = encode_example({"prompt": pair.prompt, "answer": getattr(pair, side)}, tokenizer)["tokens"]
+      assert lengths[i] == len(want) and tokens[i, -1] == tokenizer.pad_id
+      np.testing.assert_array_equal(tokens[i, :lengths[i]], want)
+      assert np.all(tokens[i, lengths[i]:] == tokenizer.pad_id)
+  np.testing.assert_array_equal(arrays.margins, [0.0, 2.0])
+
+
+def test_over_budget_is_refused_by_line_or_truncated_when_asked(tmp_path):
+  tokenizer = load_tokenizer()
+  path = _write(tmp_path, GOOD, {"prompt": "rev " + "a" * 30 + "=", "chosen": "long answer", "rejected": "x"})
+  pairs = read_pairs(path, field="rm.train_jsonl")
+  with pytest.raises(ValueError, match=rf"^{path}:2: prompt \+ chosen is 48 tokens, longer than rm.max_len=20; "
+                                       r"raise rm.max_len or set rm.overflow='truncate'"):
+    encode_pairs(pairs, tokenizer, max_len=20)
+  arrays = encode_pairs(pairs, tokenizer, max_len=20, overflow="truncate")
+  full = encode_example({"prompt": pairs[1].prompt, "answer": "long answer"}, tokenizer)["tokens"]
+  assert arrays.chosen_lengths[1] == 20
+  np.testing.assert_array_equal(arrays.chosen[1], full[-20:])  # the response and its EOS kept
+  with pytest.raises(ValueError, match="rm.overflow='drop' is not one of 'reject', 'truncate'"):
+    encode_pairs(pairs, tokenizer, max_len=20, overflow="drop")
+
+
+def test_split_keeps_a_prompts_pairs_together(tmp_path):
+  pairs = read_pairs(_write(tmp_path, GOOD, {**GOOD, "rejected": "bca"}, {**GOOD, "prompt": "rev xyz="}), field="f")
+  train, held_out = split_pairs(pairs, lambda prompt: prompt == "rev abc=")
+  assert [p.prompt for p in held_out] == ["rev abc="] * 2 and [p.prompt for p in train] == ["rev xyz="]
+
+
+@pytest.mark.parametrize("task", ["reverse", "sort", "arithmetic"])
+def test_synthetic_pairs_are_right_against_wrong_by_the_verifier(task):
+  examples = TaskMixture(f"{task}:1.0", seed=5).take(200)
+  pairs = synthetic_pairs(examples, seed=5, is_correct=lambda text, ex: answer_reward(text, ex) >= 1.0)
+  assert len(pairs) >= 190
+  by_prompt = {e["prompt"]: e for e in examples}
+  for pair in pairs:
+    assert answer_reward(pair.chosen, by_prompt[pair.prompt]) == 1.0
+    assert answer_reward(pair.rejected, by_prompt[pair.prompt]) < 1.0
+  again = synthetic_pairs(examples, seed=5, is_correct=lambda text, ex: answer_reward(text, ex) >= 1.0)
+  assert again == pairs  # seeded
