@@ -19,7 +19,9 @@ bytes over DCN.
 Gradient collectives (`grad_collective_bytes`) are the reductions of parameter gradients: the
 all-reduces and reduce-scatters of the backward pass, and every collective of the explicit gradient
 reductions (sharding/compress.py, named scope GRAD_SCOPE). In TPU HLO the partitioner's own weight-gradient
-reductions carry no op name; they count as backward ones.
+reductions carry no op name; they count as backward ones. `explicit` is the part of `grad` in
+GRAD_SCOPE: the reductions optim.grad_collective_dtype sets the wire format of (the blocks' Dense and
+expert weights); the embedding's, the norms', the router's and the head's stay the partitioner's.
 
 Trip counts: a while loop's `known_trip_count`, else its condition's `counter < constant` (how scans
 and fori_loops compile); a loop with neither counts once.
@@ -149,6 +151,7 @@ class Traffic:
   ici: float
   dcn: float
   grad: float  # gradient collectives (backward reductions and the GRAD_SCOPE collectives)
+  explicit: float = 0.0  # of `grad`, the GRAD_SCOPE collectives (sharding/compress.py's reductions)
 
 
 def traffic(hlo_text: str, slice_of: Callable[[int], int] | None = None) -> Traffic:
@@ -156,7 +159,7 @@ def traffic(hlo_text: str, slice_of: Callable[[int], int] | None = None) -> Traf
   tells DCN groups from ICI ones (None: every group on ICI)."""
   counts = loop_counts(hlo_text)
   by_op = {op: 0.0 for op in COLLECTIVES}
-  ici = dcn = grad = 0.0
+  ici = dcn = grad = explicit = 0.0
   current = None
   for line in hlo_text.splitlines():
     header = _COMPUTATION.match(line)
@@ -199,6 +202,8 @@ def traffic(hlo_text: str, slice_of: Callable[[int], int] | None = None) -> Traf
       ici += sent
     name = re.search(r'op_name="([^"]*)"', line)
     backward = name is None or "transpose(" in name.group(1)
-    if (GRAD_SCOPE in (name.group(1) if name else "")) or (op in ("all-reduce", "reduce-scatter") and backward):
+    scoped = GRAD_SCOPE in (name.group(1) if name else "")
+    if scoped or (op in ("all-reduce", "reduce-scatter") and backward):
       grad += sent
-  return Traffic(by_op={op: b for op, b in by_op.items() if b}, ici=ici, dcn=dcn, grad=grad)
+    explicit += sent if scoped else 0.0
+  return Traffic(by_op={op: b for op, b in by_op.items() if b}, ici=ici, dcn=dcn, grad=grad, explicit=explicit)

@@ -51,8 +51,13 @@ def test_compressed_gradients_match_and_int8_moves_fewer_bytes(devices, mesh, ra
   """fsdp=4 x expert=2 (and data x tensor, and pipeline stages): every gradient within 1% (bfloat16) /
   3% (int8) of its largest entry of the partitioner's float32 reduction (a reduction over the wrong axes,
   a chunk summed on the wrong device or a scale on the wrong block misses by whole values); the int8
-  program sends its gradients as s8 all-to-alls and moves at least 1.8x fewer gradient bytes than the
-  bfloat16 one (1.3x with tensor parallelism, whose backward all-reduces of activations count too)."""
+  program sends its gradients as s8 all-to-alls, and its explicit reductions (sharding/compress.py's, the
+  ones the option sets the wire format of) move at least 1.8x fewer bytes than the bfloat16 program's
+  (1.3x with tensor parallelism, whose backward all-reduces of activations count too); the gradient
+  reductions left to the partitioner (embedding, norms, router, head) are the same bytes in both, and
+  they dominate this tiny model's total (two [259, 64] tables against 2 blocks of width 64), so the
+  total is only asserted to drop. On CPU XLA widens bfloat16 collectives to float32, so the
+  bfloat16 program's explicit bytes here are float32's; the TPU figure is docs/pods-and-aot.md's."""
   exact, _, _ = _grads_and_traffic("float32", *mesh)
   bf16, bf16_traffic, _ = _grads_and_traffic("bfloat16", *mesh)
   int8, int8_traffic, hlo = _grads_and_traffic("int8", *mesh)
@@ -60,7 +65,9 @@ def test_compressed_gradients_match_and_int8_moves_fewer_bytes(devices, mesh, ra
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(exact)):
       assert np.max(np.abs(a - b)) <= bound * np.max(np.abs(b)) + 1e-7
   assert any("s8[" in line and "all-to-all" in line and traffic.GRAD_SCOPE in line for line in hlo.splitlines())
-  assert int8_traffic.grad * ratio <= bf16_traffic.grad, (int8_traffic.grad, bf16_traffic.grad)
+  assert int8_traffic.explicit * ratio <= bf16_traffic.explicit, (int8_traffic.explicit, bf16_traffic.explicit)
+  assert int8_traffic.grad - int8_traffic.explicit == bf16_traffic.grad - bf16_traffic.explicit
+  assert int8_traffic.grad < bf16_traffic.grad
 
 
 def test_a_dtype_the_backend_cannot_reduce_is_refused(devices):

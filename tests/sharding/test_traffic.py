@@ -46,13 +46,14 @@ def test_traffic_counts_loops_groups_and_links():
   """The loop's all-reduce runs 6 times (its condition's bound): 2 x 32 B x 3/4 each; the all-gather
   over pairs that cross slices (devices 0-3 on slice 0) sends 32 B x 1/2 over DCN; the reduce-scatter
   3 x 8 B; the permute 128 B, across slices. Gradient bytes: the backward all-reduce and the scoped
-  reduce-scatter."""
+  reduce-scatter; the explicit ones (sharding/compress.py's scope) the reduce-scatter alone."""
   assert traffic.loop_counts(HLO) == {"main": 1, "cond": 6, "body": 6}
   sent = traffic.traffic(HLO, slice_of=lambda d: d // 4)
   assert sent.by_op == {"all-reduce": 6 * 48.0, "all-gather": 64.0, "reduce-scatter": 24.0,
                         "collective-permute": 128.0}
   assert sent.dcn == 64.0 + 128.0 and sent.ici == 6 * 48.0 + 24.0
   assert sent.grad == 6 * 48.0 + 24.0
+  assert sent.explicit == 24.0  # only the grad_reduce-scoped reduce-scatter is compress.py's
 
 
 def test_megascale_sends_count_over_dcn():
