@@ -341,6 +341,14 @@ def decode_program(cfg, mesh: Mesh) -> Program:
     slots, pool, _ = core.decode_step(models, gen.step, slots, pool, version, Counters.zeros(rows), lockstep=True)
     return slots, pool
 
+  if axis_size(mesh, STAGE_AXIS) > 1:
+    # The whole step on every stage group, not just the model's call (Transformer.__call__ enters the
+    # region itself): with `stage` across slices and the cache split over `sequence`, the pool and
+    # slot updates left to the partitioner crash libtpu 0.0.42's all-gather simplifier (a CHECK
+    # failure, "constant->opcode() == HloOpcode::kConstant (reshape vs. constant)"), for paper_3t on
+    # two v5p slices and already on two v5p:4x4x4 slices with expert=8 x sequence=8.
+    decode = pipeline.on_every_stage(decode, mesh)
+
   return Program(jax.jit(decode, donate_argnums=(2, 3)), (params, extra, slots, pool, version),
                  rows, rows * model_flops_per_token(mc, seq_len=width, causal=False, training=False),
                  copies=axis_size(mesh, STAGE_AXIS))
