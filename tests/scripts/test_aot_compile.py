@@ -260,3 +260,26 @@ def test_two_slice_pipeline_reports_its_bubble_and_generates_stage_free(aot):
   assert report.fits and report.microbatches == 2 and report.bubble_fraction == pytest.approx(1 / 3)
   assert report.projected_step_s == pytest.approx(report.model_flops / (8 * 197e12 * aot.ASSUMED_MFU) * 1.5)
   assert report.dcn_bytes > 0 and report.grad_collective_bytes > 0
+
+
+@pytest.mark.slow  # about 2 minutes: 128 compile-only chips
+def test_decode_step_compiles_with_stages_across_slices_and_a_sequence_split_cache(tmp_path):
+  """paper_3t's layout, shrunk: two v5p:4x4x4 slices, one stage each, expert=8 x sequence=8 (the KV
+  cache split over `sequence`). The decode step runs whole on every stage group (rl/step/aot.py
+  decode_program); left to the partitioner, its pool and slot updates crashed libtpu's all-gather
+  simplifier (SIGABRT, hence a subprocess), as paper_3t's two-slice decode did after the generation
+  core replaced the rollout."""
+  pytest.importorskip("libtpu", reason="compiling for TPU topologies needs libtpu (the tpu extra)")
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "decode.json"
+  small = ["model.num_layers=4", "model.embed_dim=1024", "model.mlp_dim=2048", "moe.num_experts=128",
+           "moe.expert_mlp_dim=256", "moe.shared_expert_mlp_dim=256", "model.vocab_size=4096",
+           "rl.prompts_per_step=1", "mesh.stage=2", "mesh.expert=8", "mesh.sequence=8"]
+  result = subprocess.run([sys.executable, "scripts/aot_compile.py", "--config=configs/paper_3t.py",
+                           "--topology=v5p:4x4x4", "--num_slices=2", "--step=decode", f"--json={out}",
+                           *[f"--config.{o}" for o in small]], cwd=REPO, capture_output=True, text=True,
+                          timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert result.returncode == 0, result.stderr[-2000:]
+  report = json.loads(out.read_text())[0]
+  assert report["step"] == "decode" and report["fits"] and report["mesh"]["stage"] == 2
