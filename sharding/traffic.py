@@ -19,7 +19,8 @@ bytes over DCN.
 Gradient collectives (`grad_collective_bytes`) are the reductions of parameter gradients: the
 all-reduces and reduce-scatters of the backward pass, and every collective of the explicit gradient
 reductions (sharding/compress.py, named scope GRAD_SCOPE). In TPU HLO the partitioner's own weight-gradient
-reductions carry no op name; they count as backward ones. `explicit` is the part of `grad` in
+reductions carry no op name; they count as backward ones in a program that has a backward pass (any
+op named `transpose(...)`), and as nothing else in one that has none (prefill, decode). `explicit` is the part of `grad` in
 GRAD_SCOPE: the reductions optim.grad_collective_dtype sets the wire format of (the blocks' Dense and
 expert weights); the embedding's, the norms', the router's and the head's stay the partitioner's.
 
@@ -158,6 +159,7 @@ def traffic(hlo_text: str, slice_of: Callable[[int], int] | None = None) -> Traf
   """The per-chip collective traffic of a compiled HLO module. slice_of(device id) -> slice index
   tells DCN groups from ICI ones (None: every group on ICI)."""
   counts = loop_counts(hlo_text)
+  has_backward = "transpose(" in hlo_text  # a forward-only program (prefill, decode) reduces no gradient
   by_op = {op: 0.0 for op in COLLECTIVES}
   ici = dcn = grad = explicit = 0.0
   current = None
@@ -201,7 +203,7 @@ def traffic(hlo_text: str, slice_of: Callable[[int], int] | None = None) -> Traf
     else:
       ici += sent
     name = re.search(r'op_name="([^"]*)"', line)
-    backward = name is None or "transpose(" in name.group(1)
+    backward = has_backward and (name is None or "transpose(" in name.group(1))
     scoped = GRAD_SCOPE in (name.group(1) if name else "")
     if scoped or (op in ("all-reduce", "reduce-scatter") and backward):
       grad += sent

@@ -66,3 +66,14 @@ def test_megascale_sends_count_over_dcn():
   sent = traffic.traffic(hlo)
   assert sent.by_op == {"all-reduce": 65536.0} and sent.dcn == 65536.0 and sent.ici == 0.0
   assert sent.grad == 65536.0
+
+
+def test_unnamed_reductions_are_gradients_only_in_a_program_with_a_backward():
+  """An all-reduce without op_name (how TPU HLO writes the partitioner's own weight-gradient reductions)
+  counts as a gradient reduction where the program has a backward pass, and not in a forward-only one
+  (a decode step's all-reduces reduce activations)."""
+  unnamed = "  %ar = f32[8]{0} all-reduce(%a), replica_groups={{0,1}}, to_apply=%add"
+  forward = "ENTRY %main (a: f32[8]) -> f32[8] {\n" + unnamed + "\n}\n"
+  assert traffic.traffic(forward).grad == 0.0 and traffic.traffic(forward).ici == 32.0
+  backward = forward.replace("}\n", '  %g = f32[8]{0} add(%a, %a), metadata={op_name="jit(f)/transpose(jvp())/add"}\n}\n')
+  assert traffic.traffic(backward).grad == 32.0  # 2 x 32 B x 1/2
