@@ -27,6 +27,8 @@ def get_config(arg=None):
   config.mesh.sequence = 1  # Context parallelism (ring attention over the sequence).
   config.mesh.tensor = 1  # Tensor parallelism over heads and MLP columns.
   config.mesh.num_slices = 1  # TPU slices joined over DCN (>1 builds a hybrid ICI/DCN mesh).
+  config.mesh.stage = 1  # Pipeline stages of the whole mesh (not per slice): each holds num_layers / stage blocks; across slices first when num_slices > 1 (model/pipeline.py).
+  config.mesh.microbatches = 0  # Pipeline microbatches per forward (dividing each batch shard's rows); 0 = auto (the most up to 4 x stage), 1 with stage = 1.
   config.mesh.train_rules = ""  # Overrides of TRAIN_RULES, e.g. "embed=fsdp;vocab=none".
   config.mesh.rollout_rules = ""  # Overrides of ROLLOUT_RULES, same syntax.
 
@@ -118,6 +120,7 @@ def get_config(arg=None):
   config.optim.weight_decay = 0.0  # Decoupled weight decay.
   config.optim.grad_clip = 1.0  # Global-norm gradient clipping (0 = off).
   config.optim.grad_accum_steps = 1  # Micro-batches accumulated per optimiser step.
+  config.optim.grad_collective_dtype = "float32"  # Gradients' reduce-scatter / all-reduce over the batch axes: "float32" (as computed), "bfloat16", or "int8" (per-block scales, error feedback) (train/compress.py).
 
   # --- rl: the GRPO / PPO loop (rl/).
   config.rl = ml_collections.ConfigDict()

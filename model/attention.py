@@ -183,12 +183,13 @@ class GQAttention(nnx.Module):
   def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                rope: RopeConfig, kernel: KernelConfig, qk_norm: bool = False, norm_eps: float = 1e-6,
                std: float = 0.02, dtype=jnp.float32, param_dtype=jnp.float32,
-               merge_leading: bool = False, rngs: nnx.Rngs):
+               merge_leading: bool = False, grad_reduce=None, rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}.")
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.rope, self.kernel, self.dtype = rope, kernel, dtype
-    kw = dict(std=std, dtype=dtype, param_dtype=param_dtype, merge_leading=merge_leading, rngs=rngs)
+    kw = dict(std=std, dtype=dtype, param_dtype=param_dtype, merge_leading=merge_leading,
+              grad_reduce=grad_reduce, rngs=rngs)
     self.q_proj = Dense(embed_dim, num_heads * head_dim, ("embed", "heads"), **kw)
     self.k_proj = Dense(embed_dim, num_kv_heads * head_dim, ("embed", "kv_heads"), **kw)
     self.v_proj = Dense(embed_dim, num_kv_heads * head_dim, ("embed", "kv_heads"), **kw)
@@ -237,14 +238,15 @@ class MLAttention(nnx.Module):
   def __init__(self, embed_dim: int, num_heads: int, *, q_lora_rank: int, kv_lora_rank: int,
                qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope: RopeConfig,
                kernel: KernelConfig, norm_eps: float = 1e-6, std: float = 0.02, dtype=jnp.float32,
-               param_dtype=jnp.float32, merge_leading: bool = False, rngs: nnx.Rngs):
+               param_dtype=jnp.float32, merge_leading: bool = False, grad_reduce=None, rngs: nnx.Rngs):
     if rope.head_dim != qk_rope_head_dim:
       raise ValueError(f"MLA rope head_dim={rope.head_dim} must equal qk_rope_head_dim={qk_rope_head_dim}.")
     self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
     self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     self.rope, self.kernel, self.dtype = rope, kernel, dtype
     qk_dim = qk_nope_head_dim + qk_rope_head_dim
-    kw = dict(std=std, dtype=dtype, param_dtype=param_dtype, merge_leading=merge_leading, rngs=rngs)
+    kw = dict(std=std, dtype=dtype, param_dtype=param_dtype, merge_leading=merge_leading,
+              grad_reduce=grad_reduce, rngs=rngs)
     norm_kw = dict(eps=norm_eps, param_dtype=param_dtype, rngs=rngs)
     if q_lora_rank:
       self.q_a_proj = Dense(embed_dim, q_lora_rank, ("embed", None), **kw)

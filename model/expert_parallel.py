@@ -20,11 +20,17 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from meshrl.model.blockwise import match_vma
-from meshrl.model.moe_dispatch import EXPERT_AXIS, ExpertWeights, combine_slots, rank_in_group
-from meshrl.sharding.mesh import EXPERT_AXIS, FSDP_AXIS, MESH_AXES, TENSOR_AXIS
+from meshrl.model.moe_dispatch import ExpertWeights, combine_slots, rank_in_group
+from meshrl.sharding import compress
+from meshrl.sharding.mesh import EXPERT_AXIS, FSDP_AXIS, MESH_AXES, STAGE_AXIS, TENSOR_AXIS, in_context
 
 EXCHANGES = ("auto", "all_to_all", "ragged")
 WEIGHT_LAYOUTS = ("auto", "sharded", "gathered")
+
+
+def _axes(entry) -> tuple[str, ...]:
+  """A PartitionSpec entry as a tuple of mesh axes."""
+  return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
 def check_weights(weights: str) -> None:
@@ -54,8 +60,10 @@ def resolve_exchange(exchange: str, backend: str) -> str:
 
 def token_axes(mesh: Mesh) -> tuple[str, ...]:
   """Mesh axes that split the tokens inside the expert-parallel shard_map: every axis of size > 1
-  but 'tensor' (whose devices share their tokens and split each expert's hidden F), in mesh order."""
-  return tuple(a for a in MESH_AXES if a != TENSOR_AXIS and mesh.shape[a] > 1)
+  but 'tensor' (whose devices share their tokens and split each expert's hidden F) and 'stage' (which
+  splits the layers: a pipelined call runs vmapped over it, model/pipeline.py, which adds it to the
+  shard_map's specs), in mesh order."""
+  return tuple(a for a in MESH_AXES if a not in (TENSOR_AXIS, STAGE_AXIS) and mesh.shape[a] > 1)
 
 
 def token_shards(mesh: Mesh) -> int:
@@ -102,7 +110,7 @@ def d_split_axes(mesh: Mesh, embed: int, d_axes: tuple[str, ...] = (FSDP_AXIS,))
 
 def _d_candidates(mesh: Mesh, d_axes: tuple[str, ...]) -> tuple[str, ...]:
   """The axes of `d_axes` that could split the experts' D: size > 1, not 'expert' or 'tensor'."""
-  return tuple(a for a in MESH_AXES if a in d_axes and a not in (EXPERT_AXIS, TENSOR_AXIS)
+  return tuple(a for a in MESH_AXES if a in d_axes and a not in (EXPERT_AXIS, TENSOR_AXIS, STAGE_AXIS)
                and mesh.shape[a] > 1)
 
 
@@ -262,7 +270,7 @@ def _ragged_send(dest: jax.Array, num_shards: int, recv_rows: int):
 def expert_parallel(xs: jax.Array, expert_choices: jax.Array, combine_weights: jax.Array,
                     w: ExpertWeights, *, mesh: Mesh, capacity_factor: float | None = None,
                     exchange: str = "all_to_all", weights: str = "sharded",
-                    d_axes: tuple[str, ...] = (FSDP_AXIS,)) -> tuple[jax.Array, jax.Array]:
+                    d_axes: tuple[str, ...] = (FSDP_AXIS,), grad_reduce=None) -> tuple[jax.Array, jax.Array]:
   """Experts sharded over 'expert' (and over 'fsdp' on D, 'tensor' on F); tokens travel to them.
 
   Inside `jax.shard_map` each device holds n tokens (N padded to a multiple of the token shards,
@@ -293,6 +301,9 @@ def expert_parallel(xs: jax.Array, expert_choices: jax.Array, combine_weights: j
       that moves/holds fewer bytes for this call's static shapes: `ep_weight_bytes`).
     d_axes: the mesh axes the parameter rules split the experts' D over ('fsdp' by default; paper_3t
       adds 'sequence'): "fsdp" above means these axes (`d_split_axes`).
+    grad_reduce: sharding/compress.GradReduce or None. With it, "gathered" weights enter split as
+      stored and are gathered inside (compress.gather_for_use), so their gradients are reduced in its
+      wire dtype; "sharded" weights move no gradient (each device's D-slice sees every row).
 
   Returns:
     ys [N, D] sharded like the tokens, and the dropped slot count over the whole mesh.
@@ -319,9 +330,17 @@ def expert_parallel(xs: jax.Array, expert_choices: jax.Array, combine_weights: j
                             weight_bytes=w.gate.dtype.itemsize, d_axes=d_axes)
   specs = expert_weight_specs(mesh, embed, hidden, weights, d_axes)
   fsdp, tensor = specs.gate[1], specs.gate[2] is not None
+  gather = ()  # D-split axes the weights are gathered over inside (explicit gradient reductions)
+  if grad_reduce is not None and weights == "gathered":
+    specs = expert_weight_specs(mesh, embed, hidden, "sharded", d_axes)
+    gather = _axes(specs.gate[1])
+  reduce_over = tuple(a for a in axes if a != EXPERT_AXIS)  # devices of one expert shard, other rows
   ragged = {"ragged": jax.lax.ragged_all_to_all, "emulated": emulated_ragged_all_to_all}.get(exchange)
 
   def local(xs_, choices_, weights_, gate_, up_, down_):
+    if grad_reduce is not None and weights == "gathered":
+      gate_, up_ = (compress.gather_for_use(w_, gather, 1, reduce_over, grad_reduce) for w_ in (gate_, up_))
+      down_ = compress.gather_for_use(down_, gather, 2, reduce_over, grad_reduce)
     n, d = xs_.shape
     local_experts = gate_.shape[0]
     local_w = ExpertWeights(gate_, up_, down_)
@@ -375,7 +394,7 @@ def expert_parallel(xs: jax.Array, expert_choices: jax.Array, combine_weights: j
     return ys_, dropped_
 
   tokens = PartitionSpec(axes)
-  run_ = jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, *specs),
+  run_ = jax.shard_map(local, mesh=in_context(mesh), in_specs=(tokens, tokens, tokens, *specs),
                        out_specs=(tokens, PartitionSpec()))
   ys, dropped = run_(xs, expert_choices, combine_weights, w.gate, w.up, w.down)
   return ys[:num_tokens], dropped

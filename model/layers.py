@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshrl.model.params import param
+from meshrl.sharding import compress
 
 
 class RMSNorm(nnx.Module):
@@ -161,13 +162,19 @@ class Dense(nnx.Module):
   """
 
   def __init__(self, in_dim: int, out_dim: int, axes, *, std: float = 0.02, dtype=jnp.float32,
-               param_dtype=jnp.float32, merge_leading: bool = False, rngs: nnx.Rngs):
+               param_dtype=jnp.float32, merge_leading: bool = False,
+               grad_reduce: compress.GradReduce | None = None, rngs: nnx.Rngs):
     self.dtype, self.merge_leading = dtype, merge_leading
+    self.kernel_axes, self.grad_reduce = tuple(axes), grad_reduce
     self.kernel = param(rngs.params(), (in_dim, out_dim), axes, std=std, dtype=param_dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    """x [..., in] -> [..., out], split as x is (the leading axes) and as W's `out` axis is."""
+    """x [..., in] -> [..., out], split as x is (the leading axes) and as W's `out` axis is. With
+    `grad_reduce` (optim.grad_collective_dtype) the kernel's gradient is reduced over the devices' rows
+    explicitly, in its wire dtype (sharding/compress.py `matmul`)."""
     kernel = self.kernel[...].astype(self.dtype)
+    if self.grad_reduce is not None and self.grad_reduce.mesh is not None:
+      return compress.matmul(x.astype(self.dtype), kernel, self.kernel_axes, self.grad_reduce)
     if not self.merge_leading:
       return jnp.einsum("...i,io->...o", x.astype(self.dtype), kernel)
     y = jnp.dot(x.reshape(-1, x.shape[-1]).astype(self.dtype), kernel)
@@ -178,8 +185,10 @@ class SwiGLU(nnx.Module):
   """Dense gated MLP: down(silu(gate(x)) * up(x)); x [B, T, D] -> [B, T, D], hidden F on `mlp`."""
 
   def __init__(self, embed_dim: int, mlp_dim: int, *, std: float = 0.02, dtype=jnp.float32,
-               param_dtype=jnp.float32, merge_leading: bool = False, rngs: nnx.Rngs):
-    kw = dict(std=std, dtype=dtype, param_dtype=param_dtype, merge_leading=merge_leading, rngs=rngs)
+               param_dtype=jnp.float32, merge_leading: bool = False,
+               grad_reduce: compress.GradReduce | None = None, rngs: nnx.Rngs):
+    kw = dict(std=std, dtype=dtype, param_dtype=param_dtype, merge_leading=merge_leading,
+              grad_reduce=grad_reduce, rngs=rngs)
     self.gate = Dense(embed_dim, mlp_dim, ("embed", "mlp"), **kw)
     self.up = Dense(embed_dim, mlp_dim, ("embed", "mlp"), **kw)
     self.down = Dense(mlp_dim, embed_dim, ("mlp", "embed"), **kw)

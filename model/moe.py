@@ -226,7 +226,7 @@ class MoE(nnx.Module):
                topk_group: int = 1, dispatch: str = "auto", capacity_factor: float = 1.25,
                aux_free_bias: bool = False, ep_exchange: str = "auto", ep_weights: str = "auto",
                ep_d_axes: tuple[str, ...] = (expert_parallel.FSDP_AXIS,), mesh: Mesh | None = None,
-               dtype=jnp.float32,
+               grad_reduce=None, dtype=jnp.float32,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
     """Validates the numbers and creates the weights.
 
@@ -250,6 +250,8 @@ class MoE(nnx.Module):
       ep_d_axes: the mesh axes the parameter rules split the experts' D ('embed') over: the peers that
         trade D-slices under ep_weights="sharded" (expert_parallel.d_split_axes).
       mesh: with mesh.shape['expert'] > 1 the experts run expert-parallel inside shard_map.
+      grad_reduce: sharding/compress.GradReduce (optim.grad_collective_dtype) or None: the experts'
+        weight gradients reduced explicitly in its wire dtype where they are gathered for use.
       dtype: compute dtype of the experts (routing is always float32).
       param_dtype: storage dtype of the weights.
       rngs: supplies the "params" keys.
@@ -272,6 +274,7 @@ class MoE(nnx.Module):
     self.dispatch, self.capacity_factor = dispatch, capacity_factor
     self.mesh, self.dtype = mesh, dtype
     self.ep_exchange, self.ep_weights, self.ep_d_axes = ep_exchange, ep_weights, tuple(ep_d_axes)
+    self.grad_reduce = grad_reduce
     expert_parallel.check_exchange(ep_exchange, self.backend(), ep_weights)
 
     def make(shape, axes):
@@ -332,7 +335,9 @@ class MoE(nnx.Module):
     Returns:
       y [B, T, D] in `dtype`, and aux: aux_loss (load balancing, unweighted), z_loss (router z-loss,
       unweighted), expert_load [E] (fraction of routed slots per expert, before any drop; sums to 1),
-      routing [B, T, K] int32, dropped_fraction (dropped slots / (N * K); 0 when dropless).
+      routing [B, T, K] int32, dropped_fraction (dropped slots / (N * K); 0 when dropless),
+      router_prob_mean [E] (the mean routing probabilities aux_loss weighs the load by, so a caller
+      that splits the batch into microbatches can rebuild the batch's aux_loss: model/pipeline.py).
     """
     if x.ndim != 3 or x.shape[-1] != self.embed_dim:
       raise ValueError(f"MoE input has shape {x.shape}; expected [B, T, {self.embed_dim}].")
@@ -359,10 +364,12 @@ class MoE(nnx.Module):
       exchange = expert_parallel.resolve_exchange(self.ep_exchange, self.backend())
       ys, dropped = expert_parallel.expert_parallel(xs, indices, weights, experts, mesh=self.mesh,
                                                  capacity_factor=capacity_factor, exchange=exchange,
-                                                 weights=self.ep_weights, d_axes=self.ep_d_axes)
+                                                 weights=self.ep_weights, d_axes=self.ep_d_axes,
+                                                 grad_reduce=self.grad_reduce)
     elif per_device is not None:  # each device dispatches its own tokens (model/moe_local.py)
       ys, dropped = moe_local.run_per_device(implementation, xs, indices, weights, experts, mesh=self.mesh,
-                                             capacity_factor=self.capacity_factor, d_axes=self.ep_d_axes)
+                                             capacity_factor=self.capacity_factor, d_axes=self.ep_d_axes,
+                                             grad_reduce=self.grad_reduce)
     else:
       ys, dropped = moe_dispatch.run(implementation, xs, indices, weights, experts,
                                      capacity_factor=self.capacity_factor)
@@ -376,6 +383,7 @@ class MoE(nnx.Module):
     with jax.named_scope("balance"):
       probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdims=True)
       aux = dict(aux_loss=load_balancing_loss(probs, indices),
+                 router_prob_mean=probs.astype(jnp.float32).mean(axis=0),  # [E]: aux_loss's mean_probs
                  z_loss=router_z_loss(router_logits),
                  expert_load=expert_load(indices, self.num_experts),
                  routing=indices.reshape(batch, length, self.k),  # [B, T, K]

@@ -35,6 +35,8 @@ from meshrl.model import moe_dispatch
 from meshrl.model.expert_parallel import (FSDP_AXIS, TENSOR_AXIS, d_split_axes, tensor_split_axis, token_axes,
                                           token_shards)
 from meshrl.model.moe_dispatch import ExpertWeights
+from meshrl.sharding import compress
+from meshrl.sharding.mesh import in_context
 
 
 def local_token_count(mesh: Mesh | None, num_tokens: int) -> int | None:
@@ -57,7 +59,7 @@ def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 def run_per_device(name: str, xs: jax.Array, expert_choices: jax.Array, combine_weights: jax.Array,
                    w: ExpertWeights, *, mesh: Mesh, capacity_factor: float,
-                   d_axes: tuple[str, ...] = (FSDP_AXIS,)) -> tuple[jax.Array, jax.Array]:
+                   d_axes: tuple[str, ...] = (FSDP_AXIS,), grad_reduce=None) -> tuple[jax.Array, jax.Array]:
   """moe_dispatch.run(name, ...) inside shard_map, each device on its own tokens.
 
   The weights enter split as the parameter rules lay them out (D over `d_split_axes`, F over
@@ -72,6 +74,8 @@ def run_per_device(name: str, xs: jax.Array, expert_choices: jax.Array, combine_
     w: expert weights [E, D, F] / [E, F, D]; inside, E and D whole and F split over 'tensor' where
       it divides.
     d_axes: the mesh axes the parameter rules put the experts' D ('embed') on.
+    grad_reduce: sharding/compress.GradReduce or None: with it the weights are gathered by
+      compress.gather_for_use, whose backward reduces their gradients in its wire dtype.
 
   Returns:
     ys [N, D] split like xs, and the dropped slot count summed over the devices.
@@ -83,13 +87,17 @@ def run_per_device(name: str, xs: jax.Array, expert_choices: jax.Array, combine_
   specs = (inner, inner, PartitionSpec(None, tensor, d_split))
 
   def local(xs_, choices_, weights_, gate_, up_, down_):
-    if d_split:
-      gate_, up_ = (jax.lax.all_gather(x, d_split, axis=1, tiled=True) for x in (gate_, up_))
-      down_ = jax.lax.all_gather(down_, d_split, axis=2, tiled=True)
     # The weights' cotangents are summed over the token axes here, not inside a dispatcher's switch
     # branches (where the first use with the tokens would put the sum), whose devices may each take
     # another branch and wait for the others forever.
-    gate_, up_, down_ = (_varying(x, axes) for x in (gate_, up_, down_))
+    if grad_reduce is not None:
+      gate_, up_ = (compress.gather_for_use(x, d_split, 1, axes, grad_reduce) for x in (gate_, up_))
+      down_ = compress.gather_for_use(down_, d_split, 2, axes, grad_reduce)
+    else:
+      if d_split:
+        gate_, up_ = (jax.lax.all_gather(x, d_split, axis=1, tiled=True) for x in (gate_, up_))
+        down_ = jax.lax.all_gather(down_, d_split, axis=2, tiled=True)
+      gate_, up_, down_ = (_varying(x, axes) for x in (gate_, up_, down_))
     ys_, dropped_ = moe_dispatch.run(name, xs_, choices_, weights_, ExpertWeights(gate_, up_, down_),
                                      capacity_factor=capacity_factor)
     if tensor:  # each device's hidden F-slice gave a partial sum of every output
@@ -97,9 +105,9 @@ def run_per_device(name: str, xs: jax.Array, expert_choices: jax.Array, combine_
     return ys_, jax.lax.psum(dropped_.astype(jnp.int32), axes) if axes else dropped_
 
   def policy(prim, *_, **__) -> bool:  # save all but the gathered weights (the only all-gathers here)
-    return prim.name != "all_gather"
+    return prim.name != "all_gather" and not (grad_reduce is not None and prim.name.startswith("custom_vjp"))
 
   tokens = PartitionSpec(axes or None)
-  run_ = jax.shard_map(jax.checkpoint(local, policy=policy), mesh=mesh,
+  run_ = jax.shard_map(jax.checkpoint(local, policy=policy), mesh=in_context(mesh),
                        in_specs=(tokens, tokens, tokens, *specs), out_specs=(tokens, PartitionSpec()))
   return run_(xs, expert_choices, combine_weights, w.gate, w.up, w.down)

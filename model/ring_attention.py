@@ -36,6 +36,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from meshrl.model import blockwise as bw
+from meshrl.sharding.mesh import in_context
 from meshrl.sharding.rules import batch_axes
 from meshrl.sharding.mesh import SEQUENCE_AXIS, TENSOR_AXIS
 
@@ -342,7 +343,7 @@ def attend(q, k, v, *, impl: str, mesh: Mesh | None = None, causal: bool = True,
   x_spec = P(batch_axes, SEQUENCE_AXIS, heads_axis, None)
   ids_spec = P(batch_axes, SEQUENCE_AXIS)
   ring_fn = jax.shard_map(
-      functools.partial(local, ring=_Ring(SEQUENCE_AXIS, ring_size)), mesh=mesh,
+      functools.partial(local, ring=_Ring(SEQUENCE_AXIS, ring_size)), mesh=in_context(mesh),
       in_specs=(x_spec,) * 3 + (ids_spec,) * 4, out_specs=x_spec)
   with jax.named_scope("ring_attention"):
     return ring_fn(q, k, v, q_pos, kv_pos, q_seg, kv_seg)
@@ -396,7 +397,7 @@ def decode_attend(q, k_cache, v_cache, *, mesh: Mesh | None, q_positions, kv_pos
   q_spec = P(batch_axes, None, heads_axis, None)
   cache_spec = P(batch_axes, SEQUENCE_AXIS, heads_axis, None)
   decode_fn = jax.shard_map(
-      functools.partial(local, axis=SEQUENCE_AXIS), mesh=mesh,
+      functools.partial(local, axis=SEQUENCE_AXIS), mesh=in_context(mesh),
       in_specs=(q_spec, cache_spec, cache_spec, P(batch_axes, None), P(batch_axes, SEQUENCE_AXIS),
                 P(batch_axes, None), P(batch_axes, SEQUENCE_AXIS)),
       out_specs=q_spec)
@@ -530,5 +531,5 @@ def _permute_on_mesh(x, mesh: Mesh, axis: int, *, to_zigzag: bool):
     return jnp.concatenate(out, axis=axis)
 
   spec = P(*([None] * axis + [SEQUENCE_AXIS]))
-  return jax.shard_map(local, mesh=mesh, in_specs=(spec,), out_specs=spec,
+  return jax.shard_map(local, mesh=in_context(mesh), in_specs=(spec,), out_specs=spec,
                        axis_names=frozenset({SEQUENCE_AXIS}))(x)

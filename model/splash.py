@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from meshrl.model.ring_attention import _outer_specs
+from meshrl.sharding.mesh import in_context
 
 LOCAL_KERNELS = ("auto", "jnp", "splash")
 SPLASH_IMPLS = ("blockwise", "ring")  # the attention.impl values splash can compute (ring: model/splash_ring.py)
@@ -205,11 +206,11 @@ def per_device(local, q, k, v, segment_ids, *, mesh: Mesh, length_axis: str | No
   x_spec, ids_spec = P(batch_axes, length_axis, heads_axis, None), P(batch_axes, length_axis)
   # check_vma=False: the packaged kernel's pallas_call declares outputs without varying axes.
   if segment_ids is None:
-    fn = jax.shard_map(lambda q_, k_, v_: local(q_, k_, v_, None), mesh=mesh,
+    fn = jax.shard_map(lambda q_, k_, v_: local(q_, k_, v_, None), mesh=in_context(mesh),
                        in_specs=(x_spec,) * 3, out_specs=x_spec, check_vma=False)
     args = (q, k, v)
   else:
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(x_spec,) * 3 + (ids_spec,), out_specs=x_spec,
+    fn = jax.shard_map(local, mesh=in_context(mesh), in_specs=(x_spec,) * 3 + (ids_spec,), out_specs=x_spec,
                        check_vma=False)
     args = (q, k, v, segment_ids)
   with jax.named_scope(scope):

@@ -23,10 +23,11 @@ from jax.sharding import Mesh
 from meshrl.model import kv_cache as kvc
 from meshrl.model.attention import GQAttention, KernelConfig, MLAttention
 from meshrl.model.layers import Dense, Embed, RMSNorm, RopeConfig, SwiGLU
-from meshrl.model import expert_parallel, moe_dispatch, quant
+from meshrl.model import expert_parallel, moe_dispatch, pipeline, quant
 from meshrl.model import moe as moe_lib
 from meshrl.model.moe import MoE
-from meshrl.sharding.rules import rules_from_config
+from meshrl.sharding import compress
+from meshrl.sharding.rules import logical_to_spec, rules_from_config
 from meshrl.sharding.mesh import FSDP_AXIS, SEQUENCE_AXIS, axis_size
 
 DECODE_LAYERS = ("auto", "scan", "unrolled")
@@ -87,6 +88,9 @@ class ModelConfig:
   ep_weights: str = "auto"
   ep_d_axes: tuple[str, ...] = (FSDP_AXIS,)  # mesh axes the parameter rules split the experts' D over
   kv_cache_dtype: str = "model"  # KV cache entries: "model" (dtype) or "int8" (model/quant.py)
+  stages: int = 1  # pipeline stages (mesh.stage): each stack's layers split over them (model/pipeline.py)
+  microbatches: int = 0  # pipeline microbatches per training forward (mesh.microbatches; 0 = auto)
+  grad_collective_dtype: str = "float32"  # weight gradients' reductions (sharding/compress.py; float32 = off)
 
   def __post_init__(self):
     _check_sizes(self)
@@ -111,6 +115,29 @@ class ModelConfig:
                        f"{', '.join(quant.KV_CACHE_DTYPES)}.")
     if self.num_experts and not 0 <= self.first_k_dense <= self.num_layers:
       raise ValueError(f"moe.first_k_dense={self.first_k_dense} must be in [0, {self.num_layers}].")
+    self._check_pipeline()
+    compress.check_grad_dtype(self.grad_collective_dtype, self.kernel.backend)
+
+  def _check_pipeline(self):
+    """mesh.stage must split each stack evenly, agree with the mesh, and come with scanned layers."""
+    if self.stages < 1:
+      raise ValueError(f"mesh.stage={self.stages} must be at least 1 (1 = no pipeline).")
+    if self.microbatches < 0:
+      raise ValueError(f"mesh.microbatches={self.microbatches} must be >= 0 (0 = auto).")
+    uneven = [f"{n} {name}" for name, n in (("dense", self.num_dense_layers), ("MoE", self.num_moe_layers))
+              if n % self.stages]
+    if uneven:
+      raise ValueError(
+          f"mesh.stage={self.stages} does not divide the layers: model.num_layers={self.num_layers} with "
+          f"moe.first_k_dense={self.first_k_dense} gives {' and '.join(uneven)} blocks, and every stack is "
+          f"split evenly over the stages; choose a stage count that divides "
+          f"{self.num_dense_layers or ''}{' and ' if self.num_dense_layers and self.num_moe_layers else ''}"
+          f"{self.num_moe_layers or ''}.")
+    mesh = self.kernel.mesh
+    on_mesh = 1 if mesh is None else mesh.shape.get(pipeline.STAGE_AXIS, 1)
+    if mesh is not None and on_mesh != self.stages:
+      raise ValueError(f"mesh.stage={self.stages} but the mesh's stage axis has {on_mesh} device(s); "
+                       "build the mesh from the same config (sharding.make_mesh).")
 
   @property
   def num_dense_layers(self) -> int:
@@ -150,7 +177,18 @@ class ModelConfig:
         routed_scaling_factor=moe.routed_scaling_factor, n_group=moe.n_group, topk_group=moe.topk_group,
         dispatch=moe.dispatch, capacity_factor=moe.capacity_factor, aux_free_bias=moe.aux_free_bias,
         ep_exchange=moe.get("ep_exchange", "auto"), ep_weights=moe.get("ep_weights", "auto"),
-        ep_d_axes=tuple(dict(rules_from_config(cfg.mesh))["embed"]))
+        ep_d_axes=tuple(dict(rules_from_config(cfg.mesh))["embed"]),
+        stages=int(cfg.mesh.get("stage", 1)), microbatches=int(cfg.mesh.get("microbatches", 0)),
+        grad_collective_dtype=cfg.optim.get("grad_collective_dtype", "float32"))
+
+  @property
+  def grad_reduce(self) -> compress.GradReduce | None:
+    """The explicit weight-gradient reductions of the blocks' Dense layers and experts
+    (optim.grad_collective_dtype), on the kernel's mesh and rules; None when off or without a mesh."""
+    grad = compress.GradReduce.from_name(self.grad_collective_dtype, self.kernel.backend)
+    if grad is None or self.kernel.mesh is None:
+      return None
+    return dataclasses.replace(grad, mesh=self.kernel.mesh, rules=self.kernel.rules)
 
   @property
   def unrolled_decode(self) -> bool:
@@ -259,12 +297,26 @@ def phase_of(cached: bool, length: int) -> str:
   return "decode" if length == 1 else "prefill"
 
 
+def combine_microbatches(aux: dict) -> dict:
+  """A MoE stack's per-layer aux [L, M, ...] from M equal microbatches -> [L, ...] as one call on the
+  whole batch gives it: means over the microbatches (fractions and means of equal-sized parts), the
+  routes put back in row order, and the load-balancing loss rebuilt from the batch's expert load and
+  mean routing probabilities (a mean of per-microbatch losses would not be the batch's loss)."""
+  if not aux:
+    return aux
+  out = {name: jnp.mean(value, axis=1) for name, value in aux.items() if name != "routing"}
+  out["routing"] = jax.vmap(pipeline.merge_rows)(aux["routing"])  # [L, B, T, K]
+  num_experts = out["expert_load"].shape[-1]
+  out["aux_loss"] = num_experts * jnp.sum(out["expert_load"] * out["router_prob_mean"], axis=-1)  # [L]
+  return out
+
+
 class Block(nnx.Module):
   """Pre-norm residual block: x + attn(norm(x)), then x + mlp_or_moe(norm(x))."""
 
   def __init__(self, mc: ModelConfig, *, moe: bool, rngs: nnx.Rngs):
     kw = dict(std=mc.init_std, dtype=mc.dtype, param_dtype=mc.param_dtype, merge_leading=mc.merge_dense_axes,
-              rngs=rngs)
+              grad_reduce=mc.grad_reduce, rngs=rngs)
     self.attn_norm = RMSNorm(mc.embed_dim, eps=mc.norm_eps, param_dtype=mc.param_dtype, rngs=rngs)
     self.mlp_norm = RMSNorm(mc.embed_dim, eps=mc.norm_eps, param_dtype=mc.param_dtype, rngs=rngs)
     if mc.attention_type == "mla":
@@ -283,7 +335,7 @@ class Block(nnx.Module):
           routed_scaling_factor=mc.routed_scaling_factor, n_group=mc.n_group, topk_group=mc.topk_group,
           dispatch=mc.dispatch, capacity_factor=mc.capacity_factor, aux_free_bias=mc.aux_free_bias,
           ep_exchange=mc.ep_exchange, ep_weights=mc.ep_weights, ep_d_axes=mc.ep_d_axes,
-          mesh=mc.kernel.mesh, dtype=mc.dtype,
+          mesh=mc.kernel.mesh, grad_reduce=mc.grad_reduce, dtype=mc.dtype,
           param_dtype=mc.param_dtype, rngs=rngs)
     else:
       self.mlp = SwiGLU(mc.embed_dim, mc.mlp_dim, **kw)
@@ -370,14 +422,10 @@ class Transformer(nnx.Module):
         out[name] = tuple(jax.tree.map(lambda a, i=i: a[i], state) for i in range(num))
     return out
 
-  def _run_stack(self, stack, name, x, positions, segment_ids, cache, meta, routing, phase,
-                 layer_weights=None):
-    """One stack of blocks: scanned (model.scan_layers), looped over slices of the stacked weights, or
-    looped over `layer_weights` and a per-layer cache (kv_cache.unstack), where nothing is sliced.
-    Returns (x, (aux stacked over layers, the updated cache: stacked, or per layer as given))."""
+  def _layer_body(self, graphdef, positions, segment_ids, meta, phase):
+    """The scan body of one stack: (x, (layer state, layer cache, layer routes)) -> (x, (aux, cache)),
+    checkpointed by the model's remat policy."""
     mc = self.config
-    graphdef, state = nnx.split(stack)
-    layer_cache = None if cache is None else cache.layers[name]
 
     def body(carry, layer):
       layer_state, layer_cache_, layer_routing = layer
@@ -390,6 +438,20 @@ class Transformer(nnx.Module):
 
     if mc.remat != "none":
       body = jax.checkpoint(body, policy=REMAT_POLICIES[mc.remat], prevent_cse=not mc.scan_layers)
+    return body
+
+  def _run_stack(self, stack, name, x, positions, segment_ids, cache, meta, routing, phase,
+                 layer_weights=None):
+    """One stack of blocks: scanned (model.scan_layers), looped over slices of the stacked weights, or
+    looped over `layer_weights` and a per-layer cache (kv_cache.unstack), where nothing is sliced; a
+    training call (no cache) with pipeline stages or microbatches runs through `_run_pipelined`.
+    Returns (x, (aux stacked over layers, the updated cache: stacked, or per layer as given))."""
+    mc = self.config
+    graphdef, state = nnx.split(stack)
+    if cache is None and layer_weights is None and (mc.stages > 1 or mc.microbatches > 1):
+      return self._run_pipelined(graphdef, state, x, positions, segment_ids, routing, phase)
+    layer_cache = None if cache is None else cache.layers[name]
+    body = self._layer_body(graphdef, positions, segment_ids, meta, phase)
     xs = (state, layer_cache, routing)
     if layer_weights is not None:
       layers = [(weights, None if layer_cache is None else layer_cache[i],
@@ -406,6 +468,42 @@ class Transformer(nnx.Module):
       caches.append(new_cache)
     stacked = lambda outs: jax.tree.map(lambda *a: jnp.stack(a), *outs)  # noqa: E731
     return x, (stacked(auxes), tuple(caches) if layer_weights is not None else stacked(caches))
+
+  def microbatches_for(self, rows: int) -> int:
+    """The pipeline's microbatch count for a training call on `rows` rows (mesh.microbatches, or
+    its auto choice), checked against the rows' batch shards (pipeline.resolve_microbatches)."""
+    mc = self.config
+    mesh = mc.kernel.mesh
+    shards = 1
+    if mesh is not None:
+      entry = logical_to_spec(("batch",), mc.kernel.rules, mesh, shape=(rows,))[0]
+      for axis in (() if entry is None else entry if isinstance(entry, tuple) else (entry,)):
+        shards *= mesh.shape[axis]
+    return pipeline.resolve_microbatches(mc.microbatches, rows=rows, row_shards=shards, stages=mc.stages)
+
+  def _run_pipelined(self, graphdef, state, x, positions, segment_ids, routing, phase):
+    """One stack through the pipeline (model/pipeline.py): mc.stages stages of its layers, the rows
+    in microbatches; each stage scans its layers as `_run_stack` does. Returns what `_run_stack`
+    returns, the per-layer aux combined over the microbatches as the whole batch gives it."""
+    mc = self.config
+
+    def stage_fn(stage_state, x_, rows, stage_routing):
+      body = self._layer_body(graphdef, rows["positions"], rows["segment_ids"], None, phase)
+      xs = (stage_state, None, stage_routing)
+      if mc.scan_layers:
+        x_, (aux, _) = jax.lax.scan(body, x_, xs)
+        return x_, aux
+      auxes = []
+      for i in range(jax.tree.leaves(stage_state)[0].shape[0]):
+        x_, (aux, _) = body(x_, jax.tree.map(lambda a, i=i: a[i], xs))
+        auxes.append(aux)
+      return x_, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+
+    microbatches = self.microbatches_for(x.shape[0])
+    x, aux = pipeline.run(stage_fn, state, x, {"positions": positions, "segment_ids": segment_ids},
+                          routing, stages=mc.stages, microbatches=microbatches, mesh=mc.kernel.mesh,
+                          remat=mc.remat != "none")
+    return x, (combine_microbatches(aux), None)
 
   def decode_loop_inputs(self, *caches: kvc.KVCache) -> tuple:
     """What a decode loop passes the model at every step, made once before the loop:
@@ -433,6 +531,16 @@ class Transformer(nnx.Module):
         them, and the cache must be per layer (kv_cache.unstack); None: the stacked blocks as stored.
     """
     mc = self.config
+    if cache is not None and pipeline.needs_stage_region(mc.kernel.mesh):
+      # Generation on a mesh with pipeline stages: every stage group runs the call as one slice would.
+      graphdef, state = nnx.split(self)
+
+      def call(state, tokens, positions, segment_ids, cache, routing, layer_weights):
+        return nnx.merge(graphdef, state)(tokens, positions=positions, segment_ids=segment_ids, cache=cache,
+                                          routing=routing, return_hidden=return_hidden,
+                                          layer_weights=layer_weights)
+      return pipeline.on_every_stage(call, mc.kernel.mesh)(state, tokens, positions, segment_ids, cache, routing,
+                                                          layer_weights)
     batch, length = tokens.shape
     if length > mc.max_seq_len:
       raise ValueError(f"sequence of {length} tokens is longer than model.max_seq_len={mc.max_seq_len}.")

@@ -13,7 +13,10 @@ SFT step (train/sft.py). See rl/step/aot.py for what each figure means.
 
 JSON: a list with one object per step: {step, topology, chips, mesh, per_chip: {argument, output,
 temp, code, alias, total}, hbm_per_chip, fits, flops, model_flops, tokens, collective_bytes,
-projected_step_s, compile_s, diagnosis, hbm_fraction, assumed_mfu, flops_counting, projection}.
+projected_step_s, compile_s, diagnosis, microbatches, bubble_fraction, grad_collective_bytes,
+ici_bytes, dcn_bytes, hbm_fraction, assumed_mfu, flops_counting, projection}. grad_collective_bytes: what
+one chip sends reducing the gradients per step (optim.grad_collective_dtype picks its wire format);
+bubble_fraction: the pipeline's idle share with mesh.stage > 1 (the projection divides by 1 - it).
 `flops` is XLA's cost analysis per chip, which counts a scan / while body ONCE (layers, epochs,
 minibatches, ring steps); the projection uses `model_flops` (6 N_active + attention per token for
 training, 2 N_active + attention for generation, times the step's tokens) at an assumed 40% MFU of
@@ -53,7 +56,11 @@ def main(argv) -> int:
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from meshrl.rl.step import aot  # pylint: disable=import-outside-toplevel  (imports jax)
-  counts = aot.parameter_counts_of(cfg)
+  try:
+    counts = aot.parameter_counts_of(cfg)  # builds the model's config: its checks (mesh.stage, ...) first
+  except ValueError as error:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
   print(f"# {args.config}: {counts['total']:.4g} parameters, {counts['active_per_token']:.4g} active "
         f"per token (from shapes)", flush=True)
   if args.count_params:

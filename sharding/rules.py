@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshrl.sharding.mesh import MESH_AXES
+from meshrl.sharding.mesh import MESH_AXES, STAGE_AXIS, in_context
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -38,13 +38,15 @@ TRAIN_RULES: Rules = (
     ("experts", ("expert",)),
     ("expert_mlp", ("tensor",)),
     ("vocab", ("tensor",)),
-    ("layers", ()),
+    ("layers", ("stage",)),  # pipeline stages hold contiguous blocks of layers (model/pipeline.py)
 )
 
 # Generation keeps the parameter layout of training (the same arrays, no copy) and differs in the
-# activations: a decode step has length 1, so the sequence axis carries the KV cache, not the tokens.
+# activations: a decode step has length 1, so the sequence axis carries the KV cache, not the tokens;
+# and it never runs through the pipeline, so its per-layer arrays (the KV cache [layers, ...]) are not
+# split over `stage` (with stages, the weights are resharded stage-free: `stage_free_shardings`).
 ROLLOUT_RULES: Rules = tuple(
-    (name, () if name == "length" else axes) for name, axes in TRAIN_RULES)
+    (name, () if name in ("length", "layers") else axes) for name, axes in TRAIN_RULES)
 
 
 def batch_axes(rules: Rules = TRAIN_RULES) -> tuple[str, ...]:
@@ -140,7 +142,7 @@ def constrain(x: jax.Array, names: Sequence[str | None], mesh: Mesh | None,
   if len(names) != x.ndim:
     raise ValueError(f"constrain got {len(names)} names {tuple(names)} for an array of shape {x.shape}.")
   spec = logical_to_spec(names, rules, mesh, shape=x.shape)
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(in_context(mesh), spec))
 
 
 
@@ -165,3 +167,33 @@ def generation_shardings(shardings: Any, keep: Sequence[str] = GENERATION_KEEP_A
   reshard per RL step (an all-gather of the weights) and the memory of the less split copy."""
   return jax.tree.map(lambda s: NamedSharding(s.mesh, regather_spec(s.spec, keep)), shardings,
                       is_leaf=lambda s: isinstance(s, NamedSharding))
+
+
+def stage_free_spec(spec: PartitionSpec) -> PartitionSpec:
+  """`spec` without the `stage` axis: the dimension it split becomes replicated over the stages."""
+  return regather_spec(spec, keep=tuple(a for a in MESH_AXES if a != STAGE_AXIS))
+
+
+def stage_free_shardings(shardings: Any) -> Any:
+  """The stage-free generation layout of a pytree of parameter NamedShardings: every block's `layers`
+  axis, split over `stage` for the pipelined update (model/pipeline.py), replicated over the stages
+  instead; every other axis kept. Generation (prefill, decode) never runs through the pipeline: a
+  decode step is one token deep, so a pipeline would leave all stages but one idle. Each stage group
+  (a slice, when the stages lie across slices) holds every layer and runs the generation program; the
+  ROLLOUT rules do not split the batch over `stage`, so the groups compute the same rows.
+  Costs one all-gather of the blocks' weights over `stage` per RL step (the AOT report's `reshard`
+  step) and S times the blocks' bytes per chip while generating. A pytree without `stage` in it comes
+  back unchanged, so callers need not ask whether the mesh has stages."""
+  return jax.tree.map(lambda s: NamedSharding(s.mesh, stage_free_spec(s.spec)), shardings,
+                      is_leaf=lambda s: isinstance(s, NamedSharding))
+
+
+def generation_param_shardings(layout: str, shardings: Any) -> Any:
+  """The layout generation reads the parameters in (rl.generation_layout), from their train-layout
+  NamedShardings: "gathered" -> split over tensor/expert only (`generation_shardings`, which has no
+  `stage` either); "train" -> the train layout itself, without `stage` when the update is pipelined
+  (`stage_free_shardings`; unchanged otherwise). A rollout reshards to it once per step:
+  `jax.jit(lambda p: p, out_shardings=generation_param_shardings(layout, shardings_of(params)))`."""
+  if layout == "gathered":
+    return generation_shardings(shardings)
+  return stage_free_shardings(shardings)

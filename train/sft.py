@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshrl.model import pipeline
 from meshrl.model.init import build_model
 from meshrl.model.transformer import ModelConfig, Transformer
 from meshrl.sharding.rules import data_parallel_size, logical_to_spec, rules_from_config
@@ -196,6 +197,8 @@ def check_shapes(cfg, mesh: Mesh | None) -> None:
   if batch_size % rows:
     raise ValueError(f"rl.sft_batch_size={batch_size} is not divisible by the {rows} batch shards "
                      f"(mesh data * fsdp * expert = {dict(mesh.shape)}).")
+  pipeline.resolve_microbatches(int(cfg.mesh.get("microbatches", 0)), rows=batch_size, row_shards=rows,
+                                stages=int(cfg.mesh.get("stage", 1)), what="rl.sft_batch_size")
   sequence = axis_size(mesh, SEQUENCE_AXIS)
   multiple = sequence * (2 if zigzag_shards(cfg, mesh) > 1 else 1)
   if seq_len % multiple:

@@ -15,9 +15,12 @@ and XLA compiles the same jitted programs a run executes:
   decode   one decode step of `generate` against a full-length cache: sample, forward one token per
            row of the batch, write it into the cache (ROLLOUT rules; the cache is donated).
   sft      train/sft.py `make_sft_step` on rl.sft_batch_size rows of data.seq_len tokens.
-  reshard  the one-off cost of rl.generation_layout = "gathered": the train-layout weights resharded
-           into the generation layout (split over tensor/expert only) once per rollout; "decode" then
-           reads its weights in that layout (no per-token all-gather over fsdp).
+  reshard  the one-off cost of the generation layout: the train-layout weights resharded once per
+           rollout into rl.generation_layout = "gathered" (split over tensor/expert only; "decode"
+           then reads its weights without a per-token all-gather over fsdp) or, with pipeline stages
+           (mesh.stage > 1), into the stage-free layout (sharding/rules.stage_free_shardings: the
+           blocks' layers replicated over `stage`, every other axis kept), in which prefill and
+           decode run: generation never runs through the pipeline.
   routes   rl/batches/routes.py: the update batch's MoE routes (routing replay) built on the devices from the
            rollout's, rows in any order (dynamic sampling, partial rollouts), so they never cross
            the host.
@@ -34,9 +37,15 @@ minibatches, ring steps, `while_loop`) once, so `flops` is NOT the step's work (
 matmuls are `convolution`s). The projection uses `model_flops` instead, from train/metrics.py
 `model_flops_per_token` (6 N_active + 3 attention per token for training, 2 N_active + attention for
 generation) times the step's tokens, and
-`projected_step_s = model_flops / (chips * peak bf16 FLOP/s * ASSUMED_MFU)`. `collective_bytes`
+`projected_step_s = model_flops / (chips * peak bf16 FLOP/s * ASSUMED_MFU)`, divided by 1 - bubble for a
+pipelined step (the update and SFT with mesh.stage > 1: `bubble_fraction`, (S - 1) / (M + S - 1) of
+each chip's pipeline iterations idle, model/pipeline.py) and multiplied by the stages for prefill and
+decode, which every stage group runs whole (pipeline.on_every_stage). `collective_bytes`
 adds up the result bytes of every collective op in the compiled HLO, each op once (loop bodies once
-too): a lower bound of what moves per step, good for comparing layouts.
+too): a lower bound of what moves per step, good for comparing layouts. `ici_bytes`, `dcn_bytes` and
+`grad_collective_bytes` are sharding/traffic.py's: the bytes one chip sends under ring algorithms, loop bodies
+counted as often as they run, split by link, and the gradients' reductions among them
+(optim.grad_collective_dtype sets their wire format: sharding/compress.py).
 
 A program that does not fit fails to compile on TPU with RESOURCE_EXHAUSTED; both that and a compile
 that lands above the HBM fraction give `fits=False` and a `diagnosis` naming the bytes needed, the
@@ -58,6 +67,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrl.model import kv_cache as kvc
+from meshrl.model import pipeline
 from meshrl.model.init import parameter_counts
 from meshrl.model.ring_attention import zigzag_on_mesh
 from meshrl.model.transformer import ModelConfig, Transformer
@@ -69,8 +79,9 @@ from meshrl.rl.generation import core
 from meshrl.rl.generation.state import Counters, Pool, Slots
 from meshrl.rl.step.spec import generation_spec, rollout_model_config
 from meshrl.rl.algo.update import make_update
-from meshrl.sharding.mesh import make_mesh, mesh_shape_for
-from meshrl.sharding.rules import generation_shardings, logical_to_spec, rules_from_config
+from meshrl.sharding import traffic
+from meshrl.sharding.mesh import STAGE_AXIS, axis_size, make_mesh, mesh_shape_for
+from meshrl.sharding.rules import data_parallel_size, generation_param_shardings, logical_to_spec, rules_from_config
 from meshrl.train.metrics import model_flops_per_token, peak_flops
 from meshrl.train.optim import make_optimizer
 from meshrl.train.sft import MODEL_FIELDS, make_sft_step, zigzag_shards
@@ -193,11 +204,26 @@ def abstract_cache(mc: ModelConfig, mesh: Mesh, rules, batch: int, length: int) 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-  """A jitted function, its abstract arguments, and the model FLOPs and tokens of one call."""
+  """A jitted function, its abstract arguments, the model FLOPs and tokens of one call, and for a
+  pipelined training step its microbatches and bubble fraction (model/pipeline.py)."""
   fn: Any
   args: tuple
   tokens: int
   model_flops: float
+  microbatches: int | None = None
+  bubble_fraction: float | None = None
+  copies: int = 1  # groups of chips running the same program (generation on every pipeline stage)
+
+
+def _pipeline_figures(cfg, mesh: Mesh, rows: int) -> dict:
+  """{microbatches, bubble_fraction} of a training forward on `rows` rows with mesh.stage > 1 (the
+  microbatch count the model resolves for them), or {} without stages."""
+  stages = int(cfg.mesh.get("stage", 1))
+  if stages == 1 and int(cfg.mesh.get("microbatches", 0)) <= 1:
+    return {}
+  count = pipeline.resolve_microbatches(int(cfg.mesh.microbatches), rows=rows, row_shards=data_parallel_size(mesh),
+                                        stages=stages)
+  return dict(microbatches=count, bubble_fraction=pipeline.bubble_fraction(stages, count))
 
 
 def _model(cfg, mesh: Mesh, rules=None) -> tuple[ModelConfig, Callable[[], Transformer]]:
@@ -223,33 +249,39 @@ def update_program(cfg, mesh: Mesh) -> Program:
   length = cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
   tokens = rows * length * cfg.rl.epochs
   return Program(update, (state, batch, key), tokens,
-                 tokens * model_flops_per_token(mc, seq_len=length, training=True))
+                 tokens * model_flops_per_token(mc, seq_len=length, training=True),
+                 **_pipeline_figures(cfg, mesh, rows // cfg.rl.num_minibatches))
 
 
 def _rollout_state(cfg, mesh: Mesh, *, layout: str | None = None):
   """(ModelConfig, graphdef, params, extra) of the rollout: parameters in the TRAIN layout (the
-  same arrays the update trains) or, with rl.generation_layout = "gathered", in the generation
-  layout (sharding/rules.generation_shardings); activations by the ROLLOUT rules."""
+  same arrays the update trains), or in the generation layout `generation_params_shardings` gives
+  (rl.generation_layout = "gathered", or pipeline stages); activations by the ROLLOUT rules."""
   mc = rollout_model_config(cfg, mesh)
   graphdef, state = abstract_train_state(lambda: Transformer(mc, rngs=nnx.Rngs(cfg.seed)),
                                          make_optimizer(cfg.optim), mesh, rules_from_config(cfg.mesh))
   params = state.params
-  if (layout or cfg.rl.generation_layout) == "gathered":
-    params = _relaid(params)
+  if layout != "train":
+    params = _relaid(params, generation_params_shardings(cfg, jax.tree.map(lambda x: x.sharding, params)))
   return mc, graphdef, params, state.extra
 
 
-def _relaid(params):
-  """Abstract params -> the same shapes in the generation layout."""
-  shardings = generation_shardings(jax.tree.map(lambda x: x.sharding, params))
+def generation_params_shardings(cfg, shardings):
+  """The layout prefill and decode read the parameters in: sharding/rules.generation_param_shardings for
+  rl.generation_layout (stage-free with pipeline stages)."""
+  return generation_param_shardings(cfg.rl.generation_layout, shardings)
+
+
+def _relaid(params, shardings):
+  """Abstract params -> the same shapes in `shardings`."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
 
 
 def reshard_program(cfg, mesh: Mesh) -> Program:
-  """The one-off cost of rl.generation_layout = "gathered": the train-layout parameters resharded
-  into the generation layout (once per rollout), as a jitted identity with the new out_shardings."""
+  """The one-off cost of the generation layout (`generation_params_shardings`): the train-layout
+  parameters resharded into it (once per rollout), as a jitted identity with the new out_shardings."""
   _, _, params, _ = _rollout_state(cfg, mesh, layout="train")
-  out = jax.tree.map(lambda x: x.sharding, _relaid(params))
+  out = generation_params_shardings(cfg, jax.tree.map(lambda x: x.sharding, params))
   return Program(jax.jit(lambda p: p, out_shardings=out), (params,), 0, 0.0)
 
 
@@ -271,7 +303,8 @@ def prefill_program(cfg, mesh: Mesh) -> Program:
   mask = _struct(mesh, rules, (prompts_n, prompt_len), jnp.bool_, ("batch", "length"))
   tokens = prompts_n * prompt_len
   return Program(jax.jit(prefill), (params, extra, prompts, mask), tokens,
-                 tokens * model_flops_per_token(mc, seq_len=prompt_len, training=False))
+                 tokens * model_flops_per_token(mc, seq_len=prompt_len, training=False),
+                 copies=axis_size(mesh, STAGE_AXIS))
 
 
 def decode_program(cfg, mesh: Mesh) -> Program:
@@ -308,8 +341,17 @@ def decode_program(cfg, mesh: Mesh) -> Program:
     slots, pool, _ = core.decode_step(models, gen.step, slots, pool, version, Counters.zeros(rows), lockstep=True)
     return slots, pool
 
+  if axis_size(mesh, STAGE_AXIS) > 1:
+    # The whole step on every stage group, not just the model's call (Transformer.__call__ enters the
+    # region itself): with `stage` across slices and the cache split over `sequence`, the pool and
+    # slot updates left to the partitioner crash libtpu 0.0.42's all-gather simplifier (a CHECK
+    # failure, "constant->opcode() == HloOpcode::kConstant (reshape vs. constant)"), for paper_3t on
+    # two v5p slices and already on two v5p:4x4x4 slices with expert=8 x sequence=8.
+    decode = pipeline.on_every_stage(decode, mesh)
+
   return Program(jax.jit(decode, donate_argnums=(2, 3)), (params, extra, slots, pool, version),
-                 rows, rows * model_flops_per_token(mc, seq_len=width, causal=False, training=False))
+                 rows, rows * model_flops_per_token(mc, seq_len=width, causal=False, training=False),
+                 copies=axis_size(mesh, STAGE_AXIS))
 
 
 def sft_program(cfg, mesh: Mesh) -> Program:
@@ -325,7 +367,8 @@ def sft_program(cfg, mesh: Mesh) -> Program:
   batch = {name: _struct(mesh, rules, shape, dtypes[name], ("batch", "length")) for name in MODEL_FIELDS}
   tokens = math.prod(shape)
   return Program(step, (state, batch), tokens,
-                 tokens * model_flops_per_token(mc, seq_len=cfg.data.seq_len, training=True))
+                 tokens * model_flops_per_token(mc, seq_len=cfg.data.seq_len, training=True),
+                 **_pipeline_figures(cfg, mesh, cfg.rl.sft_batch_size))
 
 
 def routes_program(cfg, mesh: Mesh) -> Program:
@@ -373,10 +416,11 @@ def batch_program(cfg, mesh: Mesh) -> Program:
 
 
 def default_steps(cfg) -> tuple[str, ...]:
-  """The steps `--step=all` compiles: reshard only when the config uses the generation layout,
-  routes only with routing replay of an MoE model."""
+  """The steps `--step=all` compiles: reshard only when the parameters change layout for generation
+  (rl.generation_layout = "gathered", or pipeline stages), routes only with routing replay of an MoE
+  model."""
   skip = set()
-  if cfg.rl.generation_layout != "gathered":
+  if cfg.rl.generation_layout != "gathered" and int(cfg.mesh.get("stage", 1)) == 1:
     skip.add("reshard")
   if not (cfg.rl.replay_routing and ModelConfig.from_config(cfg).num_moe_layers):  # as routes_program
     skip.add("routes")
@@ -463,9 +507,14 @@ class StepReport:
   model_flops: float  # the step's model FLOPs over all chips (train/metrics.py)
   tokens: int
   collective_bytes: dict
-  projected_step_s: float | None  # model_flops / (chips x peak x ASSUMED_MFU)
+  projected_step_s: float | None  # model_flops / (chips x peak x ASSUMED_MFU) / (1 - bubble_fraction)
   compile_s: float
   diagnosis: str = ""  # why it does not fit: bytes needed vs available, largest buffers
+  microbatches: int | None = None  # pipelined training steps: microbatches per forward
+  bubble_fraction: float | None = None  # pipelined training steps: (S - 1) / (M + S - 1)
+  grad_collective_bytes: float | None = None  # bytes a chip sends reducing gradients per step (sharding/traffic.py)
+  ici_bytes: float | None = None  # bytes a chip sends over ICI per step, loops counted as they run
+  dcn_bytes: float | None = None  # bytes a chip sends across slices (DCN) per step
 
   @classmethod
   def from_json(cls, record: dict) -> "StepReport":
@@ -476,7 +525,7 @@ class StepReport:
     out = dataclasses.asdict(self)
     out.update(hbm_fraction=HBM_FRACTION, assumed_mfu=ASSUMED_MFU,
                flops_counting="XLA cost_analysis per chip; scan/while bodies counted once",
-               projection="model_flops / (chips * peak_bf16_flops * assumed_mfu)")
+               projection="model_flops / (chips * peak_bf16_flops * assumed_mfu) / (1 - bubble_fraction)")
     return out
 
 
@@ -506,9 +555,14 @@ def measure(step: str, program: Program, mesh: Mesh, topology: str) -> StepRepor
   start = time.perf_counter()
   peak = peak_flops(devices)
   projected = program.model_flops / (peak * ASSUMED_MFU) if peak else None
+  if projected is not None and program.bubble_fraction:
+    projected /= 1.0 - program.bubble_fraction
+  if projected is not None:
+    projected *= program.copies  # each copy does all the work on its share of the chips
   common = dict(step=step, topology=topology, chips=len(devices), mesh=dict(mesh.shape),
                 hbm_per_chip=hbm, model_flops=program.model_flops, tokens=program.tokens,
-                projected_step_s=projected)
+                projected_step_s=projected, microbatches=program.microbatches,
+                bubble_fraction=program.bubble_fraction)
   try:
     compiled = program.fn.lower(*program.args).compile()
   except Exception as error:  # pylint: disable=broad-except
@@ -535,9 +589,12 @@ def measure(step: str, program: Program, mesh: Mesh, topology: str) -> StepRepor
                  f"bytes of HBM ({HBM_FRACTION * hbm / 2 ** 30:.2f} GiB); largest buffers: "
                  + " | ".join(largest_buffers(hlo)) + "; largest arguments per chip: "
                  + " | ".join(largest_arguments(program.args)))
+  slices = {d.id: getattr(d, "slice_index", 0) for d in devices}
+  sent = traffic.traffic(hlo, slice_of=lambda i: slices.get(i, 0))
   return StepReport(per_chip=per_chip, fits=fits, flops=float(cost.get("flops", 0.0)) if cost else None,
                     collective_bytes=collective_bytes(hlo), compile_s=time.perf_counter() - start,
-                    diagnosis=diagnosis, **common)
+                    diagnosis=diagnosis, grad_collective_bytes=sent.grad, ici_bytes=sent.ici,
+                    dcn_bytes=sent.dcn, **common)
 
 
 def compile_steps(cfg, topology: str, steps: Sequence[str], num_slices: int = 1,
@@ -552,17 +609,20 @@ def compile_steps(cfg, topology: str, steps: Sequence[str], num_slices: int = 1,
 
 
 def markdown_table(reports: Sequence[StepReport]) -> str:
-  """The "Will it fit?" table of docs/benchmarks.md."""
+  """The "Will it fit?" table of docs/benchmarks.md; with a pipelined step among the reports, a last
+  column gives each step's microbatches and bubble fraction."""
   gib = lambda b: f"{b / 2 ** 30:.1f}"  # noqa: E731
+  piped = any(r.bubble_fraction is not None for r in reports)
   lines = ["| step | topology | chips | argument GiB | temp GiB | total GiB / chip | HBM GiB | "
-           "fits (<= 90%) | model PFLOP | projected s (MFU 40%) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "fits (<= 90%) | model PFLOP | projected s (MFU 40%) |" + (" microbatches, bubble |" if piped else ""),
+           "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if piped else "")]
   for r in reports:
     total = gib(r.per_chip["total"]) if r.per_chip else "OOM"
+    bubble = "-" if r.bubble_fraction is None else f"{r.microbatches}, {r.bubble_fraction:.0%}"
     lines.append(
         f"| {r.step} | {r.topology} | {r.chips} | {gib(r.per_chip['argument']) if r.per_chip else '-'} | "
         f"{gib(r.per_chip['temp']) if r.per_chip else '-'} | {total} | "
         f"{gib(r.hbm_per_chip) if r.hbm_per_chip else '-'} | {'yes' if r.fits else 'NO'} | "
         f"{r.model_flops / 1e15:.3g} | "
-        f"{'-' if r.projected_step_s is None else f'{r.projected_step_s:.3g}'} |")
+        f"{'-' if r.projected_step_s is None else f'{r.projected_step_s:.3g}'} |" + (f" {bubble} |" if piped else ""))
   return "\n".join(lines)

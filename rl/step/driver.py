@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from meshrl.configs import checks, save_config
-from meshrl.model import splash
+from meshrl.model import pipeline, splash
 from meshrl.model.tokenizer import tokenizer_from_config
 from meshrl.rl.algo import advantages as adv_lib
 from meshrl.rl.algo import losses
@@ -42,8 +42,8 @@ from meshrl.rl.rewards import compose
 from meshrl.rl.rewards.sources import check_reward_sources
 from meshrl.rl.step.spec import check_generation
 from meshrl.rl.step.program import RLRun, build_run, in_flight_state, restore_in_flight, rl_step
-from meshrl.sharding import MESH_AXES, make_mesh, mesh_shape_for
-from meshrl.sharding.mesh import DATA_AXIS, EXPERT_AXIS, SEQUENCE_AXIS, axis_size, platform
+from meshrl.sharding import make_mesh
+from meshrl.sharding.mesh import EXPERT_AXIS, SEQUENCE_AXIS, axis_size, global_mesh_sizes, platform
 from meshrl.sharding.rules import data_parallel_size, rules_from_config
 from meshrl.train.checkpoint import Checkpointer, check_readable, check_saved_config, committed_steps
 from meshrl.train.init_from import check_initial_model, initial_model
@@ -140,14 +140,14 @@ def check_config(cfg, num_devices: int | None = None) -> None:
     raise ValueError(f"data.eval_fraction={cfg.data.eval_fraction} must lie strictly between 0 and 1 "
                      "to hold out evaluation prompts (or give eval.jsonl).")
   check_initial_model(cfg)
+  ModelConfig.from_config(cfg)  # the model's own checks, mesh.stage against the layers among them
   if rl.sft_steps:
     if cfg.data.seq_len > cfg.model.max_seq_len:
       raise ValueError(f"data.seq_len={cfg.data.seq_len} is longer than model.max_seq_len="
                        f"{cfg.model.max_seq_len}.")
   if num_devices is None:
     return
-  sizes = dict(zip(MESH_AXES, mesh_shape_for(cfg.mesh, num_devices)))
-  sizes[DATA_AXIS] *= cfg.mesh.num_slices
+  sizes = global_mesh_sizes(cfg.mesh, num_devices)  # stage and data span the slices
   shards = data_parallel_size(sizes)
   if batch % shards:
     raise ValueError(f"the rollout batch of {batch} sequences (rl.prompts_per_step * rl.group_size) is "
@@ -159,6 +159,12 @@ def check_config(cfg, num_devices: int | None = None) -> None:
   if rl.sft_steps and rl.sft_batch_size % shards:
     raise ValueError(f"rl.sft_batch_size={rl.sft_batch_size} is not divisible by the data-parallel axes "
                      f"data*fsdp*expert = {shards}.")
+  # The pipeline's microbatches split each training forward's batch shards (model/pipeline.py).
+  trained = [("the update's minibatch (rl.prompts_per_step * rl.group_size / rl.num_minibatches, or "
+              "rl.packed_rows / rl.num_minibatches)", rows // rl.num_minibatches)]
+  if rl.sft_steps:
+    trained.append(("rl.sft_batch_size", rl.sft_batch_size))
+  pipeline.check_batches(cfg.mesh, trained, row_shards=shards)
   sequence = sizes[SEQUENCE_AXIS]
   if sequence > 1:
     multiple = 2 * sequence if cfg.attention.zigzag and cfg.attention.impl == "ring" else sequence

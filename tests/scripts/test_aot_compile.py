@@ -233,3 +233,53 @@ def test_routes_compile_for_v5p_2x2x1_split_like_the_update_batch(aot):
   assert "routes" not in aot.default_steps(no_replay)
   with pytest.raises(ValueError, match="--step=routes needs rl.replay_routing=True"):
     aot.routes_program(no_replay, mesh)
+
+
+@pytest.mark.slow  # about 2 minutes: the pipelined update compiles through libtpu
+def test_two_slice_pipeline_reports_its_bubble_and_generates_stage_free(aot):
+  """mesh.stage=2 over two v5e 2x2 slices (4 blocks, 8 rows over fsdp=2 x expert=2, 2 microbatches):
+  the update compiles through the pipeline and reports 2 microbatches and a bubble of 1/3, its
+  projection divided by 1 - 1/3; generation's parameters are stage-free (no `stage` in any
+  prefill/decode argument: every stage group holds every layer), the reshard to them is part of
+  --step=all and moves bytes across the slices; the update's weights stay split over the stages."""
+  import jax  # pylint: disable=import-outside-toplevel
+  cfg = _small("model.num_layers=4", "moe.first_k_dense=2", "mesh.stage=2", "mesh.num_slices=2",
+               "mesh.fsdp=2", "mesh.expert=2")
+  mesh = aot.topology_mesh(cfg, aot.topology_devices("v5e:2x2", num_slices=2))
+  assert dict(mesh.shape)["stage"] == 2 and {d.slice_index for d in mesh.devices[0, 0].flat} == {0}
+  assert "reshard" in aot.default_steps(cfg)
+  for step in ("prefill", "decode"):
+    program = aot.PROGRAMS[step](cfg, mesh)
+    specs = [x.sharding.spec for x in jax.tree.leaves(program.args) if hasattr(x, "sharding")]
+    assert specs and not any("stage" in str(spec) for spec in specs), step
+  update = aot.update_program(cfg, mesh)
+  assert any("stage" in str(x.sharding.spec) for x in jax.tree.leaves(update.args[0].params))
+  reshard = aot.compile_step("reshard", cfg, mesh, "v5e:2x2")
+  assert reshard.dcn_bytes > 0  # each slice receives the other's layers
+  report = aot.compile_step("update", cfg, mesh, "v5e:2x2")
+  assert report.fits and report.microbatches == 2 and report.bubble_fraction == pytest.approx(1 / 3)
+  assert report.projected_step_s == pytest.approx(report.model_flops / (8 * 197e12 * aot.ASSUMED_MFU) * 1.5)
+  assert report.dcn_bytes > 0 and report.grad_collective_bytes > 0
+
+
+@pytest.mark.slow  # about 2 minutes: 128 compile-only chips
+def test_decode_step_compiles_with_stages_across_slices_and_a_sequence_split_cache(tmp_path):
+  """paper_3t's layout, shrunk: two v5p:4x4x4 slices, one stage each, expert=8 x sequence=8 (the KV
+  cache split over `sequence`). The decode step runs whole on every stage group (rl/step/aot.py
+  decode_program); left to the partitioner, its pool and slot updates crashed libtpu's all-gather
+  simplifier (SIGABRT, hence a subprocess), as paper_3t's two-slice decode did after the generation
+  core replaced the rollout."""
+  pytest.importorskip("libtpu", reason="compiling for TPU topologies needs libtpu (the tpu extra)")
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "decode.json"
+  small = ["model.num_layers=4", "model.embed_dim=1024", "model.mlp_dim=2048", "moe.num_experts=128",
+           "moe.expert_mlp_dim=256", "moe.shared_expert_mlp_dim=256", "model.vocab_size=4096",
+           "rl.prompts_per_step=1", "mesh.stage=2", "mesh.expert=8", "mesh.sequence=8"]
+  result = subprocess.run([sys.executable, "scripts/aot_compile.py", "--config=configs/paper_3t.py",
+                           "--topology=v5p:4x4x4", "--num_slices=2", "--step=decode", f"--json={out}",
+                           *[f"--config.{o}" for o in small]], cwd=REPO, capture_output=True, text=True,
+                          timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert result.returncode == 0, result.stderr[-2000:]
+  report = json.loads(out.read_text())[0]
+  assert report["step"] == "decode" and report["fits"] and report["mesh"]["stage"] == 2

@@ -68,3 +68,32 @@ def test_rule_overrides_from_config(devices):
     rules_from_config(ml_collections.ConfigDict(dict(train_rules="mlp=model")), "train")
   with pytest.raises(ValueError, match="NAME=AXIS"):
     rules_from_config(ml_collections.ConfigDict(dict(train_rules="hidden=tensor")), "train")
+
+
+def test_stage_free_shardings_replicate_the_layers_over_stages_only(devices):
+  """A block weight [layers, embed, mlp] on stage=2 x fsdp=2 x tensor=2: the pipelined update holds
+  layers split over `stage`; the generation layout keeps fsdp and tensor and replicates the layers
+  over the stages (each stage group holds every layer), and the reshard moves real arrays."""
+  from meshrl.sharding.rules import stage_free_shardings  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding  # pylint: disable=import-outside-toplevel
+  mesh = _mesh(stage=2, fsdp=2, tensor=2)
+  spec = logical_to_spec(("layers", "embed", "mlp"), TRAIN_RULES, mesh)
+  assert spec == P("stage", "fsdp", "tensor")
+  weights = jax.device_put(jnp.arange(4 * 8 * 8, dtype=jnp.float32).reshape(4, 8, 8), NamedSharding(mesh, spec))
+  free = stage_free_shardings({"w": weights.sharding})
+  assert free["w"].spec == P(None, "fsdp", "tensor")
+  moved = jax.jit(lambda t: t, out_shardings=free)({"w": weights})["w"]
+  assert moved.sharding.shard_shape(moved.shape) == (4, 4, 4)
+  np.testing.assert_array_equal(np.asarray(moved), np.asarray(weights))
+  unchanged = NamedSharding(mesh, P("fsdp", "tensor"))
+  assert stage_free_shardings(unchanged) == unchanged
+
+
+def test_generation_arrays_are_never_split_over_stages(devices):
+  """The KV cache [layers, batch, length, kv heads, head dim] of a rollout on stage=2: generation
+  runs every layer on every stage group, so its cache must not be split over `stage` (a prefill that
+  wrote each layer's keys to one stage's chips needed 102 GiB per chip on paper_3t, against 58)."""
+  from meshrl.model.kv_cache import CACHE_AXES  # pylint: disable=import-outside-toplevel
+  mesh = _mesh(stage=2, fsdp=2, tensor=2)
+  assert logical_to_spec(CACHE_AXES["k"], ROLLOUT_RULES, mesh) == P(None, "fsdp", None, "tensor", None)
+  assert logical_to_spec(("layers", "embed"), TRAIN_RULES, mesh) == P("stage", "fsdp")
