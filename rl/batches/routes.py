@@ -80,6 +80,8 @@ def assemble(routing: RoutingRows, sharding: NamedSharding | None, *, zigzag_sha
   shape = routing.shape if plan is None else (plan.sample.shape[0], layers, plan.sample.shape[1], k)
   out = zeros_program(shape, out_sharding)()
   for source, local in per_source(routing.sources, index, axis=1):
+    if source.shape[1] == 0:  # a round that ended no group (restored from a checkpoint): nothing to fill
+      continue
     out = program(out, source if isinstance(source, jax.Array) else jnp.asarray(source), local, *extra)
   return out
 

@@ -65,6 +65,14 @@ def test_assemble_builds_the_update_layouts_on_the_mesh(devices):
   np.testing.assert_array_equal(np.asarray(packed), host_packed)
 
 
+def test_assemble_takes_a_round_that_ended_no_group():
+  """A restored round with no samples (a partial step that ended no group, from a checkpoint's JSON)
+  beside blank samples: assemble gives zeros for the blanks (it used to index the empty source)."""
+  empty = RoutingRows.from_host(np.zeros((0, L, S, K), np.int32))
+  joined = rows.concatenate([empty], blank=4)
+  np.testing.assert_array_equal(np.asarray(routes.assemble(joined, None)), np.zeros((4, L, S, K), np.int32))
+
+
 def test_an_rl_step_keeps_the_routes_on_the_devices(devices, monkeypatch):
   """collect + prepare with routing replay, two rollout rounds of dynamic sampling: nothing of routes'
   size reaches the host (hosts.to_host), and the update batch gets them split like its tokens."""
