@@ -178,3 +178,11 @@ def write_json(path: str, report: dict, *, indent: int = 2, announce: bool = Tru
     json.dump(report, f, indent=indent)
   if announce:
     print(f"\nwrote {path}")
+
+
+def bare_run(cfg) -> None:
+  """A benchmark's RL run: no warm start, checkpoints, progress bar or evaluation (in place)."""
+  cfg.rl.sft_steps = 0
+  cfg.checkpoint.enabled = False
+  cfg.log.progress_bar = False
+  cfg.eval.every = 0

@@ -130,10 +130,7 @@ def print_table(report: dict) -> None:
 
 def main(argv):
   args, cfg = cli.parse(argv, add_flags=_flags, description=__doc__)
-  cfg.rl.sft_steps = 0
-  cfg.checkpoint.enabled = False
-  cfg.log.progress_bar = False
-  cfg.eval.every = 0
+  cli.bare_run(cfg)
   report = {"config": args.config, "overrides": list(args.overrides), **bench(cfg, args.steps)}
   print_table(report)
   cli.write_json(args.json, report)
