@@ -174,6 +174,13 @@ class Supervisor:
       os.write(2, ("session: cannot start %r: %s\n" % (argv[0], error)).encode())
     os._exit(127)
 
+  def _clear_wake(self) -> None:
+    """Empties the wake pipe (a SIGCHLD's byte) so the next select waits again."""
+    try:
+      os.read(self.wake_r, 512)
+    except BlockingIOError:
+      pass
+
   def _reap(self):
     while True:
       try:
@@ -294,10 +301,7 @@ class Supervisor:
       if self.noise.fd in ready:
         self.noise.pump()
       if self.wake_r in ready:
-        try:
-          os.read(self.wake_r, 512)
-        except BlockingIOError:
-          pass
+        self._clear_wake()
         self._reap()
       if self.out.fd in ready:
         self.out.pump()
@@ -418,10 +422,7 @@ class Supervisor:
         if stream.fd in ready and stream.fd in open_fds and not stream.pump():
           open_fds.discard(stream.fd)
       if self.wake_r in ready:
-        try:
-          os.read(self.wake_r, 512)
-        except BlockingIOError:
-          pass
+        self._clear_wake()
       self._reap()
       self._drain_background()
       self.check_session_limits()
@@ -560,10 +561,7 @@ class Supervisor:
       ready, _, _ = select.select([self.request_fd, self.out.fd, self.err.fd, self.noise.fd,
                                    self.wake_r, self.status_r], [], [], 0.1)
       if self.wake_r in ready:
-        try:
-          os.read(self.wake_r, 512)
-        except BlockingIOError:
-          pass
+        self._clear_wake()
         self._reap()
       if self.out.fd in ready or self.err.fd in ready or self.noise.fd in ready:
         self._drain_background()
