@@ -3,7 +3,7 @@
   checks.check_sections(cfg, "run", "rl", "data", "eval", "checkpoint", "log")
 
 Each check raises ValueError naming the field, the value and what is allowed, before anything runs
-or is written. `rl/loop.check_config` (RL runs) and the other scripts call the sections they use;
+or is written. `rl/step/run_spec.check_config` (RL runs) and the other scripts call the sections they use;
 fields whose meaning belongs to another layer are checked where that layer turns the config into its
 spec (model.* / moe.* / attention.* in `ModelConfig.from_config`, optim.* in `train/optim.py`).
 This module imports no jax.
@@ -72,7 +72,7 @@ def check_run(cfg) -> None:
 
 def check_rl(cfg) -> None:
   """rl.*: step counts, minibatches, coefficients, budgets; the algorithm's own choices
-  (estimator, loss, sampler, engine) are checked by their builders in rl/loop.check_config."""
+  (estimator, loss, sampler, engine) are checked by their builders in rl/step/run_spec.check_config."""
   at_least(cfg, "rl.num_steps", 0, " (0 = the warm start alone)")
   at_least(cfg, "rl.sft_steps", 0, " (0 = no warm start)")
   at_least(cfg, "rl.num_minibatches", 1)

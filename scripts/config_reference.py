@@ -29,7 +29,7 @@ edit the comments there and run the script: `tests/test_docs.py` checks the two 
 A run is a preset (`--config=configs/tiny.py`, or `configs/base.py:tiny`) plus overrides
 (`--config.rl.num_steps=200`); `python scripts/show_config.py --config=...` prints the resolved config
 and its difference from base. A misspelt key or a value of the wrong type fails before anything runs,
-naming the key; values out of range are refused by the run's checks (`rl/loop.check_config`,
+naming the key; values out of range are refused by the run's checks (`rl/step/run_spec.check_config`,
 `configs/checks.py`), one line naming the field.
 """
 

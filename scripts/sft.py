@@ -46,7 +46,7 @@ def main(argv):
   # Everything that can refuse the run, before anything is written.
   checks.check_sections(cfg, "run", "data", "checkpoint", "log")
   checks.at_least(cfg, "rl.sft_batch_size", 1)
-  ModelConfig.from_config(cfg)
+  model_numbers = ModelConfig.from_config(cfg)
   check_optim(cfg.optim, learning_rate=cfg.rl.sft_learning_rate, field="rl.sft_learning_rate")
   mesh = make_mesh(cfg.mesh)
   check_shapes(cfg, mesh)
@@ -63,7 +63,7 @@ def main(argv):
     print(skipped_rows(source))
   tokenizer = tokenizer_from_config(cfg)
   if cfg.checkpoint.enabled:
-    workdir_lib.check_free_space(workdir, checkpoint_bytes(cfg))
+    workdir_lib.check_free_space(workdir, checkpoint_bytes(model_numbers, cfg.optim))
   workdir_lib.clear_outputs(workdir, leftovers)
   print(f"config: {save_config(cfg, workdir)}")
   # Builds the model sharded on the mesh, or on a resume reads the checkpoint straight into it.

@@ -2,6 +2,7 @@
 checkpoints.
 
   check_config(cfg, num_devices)    every config error a run would hit, before anything runs
+                                    (building the run spec, rl/step/run_spec.py)
   run(cfg, workdir)                 the whole job (scripts/rl.py)
   setup(cfg, mesh=, model=)         the RLRun and its prompt stream, for tests and benchmarks
   train_steps(run, prompts, ...)    RL steps (rl/step/program.py) with hooks at the edge
@@ -22,33 +23,24 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from meshrl.configs import checks, save_config
-from meshrl.model import pipeline, splash
-from meshrl.model.tokenizer import tokenizer_from_config
-from meshrl.rl.algo import advantages as adv_lib
-from meshrl.rl.algo import losses
+from meshrl.configs import save_config
 from meshrl.rl.step.groups import shared_prompts
 from meshrl.rl.envs import TaskMixture
 from meshrl.rl.envs.env_work import EnvWork, mixture_options, run_quarantine
 from meshrl.rl.envs.quality import Quarantine
-from meshrl.rl.envs.registry import DomainMixture, check_single_turn, load_domains
+from meshrl.rl.envs.registry import DomainMixture
 from meshrl.rl.step.evaluation import Evaluator, held_out_examples
 from meshrl.rl.step.episodes import EPISODE_FAMILIES, episode_pools, wants_multi_turn
 from meshrl.rl.step.episode_collect import Demonstrations, MultiTurnEvaluator
 from meshrl.rl.step.episode_collect import held_out as multiturn_held_out
 from meshrl.rl.envs.prompts import ArrayRecordSource, JsonlSource, PromptStream
-from meshrl.rl.batches.packing import update_shape
-from meshrl.rl.rewards import compose
-from meshrl.rl.rewards.sources import check_reward_sources
-from meshrl.rl.step.spec import check_generation
 from meshrl.rl.step.program import RLRun, build_run, in_flight_state, restore_in_flight, rl_step
+from meshrl.rl.step.run_spec import RunSpec, build_spec, check_config, domain_specs  # noqa: F401 (build_spec: API)
 from meshrl.sharding import make_mesh
-from meshrl.sharding.mesh import EXPERT_AXIS, SEQUENCE_AXIS, axis_size, global_mesh_sizes, platform
-from meshrl.sharding.rules import data_parallel_size, rules_from_config
+from meshrl.sharding.mesh import EXPERT_AXIS, axis_size, platform
 from meshrl.train.checkpoint import Checkpointer, check_readable, check_saved_config, committed_steps
-from meshrl.train.init_from import check_initial_model, initial_model
+from meshrl.train.init_from import initial_model
 from meshrl.model.transformer import ModelConfig
-from meshrl.train.optim import check_optim
 from meshrl.train.metrics import CompileCounter, MetricsWriter, peak_flops, plot_curve, read_jsonl, truncate_jsonl
 from meshrl.sharding import hosts
 from meshrl.train.preemption import Preemption
@@ -57,139 +49,6 @@ from meshrl.configs.cli import disk_full
 from meshrl.train.workdir import check_free_space, check_workdir, clear_outputs, disk_full_message
 
 Hook = Callable[[int, RLRun, dict], None]
-
-
-# --- one check of every setting, before anything runs ------------------------------------------
-
-
-def check_model_and_optimizer(cfg) -> None:
-  """model.*, moe.*, attention.*, mesh rules and optim.* (both peak rates), by building their specs:
-  ValueError naming the field, as a run would raise it only after writing its config."""
-  ModelConfig.from_config(cfg)
-  rules_from_config(cfg.mesh, "rollout")
-  check_optim(cfg.optim)
-  if cfg.rl.sft_steps:
-    check_optim(cfg.optim, learning_rate=cfg.rl.sft_learning_rate, field="rl.sft_learning_rate")
-
-
-def check_config(cfg, num_devices: int | None = None) -> None:
-  """Raises ValueError naming the field for every setting the run would fail on, before the warm
-  start, any compilation or any file written. With `num_devices`, also the mesh-dependent checks."""
-  checks.check_sections(cfg, "run", "rl", "moe", "data", "eval", "checkpoint", "log")
-  check_model_and_optimizer(cfg)
-  rl = cfg.rl
-  estimator = adv_lib.make_estimator(rl.advantage, eps=rl.adv_eps, gamma=rl.gamma, lam=rl.gae_lambda)
-  if estimator.needs_groups and rl.group_size < 2:
-    raise ValueError(f"rl.advantage={rl.advantage!r} is group-relative and needs rl.group_size >= 2,"
-                     f" got {rl.group_size}.")
-  if estimator.needs_critic and not cfg.model.value_head:
-    raise ValueError("rl.advantage='gae' needs a critic: set model.value_head=true.")
-  losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic)
-  for field in ("prompts_per_step", "group_size", "max_prompt_len", "max_new_tokens", "epochs",
-                "reward_workers"):
-    if rl[field] < 1:
-      raise ValueError(f"rl.{field}={rl[field]} must be at least 1.")
-  if not rl.reward_timeout_s > 0:
-    raise ValueError(f"rl.reward_timeout_s={rl.reward_timeout_s} must be positive.")
-  batch = rl.prompts_per_step * rl.group_size
-  if batch % rl.num_minibatches or rl.num_minibatches < 1:
-    raise ValueError(f"rl.num_minibatches={rl.num_minibatches} must divide the batch of {batch} sequences "
-                     f"(rl.prompts_per_step * rl.group_size).")
-  total = rl.max_prompt_len + rl.max_new_tokens
-  rows, row_len = update_shape(cfg)
-  if rl.pack_updates:
-    if rl.packed_rows < 0 or rl.packed_row_len < 0:
-      raise ValueError(f"rl.packed_rows={rl.packed_rows} and rl.packed_row_len={rl.packed_row_len} must be "
-                       ">= 0 (0 = one row per sample, the prompt + response budget).")
-    if row_len < total or row_len > cfg.model.max_seq_len:
-      raise ValueError(f"rl.packed_row_len={row_len} must lie between rl.max_prompt_len + rl.max_new_tokens "
-                       f"= {total} (a trajectory fits in a row) and model.max_seq_len={cfg.model.max_seq_len}.")
-    if rows % rl.num_minibatches:
-      raise ValueError(f"rl.num_minibatches={rl.num_minibatches} must divide the rl.packed_rows={rows} "
-                       "packed rows of an update batch.")
-  if total > cfg.model.max_seq_len:
-    raise ValueError(f"rl.max_prompt_len={rl.max_prompt_len} + rl.max_new_tokens={rl.max_new_tokens} "
-                     f"exceeds model.max_seq_len={cfg.model.max_seq_len}.")
-  if rl.prompt_overflow not in ("truncate", "reject"):
-    raise ValueError(f"rl.prompt_overflow={rl.prompt_overflow!r}; choose truncate or reject.")
-  if rl.overlong_buffer > rl.max_new_tokens:
-    raise ValueError(f"rl.overlong_buffer={rl.overlong_buffer} must lie in [0, rl.max_new_tokens="
-                     f"{rl.max_new_tokens}] (the penalty ramps over the last tokens of the budget).")
-  check_generation(cfg)  # scheduler, proposer, sampler, int8 and layout options, cache length
-  if not wants_multi_turn(cfg) and episode_pools(cfg):
-    raise ValueError(f"data.tasks={cfg.data.tasks!r} names multi-turn families {sorted(episode_pools(cfg))}: "
-                     "set rl.multi_turn=true.")
-  splash.check_local_kernel(cfg.attention.local_kernel, cfg.attention.impl)
-  if rl.max_staleness < 0:
-    raise ValueError(f"rl.max_staleness={rl.max_staleness} must be >= 0 (0 = synchronous RL).")
-  if rl.max_staleness and rl.tis_level == "none":
-    raise ValueError(f"rl.max_staleness={rl.max_staleness} trains on samples of older policies: set "
-                     "rl.tis_level to 'token' or 'sequence' so they are importance-corrected.")
-  compose(rl.rewards)
-  check_reward_sources(cfg)  # per-domain reward sources, their checkpoints, tokenizers and rubrics
-  if cfg.data.domains:
-    _domain_specs(cfg)
-  Quarantine(cfg.data.quarantine)  # a malformed list is named by file and line
-  if cfg.data.tasks:
-    TaskMixture(cfg.data.tasks, difficulty=cfg.data.difficulty, seed=cfg.seed,
-                pools={**{name: [{}] for name in _pool_names(cfg)}, **episode_pools(cfg)})
-  elif not cfg.data.jsonl and not cfg.data.array_record:
-    raise ValueError("data.tasks is empty and neither data.jsonl nor data.array_record is set: there "
-                     "are no prompts.")
-  if cfg.eval.every and not cfg.eval.jsonl and not 0.0 < cfg.data.eval_fraction < 1.0:
-    raise ValueError(f"data.eval_fraction={cfg.data.eval_fraction} must lie strictly between 0 and 1 "
-                     "to hold out evaluation prompts (or give eval.jsonl).")
-  check_initial_model(cfg)
-  ModelConfig.from_config(cfg)  # the model's own checks, mesh.stage against the layers among them
-  if rl.sft_steps:
-    if cfg.data.seq_len > cfg.model.max_seq_len:
-      raise ValueError(f"data.seq_len={cfg.data.seq_len} is longer than model.max_seq_len="
-                       f"{cfg.model.max_seq_len}.")
-  if num_devices is None:
-    return
-  sizes = global_mesh_sizes(cfg.mesh, num_devices)  # stage and data span the slices
-  shards = data_parallel_size(sizes)
-  if batch % shards:
-    raise ValueError(f"the rollout batch of {batch} sequences (rl.prompts_per_step * rl.group_size) is "
-                     f"not divisible by the data-parallel axes data*fsdp*expert = {shards}.")
-  if rl.pack_updates and (rows // rl.num_minibatches) % shards:
-    raise ValueError(f"rl.packed_rows={rows} / rl.num_minibatches={rl.num_minibatches} packed rows per "
-                     f"minibatch are not divisible by the data-parallel axes data*fsdp*expert = {shards}.")
-  check_generation(cfg, data_parallel=shards)
-  if rl.sft_steps and rl.sft_batch_size % shards:
-    raise ValueError(f"rl.sft_batch_size={rl.sft_batch_size} is not divisible by the data-parallel axes "
-                     f"data*fsdp*expert = {shards}.")
-  # The pipeline's microbatches split each training forward's batch shards (model/pipeline.py).
-  trained = [("the update's minibatch (rl.prompts_per_step * rl.group_size / rl.num_minibatches, or "
-              "rl.packed_rows / rl.num_minibatches)", rows // rl.num_minibatches)]
-  if rl.sft_steps:
-    trained.append(("rl.sft_batch_size", rl.sft_batch_size))
-  pipeline.check_batches(cfg.mesh, trained, row_shards=shards)
-  sequence = sizes[SEQUENCE_AXIS]
-  if sequence > 1:
-    multiple = 2 * sequence if cfg.attention.zigzag and cfg.attention.impl == "ring" else sequence
-    for field, length in (("rl.max_prompt_len + rl.max_new_tokens", total),
-                          ("rl.packed_row_len", row_len),
-                          ("data.seq_len", cfg.data.seq_len if rl.sft_steps else multiple)):
-      if length % multiple:
-        raise ValueError(f"{field} = {length} is not divisible by {multiple} (mesh.sequence={sequence}"
-                         f"{', x2 for attention.zigzag' if multiple != sequence else ''}).")
-
-
-def _domain_specs(cfg):
-  """data.domains' specs; terminal (multi-turn) domains only when the run is multi-turn."""
-  specs = load_domains(cfg.data.domains)
-  if wants_multi_turn(cfg):
-    return specs
-  try:
-    return check_single_turn(specs)
-  except ValueError as error:
-    raise ValueError(f"{error} Set rl.multi_turn=true to run them as multi-turn episodes.") from None
-
-
-def _pool_names(cfg) -> list[str]:
-  return [name for name, path in (("jsonl", cfg.data.jsonl), ("array_record", cfg.data.array_record))
-          if path]
 
 
 # --- prompts ------------------------------------------------------------------------------------
@@ -216,7 +75,7 @@ def train_source(cfg) -> TaskMixture | DomainMixture:
       raise ValueError("data.domains and data.jsonl/data.array_record are both set: declare the file "
                        "as a domain (source jsonl:<path>) in data.domains.")
     split = "train" if cfg.data.eval_fraction > 0 and not cfg.eval.jsonl else "all"
-    return DomainMixture(_domain_specs(cfg), seed=cfg.seed, split=split, eval_fraction=cfg.data.eval_fraction,
+    return DomainMixture(domain_specs(cfg), seed=cfg.seed, split=split, eval_fraction=cfg.data.eval_fraction,
                          batch_size=cfg.rl.prompts_per_step, **mixture_options(cfg, run_quarantine(cfg)))
   pools, spec = file_sources(cfg) or None, cfg.data.tasks
   for name in pools or ():
@@ -269,12 +128,11 @@ def train_prompts(source: TaskMixture) -> list[str]:
 def setup(cfg, *, mesh=None, model=None, tokenizer=None, position: int = 0) -> tuple[RLRun, PromptStream]:
   """The RLRun (train state and jitted programs) and the training prompt stream for `cfg`."""
   mesh = make_mesh(cfg.mesh) if mesh is None else mesh
-  check_config(cfg, mesh.size)
-  tokenizer = tokenizer_from_config(cfg) if tokenizer is None else tokenizer
+  spec = check_config(cfg, mesh=mesh, tokenizer=tokenizer)
   if model is None:
     model = initial_model(cfg, mesh)
   source = train_source(cfg)
-  return build_run(cfg, mesh, model, tokenizer, env_work=env_work_for(cfg, source)), prompt_stream(
+  return build_run(cfg, mesh, model, spec.tokenizer, env_work=env_work_for(cfg, source), spec=spec), prompt_stream(
       source, position, per_step=cfg.rl.prompts_per_step, shared=shared_prompts(cfg))
 
 
@@ -406,7 +264,7 @@ class PhaseCost:
         print(f"phase FLOPs not counted: {self.error[:200]}")
         return {}
     gen = self.devices * sum(self.rollout_flops.at(n) for n in steps)
-    rows, row_len = update_shape(self.cfg)
+    rows, row_len = run.run_spec.update_rows, run.run_spec.update_row_len
     slots = rows * row_len * self.cfg.rl.epochs
     rollout_s, update_s = max(metrics["rollout_s"], 1e-9), max(metrics["update_s"], 1e-9)
     out = {"gen_flops_per_s": gen / rollout_s, "gen_tokens_per_s": metrics["generated_tokens"] / rollout_s,
@@ -474,14 +332,14 @@ def train_steps(run: RLRun, prompts: PromptStream, *, start_step: int = 0, num_s
 # --- the whole job ------------------------------------------------------------------------------
 
 
-def dispatch_summary(cfg, mesh) -> str:
+def dispatch_summary(spec: RunSpec, mesh) -> str:
   """One line: which MoE expert dispatch each phase of the RL step runs (moe.dispatch=auto picks
   per backend and phase, model/moe_dispatch.py `choose`), for the run's console summary."""
   from meshrl.model import moe_dispatch  # pylint: disable=import-outside-toplevel
-  mc = ModelConfig.from_config(cfg, mesh)
+  mc = spec.model
   if not mc.num_moe_layers:
     return "moe dispatch: no MoE layers"
-  rl = cfg.rl
+  rl = spec.cfg.rl
   rows = rl.prompts_per_step * rl.group_size
   tokens = {"train": rows * (rl.max_prompt_len + rl.max_new_tokens) // rl.num_minibatches,
             "prefill": rl.prompts_per_step * rl.max_prompt_len, "decode": rows}
@@ -515,7 +373,7 @@ def run(cfg, workdir: str, *, mesh=None, overwrite: bool = False) -> list[dict]:
 
 class _Prepared(NamedTuple):
   mesh: Any
-  tokenizer: Any
+  spec: RunSpec
   source: Any
   held_out: list
   model: Any
@@ -529,20 +387,20 @@ def _latest_step_dir(folder: str) -> str | None:
   return os.path.join(folder, str(steps[-1])) if steps else None
 
 
-def checkpoint_bytes(cfg) -> int:
-  """Bytes of one checkpoint of cfg's train state (train/state.state_bytes; from shapes)."""
+def checkpoint_bytes(model: ModelConfig, optim) -> int:
+  """Bytes of one checkpoint of the train state of `model` under the optimizer of `optim` (cfg.optim;
+  train/state.state_bytes; from shapes)."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from meshrl.model.transformer import Transformer  # pylint: disable=import-outside-toplevel
   from meshrl.train.optim import make_optimizer  # pylint: disable=import-outside-toplevel
   from meshrl.train.state import state_bytes  # pylint: disable=import-outside-toplevel
-  mc = ModelConfig.from_config(cfg)
-  return state_bytes(lambda: Transformer(mc, rngs=nnx.Rngs(0)), make_optimizer(cfg.optim))
+  return state_bytes(lambda: Transformer(model, rngs=nnx.Rngs(0)), make_optimizer(optim))
 
 
 def prepare(cfg, workdir: str, mesh=None, *, overwrite: bool = False) -> _Prepared:
   """Every check of a run and what it reads, before anything is written (see `run`)."""
   mesh = make_mesh(cfg.mesh) if mesh is None else mesh
-  check_config(cfg, mesh.size)
+  spec = check_config(cfg, mesh=mesh)
   step_dirs = [d for d in (_latest_step_dir(os.path.join(workdir, "checkpoints")),
                            _latest_step_dir(os.path.join(workdir, "sft", "checkpoints"))) if d]
   resuming = bool(cfg.checkpoint.enabled and cfg.checkpoint.restore and step_dirs and not overwrite)
@@ -551,7 +409,6 @@ def prepare(cfg, workdir: str, mesh=None, *, overwrite: bool = False) -> _Prepar
     for step_dir in step_dirs:
       check_readable(step_dir)
       check_saved_config(step_dir, cfg)
-  tokenizer = tokenizer_from_config(cfg)
   source = train_source(cfg)
   if skipped_rows(source):
     print(skipped_rows(source))
@@ -561,11 +418,11 @@ def prepare(cfg, workdir: str, mesh=None, *, overwrite: bool = False) -> _Prepar
         cfg, train_prompts=train_prompts(source))
     if not held_out:
       raise ValueError("eval.every > 0 but there are no held-out prompts (eval.jsonl, data.eval_fraction).")
-  size = checkpoint_bytes(cfg)
+  size = checkpoint_bytes(spec.model, cfg.optim)
   if cfg.checkpoint.enabled and hosts.is_primary():
     check_free_space(workdir, size)
   model = initial_model(cfg, mesh)
-  return _Prepared(mesh, tokenizer, source, held_out, model, resuming, leftovers, size)
+  return _Prepared(mesh, spec, source, held_out, model, resuming, leftovers, size)
 
 
 def _run(cfg, workdir: str, mesh, preemption: Preemption, overwrite: bool) -> list[dict]:
@@ -577,8 +434,8 @@ def _run(cfg, workdir: str, mesh, preemption: Preemption, overwrite: bool) -> li
   os.makedirs(workdir, exist_ok=True)
   if primary:
     save_config(cfg, workdir)
-  print(dispatch_summary(cfg, mesh))
-  print(ModelConfig.from_config(cfg, mesh).kernel.summary())  # which attention kernel runs
+  print(dispatch_summary(ready.spec, mesh))
+  print(ready.spec.model.kernel.summary())  # which attention kernel runs
   checkpointer = None
   if cfg.checkpoint.enabled:
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint.every,
@@ -596,7 +453,7 @@ def _run(cfg, workdir: str, mesh, preemption: Preemption, overwrite: bool) -> li
 def _train(cfg, workdir: str, ready: _Prepared, checkpointer: Checkpointer | None,
            preemption: Preemption) -> list[dict]:
   """The warm start, then RL steps with their hooks (after `prepare` and the first writes)."""
-  mesh, tokenizer, source, model = ready.mesh, ready.tokenizer, ready.source, ready.model
+  mesh, tokenizer, source, model = ready.mesh, ready.spec.tokenizer, ready.source, ready.model
   multi_turn, primary = wants_multi_turn(cfg), hosts.is_primary()
   if cfg.rl.sft_steps:
     from meshrl.train.sft import run_sft  # pylint: disable=import-outside-toplevel
@@ -613,7 +470,7 @@ def _train(cfg, workdir: str, ready: _Prepared, checkpointer: Checkpointer | Non
         checkpointer.close()
       return []
     model = warm.model
-  rl_run = build_run(cfg, mesh, model, tokenizer, env_work=env_work_for(cfg, source))
+  rl_run = build_run(cfg, mesh, model, tokenizer, env_work=env_work_for(cfg, source), spec=ready.spec)
   prompts = prompt_stream(source, per_step=cfg.rl.prompts_per_step, shared=shared_prompts(cfg))
   hooks, start_step, restored = [], 0, None
   evaluator = None

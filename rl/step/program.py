@@ -44,9 +44,10 @@ from meshrl.rl.batches.layouts import sample_layout
 from meshrl.rl.step.partial import PartialRollouts
 from meshrl.rl.step.bootstrap import Bootstrap
 from meshrl.rl.step.replay import SuccessReplay, with_replay
-from meshrl.rl.step.episodes import PartialEpisodes, wants_multi_turn
+from meshrl.rl.step.episodes import PartialEpisodes
 from meshrl.rl.step.episode_collect import collect_multiturn
 from meshrl.rl.batches.rows import rollout_rows
+from meshrl.rl.step.run_spec import RunSpec, build_spec
 from meshrl.rl.step.spec import episode_runner, make_generator
 from meshrl.rl.batches.routes import RoutingRows
 from meshrl.rl.batches.rows import DeviceRows
@@ -65,6 +66,7 @@ from meshrl.train.state import TrainState, create_train_state
 class RLRun:
   """Everything a step needs; built once by `build_run`."""
   cfg: Any
+  run_spec: RunSpec  # the config read and checked (rl/step/run_spec.py)
   mesh: Any
   graphdef: Any
   state: TrainState
@@ -97,42 +99,42 @@ class RLRun:
       self.multiturn.close()
 
 
-def build_run(cfg, mesh, model, tokenizer: Tokenizer, *, env_work=None) -> RLRun:
-  """The train state of `model` and the run's jitted programs (nothing is compiled yet). env_work:
-  the run's rl/envs/env_work.EnvWork (multi-turn episodes start their environments through it)."""
-  estimator = adv_lib.make_estimator(cfg.rl.advantage, eps=cfg.rl.adv_eps, gamma=cfg.rl.gamma,
-                                     lam=cfg.rl.gae_lambda)
+def build_run(cfg, mesh, model, tokenizer: Tokenizer, *, env_work=None, spec: RunSpec | None = None) -> RLRun:
+  """The train state of `model` and the run's jitted programs (nothing is compiled yet), built from
+  the run spec (`spec`, default build_spec(cfg, mesh): the config checked). env_work: the run's
+  rl/envs/env_work.EnvWork (multi-turn episodes start their environments through it)."""
+  run_spec = build_spec(cfg, mesh, tokenizer=tokenizer) if spec is None else spec
+  estimator = run_spec.estimator
   zigzag_over = zigzag_shards(cfg, mesh)
-  spec = dataclasses.replace(losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic),
-                             zigzag_inputs=zigzag_over > 1)
+  spec = dataclasses.replace(run_spec.loss, zigzag_inputs=zigzag_over > 1)
   tx = make_optimizer(cfg.optim)
   graphdef, state = create_train_state(model, tx, mesh)
   sharding = samples_sharding = None
   if mesh is not None:
     split = lambda shape: NamedSharding(mesh, logical_to_spec(("batch", "length"), rules_from_config(cfg.mesh),  # noqa: E731
                                                               mesh, shape=shape))
-    sharding = split(packing.update_shape(cfg))
-    samples_sharding = split((cfg.rl.prompts_per_step * cfg.rl.group_size,
-                              cfg.rl.max_prompt_len + cfg.rl.max_new_tokens))
+    sharding = split((run_spec.update_rows, run_spec.update_row_len))
+    samples_sharding = split((run_spec.batch_size, cfg.rl.max_prompt_len + cfg.rl.max_new_tokens))
   multiturn = rollout = partial = None
-  if wants_multi_turn(cfg):
+  if run_spec.multi_turn:
     if cfg.rl.max_staleness and jax.process_count() > 1:
       raise ValueError(f"rl.max_staleness={cfg.rl.max_staleness} with rl.multi_turn on {jax.process_count()} "
                        "processes: asynchronous episodes gather their environments' answers across hosts from a "
                        "second thread, whose collectives could interleave differently on each host; run "
                        "multi-turn RL synchronously (rl.max_staleness=0) on several hosts.")
-    multiturn = episode_runner(cfg, mesh, tokenizer, env_work=env_work)
+    multiturn = episode_runner(cfg, mesh, tokenizer, env_work=env_work, model_numbers=run_spec.rollout_model)
     partial = PartialEpisodes(multiturn, cfg.rl.prompts_per_step) if cfg.rl.rollout_token_budget else None
   else:
-    rollout = make_generator(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id)
+    rollout = make_generator(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
+                             model_numbers=run_spec.rollout_model, spec=run_spec.generation)
     partial = PartialRollouts(rollout, cfg.rl.prompts_per_step) if cfg.rl.rollout_token_budget else None
   return RLRun(
-      cfg=cfg, mesh=mesh, graphdef=graphdef, state=state,
+      cfg=cfg, run_spec=run_spec, mesh=mesh, graphdef=graphdef, state=state,
       ref_params=jax.tree.map(jnp.copy, state.params) if spec.kl_metric else None,
       spec=spec, estimator=estimator,
       rollout=rollout,
       partial=partial,
-      update=make_update(spec, graphdef, tx, batch_size=packing.update_rows(cfg),
+      update=make_update(spec, graphdef, tx, batch_size=run_spec.update_rows,
                          num_minibatches=cfg.rl.num_minibatches, epochs=cfg.rl.epochs,
                          aux_free_bias=cfg.moe.aux_free_bias, bias_update_rate=cfg.moe.bias_update_rate),
       logprob_fn=make_logprob_fn(graphdef, temperature=cfg.rl.temperature,

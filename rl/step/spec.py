@@ -131,20 +131,25 @@ def load_draft(cfg, mesh: Mesh | None):
 def make_generator(cfg, mesh: Mesh | None, *, stop_ids, pad_id: int, group_size: int | None = None,
                    temperature: float | None = None, draft: tuple[ModelConfig, Any] | None = None,
                    multi_turn: bool | None = None, stop_sequences=(), own_weights: bool = False,
-                   complete: bool = False) -> Generator:
+                   complete: bool = False, spec: GenerationSpec | None = None,
+                   model_numbers: ModelConfig | None = None) -> Generator:
   """The run's generator (cfg.rl's scheduler, proposer and options) on `mesh`. draft: (draft
-  ModelConfig, params State) for rl.speculative = "draft" (default: load_draft)."""
-  spec = generation_spec(cfg, stop_ids=stop_ids, pad_id=pad_id, stop_sequences=stop_sequences,
-                         group_size=group_size, temperature=temperature, multi_turn=multi_turn, complete=complete)
+  ModelConfig, params State) for rl.speculative = "draft" (default: load_draft). spec / model_numbers:
+  the run spec's generation spec and rollout model (rl/step/run_spec.py), else built from cfg with the
+  overrides above."""
+  if spec is None:
+    spec = generation_spec(cfg, stop_ids=stop_ids, pad_id=pad_id, stop_sequences=stop_sequences,
+                           group_size=group_size, temperature=temperature, multi_turn=multi_turn, complete=complete)
   if spec.step.proposer.method == "draft" and draft is None:
     draft = load_draft(cfg, mesh)
-  return Generator(spec, rollout_model_config(cfg, mesh), mesh=mesh, rules=rules_from_config(cfg.mesh),
-                   draft=draft, own_weights=own_weights)
+  model_numbers = rollout_model_config(cfg, mesh) if model_numbers is None else model_numbers
+  return Generator(spec, model_numbers, mesh=mesh, rules=rules_from_config(cfg.mesh), draft=draft,
+                   own_weights=own_weights)
 
 
 def episode_runner(cfg, mesh: Mesh | None, tokenizer, *, group_size: int | None = None,
                    temperature: float | None = None, make_env=None, draft=None, complete: bool = False,
-                   env_work=None):
+                   env_work=None, model_numbers: ModelConfig | None = None):
   """The multi-turn episode runner of cfg (rl.multi_turn): its generator and budgets. complete: no
   token budget (evaluation). With asynchronous RL (rl.max_staleness > 0) its generation weights are
   copies, since episodes run beside the update that donates the train state's. env_work: the run's
@@ -154,7 +159,7 @@ def episode_runner(cfg, mesh: Mesh | None, tokenizer, *, group_size: int | None 
   generator = make_generator(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, group_size=group_size,
                              temperature=temperature, draft=draft, multi_turn=True,
                              stop_sequences=episode_stops(tokenizer), complete=complete,
-                             own_weights=rl.max_staleness > 0 and not complete)
+                             own_weights=rl.max_staleness > 0 and not complete, model_numbers=model_numbers)
   budget = multiturn.EpisodeBudget(max_turns=rl.max_turns, max_obs_tokens=rl.max_obs_tokens,
                                    prompt_len=rl.max_prompt_len, episode_len=rl.max_new_tokens,
                                    env_workers=rl.env_workers, env_timeout_s=float(rl.env_timeout_s))

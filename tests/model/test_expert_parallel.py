@@ -388,7 +388,7 @@ def test_run_summary_prints_the_layout_per_phase():
   from meshrl import configs  # pylint: disable=import-outside-toplevel
   from meshrl.model.moe import ep_weights_plan  # pylint: disable=import-outside-toplevel
   from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
-  from meshrl.rl.step.driver import dispatch_summary  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.driver import build_spec, dispatch_summary  # pylint: disable=import-outside-toplevel
   cfg = configs.load("configs/tiny.py", ["mesh.fsdp=4", "mesh.expert=2", "moe.expert_mlp_dim=512",
                                          "rl.prompts_per_step=4"])
   assert cfg.moe.ep_weights == "auto"
@@ -400,5 +400,5 @@ def test_run_summary_prints_the_layout_per_phase():
   assert plan["train"][0] == "gathered" and plan["decode"][0] == "sharded", plan
   for layout, cost in plan.values():
     assert layout == min(("sharded", "gathered"), key=cost.get)
-  assert dispatch_summary(cfg, mesh).endswith(
+  assert dispatch_summary(build_spec(cfg, mesh), mesh).endswith(
       "expert weights (auto): " + ", ".join(f"{p} {layout}" for p, (layout, _) in plan.items()))

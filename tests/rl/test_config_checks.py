@@ -140,3 +140,26 @@ def test_every_preset_passes_the_checks(preset):
   cfg = configs.load(f"configs/{preset.split(':')[0]}.py" + (f":{preset.split(':')[1]}" if ":" in preset else ""))
   loop.check_config(cfg)
   checks.check_sections(cfg, "serve")
+
+
+def test_the_run_is_built_from_the_checked_spec():
+  """check_config returns the run spec and build_run takes its parts rather than reading the config
+  again: a spec whose loss, generation and update shape differ from the config's is what the run holds
+  (fails if build_run rebuilt any of them from cfg)."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.program import build_run  # pylint: disable=import-outside-toplevel
+  from meshrl.train.init_from import initial_model  # pylint: disable=import-outside-toplevel
+  cfg = configs.load("configs/tiny.py", ["rl.prompts_per_step=2", "rl.group_size=2", "rl.num_minibatches=1"])
+  spec = loop.check_config(cfg)
+  assert spec.batch_size == 4 and spec.model == loop.build_spec(cfg).model
+  assert spec.generation.group_size == 2 and spec.loss.clip_low == cfg.rl.clip_low
+  changed = dataclasses.replace(
+      spec, loss=dataclasses.replace(spec.loss, clip_low=0.123),
+      generation=dataclasses.replace(spec.generation, step=dataclasses.replace(
+          spec.generation.step, sampler=dataclasses.replace(spec.generation.step.sampler, temperature=0.5))))
+  run = build_run(cfg, None, initial_model(cfg, None), spec.tokenizer, spec=changed)
+  try:
+    assert run.run_spec is changed and run.spec.clip_low == 0.123
+    assert run.rollout.spec.step.sampler.temperature == 0.5
+  finally:
+    run.close()

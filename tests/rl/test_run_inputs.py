@@ -123,7 +123,7 @@ def test_no_room_for_a_checkpoint_is_one_line_before_anything_is_written(tmp_pat
   cfg = configs.load("configs/tiny.py", SMALL)
   with pytest.raises(OSError) as raised:
     loop.run(cfg, str(tmp_path / "run"))
-  needed = loop.checkpoint_bytes(cfg)
+  needed = loop.checkpoint_bytes(loop.build_spec(cfg).model, cfg.optim)
   assert raised.value.errno == errno.ENOSPC and "\n" not in raised.value.strerror
   assert f"has 0 MiB free on its disk; a checkpoint of this run needs about {needed / 2**20:,.0f} MiB" in (
       raised.value.strerror)
