@@ -119,7 +119,7 @@ def test_chunked_prefill_gives_the_one_pass_samples(kv, runs, devices):
 def test_other_slots_decode_between_a_long_prompts_chunks(devices):
   """A long prompt (10 tokens with BOS, chunks of 2: 5 chunks) beside short ones (2 and 3 tokens), on
   one slot per sample: after 3 loop iterations of the continuous scheduler (a budgeted call: 3 decode
-  steps), the short prompts' samples have 2-3 tokens while the long prompt's have none, its prefill
+  steps), the short prompts' samples have tokens while the long prompt's have none, its prefill
   still running. Catches a scheduler that waits for every prompt before decoding (chunks that stall
   the other slots), and one that admits a sample before its prompt is in."""
   del devices
@@ -130,7 +130,7 @@ def test_other_slots_decode_between_a_long_prompts_chunks(devices):
   pool = gen.new_pool(tokens, mask, sample_keys(jax.random.key(0), jnp.arange(num)))
   pool, _ = gen.run_pool(state.params, state.extra, pool, tokens, mask, 0)
   generated = np.asarray(pool.generated)
-  assert (generated[:2] == 0).all() and (generated[2:] >= 2).all(), generated
+  assert (generated[:2] == 0).all() and (generated[2:] >= 1).all(), generated
 
 
 @pytest.mark.parametrize("chunk", [-1, 2.5, "4", True])
