@@ -93,7 +93,8 @@ def test_a_parked_and_restored_row_gives_identical_logits(kv, devices):
     assert any(a.dtype == jnp.int8 for a in jax.tree.leaves(tier.parked[3].row["cache"].layers))
   slots = tier.restore(slots, 3, 3)
   assert not tier.holds(3) and tier.used == 0 and int(slots.sid[3]) == 3
-  kept_row, restored_row = kvc.take_rows(kept_slots.cache, jnp.asarray([1])), kvc.take_rows(slots.cache, jnp.asarray([3]))
+  kept_row = kvc.take_rows(kept_slots.cache, jnp.asarray([1]))
+  restored_row = kvc.take_rows(slots.cache, jnp.asarray([3]))
   for a, b in zip(jax.tree.leaves(kept_row), jax.tree.leaves(restored_row)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   np.testing.assert_array_equal(np.asarray(kept_slots.logits[1]), np.asarray(slots.logits[3]))
