@@ -20,7 +20,7 @@ from meshrl.model.transformer import ModelConfig
 from meshrl.rl.generation import core
 from meshrl.rl.generation.generator import Generator
 from meshrl.rl.generation.sampling import sample_keys
-from meshrl.rl.step.spec import make_generator, rollout_model_config
+from meshrl.rl.step.spec import make_generator
 from meshrl.sharding import make_mesh
 from meshrl.sharding.rules import rules_from_config
 from meshrl.train.optim import make_optimizer
