@@ -143,6 +143,8 @@ def get_config(arg=None):
   config.rl.draft_config = ""  # Draft model for rl.speculative="draft": "path[:arg];a.b=value;..." (same vocab as the target).
   config.rl.draft_checkpoint = ""  # Draft params: a meshrl checkpoint / work dir of rl.draft_config's model (scripts/distill_draft.py writes one).
   config.rl.kv_cache_dtype = "model"  # Generation KV cache: "model" (model.dtype) or "int8" (per-token, per-head scales; model/quant.py).
+  config.rl.prefill_chunk = 0  # Chunked prefill: prompts prefilled this many tokens at a time, between the other slots' decode steps (0 = one pass; rl/generation/core.py).
+  config.rl.kv_host_bytes = 0  # Tiered KV cache: bytes of host memory for the cache rows of paused episodes (waiting on their environment) moved off the devices (0 = none; rl/generation/tiers.py).
   config.rl.generation_weights = "full"  # Generation matmul weights: "full" or "int8" (per-channel; needs rl.tis_level != "none").
   config.rl.generation_layout = "train"  # Generation weight layout: "train" (the update's arrays, FSDP-gathered at every decode step) or "gathered" (resharded once per rollout to tensor/expert only; sharding/rules.generation_shardings).
   config.rl.advantage = "grpo"  # "grpo", "dr_grpo", "rloo", "reinforce_pp" or "gae".

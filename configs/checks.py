@@ -96,6 +96,22 @@ def check_rl(cfg) -> None:
     raise ValueError(f"rl.stop_tokens={cfg.rl.stop_tokens!r} must be comma-separated token ids, "
                      "e.g. '13,198'.") from None
   check_model_rewards(cfg)
+  check_kv_memory(cfg)
+
+
+def check_kv_memory(cfg, host_memory_bytes: int | None = None) -> None:
+  """rl.prefill_chunk (a whole number of tokens, 0 = one pass) and rl.kv_host_bytes (the host tier of
+  the KV cache: at most the host's physical memory, `host_memory_bytes` when given)."""
+  for field in ("prefill_chunk", "kv_host_bytes"):
+    value = value_of(cfg, f"rl.{field}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+      unit = "tokens" if field == "prefill_chunk" else "bytes"
+      raise ValueError(f"rl.{field}={value!r} must be a whole number of {unit} >= 0 (0 = off).")
+  if host_memory_bytes is None:
+    host_memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  if cfg.rl.kv_host_bytes > host_memory_bytes:
+    raise ValueError(f"rl.kv_host_bytes={cfg.rl.kv_host_bytes} is more than this host's memory "
+                     f"({host_memory_bytes} bytes); give at most that (0 = no host tier).")
 
 
 def check_model_rewards(cfg) -> None:

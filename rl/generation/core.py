@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from meshrl.model import kv_cache as kvc
 from meshrl.model.ring_attention import unzigzag_on_mesh, zigzag
@@ -223,12 +224,16 @@ def rollback(cache: kvc.KVCache, keep: jax.Array) -> kvc.KVCache:
 # --- feeding tokens that were not generated ---------------------------------------------------------
 
 
-def extend(models: Models, slots: Slots, rows: jax.Array, tokens: jax.Array, lengths: jax.Array):
+def extend(models: Models, slots: Slots, rows: jax.Array, tokens: jax.Array, lengths: jax.Array, skip=None):
   """Feeds tokens [R, T] (right-padded; row r's first lengths[r] real) into slots `rows` [R] (C: no
   slot) at each one's own write index and position, in one forward (rows with length 0 keep their
-  cache, logits and position). Returns (slots, routes [L, R, T, K] of the fed tokens or None)."""
+  cache, logits and position). skip [R] (`extend_chunk`): row r's first skip[r] tokens are not real
+  either; their columns are written empty. Returns (slots, routes [L, R, T, K] of the fed tokens or
+  None)."""
   span = tokens.shape[1]
   real = jnp.arange(span)[None, :] < lengths[:, None]  # [R, T]
+  if skip is not None:
+    real &= jnp.arange(span)[None, :] >= skip[:, None]
   at = jnp.clip(rows, 0, slots.num_slots - 1)
   position = slots.position[at]
   positions = jnp.where(real, position[:, None] + jnp.arange(span), kvc.EMPTY_POSITION)
@@ -243,11 +248,39 @@ def extend(models: Models, slots: Slots, rows: jax.Array, tokens: jax.Array, len
   if draft_cache is not None:
     draft_cache, _ = feed(models.draft, models.draft_weights, draft_cache)
   last = jnp.take_along_axis(out.logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-  fed = lengths > 0
+  fed = lengths > (0 if skip is None else skip)
   logits = slots.logits.at[rows].set(jnp.where(fed[:, None], last, slots.logits[at]), mode="drop")
   slots = slots.replace(cache=cache, draft_cache=draft_cache, logits=logits,
                         position=slots.position.at[rows].add(lengths, mode="drop"))
   return slots, out.aux.get("routing")
+
+
+def extend_chunk(models: Models, slots: Slots, rows: jax.Array, tokens: jax.Array, lengths: jax.Array,
+                 fed: jax.Array, chunk: int):
+  """One chunk of a chunked prefill (Sarathi-Serve's chunked prefills, Agrawal et al. 2024,
+  arXiv:2403.02310): the next `chunk` tokens of each row's tokens [R, T] (its first lengths[r] real,
+  fed[r] of them already in its slot) extended into slots `rows` [R] at their own index (`extend`).
+  Every chunk is `chunk` wide and ends at or before the row's last token, so no write runs past it:
+  a row's last chunk starts at token lengths - chunk, re-feeding tokens already in the cache (the
+  same tokens at the same columns and positions write the same entries), and a row shorter than a
+  chunk starts chunk - lengths columns before its first token (columns that must hold nothing: a
+  left-padded prompt's padding, `fill_prompts`), written empty. Rows with nothing left are not
+  touched. Returns (slots, fed [R] after the chunk, routes [L, R, chunk, K] or None, starts [R]: the
+  token each row's chunk began at, negative when it began before the row)."""
+  active = fed < lengths
+  start = jnp.minimum(fed, lengths - chunk)
+  todo = jnp.where(active, chunk, 0)
+  feed_rows = jnp.where(active, rows, slots.num_slots)
+  back = jnp.where(active, fed - start, 0)  # columns re-fed or skipped: the write index steps back
+
+  def rewind(cache):
+    return None if cache is None else cache.replace(index=cache.index.at[feed_rows].add(-back, mode="drop"))
+  slots = slots.replace(cache=rewind(slots.cache), draft_cache=rewind(slots.draft_cache),
+                        position=slots.position.at[feed_rows].add(-back, mode="drop"))
+  columns = jnp.clip(start[:, None] + jnp.arange(chunk)[None, :], 0, tokens.shape[1] - 1)
+  slots, routes = extend(models, slots, feed_rows, jnp.take_along_axis(tokens, columns, axis=1), todo,
+                         skip=jnp.maximum(-start, 0))
+  return slots, jnp.where(active, start + todo, fed), routes, start
 
 
 def append(pool: Pool, sid: jax.Array, tokens: jax.Array, lengths: jax.Array, routes=None) -> Pool:
@@ -349,8 +382,77 @@ def ring_prefill_length(mc, total: int) -> int:
   return length
 
 
-def prefill_prompts(model, prompts: jax.Array, prompt_mask: jax.Array, total: int):
+@struct.dataclass
+class PromptFill:
+  """Prompts being prefilled chunk by chunk (`fill_prompts`, `fill_chunk`): P rows of the caches,
+  row p's real tokens packed first in `tokens` and written into the cache from column pad[p] on, so
+  its cache columns are the one-pass prefill's (the left padding stays empty)."""
+  slots: Slots  # P rows: caches (per-row index), last-token logits, positions
+  tokens: jax.Array  # [P, Lp] int32: row p's real tokens first
+  lengths: jax.Array  # [P] int32: real tokens
+  fed: jax.Array  # [P] int32: tokens in the caches so far
+  routing: Any  # [L, P, Lp, K] int32 routes of the prompt columns fed so far, or None (dense model)
+
+  def ready(self) -> jax.Array:
+    """[P] bool: the prompt is in the cache whole (its logits are the next token's)."""
+    return self.fed >= self.lengths
+
+
+def fill_prompts(models: Models, prompts: jax.Array, prompt_mask: jax.Array, total: int) -> PromptFill:
+  """Left-padded prompts [P, Lp] about to be prefilled in chunks into fresh caches of `total` columns
+  (in the form `models` decodes with; a draft's too)."""
+  num_prompts, prompt_len = prompts.shape
+  lengths = jnp.sum(prompt_mask, axis=1).astype(jnp.int32)
+  pad = prompt_len - lengths
+  columns = jnp.minimum(pad[:, None] + jnp.arange(prompt_len)[None, :], prompt_len - 1)
+  tokens = jnp.take_along_axis(prompts.astype(jnp.int32), columns, axis=1)
+
+  def fresh(model):
+    if model is None:
+      return None
+    return per_layer(models, model.init_cache(num_prompts, total)).replace(index=pad)
+  mc = models.target.config
+  slots = Slots(sid=jnp.zeros((num_prompts,), jnp.int32), cache=fresh(models.target),
+                draft_cache=fresh(models.draft), logits=jnp.zeros((num_prompts, mc.vocab_size), jnp.float32),
+                position=jnp.zeros((num_prompts,), jnp.int32), window=None, sampling=None)
+  routing = None
+  if mc.num_experts and mc.num_moe_layers:
+    routing = jnp.zeros((mc.num_moe_layers, num_prompts, prompt_len, mc.num_experts_per_tok), jnp.int32)
+  return PromptFill(slots=slots, tokens=tokens, lengths=lengths, fed=jnp.zeros_like(lengths), routing=routing)
+
+
+def fill_chunk(models: Models, fill: PromptFill, chunk: int) -> PromptFill:
+  """The next chunk of every prompt not yet in the caches (`extend_chunk`); their routes recorded at
+  the prompt columns (pad + token)."""
+  num_prompts, prompt_len = fill.tokens.shape
+  rows = jnp.arange(num_prompts, dtype=jnp.int32)
+  slots, fed, routes, start = extend_chunk(models, fill.slots, rows, fill.tokens, fill.lengths, fill.fed, chunk)
+  routing = fill.routing
+  if routing is not None and routes is not None:
+    offsets = jnp.arange(chunk)[None, :]
+    token = start[:, None] + offsets  # [P, chunk]: the prompt token at each chunk column
+    new = (fill.fed < fill.lengths)[:, None] & (token >= 0) & (token < fed[:, None])
+    columns = jnp.where(new, prompt_len - fill.lengths[:, None] + token, prompt_len)
+    routing = routing.at[:, jnp.broadcast_to(rows[:, None], columns.shape), columns].set(routes, mode="drop")
+  return fill.replace(slots=slots, fed=fed, routing=routing)
+
+
+def prefill_in_chunks(models: Models, prompts: jax.Array, prompt_mask: jax.Array, total: int, chunk: int):
+  """`prefill_prompts` in chunks of `chunk` tokens back to back (rl.prefill_chunk; the static
+  scheduler): the same cache columns, logits and routes as the one-pass prefill (up to float
+  rounding), with activations of P x chunk tokens at a time instead of P x Lp."""
+  fill = fill_prompts(models, prompts, prompt_mask, total)
+  steps = -(-prompts.shape[1] // chunk)
+  fill = jax.lax.fori_loop(0, steps, lambda _, f: fill_chunk(models, f, chunk), fill)
+  cache = fill.slots.cache.replace(index=jnp.asarray(prompts.shape[1], jnp.int32))
+  return cache, fill.slots.logits, fill.routing
+
+
+def prefill_prompts(model, prompts: jax.Array, prompt_mask: jax.Array, total: int, chunk: int = 0):
   """Prefills left-padded prompts [P, Lp] into a fresh KV cache of `total` columns.
+
+  chunk (rl.prefill_chunk): 0 < chunk < Lp prefills in chunks of that many tokens back to back
+  (`prefill_in_chunks`), on any mesh (the chunks attend through the cache, as decode steps do).
 
   Returns (cache with index Lp, last-token logits [P, V] float32, routing [L, P, Lp, K] or None).
 
@@ -366,6 +468,8 @@ def prefill_prompts(model, prompts: jax.Array, prompt_mask: jax.Array, total: in
   the decode steps are the same in both layouts.
   """
   num_prompts, prompt_len = prompts.shape
+  if 0 < chunk < prompt_len:
+    return prefill_in_chunks(Models(model), prompts, prompt_mask, total, chunk)
   positions, segment_ids = prompt_layout(prompt_mask)
   mc = model.config
   if not uses_ring_prefill(mc):

@@ -14,6 +14,10 @@ no episode waits for the slowest environment.
 Both feed the same tokens: a sample's t-th policy token draws with the key (sample, t), so with the
 same environments both give the same episodes, token for token.
 
+With a host tier (`host_bytes`, rl.kv_host_bytes; rl/generation/tiers.py), a paused sample whose
+answer is pending gives up its slot when fresh samples wait for one: its cache row moves to host
+memory, and back into a free slot when its answer arrives (no re-prefill), within the tier's budget.
+
 A step budget (`max_steps`, partial rollouts) ends a call early; samples that have not finished stay
 in the pool, and answers still pending stay with the scheduler, for the next call, which resumes the
 samples from their buffers (core.resume) under the parameters of that call.
@@ -29,7 +33,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +42,7 @@ import numpy as np
 from meshrl.rl.generation import host
 from meshrl.rl.generation.host import SlotEngine
 from meshrl.rl.generation.state import Counters, Pool
+from meshrl.rl.generation.tiers import HostTier
 from meshrl.sharding import hosts
 
 
@@ -73,6 +78,7 @@ class Stats:
   extend_slots: int = 0  # rows x padded length fed by the extensions
   host_wait_s: float = 0.0  # time the devices sat idle waiting for answers
   counters: Counters | None = None
+  tier: Any = None  # the host tier's TierStats (rows parked, restored, refused; peak bytes), or None
 
 
 class EpisodicScheduler:
@@ -80,16 +86,18 @@ class EpisodicScheduler:
 
   engine: the jitted programs; chunk_steps: decode steps between looks at the host; barrier: turn-
   synchronous (the static multi-turn rollout); max_obs_tokens: the longest observation (T);
-  turn_width: columns read back per finished turn (the longest turn)."""
+  turn_width: columns read back per finished turn (the longest turn); host_bytes: the KV cache's
+  host tier (0: none)."""
 
   def __init__(self, engine: SlotEngine, *, chunk_steps: int, barrier: bool, max_obs_tokens: int,
-               turn_width: int, owns: Callable[[int], bool] = lambda sample: True):
+               turn_width: int, owns: Callable[[int], bool] = lambda sample: True, host_bytes: int = 0):
     self.engine, self.chunk_steps, self.barrier = engine, chunk_steps, barrier
     self.obs_buckets = _buckets(max_obs_tokens)
     self.row_buckets = _buckets(engine.num_slots)
     self.turn_width, self.owns = turn_width, owns
     self.pending: dict[int, concurrent.futures.Future] = {}  # this host's unanswered turns
     self.answers: dict[int, Optional[list[int]]] = {}  # gathered answers not yet fed
+    self.tier = HostTier(host_bytes) if host_bytes else None
 
   def run(self, weights, pool: Pool, prompts, prompt_mask, respond: Respond, *, version,
           max_steps: int = 0) -> tuple[Pool, Stats]:
@@ -101,6 +109,8 @@ class EpisodicScheduler:
     version = jnp.asarray(version, jnp.int32)
     prompt_rows = engine.prefill(weights, prompts, prompt_mask)
     slots = engine.empty(weights, num, prompt_rows[2].shape[-1])
+    if self.tier is not None:
+      self.tier.clear()  # carried samples resume under this call's parameters
     view = host.read(slots, pool)
     fresh = view["count"] == np.asarray(prompts).shape[1]
     carried = np.flatnonzero(~view["done"] & ~fresh)
@@ -119,6 +129,7 @@ class EpisodicScheduler:
         view = host.read(slots, pool)
         steps += int(chunk_counters.steps)
       self._ask(pool, view, respond)
+      slots, view = self._park(slots, view)
       decoding = self._live(view).any() and (not max_steps or steps < max_steps)
       self._collect(block=not decoding, stats=stats)
       if self.barrier and (decoding or self._any_pending()):
@@ -130,6 +141,7 @@ class EpisodicScheduler:
           not decoding and not self._any_pending() and not self._waiting(view).size):
         break
     stats.counters = counters
+    stats.tier = None if self.tier is None else dataclasses.replace(self.tier.stats)
     return pool, stats
 
   # --- host bookkeeping ------------------------------------------------------------------------------
@@ -190,6 +202,8 @@ class EpisodicScheduler:
     self.answers = {}
     slot_of = {int(b): c for c, b in enumerate(view["sid"]) if b < view["done"].shape[0]}
     finished = [b for b, answer in answers.items() if answer is None or not answer]
+    for b in finished if self.tier is not None else ():
+      self.tier.drop(b)
     if finished:  # padded to B (sample id B: none): one shape compiles
       ids = np.full(pool.num_samples, pool.num_samples, np.int32)
       ids[:len(finished)] = finished
@@ -216,9 +230,44 @@ class EpisodicScheduler:
       return slots, pool, view
     return slots, pool, host.read(slots, pool)
 
+  def _park(self, slots, view):
+    """Moves the rows of paused samples whose answers are pending to the host tier, as many as fresh
+    samples wait beyond the free slots (and the budget allows), freeing their slots."""
+    if self.tier is None:
+      return slots, view
+    num = view["done"].shape[0]
+    fresh = [b for b in self._waiting(view) if view["generated"][b] == 0 and int(b) not in self.answers]
+    wanted = len(fresh) - int(np.sum(view["sid"] >= num))
+    parked = False
+    for slot, b in enumerate(view["sid"]):
+      if wanted <= 0:
+        break
+      if b < num and view["paused"][b] and int(b) in self.pending:
+        slots, moved = self.tier.park(slots, slot, int(b), num)
+        parked |= moved
+        wanted -= moved
+        if not moved:
+          break
+    if parked:
+      view = dict(view, sid=np.asarray(jax.device_get(slots.sid)))
+    return slots, view
+
   def _place(self, weights, slots, pool, samples: np.ndarray, *, resume: bool):
-    """Re-prefills `samples` (carried from an earlier call) into free slots, as many as fit."""
+    """Puts `samples` into free slots, as many as fit: rows parked in the host tier moved back, the
+    others (carried from an earlier call) re-prefilled from their buffers."""
     view = host.read(slots, pool)
+    if self.tier is not None and any(self.tier.holds(b) for b in samples):
+      free = list(np.flatnonzero(view["sid"] >= view["done"].shape[0]))
+      rest = []
+      for b in samples:
+        if self.tier.holds(b) and free:
+          slots = self.tier.restore(slots, int(b), int(free.pop(0)))
+        else:
+          rest.append(b)
+      samples = np.asarray(rest, np.int64)
+      view = host.read(slots, pool)
+      if not samples.size:
+        return slots, pool, view
     free = np.flatnonzero(view["sid"] >= view["done"].shape[0])[:len(samples)]
     if free.size:
       rows = np.full(self.engine.num_slots, self.engine.num_slots, np.int32)

@@ -105,7 +105,8 @@ class Generator:
     max_steps = spec.max_steps(num) if spec.scheduler == "budgeted" else 0
     return loop.run(self._models(params, extra, draft_params), spec.step, pool, prompts, prompt_mask,
                     slots=spec.num_slots(num) if spec.scheduler != "static" else num,
-                    cache_len=spec.cache_len, version=jnp.asarray(version, jnp.int32), max_steps=max_steps)
+                    cache_len=spec.cache_len, version=jnp.asarray(version, jnp.int32), max_steps=max_steps,
+                    prefill_chunk=spec.prefill_chunk)
 
   def _generate_fn(self, params, extra, draft_params, prompts, prompt_mask, key, max_lengths, version):
     num = prompts.shape[0] * self.spec.group_size
@@ -138,7 +139,7 @@ class Generator:
     """Host-driven slots over the same models and decode step (episodes; the server)."""
     return SlotEngine(Graphs(self.graphdef, self.rest, self.draft_graph, self.draft_rest), self.spec.step,
                       slots=num_slots or self.spec.slots, cache_len=self.spec.cache_len,
-                      per_row_sampling=per_row_sampling)
+                      per_row_sampling=per_row_sampling, prefill_chunk=self.spec.prefill_chunk)
 
   def weights(self, params) -> tuple:
     """(generation params, draft params) for the slot engine's programs, made now."""

@@ -55,8 +55,10 @@ class SlotEngine:
   the caches' columns (buffer width + speculative window + extension slack)."""
 
   def __init__(self, graphs: Graphs, config: StepConfig, *, slots: int, cache_len: int,
-               per_row_sampling: bool = False, stop_ids: int = 0, unrolled: bool | None = None):
+               per_row_sampling: bool = False, stop_ids: int = 0, unrolled: bool | None = None,
+               prefill_chunk: int = 0):
     self.graphs, self.config = graphs, config
+    self.prefill_chunk = prefill_chunk
     self.num_slots, self.cache_len = slots, cache_len
     self.per_row_sampling, self.stop_ids, self.unrolled = per_row_sampling, stop_ids, unrolled
     self.decode = jax.jit(self._decode, static_argnames=("steps",), donate_argnums=(1, 2))
@@ -91,7 +93,8 @@ class SlotEngine:
   def _prefill(self, weights, prompts, prompt_mask):
     """prompts [P, Lp] -> (cache rows, draft cache rows or None, logits [P, V], routing or None)."""
     models = self.models(weights)
-    cache, logits, routing = core.prefill_prompts(models.target, prompts, prompt_mask, self.cache_len)
+    cache, logits, routing = core.prefill_prompts(models.target, prompts, prompt_mask, self.cache_len,
+                                                  self.prefill_chunk)
     draft_cache = None
     if models.draft is not None:
       positions, segments = core.prompt_layout(prompt_mask)

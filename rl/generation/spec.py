@@ -10,6 +10,7 @@ import dataclasses
 
 from meshrl.rl.generation.core import StepConfig
 from meshrl.rl.generation.loop import SCHEDULERS
+from meshrl.rl.generation.tiers import check_host_budget
 from meshrl.rl.generation.weights import WeightsSpec
 
 
@@ -23,7 +24,10 @@ class GenerationSpec:
   and observations); scheduler: static | continuous | budgeted | episodic; slots: decode slots (0: one
   per sample); token_budget: the budgeted scheduler's slot-steps per call; extension: the longest
   extension (an observation), the caches' slack; chunk_steps: decode steps between the host's looks
-  (episodic); barrier: turn-synchronous episodes (the static multi-turn rollout)."""
+  (episodic); barrier: turn-synchronous episodes (the static multi-turn rollout); prefill_chunk:
+  prompts prefilled in chunks of that many tokens, between the other slots' decode steps (0: one
+  pass; rl.prefill_chunk); kv_host_bytes: the KV cache's host tier for paused episodes (0: none;
+  rl.kv_host_bytes, rl/generation/tiers.py)."""
   step: StepConfig
   group_size: int
   prompt_len: int
@@ -36,8 +40,14 @@ class GenerationSpec:
   extension: int = 0
   chunk_steps: int = 8
   barrier: bool = False
+  prefill_chunk: int = 0
+  kv_host_bytes: int = 0
 
   def __post_init__(self):
+    chunk = self.prefill_chunk
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+      raise ValueError(f"rl.prefill_chunk={chunk!r} must be a whole number of tokens >= 1 (0 = one-pass prefill).")
+    check_host_budget(self.kv_host_bytes)
     if self.scheduler not in SCHEDULERS:
       raise ValueError(f"generation scheduler {self.scheduler!r}; choose one of {', '.join(SCHEDULERS)}.")
     for name in ("group_size", "prompt_len", "max_new_tokens", "chunk_steps"):

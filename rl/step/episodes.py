@@ -259,7 +259,7 @@ class EpisodeRunner:
     return EpisodicScheduler(self._engines[num], chunk_steps=self.spec.chunk_steps, barrier=self.spec.barrier,
                              max_obs_tokens=self.budget.max_obs_tokens,
                              turn_width=self.spec.step.turn_tokens or self.spec.columns,
-                             owns=lambda b: own.start <= b < own.stop)
+                             owns=lambda b: own.start <= b < own.stop, host_bytes=self.spec.kv_host_bytes)
 
   def weights(self, params, extra) -> tuple:
     """The slot engine's weights argument (generation params, extra, draft params), made now. The
