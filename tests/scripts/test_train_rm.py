@@ -65,7 +65,6 @@ CASES = [
     (["--config.rm.train_jsonl={good}", "--config.rm.eval_jsonl={good}"],
      "rm.eval_jsonl='{good}' shares 12 prompt(s) with rm.train_jsonl"),
     (["--config.rm.train_jsonl={folder}/nope.jsonl"], "rm.train_jsonl='{folder}/nope.jsonl': no such file"),
-    (["--config.model.value_head=false"], "model.value_head=False: a reward model's score is the value head"),
     (["--config.rm.overflow=drop"], "rm.overflow='drop' is not one of 'reject', 'truncate'"),
     (["--config.rm.margin=-1.0"], "rm.margin=-1.0 must be at least 0.0"),
     (["--config.rm.max_len=100"], "rm.max_len=100 must lie in [0, model.max_seq_len=64]"),

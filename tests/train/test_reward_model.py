@@ -33,7 +33,7 @@ def _np_bradley_terry(chosen, rejected, margins):
 def _cfg(**overrides):
   cfg = configs.load("configs/tiny_rm.py")
   with cfg.unlocked():
-    cfg.model.update(num_layers=2, embed_dim=64, num_heads=2, num_kv_heads=1, head_dim=32, mlp_dim=128)
+    cfg.model.update(value_head=True, num_layers=2, embed_dim=64, num_heads=2, num_kv_heads=1, head_dim=32, mlp_dim=128)
     cfg.moe.update(num_experts=4, expert_mlp_dim=64, first_k_dense=1)
     for key, value in overrides.items():
       section, name = key.split(".")
