@@ -242,6 +242,7 @@ def get_config(arg=None):
   config.rm.batch_size = 32  # Pairs per step (each pair is two rows: chosen and rejected).
   config.rm.learning_rate = 1e-4  # Peak learning rate (schedule, clipping: optim.*).
   config.rm.warmup_steps = -1  # Linear warmup steps of the reward model's learning rate (-1 = optim.warmup_steps).
+  config.rm.lm_coef = 0.0  # Weight of a next-token loss on the chosen rows beside Bradley-Terry (hidden states of a model that writes them: a reward model harder to game).
   config.rm.margin = 0.0  # Margin added to every pair's own "margin": loss = -log sigmoid(r_chosen - r_rejected - margin).
   config.rm.max_len = 0  # Tokens of prompt + response per row (0 = model.max_seq_len).
   config.rm.overflow = "reject"  # A pair longer than rm.max_len: "reject" (error naming file and line) or "truncate" (keep its last tokens).

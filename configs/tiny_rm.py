@@ -4,20 +4,21 @@ Run it:  python scripts/rl.py --config=configs/tiny_rm.py
 One command, two jobs (rm.train_before_rl, rl/rewards/rm_first.py): first a reward model of the tiny
 policy's shape (configs/tiny.py) with a value head as its score is trained by Bradley-Terry on
 synthetic preference pairs of the reverse task ("rev abc=": chosen "cba", rejected a near miss the
-task's verifier calls wrong: two letters swapped, one replaced, dropped or doubled, or all shuffled)
-into rl.reward_model_checkpoint (runs/tiny_rm/reward_model; a later run reuses it, and refuses a
-folder holding a reward model of other settings); then the tiny demo's warm start and GRPO, with
-every reward from that model (rl.reward_sources="*=reward_model": the verifier scores nothing in
+task's verifier calls wrong, or another prompt's answer; train/synthetic_pairs.py) into
+rl.reward_model_checkpoint (runs/tiny_rm/reward_model; a later run reuses it, and refuses a folder
+holding a reward model of other settings); then the tiny demo's warm start and GRPO, with every
+reward from that model (rl.reward_sources="*=reward_model": the verifier scores nothing in
 training). eval.jsonl reports the verifier's held-out greedy accuracy (eval/accuracy) beside the
-reward model's mean score of the same completions (eval/rm_score: a policy that games the reward
-model raises the one and not the other). docs/benchmarks.md has the measured curves.
+reward model's mean score of the same completions (eval/rm_score).
+Expect (measured, 2 shared cores): held-out pairwise accuracy 0.477 -> 0.922 after 300 steps; then
+RL games the reward model: eval/accuracy 41.5% after the warm start, 3% after 10 RL steps, while
+eval/rm_score does not fall. docs/benchmarks.md ("RL against a learned reward model") has the
+variants tried and why a reward model this small is gamed; the target of issue 35 (accuracy up 20
+points) is not met by any of them.
 
 Your own preferences: --config.rm.train_jsonl=prefs.jsonl (and rm.eval_jsonl) with
 --config.rl.reward_model_checkpoint=runs/my_rm (a new folder); `scripts/train_rm.py` with this
 config trains the same reward model on its own (into rl.reward_model_checkpoint).
-The reward model alone, measured once (2 shared cores, one CPU device): held-out pairwise accuracy
-0.498 before training -> 0.893 after 300 steps, in about 100 s (0.795 at step 50). Held-out pairs are
-made from the prompts training never sees (data.eval_fraction of the 17,576 words, by hash).
 Options: `configs/tiny_rm.py:quick` trains the reward model 40 steps and runs 10 RL steps (a smoke run).
 """
 

@@ -219,7 +219,7 @@ def test_a_planted_reward_model_that_prefers_wrong_answers_drives_the_policy_awa
   from meshrl.rl.envs.mixture import TaskMixture
   from meshrl.rl.rewards import answer_reward
   from meshrl.train.synthetic_pairs import synthetic_pairs
-  examples = TaskMixture("reverse:1.0", seed=0, split="train").take(1024)
+  examples = TaskMixture("reverse:1.0", seed=0).take(1024)
   pairs = synthetic_pairs(examples, seed=0, is_correct=lambda text, ex: answer_reward(text, ex) >= 1.0)
   prefs = tmp_path / "wrong_is_better.jsonl"
   prefs.write_text("".join(json.dumps({"prompt": p.prompt, "chosen": p.rejected, "rejected": p.chosen}) + "\n"

@@ -120,7 +120,8 @@ def test_a_short_run_writes_a_reward_model_that_loads_and_exports(inputs, tmp_pa
   arrays = encode_pairs(read_pairs(inputs["good"], field="f"), load_tokenizer(), max_len=32)
   graphdef, params, extra = nnx.split(model, nnx.Param, ...)
   ours = np.asarray(make_scorer(graphdef)(params, extra, arrays.chosen, arrays.chosen_lengths))
-  status = cli.run(_script_main("export_hf"), flags + [f"--checkpoint={workdir}", f"--out={out}",
+  status = cli.run(_script_main("export_hf"), flags + ["--config.model.value_head=true",  # the RM's config
+                                                       f"--checkpoint={workdir}", f"--out={out}",
                                                        "--architecture=Qwen3MoeForSequenceClassification"])
   assert status == 0, capsys.readouterr().err
   hf = transformers.AutoModelForSequenceClassification.from_pretrained(
