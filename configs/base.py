@@ -242,11 +242,14 @@ def get_config(arg=None):
   config.rm.eval_pairs = 512  # Held-out pairs evaluated (fewer when the held-out side has fewer).
   config.rm.steps = 300  # Training steps.
   config.rm.batch_size = 32  # Pairs per step (each pair is two rows: chosen and rejected).
-  config.rm.learning_rate = 1e-4  # Peak learning rate (schedule, warmup, clipping: optim.*).
+  config.rm.learning_rate = 1e-4  # Peak learning rate (schedule, clipping: optim.*).
+  config.rm.warmup_steps = -1  # Linear warmup steps of the reward model's learning rate (-1 = optim.warmup_steps).
+  config.rm.lm_coef = 0.0  # Weight of a next-token loss on the chosen rows beside Bradley-Terry (hidden states of a model that writes them: a reward model harder to game).
   config.rm.margin = 0.0  # Margin added to every pair's own "margin": loss = -log sigmoid(r_chosen - r_rejected - margin).
   config.rm.max_len = 0  # Tokens of prompt + response per row (0 = model.max_seq_len).
   config.rm.overflow = "reject"  # A pair longer than rm.max_len: "reject" (error naming file and line) or "truncate" (keep its last tokens).
   config.rm.eval_every = 50  # Steps between held-out pairwise-accuracy evaluations (also at the end).
+  config.rm.train_before_rl = False  # scripts/rl.py: first train the reward model (rm.*, model.* with a score head) into rl.reward_model_checkpoint when that folder holds none; one of the same settings there is reused, another refused (rl/rewards/rm_first.py).
 
   # --- checkpoint: orbax checkpointing (train/checkpoint.py).
   config.checkpoint = ml_collections.ConfigDict()

@@ -255,6 +255,8 @@ def check_rm(cfg) -> None:
     at_least(cfg, f"rm.{field}", 1)
   positive(cfg, "rm.learning_rate", " (a rate <= 0 does not descend)")
   at_least(cfg, "rm.eval_every", 0, " (0 = only before the first step and at the end)")
+  at_least(cfg, "rm.warmup_steps", -1, " (-1 = optim.warmup_steps)")
+  at_least(cfg, "rm.lm_coef", 0.0, " (0 = Bradley-Terry alone)")
   at_least(cfg, "rm.margin", 0.0, " (the score gap a pair's chosen side must clear)")
   at_least(cfg, "rm.max_len", 0, " (0 = model.max_seq_len)")
   one_of(cfg, "rm.overflow", ("reject", "truncate"))

@@ -1,13 +1,25 @@
-"""The reward-model demo: the tiny policy's shape (configs/tiny.py) with a value head as the score,
-trained by Bradley-Terry on synthetic preference pairs of the reverse task ("rev abc=": chosen "cba",
-rejected a near miss the task's verifier calls wrong: two letters swapped, one replaced, dropped or
-doubled, or all shuffled), so held-out pairwise accuracy measures what a verifier would say.
+"""The reward-model demo: RL against a learned reward model only, checked by a verifier it never sees.
 
-Run it:  python scripts/train_rm.py --config=configs/tiny_rm.py
-Expect (measured once, 2 shared cores, one CPU device): held-out pairwise accuracy 0.498 before
-training -> 0.893 after 300 steps, in about 100 s (0.795 at step 50). Held-out pairs are made from
-the prompts training never sees (data.eval_fraction of the 17,576 words, by hash).
-Options: `configs/tiny_rm.py:quick` trains 40 steps (a smoke run).
+Run it:  python scripts/rl.py --config=configs/tiny_rm.py
+One command, two jobs (rm.train_before_rl, rl/rewards/rm_first.py): first a reward model of the tiny
+policy's shape (configs/tiny.py) with a value head as its score is trained by Bradley-Terry on
+synthetic preference pairs of the reverse task ("rev abc=": chosen "cba", rejected a near miss the
+task's verifier calls wrong, or another prompt's answer; train/synthetic_pairs.py) into
+rl.reward_model_checkpoint (runs/tiny_rm/reward_model; a later run reuses it, and refuses a folder
+holding a reward model of other settings); then the tiny demo's warm start and GRPO, with every
+reward from that model (rl.reward_sources="*=reward_model": the verifier scores nothing in
+training). eval.jsonl reports the verifier's held-out greedy accuracy (eval/accuracy) beside the
+reward model's mean score of the same completions (eval/rm_score).
+Expect (measured, 2 shared cores): held-out pairwise accuracy 0.477 -> 0.922 after 300 steps; then
+RL games the reward model: eval/accuracy 41.5% after the warm start, 3% after 10 RL steps, while
+eval/rm_score does not fall. docs/benchmarks.md ("RL against a learned reward model") has the
+variants tried and why a reward model this small is gamed; the target of issue 35 (accuracy up 20
+points) is not met by any of them.
+
+Your own preferences: --config.rm.train_jsonl=prefs.jsonl (and rm.eval_jsonl) with
+--config.rl.reward_model_checkpoint=runs/my_rm (a new folder); `scripts/train_rm.py` with this
+config trains the same reward model on its own (into rl.reward_model_checkpoint).
+Options: `configs/tiny_rm.py:quick` trains the reward model 40 steps and runs 10 RL steps (a smoke run).
 """
 
 from meshrl.configs.loader import load_preset
@@ -16,19 +28,22 @@ from meshrl.configs.loader import load_preset
 def get_config(arg=None):
   config = load_preset("tiny")
   config.name = "tiny_rm" if not arg else f"tiny_rm_{arg}"
-  config.model.value_head = True
+  config.rm.train_before_rl = True
+  config.rl.reward_sources = "*=reward_model"
+  config.rl.reward_model_checkpoint = f"runs/{config.name}/reward_model"
   config.rm.synthetic_pairs = 4096
   config.rm.eval_pairs = 512
   config.rm.steps = 300
   config.rm.batch_size = 32
   config.rm.learning_rate = 1e-3  # 3e-4 reached 0.809 in 300 steps (measured)
+  config.rm.warmup_steps = 20  # the policy's optimizer keeps configs/tiny.py's (no warmup)
   config.rm.max_len = 32
   config.rm.eval_every = 50
-  config.optim.warmup_steps = 20
-  config.checkpoint.every = 100
   if arg == "quick":
     config.rm.steps = 40
     config.rm.eval_every = 20
+    config.rl.num_steps = 10
+    config.eval.every = 10
   elif arg:
     raise ValueError(f"configs/tiny_rm.py takes no option {arg!r}; options: quick.")
   return config

@@ -12,7 +12,9 @@ reward_curve.png, sft/ (warm start) and checkpoints/. Running the same command a
 the latest checkpoint; a folder holding another run is refused unless --overwrite (which removes
 that run's outputs). Every bad input (config, files, rows, checkpoints, disk space) is reported as
 one line before anything is written. Ctrl-C or SIGTERM saves the step in flight and exits 0.
-With rl.num_steps=0 the job is the warm start (and its evaluation) alone.
+With rl.num_steps=0 the job is the warm start (and its evaluation) alone. With rm.train_before_rl
+(configs/tiny_rm.py) the reward model at rl.reward_model_checkpoint is trained first, or reused when
+one of the same settings is there (rl/rewards/rm_first.py).
 """
 
 import os
@@ -30,6 +32,8 @@ def main(argv):
   cli.join_job(args)  # several processes (a pod): join the job before jax touches a device
   from meshrl.rl.step import driver as loop  # pylint: disable=import-outside-toplevel  (after --cpu_devices)
   workdir = args.workdir or cfg.workdir.format(name=cfg.name)
+  from meshrl.rl.rewards.rm_first import ensure_reward_model  # pylint: disable=import-outside-toplevel
+  ensure_reward_model(cfg, workdir, overwrite=args.overwrite)  # rm.train_before_rl: the reward model first
   records = loop.run(cfg, workdir, overwrite=args.overwrite)
   if records:
     tenth = max(1, len(records) // 10)

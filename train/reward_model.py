@@ -60,10 +60,12 @@ class RMLossSpec:
   z_loss_coef: float = 0.0  # moe.z_loss_coef
   aux_free_bias: bool = False  # moe.aux_free_bias: move the router bias by the step's expert load
   bias_update_rate: float = 0.0  # moe.bias_update_rate
+  lm_coef: float = 0.0  # rm.lm_coef: next-token loss on the chosen rows beside Bradley-Terry
 
   @classmethod
   def from_config(cls, cfg) -> "RMLossSpec":
-    return cls(margin=float(cfg.rm.margin), aux_loss_coef=float(cfg.moe.aux_loss_coef),
+    return cls(margin=float(cfg.rm.margin), lm_coef=float(cfg.rm.get("lm_coef", 0.0)),
+               aux_loss_coef=float(cfg.moe.aux_loss_coef),
                z_loss_coef=float(cfg.moe.z_loss_coef), aux_free_bias=bool(cfg.moe.aux_free_bias),
                bias_update_rate=float(cfg.moe.bias_update_rate))
 
@@ -94,6 +96,17 @@ def score_rows(model: nnx.Module, tokens: jax.Array, lengths: jax.Array) -> tupl
   return last_token_scores(out.values, lengths), out.aux
 
 
+def chosen_lm_loss(logits: jax.Array, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+  """logits [B, T, V], tokens [B, T], lengths [B] -> [] mean next-token cross-entropy over each
+  row's real tokens (the target at t is token t + 1 < length): the language-modelling term that
+  keeps a reward model's hidden states those of a model that writes the chosen responses
+  (Yang et al. 2024, "Regularizing Hidden States Enables Learning Generalizable Reward Model")."""
+  logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+  target = jnp.take_along_axis(logp, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
+  mask = (jnp.arange(tokens.shape[1] - 1)[None, :] < (lengths[:, None] - 1)).astype(jnp.float32)
+  return -jnp.sum(target * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
 def bradley_terry_loss(chosen: jax.Array, rejected: jax.Array, margins: jax.Array) -> jax.Array:
   """Mean over pairs of -log sigmoid(chosen - rejected - margins); all [B] float32."""
   return -jnp.mean(jax.nn.log_sigmoid(chosen - rejected - margins))
@@ -108,7 +121,12 @@ def rm_loss(params: nnx.State, extra: nnx.State, graphdef: nnx.GraphDef, batch: 
             spec: RMLossSpec) -> tuple[jax.Array, dict]:
   """The reward-model objective on one batch of pairs -> (loss, metrics)."""
   model = nnx.merge(graphdef, params, extra)
-  chosen, chosen_aux = score_rows(model, batch.chosen, batch.chosen_lengths)
+  if spec.lm_coef:
+    out = model(batch.chosen)
+    chosen, chosen_aux = last_token_scores(out.values, batch.chosen_lengths), out.aux
+    lm = chosen_lm_loss(out.logits, batch.chosen, batch.chosen_lengths)
+  else:
+    chosen, chosen_aux = score_rows(model, batch.chosen, batch.chosen_lengths)
   rejected, rejected_aux = score_rows(model, batch.rejected, batch.rejected_lengths)
   # Preference: Bradley-Terry with margins.
   bt = bradley_terry_loss(chosen, rejected, batch.margins + spec.margin)
@@ -116,6 +134,9 @@ def rm_loss(params: nnx.State, extra: nnx.State, graphdef: nnx.GraphDef, batch: 
   metrics = {"bt_loss": bt, "accuracy": pairwise_accuracy(chosen, rejected),
              "chosen_score": jnp.mean(chosen), "rejected_score": jnp.mean(rejected),
              "score_gap": jnp.mean(chosen - rejected)}
+  if spec.lm_coef:
+    loss = loss + spec.lm_coef * lm
+    metrics["lm_loss"] = lm
   # MoE balance: the two forwards' auxiliary and z-losses, averaged.
   if chosen_aux:
     aux = {k: (chosen_aux[k] + rejected_aux[k]) / 2 for k in ("aux_loss", "z_loss", "expert_load")}

@@ -19,6 +19,7 @@ import time
 from typing import NamedTuple
 
 import jax
+import ml_collections
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -43,6 +44,15 @@ class RMResult(NamedTuple):
 def rm_max_len(cfg) -> int:
   """Tokens per row: rm.max_len, or model.max_seq_len when it is 0."""
   return int(cfg.rm.max_len or cfg.model.max_seq_len)
+
+
+def rm_optim(cfg) -> ml_collections.ConfigDict:
+  """The reward model's optimizer settings: optim.* with rm.warmup_steps when it is >= 0 (a policy's
+  preset names its reward model's warmup without changing its own)."""
+  optim = ml_collections.ConfigDict(cfg.optim.to_dict())
+  if cfg.rm.get("warmup_steps", -1) >= 0:
+    optim.warmup_steps = int(cfg.rm.warmup_steps)
+  return optim
 
 
 def check_rm_shapes(cfg, mesh: Mesh | None) -> None:
@@ -99,7 +109,8 @@ def run_reward_model(cfg, workdir: str, mesh: Mesh | None, model: nnx.Module, *,
   num_steps = cfg.rm.steps if num_steps is None else num_steps
   check_rm_shapes(cfg, mesh)
   rules = rules_from_config(cfg.mesh)
-  tx = make_optimizer(cfg.optim, learning_rate=cfg.rm.learning_rate, rate_field="rm.learning_rate")
+  optim = rm_optim(cfg)
+  tx = make_optimizer(optim, learning_rate=cfg.rm.learning_rate, rate_field="rm.learning_rate")
   graphdef, state = create_train_state(model, tx, mesh)
   ckpt = None
   if cfg.checkpoint.enabled:
@@ -110,7 +121,7 @@ def run_reward_model(cfg, workdir: str, mesh: Mesh | None, model: nnx.Module, *,
     restored = ckpt.restore(state)
     state, start = restored.state, restored.step
   step_fn = make_rm_step(graphdef, mesh, cfg, tx, state_shardings=shardings_of(state),
-                         schedule=make_schedule(cfg.optim, learning_rate=cfg.rm.learning_rate))
+                         schedule=make_schedule(optim, learning_rate=cfg.rm.learning_rate))
   score = make_scorer(graphdef, mesh, rules)
   writer = MetricsWriter(workdir, tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar,
                          total_steps=num_steps, resume_step=start, bar_keys=("loss", "accuracy"))

@@ -5,8 +5,12 @@ same verifier (held-out pairwise accuracy here; the policy's verified accuracy i
   pairs = synthetic_pairs(examples, is_correct=lambda text, ex: answer_reward(text, ex) >= 1, seed=0)
 
 Near misses are what a policy's wrong samples look like: two symbols swapped, one replaced by a
-symbol of the prompt or answer, one dropped or doubled, or the symbols shuffled. A corruption the
-verifier still accepts (e.g. the same digits of a sum in another order that happen to be right) is
+symbol of the prompt or answer, one dropped or doubled, or the symbols shuffled. Half the pairs'
+rejected side is instead another example's answer: well formed, wrong for this prompt. Without them
+a reward model checks form and not the prompt, and RL against it finds that out (measured: RMs
+trained on near misses alone, 0.89 and 0.99 held-out pairwise accuracy, were gamed within 10 RL
+steps by well-formed answers to no prompt: "xjx" for "rev abc=", "116" for every "sort ...").
+A corruption (or another answer) the verifier still accepts (e.g. the same digits of a sum in another order that happen to be right) is
 drawn again; an example with no wrong corruption in 32 draws gives no pair.
 """
 
@@ -44,12 +48,16 @@ def corrupt(answer: str, rng: np.random.Generator, alphabet: Sequence[str]) -> s
 
 
 def make_pair(example: dict, rng: np.random.Generator, is_correct: Callable[[str, dict], bool],
-              where: str) -> Pair | None:
-  """The pair (answer, a wrong near miss) of one example, or None when none is found."""
+              where: str, others: Sequence[str] = ()) -> Pair | None:
+  """The pair (answer, a wrong near miss or, half the time when `others` is given, one of `others`:
+  other examples' answers) of one example, or None when none is found."""
   answer = str(example["answer"])
   alphabet = _alphabet(example)
   for _ in range(32):
-    wrong = corrupt(answer, rng, alphabet)
+    if len(others) and rng.random() < 0.5:
+      wrong = str(others[int(rng.integers(len(others)))])
+    else:
+      wrong = corrupt(answer, rng, alphabet)
     if wrong.strip() and wrong != answer and not is_correct(wrong, example):
       return Pair(example["prompt"], answer, wrong, 0.0, where)
   return None
@@ -57,11 +65,12 @@ def make_pair(example: dict, rng: np.random.Generator, is_correct: Callable[[str
 
 def synthetic_pairs(examples: Sequence[dict], *, is_correct: Callable[[str, dict], bool], seed: int,
                     origin: str = "synthetic") -> list[Pair]:
-  """One pair per example that has a wrong near miss, in order; example i draws from
+  """One pair per example that has a wrong near miss (or another example's answer, `make_pair`), in order; example i draws from
   `np.random.default_rng([seed, i])` and is named "<origin>:<i>" in errors."""
   pairs = []
+  answers = [str(example["answer"]) for example in examples]
   for i, example in enumerate(examples):
-    pair = make_pair(example, np.random.default_rng([seed, i]), is_correct, f"{origin}:{i}")
+    pair = make_pair(example, np.random.default_rng([seed, i]), is_correct, f"{origin}:{i}", answers)
     if pair is not None:
       pairs.append(pair)
   return pairs

@@ -65,7 +65,6 @@ CASES = [
     (["--config.rm.train_jsonl={good}", "--config.rm.eval_jsonl={good}"],
      "rm.eval_jsonl='{good}' shares 12 prompt(s) with rm.train_jsonl"),
     (["--config.rm.train_jsonl={folder}/nope.jsonl"], "rm.train_jsonl='{folder}/nope.jsonl': no such file"),
-    (["--config.model.value_head=false"], "model.value_head=False: a reward model's score is the value head"),
     (["--config.rm.overflow=drop"], "rm.overflow='drop' is not one of 'reject', 'truncate'"),
     (["--config.rm.margin=-1.0"], "rm.margin=-1.0 must be at least 0.0"),
     (["--config.rm.max_len=100"], "rm.max_len=100 must lie in [0, model.max_seq_len=64]"),
@@ -121,7 +120,8 @@ def test_a_short_run_writes_a_reward_model_that_loads_and_exports(inputs, tmp_pa
   arrays = encode_pairs(read_pairs(inputs["good"], field="f"), load_tokenizer(), max_len=32)
   graphdef, params, extra = nnx.split(model, nnx.Param, ...)
   ours = np.asarray(make_scorer(graphdef)(params, extra, arrays.chosen, arrays.chosen_lengths))
-  status = cli.run(_script_main("export_hf"), flags + [f"--checkpoint={workdir}", f"--out={out}",
+  status = cli.run(_script_main("export_hf"), flags + ["--config.model.value_head=true",  # the RM's config
+                                                       f"--checkpoint={workdir}", f"--out={out}",
                                                        "--architecture=Qwen3MoeForSequenceClassification"])
   assert status == 0, capsys.readouterr().err
   hf = transformers.AutoModelForSequenceClassification.from_pretrained(

@@ -95,3 +95,8 @@ def test_synthetic_pairs_are_right_against_wrong_by_the_verifier(task):
     assert answer_reward(pair.rejected, by_prompt[pair.prompt]) < 1.0
   again = synthetic_pairs(examples, seed=5, is_correct=lambda text, ex: answer_reward(text, ex) >= 1.0)
   assert again == pairs  # seeded
+  # Half the rejected sides are other prompts' answers (well formed, wrong here; a near miss may
+  # equal one too, often among small sums), the rest near misses.
+  answers = {e["answer"] for e in examples}
+  others = sum(p.rejected in answers for p in pairs) / len(pairs)
+  assert others > 0.35 and (task != "reverse" or others < 0.65), others

@@ -17,8 +17,8 @@ from meshrl.rl.rewards import answer_reward
 from meshrl.sharding import make_mesh
 from meshrl.sharding.rules import rules_from_config
 from meshrl.train.preferences import encode_pairs
-from meshrl.train.reward_model import (PairBatch, RMLossSpec, bradley_terry_loss, make_scorer, pairwise_accuracy,
-                                       rm_loss, score_pairs, score_rows)
+from meshrl.train.reward_model import (PairBatch, RMLossSpec, bradley_terry_loss, chosen_lm_loss, make_scorer,
+                                       pairwise_accuracy, rm_loss, score_pairs, score_rows)
 from meshrl.train.rm_source import load_reward_model
 from meshrl.train.rm_training import batch_indices, run_reward_model
 from meshrl.train.synthetic_pairs import synthetic_pairs
@@ -33,7 +33,7 @@ def _np_bradley_terry(chosen, rejected, margins):
 def _cfg(**overrides):
   cfg = configs.load("configs/tiny_rm.py")
   with cfg.unlocked():
-    cfg.model.update(num_layers=2, embed_dim=64, num_heads=2, num_kv_heads=1, head_dim=32, mlp_dim=128)
+    cfg.model.update(value_head=True, num_layers=2, embed_dim=64, num_heads=2, num_kv_heads=1, head_dim=32, mlp_dim=128)
     cfg.moe.update(num_experts=4, expert_mlp_dim=64, first_k_dense=1)
     for key, value in overrides.items():
       section, name = key.split(".")
@@ -153,3 +153,30 @@ def test_training_raises_held_out_pairwise_accuracy(tmp_path, devices):
   scores = score_pairs(make_scorer(graphdef, mesh, rules), params, extra, held_out, batch_size=32, mesh=mesh,
                        rules=rules)
   assert float(np.mean(scores[0] > scores[1])) == pytest.approx(accuracy[-1])
+
+
+def test_the_language_modelling_term_is_next_token_cross_entropy_over_real_tokens():
+  """chosen_lm_loss against numpy (a shifted target, the padding counted, a row's last token used as
+  an input with no target: each fails it), and rm_loss adds rm.lm_coef times it to Bradley-Terry."""
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(3, 6, 11)).astype(np.float32)
+  tokens = rng.integers(0, 11, size=(3, 6)).astype(np.int32)
+  lengths = np.asarray([6, 3, 1], np.int32)
+  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  terms = [-logp[b, t, tokens[b, t + 1]] for b in range(3) for t in range(lengths[b] - 1)]
+  np.testing.assert_allclose(float(chosen_lm_loss(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(lengths))),
+                             np.mean(terms), rtol=1e-5)
+  cfg = _cfg()
+  model = build_model(ModelConfig.from_config(cfg), None, seed=0)
+  graphdef, params, extra = nnx.split(model, nnx.Param, ...)
+  arrays = encode_pairs(synthetic_pairs(TaskMixture("reverse:1.0", seed=3).take(4), seed=3,
+                                        is_correct=lambda t, e: answer_reward(t, e) >= 1.0), load_tokenizer(), max_len=16)
+  batch = PairBatch(jnp.asarray(arrays.chosen), jnp.asarray(arrays.chosen_lengths), jnp.asarray(arrays.rejected),
+                    jnp.asarray(arrays.rejected_lengths), jnp.asarray(arrays.margins))
+  _, plain = rm_loss(params, extra, graphdef, batch, spec=RMLossSpec())
+  _, with_lm = rm_loss(params, extra, graphdef, batch, spec=RMLossSpec(lm_coef=0.5))
+  out = model(batch.chosen)
+  lm = float(chosen_lm_loss(out.logits, batch.chosen, batch.chosen_lengths))
+  assert lm > 1.0 and float(with_lm["lm_loss"]) == pytest.approx(lm, rel=1e-5)
+  assert float(with_lm["loss"]) == pytest.approx(float(plain["loss"]) + 0.5 * lm, rel=1e-5)
+  assert float(with_lm["bt_loss"]) == pytest.approx(float(plain["bt_loss"]), rel=1e-5)
