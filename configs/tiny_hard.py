@@ -31,6 +31,7 @@ def get_config(arg=None):
   config.name = "tiny_hard"
   config.data.tasks = "reverse:1.0,copy:1.0,sort:1.0"
   config.data.difficulty = 2
+  config.rl.sft_difficulty = 1  # the demo's warm start, at the demo's level; RL and evaluation at level 2
   config.rl.max_new_tokens = 8  # level 3's seven symbols and the stop token
   config.data.level_curriculum = "all"
   config.data.level_curriculum_floor = 1

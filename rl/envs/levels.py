@@ -18,6 +18,10 @@ run is reproducible, and a resumed one continues exactly (`get_state` / `set_sta
 split the regenerated prompt is drawn again until it lies on the train side (`in_eval_split`): training
 never sees a held-out prompt at any level.
 
+The warm start can train at another level than RL and evaluation (rl.sft_difficulty): `warm_start_source`
+wraps the run's training source so its generated domains' examples are regenerated at that level
+(`AtLevel`, random access, on the train side of the held-out split); file rows pass unchanged.
+
 Pure Python and numpy: no jax.
 """
 
@@ -32,6 +36,7 @@ from meshrl.rl.envs.registry import load_domains
 from meshrl.rl.rewards.compose import parse_weights
 
 _STREAM = 33  # folded into the relevel generator's seed, apart from the mixture's own draws
+_WARM_STREAM = 34  # the same for the warm start's examples (AtLevel)
 
 
 def generated_domains(cfg) -> tuple[dict[str, str], dict[str, int]]:
@@ -189,3 +194,66 @@ class LevelCurriculum:
     self.counts = {k: [int(a), int(b)] for k, (a, b) in state["counts"].items()}
     self.window_counts = {k: [int(a), int(b)] for k, (a, b) in state["window"].items()}
     self.relevelled, self.moves = int(state["relevelled"]), int(state["moves"])
+
+
+class AtLevel:
+  """Random access over `source` (source[i] for i >= 0) with the examples of its generated domains
+  regenerated at `level`: example i is source[i]'s domain (the mixture's weights and quotas kept) at
+  that level, drawn by a generator seeded by (seed, i), again until it lies on the train side of
+  `eval_fraction` (> 0: the hash split's held-out side is never trained on). Other examples (file
+  rows, ungoverned families) are source[i] as it is.
+
+  Args:
+    source: the run's training source (TaskMixture / DomainMixture: rl/step/driver.train_source).
+    families: {domain name: generator family} to regenerate (`generated_domains`).
+    level: the level, within every family's 1..levels (checked by `check_warm_start`).
+  """
+
+  def __init__(self, source, families: Mapping[str, str], level: int, *, seed: int = 0,
+               eval_fraction: float = 0.0):
+    self.source, self.families, self.level = source, dict(families), int(level)
+    self.seed, self.eval_fraction = int(seed), float(eval_fraction)
+
+  def __getitem__(self, index: int) -> dict:
+    example = self.source[index]
+    name = example.get("domain")
+    if name not in self.families:
+      return example
+    family = DOMAINS[self.families[name]]
+    for attempt in range(1000):
+      generated = family.generate(np.random.default_rng([self.seed, _WARM_STREAM, int(index), attempt]),
+                                  self.level)
+      if not self.eval_fraction or not in_eval_split(generated["prompt"], self.eval_fraction):
+        return {**example, **generated, "difficulty": self.level}
+    raise ValueError(f"no train-side prompt of domain {name!r} at level {self.level} in 1000 draws: the "
+                     f"train side of data.eval_fraction={self.eval_fraction} is (nearly) empty there.")
+
+
+def check_warm_start(cfg) -> None:
+  """rl.sft_difficulty: 0 (the RL's levels), else a level every generated domain of the run has;
+  ValueError naming the field otherwise."""
+  level = int(cfg.rl.sft_difficulty)
+  if level < 0:
+    raise ValueError(f"rl.sft_difficulty={level} must be >= 0 (0 = the RL's own levels).")
+  if not level:
+    return
+  families, _ = generated_domains(cfg)
+  if not families:
+    raise ValueError(f"rl.sft_difficulty={level}: this run has no generated domain (data.tasks / "
+                     "data.domains) to warm-start at another level; set it to 0.")
+  for name, family in families.items():
+    if level > DOMAINS[family].levels:
+      raise ValueError(f"rl.sft_difficulty={level}: domain {name!r} ({family}) has levels "
+                       f"1..{DOMAINS[family].levels}.")
+
+
+def warm_start_source(cfg, source):
+  """The warm start's (rl.sft_steps) examples: `source`, the run's training source, with its
+  generated domains at rl.sft_difficulty (`AtLevel`); `source` itself when rl.sft_difficulty is 0."""
+  check_warm_start(cfg)
+  if not cfg.rl.sft_difficulty:
+    return source
+  families, _ = generated_domains(cfg)
+  held_out_by_split = cfg.data.eval_fraction > 0 and not cfg.eval.jsonl  # as driver.train_source
+  return AtLevel(source, families, cfg.rl.sft_difficulty, seed=cfg.seed,
+                 eval_fraction=cfg.data.eval_fraction if held_out_by_split else 0.0)
