@@ -198,20 +198,23 @@ class LevelCurriculum:
 
 class AtLevel:
   """Random access over `source` (source[i] for i >= 0) with the examples of its generated domains
-  regenerated at `level`: example i is source[i]'s domain (the mixture's weights and quotas kept) at
-  that level, drawn by a generator seeded by (seed, i), again until it lies on the train side of
-  `eval_fraction` (> 0: the hash split's held-out side is never trained on). Other examples (file
-  rows, ungoverned families) are source[i] as it is.
+  regenerated at `levels`: example i is source[i]'s domain (the mixture's weights and quotas kept) at
+  a level drawn by the levels' weights, by a generator seeded by (seed, i), drawn again until it lies
+  on the train side of `eval_fraction` (> 0: the hash split's held-out side is never trained on).
+  Other examples (file rows, ungoverned families) are source[i] as it is.
 
   Args:
     source: the run's training source (TaskMixture / DomainMixture: rl/step/driver.train_source).
     families: {domain name: generator family} to regenerate (`generated_domains`).
-    level: the level, within every family's 1..levels (checked by `check_warm_start`).
+    levels: a level, or [(level, weight)], each within every family's 1..levels (`warm_levels`).
   """
 
-  def __init__(self, source, families: Mapping[str, str], level: int, *, seed: int = 0,
-               eval_fraction: float = 0.0):
-    self.source, self.families, self.level = source, dict(families), int(level)
+  def __init__(self, source, families: Mapping[str, str], levels, *, seed: int = 0, eval_fraction: float = 0.0):
+    levels = [(int(levels), 1.0)] if isinstance(levels, (int, np.integer)) else [(int(l), float(w)) for l, w in levels]
+    self.source, self.families = source, dict(families)
+    self.levels = np.array([level for level, _ in levels])
+    weights = np.array([weight for _, weight in levels], np.float64)
+    self.probs = weights / weights.sum()
     self.seed, self.eval_fraction = int(seed), float(eval_fraction)
 
   def __getitem__(self, index: int) -> dict:
@@ -220,40 +223,54 @@ class AtLevel:
     if name not in self.families:
       return example
     family = DOMAINS[self.families[name]]
-    for attempt in range(1000):
-      generated = family.generate(np.random.default_rng([self.seed, _WARM_STREAM, int(index), attempt]),
-                                  self.level)
+    rng = np.random.default_rng([self.seed, _WARM_STREAM, int(index)])
+    level = int(self.levels[rng.choice(len(self.levels), p=self.probs)]) if len(self.levels) > 1 else int(self.levels[0])
+    for _ in range(1000):
+      generated = family.generate(rng, level)
       if not self.eval_fraction or not in_eval_split(generated["prompt"], self.eval_fraction):
-        return {**example, **generated, "difficulty": self.level}
-    raise ValueError(f"no train-side prompt of domain {name!r} at level {self.level} in 1000 draws: the "
+        return {**example, **generated, "difficulty": level}
+    raise ValueError(f"no train-side prompt of domain {name!r} at level {level} in 1000 draws: the "
                      f"train side of data.eval_fraction={self.eval_fraction} is (nearly) empty there.")
 
 
-def check_warm_start(cfg) -> None:
-  """rl.sft_difficulty: 0 (the RL's levels), else a level every generated domain of the run has;
-  ValueError naming the field otherwise."""
-  level = int(cfg.rl.sft_difficulty)
-  if level < 0:
-    raise ValueError(f"rl.sft_difficulty={level} must be >= 0 (0 = the RL's own levels).")
-  if not level:
-    return
+def warm_levels(cfg) -> list[tuple[int, float]]:
+  """rl.sft_difficulty parsed: [] for "" (the warm start trains at the RL's own levels), else
+  [(level, weight)] from "2" or "1:0.95,2:0.05"; ValueError naming the field unless every level is one
+  of every generated domain of the run and the weights are positive."""
+  spec = str(cfg.rl.sft_difficulty).strip()
+  if not spec or spec == "0":
+    return []
+  field = "rl.sft_difficulty"
+  parsed = []
+  for name, weight in parse_weights(spec, field=field):
+    if not name.isdigit() or int(name) < 1:
+      raise ValueError(f"{field}={spec!r}: {name!r} is not a level (1, 2, ...); write '2' or '1:0.95,2:0.05'.")
+    if not weight > 0:
+      raise ValueError(f"{field}={spec!r}: the weight {weight} of level {name} must be positive.")
+    parsed.append((int(name), weight))
   families, _ = generated_domains(cfg)
   if not families:
-    raise ValueError(f"rl.sft_difficulty={level}: this run has no generated domain (data.tasks / "
-                     "data.domains) to warm-start at another level; set it to 0.")
-  for name, family in families.items():
-    if level > DOMAINS[family].levels:
-      raise ValueError(f"rl.sft_difficulty={level}: domain {name!r} ({family}) has levels "
-                       f"1..{DOMAINS[family].levels}.")
+    raise ValueError(f"{field}={spec!r}: this run has no generated domain (data.tasks / data.domains) to "
+                     "warm-start at another level; leave it empty.")
+  for level, _ in parsed:
+    for name, family in families.items():
+      if level > DOMAINS[family].levels:
+        raise ValueError(f"{field}={spec!r}: domain {name!r} ({family}) has levels 1..{DOMAINS[family].levels}.")
+  return parsed
+
+
+def check_warm_start(cfg) -> None:
+  """rl.sft_difficulty (`warm_levels`); ValueError naming the field."""
+  warm_levels(cfg)
 
 
 def warm_start_source(cfg, source):
   """The warm start's (rl.sft_steps) examples: `source`, the run's training source, with its
-  generated domains at rl.sft_difficulty (`AtLevel`); `source` itself when rl.sft_difficulty is 0."""
-  check_warm_start(cfg)
-  if not cfg.rl.sft_difficulty:
+  generated domains at rl.sft_difficulty's levels (`AtLevel`); `source` itself when that is empty."""
+  levels = warm_levels(cfg)
+  if not levels:
     return source
   families, _ = generated_domains(cfg)
   held_out_by_split = cfg.data.eval_fraction > 0 and not cfg.eval.jsonl  # as driver.train_source
-  return AtLevel(source, families, cfg.rl.sft_difficulty, seed=cfg.seed,
+  return AtLevel(source, families, levels, seed=cfg.seed,
                  eval_fraction=cfg.data.eval_fraction if held_out_by_split else 0.0)

@@ -126,8 +126,16 @@ def test_warm_start_trains_at_rl_sft_difficulty_on_the_train_side_and_rl_keeps_i
   assert all(len(r["answer"]) == 3 for r in rows)  # level 1: three symbols
   assert not any(in_eval_split(r["prompt"], cfg.data.eval_fraction) for r in rows)
   assert [warm[i] for i in range(5)] == rows[:5]  # random access, reproducible
-  same = warm_start_source(configs.load("configs/tiny_hard.py", ["rl.sft_difficulty=0"]), source)
+  same = warm_start_source(configs.load("configs/tiny_hard.py", ["rl.sft_difficulty="]), source)
   assert same is source
+
+
+def test_warm_start_mixes_levels_by_their_weights():
+  cfg = configs.load("configs/tiny_hard.py", ["rl.sft_difficulty=1:3,2:1"])
+  warm = warm_start_source(cfg, loop.train_source(cfg))
+  levels = np.array([warm[i]["difficulty"] for i in range(400)])
+  assert set(levels) == {1, 2} and 0.17 < (levels == 2).mean() < 0.33  # a quarter at level 2
+  assert all(len(warm[i]["answer"]) == {1: 3, 2: 5}[warm[i]["difficulty"]] for i in range(40))
 
 
 def test_warm_start_leaves_file_rows_as_they_are():
@@ -139,8 +147,9 @@ def test_warm_start_leaves_file_rows_as_they_are():
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    (["rl.sft_difficulty=5"], "rl.sft_difficulty=5: domain 'reverse' (reverse) has levels 1..4"),
-    (["rl.sft_difficulty=-1"], "rl.sft_difficulty=-1"),
+    (["rl.sft_difficulty=5"], "rl.sft_difficulty='5': domain 'reverse' (reverse) has levels 1..4"),
+    (["rl.sft_difficulty=-1"], "rl.sft_difficulty='-1': '-1' is not a level"),
+    (["rl.sft_difficulty=1:0.9,2:0"], "rl.sft_difficulty='1:0.9,2:0': the weight 0.0 of level 2 must be positive"),
     (["rl.rft_every=-1"], "rl.rft_every=-1"),
     (["rl.rft_every=1", "rl.rft_steps=0"], "rl.rft_steps=0"),
     (["rl.rft_every=1", "rl.rft_bank=0"], "rl.rft_bank=0"),
