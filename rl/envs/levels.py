@@ -52,10 +52,9 @@ def generated_domains(cfg) -> tuple[dict[str, str], dict[str, int]]:
 
 def governed_domains(names: str, available: Mapping[str, str], *, field: str) -> dict[str, str]:
   """{domain: generator family} of the comma-separated `names` ("all": every one of `available`,
-  the run's generated domains {name: family}); an unknown name is a ValueError naming `field`."""
+  the run's generated domains {name: family}, none when it has none: a preset's "all" works unchanged
+  on file rows); an unknown name is a ValueError naming `field`."""
   if names.strip() == "all":
-    if not available:
-      raise ValueError(f"{field}='all': this run has no generated domain (data.tasks / data.domains).")
     return dict(available)
   chosen = {}
   for name in (n.strip() for n in names.split(",")):
@@ -236,7 +235,8 @@ class AtLevel:
 def warm_levels(cfg) -> list[tuple[int, float]]:
   """rl.sft_difficulty parsed: [] for "" (the warm start trains at the RL's own levels), else
   [(level, weight)] from "2" or "1:0.95,2:0.05"; ValueError naming the field unless every level is one
-  of every generated domain of the run and the weights are positive."""
+  of every generated domain of the run and the weights are positive (a run of file rows alone has
+  none: the setting leaves its rows as they are)."""
   spec = str(cfg.rl.sft_difficulty).strip()
   if not spec or spec == "0":
     return []
@@ -248,10 +248,7 @@ def warm_levels(cfg) -> list[tuple[int, float]]:
     if not weight > 0:
       raise ValueError(f"{field}={spec!r}: the weight {weight} of level {name} must be positive.")
     parsed.append((int(name), weight))
-  families, _ = generated_domains(cfg)
-  if not families:
-    raise ValueError(f"{field}={spec!r}: this run has no generated domain (data.tasks / data.domains) to "
-                     "warm-start at another level; leave it empty.")
+  families, _ = generated_domains(cfg)  # none (file rows only): nothing to regenerate
   for level, _ in parsed:
     for name, family in families.items():
       if level > DOMAINS[family].levels:
@@ -268,9 +265,9 @@ def warm_start_source(cfg, source):
   """The warm start's (rl.sft_steps) examples: `source`, the run's training source, with its
   generated domains at rl.sft_difficulty's levels (`AtLevel`); `source` itself when that is empty."""
   levels = warm_levels(cfg)
-  if not levels:
-    return source
   families, _ = generated_domains(cfg)
+  if not levels or not families:
+    return source
   held_out_by_split = cfg.data.eval_fraction > 0 and not cfg.eval.jsonl  # as driver.train_source
   return AtLevel(source, families, levels, seed=cfg.seed,
                  eval_fraction=cfg.data.eval_fraction if held_out_by_split else 0.0)

@@ -42,6 +42,8 @@ def curriculum_from_config(cfg, shard: int = 0) -> LevelCurriculum | None:
     return None
   available, start = generated_domains(cfg)
   families = governed_domains(data.level_curriculum, available, field="data.level_curriculum")
+  if not families:  # "all" on a run of file rows alone
+    return None
   held_out_by_split = data.eval_fraction > 0 and not cfg.eval.jsonl  # as rl/step/driver.train_source
   return LevelCurriculum(families, start=start, floor=data.level_curriculum_floor, top=data.level_curriculum_max,
                          promote_at=data.level_curriculum_promote, demote_at=data.level_curriculum_demote,

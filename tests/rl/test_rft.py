@@ -160,3 +160,19 @@ def test_bad_warm_start_and_rft_settings_are_one_line_naming_the_field(overrides
   with pytest.raises(ValueError) as raised:
     loop.check_config(cfg, 8)
   assert fragment in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
+
+
+def test_tiny_hard_works_unchanged_on_a_users_rows(tmp_path):
+  """configs/tiny_hard.py with data.jsonl / eval.jsonl and no generated family: the curriculum ("all")
+  and rl.sft_difficulty have nothing to govern and step aside; retries, replay and RFT stay on."""
+  rows = [{"prompt": f"rev {w}=", "answer": w[::-1], "verifier": "exact"} for w in ("abcde", "fghij", "klmno")]
+  for name, chosen in (("data.jsonl", rows[:2]), ("eval.jsonl", rows[2:])):
+    (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in chosen))
+  cfg = configs.load("configs/tiny_hard.py", [f"data.jsonl={tmp_path / 'data.jsonl'}",
+                                              f"eval.jsonl={tmp_path / 'eval.jsonl'}", "data.tasks="])
+  loop.check_config(cfg, 8)
+  source = loop.train_source(cfg)
+  assert warm_start_source(cfg, source) is source
+  bootstrap = Bootstrap.from_config(cfg, processes=1)
+  assert bootstrap.curriculum is None and bootstrap.retry is not None and bootstrap.rft is not None
+  assert bootstrap.rft.held_out("rev klmno=") and not bootstrap.rft.held_out("rev abcde=")
