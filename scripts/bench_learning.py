@@ -26,7 +26,6 @@ beside it (PATH with .png). A run's folder is created under a fresh temporary fo
 at the end (unless --keep_runs); nothing else is written or deleted.
 """
 
-import argparse
 import json
 import os
 import shutil
@@ -35,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from meshrl.configs import cli
 
 EXPERIMENTS = {
     "demo": ("configs/tiny.py", []),
@@ -45,7 +46,7 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _flags(argv):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = cli.ArgumentParser(description=__doc__)
   parser.add_argument("--json", required=True, help="where to write the results (and PATH.png)")
   parser.add_argument("--experiments", default="demo,hard", help=f"comma-separated, of {sorted(EXPERIMENTS)}")
   parser.add_argument("--budget_s", type=float, default=1200.0,
@@ -69,6 +70,13 @@ def _flags(argv):
   for item in args.set:
     if "=" not in item:
       parser.error(f"--set {item!r}: write KEY=VALUE, e.g. rl.rft_every=0.")
+  from meshrl import configs  # pylint: disable=import-outside-toplevel
+  for name in names:  # a misspelt --set key is refused here, before any run
+    path, overrides = EXPERIMENTS[name]
+    try:
+      configs.load(os.path.join(_ROOT, path), overrides + args.set)
+    except ValueError as error:
+      parser.error(f"--set / experiment {name!r}: {error}")
   json_dir = os.path.dirname(os.path.abspath(args.json))
   if not os.path.isdir(json_dir):
     parser.error(f"--json={args.json!r}: its folder {json_dir} does not exist.")
