@@ -16,6 +16,10 @@ reference are left as they were. Rejection sampling, then fine-tuning on the acc
 al. 2023, arXiv:2308.08998); here interleaved with the policy-gradient steps rather than alternated
 with whole RL runs.
 
+Multi-turn episodes: a row's answer is the episode after its prompt as the rollout decoded it, the
+environment's observations included, so the SFT loss covers them too (train/sft.py has no per-turn
+mask for bank rows yet; rl/step/episode_collect.Demonstrations cuts oracle episodes per turn instead).
+
 A held-out prompt never enters the bank: prompts on the held-out side of data.eval_fraction's hash
 split (when that split is the held-out set) and the prompts of eval.jsonl are refused at `observe`.
 
