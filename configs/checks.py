@@ -153,6 +153,9 @@ def check_bootstrap(cfg) -> None:
     at_least(cfg, "rl.rft_bank", 1)
     if not (math.isfinite(cfg.rl.rft_learning_rate) and cfg.rl.rft_learning_rate > 0):
       raise ValueError(f"rl.rft_learning_rate={cfg.rl.rft_learning_rate} must be a positive number.")
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+      raise ValueError(f"data.seq_len={cfg.data.seq_len} (the rows of rl.rft_every's SFT rounds) is longer than "
+                       f"model.max_seq_len={cfg.model.max_seq_len}.")
   from meshrl.rl.envs import levels  # pylint: disable=import-outside-toplevel  (no jax)
   levels.check_warm_start(cfg)
   data = cfg.data

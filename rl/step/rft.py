@@ -131,28 +131,32 @@ class RejectionFineTune:
 
   def fine_tune(self, run) -> dict:
     """rl.rft_steps SFT steps of run.state's params (and router biases) on the bank; the RL
-    optimizer's state and step stay. Returns {"rft_loss": the rounds' mean cross-entropy, "rft_rows"}."""
+    optimizer's state and step stay. Rows longer than data.seq_len are left out (as the warm start
+    skips them). Returns {"rft_loss": the round's mean cross-entropy, "rft_rows": rows trained on}."""
     # pylint: disable=import-outside-toplevel  (jax programs built on first use)
     from meshrl.sharding.rules import rules_from_config
-    from meshrl.train.data import make_sft_data
+    from meshrl.train.data import encode_example, make_sft_data
     from meshrl.train.optim import make_optimizer
     from meshrl.train.sft import batch_sharding, make_sft_step, put_batch
     from meshrl.train.state import TrainState, init_opt_state, shardings_of
     # pylint: enable=import-outside-toplevel
     cfg = run.cfg
+    rows = [row for row in self.rows() if len(encode_example(row, run.tokenizer)["tokens"]) <= cfg.data.seq_len]
+    if not rows:  # every one longer than an SFT row: nothing to train on (SFTData would search forever)
+      return {"rft_rows": 0.0}
     tx = make_optimizer(cfg.optim, learning_rate=self.learning_rate, rate_field="rl.rft_learning_rate")
     state = TrainState(step=jnp.zeros_like(run.state.step), params=run.state.params,
                        opt_state=init_opt_state(tx, run.state.params, run.mesh), extra=run.state.extra)
     if self._step_fn is None:
       self._step_fn = make_sft_step(run.graphdef, run.mesh, cfg, tx, state_shardings=shardings_of(state))
-    rows = None if run.mesh is None else batch_sharding(run.mesh, rules_from_config(cfg.mesh))
-    data = make_sft_data(cfg, source=self.rows(), tokenizer=run.tokenizer)
+    sharding = None if run.mesh is None else batch_sharding(run.mesh, rules_from_config(cfg.mesh))
+    data = make_sft_data(cfg, source=rows, tokenizer=run.tokenizer)
     losses = []
     for _ in range(self.steps):
-      state, step_metrics = self._step_fn(state, put_batch(next(data), rows, run.zigzag_shards))
+      state, step_metrics = self._step_fn(state, put_batch(next(data), sharding, run.zigzag_shards))
       losses.append(step_metrics["ce"])
     run.state = run.state.replace(params=state.params, extra=state.extra)
-    return {"rft_loss": float(np.mean(jax.device_get(losses))), "rft_rows": float(len(self.bank))}
+    return {"rft_loss": float(np.mean(jax.device_get(losses))), "rft_rows": float(len(rows))}
 
   # --- figures and the checkpoint -----------------------------------------------------------------
 

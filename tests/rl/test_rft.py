@@ -95,11 +95,12 @@ def test_rft_round_fine_tunes_the_policy_on_the_bank_and_only_on_its_steps(devic
   rft = run.bootstrap.rft
   for word in ("abc", "bca", "cab", "acb"):
     rft._add(f"rev {word}=", word[::-1])  # pylint: disable=protected-access
+  rft._add("rev abcdefghij=", "jihgfedcba")  # pylint: disable=protected-access  (longer than data.seq_len: left out)
   params = jax.tree.map(np.asarray, run.state.params)
   opt_state, rl_step = jax.tree.map(np.asarray, run.state.opt_state), int(run.state.step)
   metrics = {}
   hooks[0](1, run, metrics)  # not a multiple of rl.rft_every: no round
-  assert "rft_loss" not in metrics and metrics["rft_bank"] == 4.0
+  assert "rft_loss" not in metrics and metrics["rft_bank"] == 5.0
   jax.tree.map(np.testing.assert_array_equal, params, jax.tree.map(np.asarray, run.state.params))
   first, second = {}, {}
   hooks[0](2, run, first)
@@ -154,6 +155,7 @@ def test_warm_start_leaves_file_rows_as_they_are():
     (["rl.rft_every=1", "rl.rft_steps=0"], "rl.rft_steps=0"),
     (["rl.rft_every=1", "rl.rft_bank=0"], "rl.rft_bank=0"),
     (["rl.rft_every=1", "rl.rft_learning_rate=0.0"], "rl.rft_learning_rate=0.0"),
+    (["rl.rft_every=1", "data.seq_len=128"], "data.seq_len=128 (the rows of rl.rft_every's SFT rounds)"),
 ])
 def test_bad_warm_start_and_rft_settings_are_one_line_naming_the_field(overrides, fragment):
   cfg = configs.load("configs/tiny.py", overrides)
@@ -176,3 +178,24 @@ def test_tiny_hard_works_unchanged_on_a_users_rows(tmp_path):
   bootstrap = Bootstrap.from_config(cfg, processes=1)
   assert bootstrap.curriculum is None and bootstrap.retry is not None and bootstrap.rft is not None
   assert bootstrap.rft.held_out("rev klmno=") and not bootstrap.rft.held_out("rev abcde=")
+
+
+def test_rft_composes_with_the_curriculum_retries_and_replay_through_rl_steps(devices):
+  """Two RL steps with every bootstrapping option on and a reward that pays responses of even length:
+  the bank fills from the steps' own rollouts with accepted responses only, and step 2's record
+  holds an SFT round (rft_loss) beside the curriculum's, retries' and replay's figures."""
+  from meshrl.rl.rewards.pool import RewardPool  # pylint: disable=import-outside-toplevel
+  cfg = configs.load("configs/tiny.py", _SMALL + ["model.max_seq_len=32", "data.seq_len=32",
+      "data.tasks=reverse:1.0,sort:1.0", "data.difficulty=2", "data.level_curriculum=all",
+      "data.level_curriculum_window=8", "rl.retry_unsolved=1", "rl.replay_groups=4", "rl.dynamic_sampling=true",
+      "rl.max_resample_rounds=1", "rl.rft_every=2", "rl.rft_steps=2", "rl.temperature=1.0", "model.init_std=0.3"])
+  run, prompts = loop.setup(cfg)
+  run.pool.close()
+  run.pool = RewardPool(lambda completion, example: float(len(completion) % 2 == 0))
+  records = loop.train_steps(run, prompts, num_steps=2, hooks=tuple(bootstrap_hooks(run)))
+  run.close()
+  bank = run.bootstrap.rft.rows()
+  assert bank and all(len(row["answer"]) % 2 == 0 for row in bank)
+  assert "rft_loss" not in records[0] and np.isfinite(records[1]["rft_loss"])
+  assert records[1]["rft_bank"] == len(bank) and "curriculum/level/sort" in records[1]
+  assert "retried_prompts" in records[1] and "replay_stored" in records[1]
