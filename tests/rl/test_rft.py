@@ -180,6 +180,7 @@ def test_tiny_hard_works_unchanged_on_a_users_rows(tmp_path):
   assert bootstrap.rft.held_out("rev klmno=") and not bootstrap.rft.held_out("rev abcde=")
 
 
+@pytest.mark.slow  # ~80 s on a busy 2-core machine; fast companion: test_rft_round_fine_tunes_the_policy_...
 def test_rft_composes_with_the_curriculum_retries_and_replay_through_rl_steps(devices):
   """Two RL steps with every bootstrapping option on and a reward that pays responses of even length:
   the bank fills from the steps' own rollouts with accepted responses only, and step 2's record
