@@ -148,11 +148,11 @@ def check_bootstrap(cfg) -> None:
   if cfg.rl.replay_groups:
     check_replay_memory(cfg)
   at_least(cfg, "rl.rft_every", 0, " (0 = off)")
+  at_least(cfg, "rl.rft_steps", 1)
+  at_least(cfg, "rl.rft_bank", 1)
+  if not (math.isfinite(cfg.rl.rft_learning_rate) and cfg.rl.rft_learning_rate > 0):
+    raise ValueError(f"rl.rft_learning_rate={cfg.rl.rft_learning_rate} must be a positive number.")
   if cfg.rl.rft_every:
-    at_least(cfg, "rl.rft_steps", 1)
-    at_least(cfg, "rl.rft_bank", 1)
-    if not (math.isfinite(cfg.rl.rft_learning_rate) and cfg.rl.rft_learning_rate > 0):
-      raise ValueError(f"rl.rft_learning_rate={cfg.rl.rft_learning_rate} must be a positive number.")
     if cfg.data.seq_len > cfg.model.max_seq_len:
       raise ValueError(f"data.seq_len={cfg.data.seq_len} (the rows of rl.rft_every's SFT rounds) is longer than "
                        f"model.max_seq_len={cfg.model.max_seq_len}.")
