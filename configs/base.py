@@ -176,6 +176,10 @@ def get_config(arg=None):
   config.rl.retry_unsolved = 0  # Prompts with no success in their group are sampled again (a new group) up to this many times (0 = off); the batch keeps its shape.
   config.rl.retry_share = 0.5  # Most share of a rollout round's prompts that are such retries, in (0, 1].
   config.rl.replay_groups = 0  # Groups with a verified success kept (host memory) and replayed, with their behaviour log-probs, in places dynamic sampling leaves empty (0 = off).
+  config.rl.rft_every = 0  # Rejection-sampling fine-tuning: after every this many RL steps, SFT steps on the run's own verified successes (0 = off).
+  config.rl.rft_steps = 4  # Rejection-sampling fine-tuning: SFT steps per round (rl.sft_batch_size rows of data.seq_len).
+  config.rl.rft_bank = 256  # Rejection-sampling fine-tuning: distinct (prompt, verified response) pairs kept, the newest.
+  config.rl.rft_learning_rate = 3e-4  # Rejection-sampling fine-tuning: peak learning rate (a fresh optimizer state per round).
   config.rl.overlong_buffer = 0  # Overlong shaping: penalty ramps over the last N tokens (0 = off).
   config.rl.overlong_penalty = 1.0  # Overlong shaping: penalty at the budget.
   config.rl.rewards = "answer:1.0"  # Reward functions and weights: "name:weight,..." (rl/rewards).
@@ -195,6 +199,7 @@ def get_config(arg=None):
   config.rl.sft_steps = 200  # Supervised warm-start steps before RL (0 = none).
   config.rl.sft_learning_rate = 1e-3  # Warm-start learning rate.
   config.rl.sft_batch_size = 16  # Warm-start sequences per step.
+  config.rl.sft_difficulty = ""  # Warm-start levels of the generated domains: "1", or a mix "1:0.95,2:0.05" ("" = the RL's own: data.difficulty or each data.domains row's); RL and held-out evaluation keep theirs.
   config.rl.multi_turn = False  # Multi-turn tool episodes (rl/step/episodes.py): turn, env step, observation into the KV cache; rl.max_new_tokens is the episode's budget after the prompt.
   config.rl.max_turns = 4  # Multi-turn: policy turns per episode (an example's own max_turns may be lower).
   config.rl.max_turn_tokens = 32  # Multi-turn: tokens of one policy turn.

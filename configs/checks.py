@@ -163,6 +163,17 @@ def check_bootstrap(cfg) -> None:
   at_least(cfg, "rl.replay_groups", 0, " (0 = off)")
   if cfg.rl.replay_groups:
     check_replay_memory(cfg)
+  at_least(cfg, "rl.rft_every", 0, " (0 = off)")
+  at_least(cfg, "rl.rft_steps", 1)
+  at_least(cfg, "rl.rft_bank", 1)
+  if not (math.isfinite(cfg.rl.rft_learning_rate) and cfg.rl.rft_learning_rate > 0):
+    raise ValueError(f"rl.rft_learning_rate={cfg.rl.rft_learning_rate} must be a positive number.")
+  if cfg.rl.rft_every:
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+      raise ValueError(f"data.seq_len={cfg.data.seq_len} (the rows of rl.rft_every's SFT rounds) is longer than "
+                       f"model.max_seq_len={cfg.model.max_seq_len}.")
+  from meshrl.rl.envs import levels  # pylint: disable=import-outside-toplevel  (no jax)
+  levels.check_warm_start(cfg)
   data = cfg.data
   if not str(data.level_curriculum).strip():
     return
@@ -177,7 +188,6 @@ def check_bootstrap(cfg) -> None:
   if data.level_curriculum_max and data.level_curriculum_max < data.level_curriculum_floor:
     raise ValueError(f"data.level_curriculum_max={data.level_curriculum_max} must be 0 or at least "
                      f"data.level_curriculum_floor={data.level_curriculum_floor}.")
-  from meshrl.rl.envs import levels  # pylint: disable=import-outside-toplevel  (no jax)
   available, start = levels.generated_domains(cfg)
   families = levels.governed_domains(data.level_curriculum, available, field="data.level_curriculum")
   levels.check_levels(families, floor=data.level_curriculum_floor, top=data.level_curriculum_max,

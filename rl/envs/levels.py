@@ -18,6 +18,10 @@ run is reproducible, and a resumed one continues exactly (`get_state` / `set_sta
 split the regenerated prompt is drawn again until it lies on the train side (`in_eval_split`): training
 never sees a held-out prompt at any level.
 
+The warm start can train at another level than RL and evaluation (rl.sft_difficulty): `warm_start_source`
+wraps the run's training source so its generated domains' examples are regenerated at that level
+(`AtLevel`, random access, on the train side of the held-out split); file rows pass unchanged.
+
 Pure Python and numpy: no jax.
 """
 
@@ -32,6 +36,7 @@ from meshrl.rl.envs.registry import load_domains
 from meshrl.rl.rewards.compose import parse_weights
 
 _STREAM = 33  # folded into the relevel generator's seed, apart from the mixture's own draws
+_WARM_STREAM = 34  # the same for the warm start's examples (AtLevel)
 
 
 def generated_domains(cfg) -> tuple[dict[str, str], dict[str, int]]:
@@ -47,10 +52,9 @@ def generated_domains(cfg) -> tuple[dict[str, str], dict[str, int]]:
 
 def governed_domains(names: str, available: Mapping[str, str], *, field: str) -> dict[str, str]:
   """{domain: generator family} of the comma-separated `names` ("all": every one of `available`,
-  the run's generated domains {name: family}); an unknown name is a ValueError naming `field`."""
+  the run's generated domains {name: family}, none when it has none: a preset's "all" works unchanged
+  on file rows); an unknown name is a ValueError naming `field`."""
   if names.strip() == "all":
-    if not available:
-      raise ValueError(f"{field}='all': this run has no generated domain (data.tasks / data.domains).")
     return dict(available)
   chosen = {}
   for name in (n.strip() for n in names.split(",")):
@@ -189,3 +193,81 @@ class LevelCurriculum:
     self.counts = {k: [int(a), int(b)] for k, (a, b) in state["counts"].items()}
     self.window_counts = {k: [int(a), int(b)] for k, (a, b) in state["window"].items()}
     self.relevelled, self.moves = int(state["relevelled"]), int(state["moves"])
+
+
+class AtLevel:
+  """Random access over `source` (source[i] for i >= 0) with the examples of its generated domains
+  regenerated at `levels`: example i is source[i]'s domain (the mixture's weights and quotas kept) at
+  a level drawn by the levels' weights, by a generator seeded by (seed, i), drawn again until it lies
+  on the train side of `eval_fraction` (> 0: the hash split's held-out side is never trained on).
+  Other examples (file rows, ungoverned families) are source[i] as it is.
+
+  Args:
+    source: the run's training source (TaskMixture / DomainMixture: rl/step/driver.train_source).
+    families: {domain name: generator family} to regenerate (`generated_domains`).
+    levels: a level, or [(level, weight)], each within every family's 1..levels (`warm_levels`).
+  """
+
+  def __init__(self, source, families: Mapping[str, str], levels, *, seed: int = 0, eval_fraction: float = 0.0):
+    levels = [(int(levels), 1.0)] if isinstance(levels, (int, np.integer)) else [(int(l), float(w)) for l, w in levels]
+    self.source, self.families = source, dict(families)
+    self.levels = np.array([level for level, _ in levels])
+    weights = np.array([weight for _, weight in levels], np.float64)
+    self.probs = weights / weights.sum()
+    self.seed, self.eval_fraction = int(seed), float(eval_fraction)
+
+  def __getitem__(self, index: int) -> dict:
+    example = self.source[index]
+    name = example.get("domain")
+    if name not in self.families:
+      return example
+    family = DOMAINS[self.families[name]]
+    rng = np.random.default_rng([self.seed, _WARM_STREAM, int(index)])
+    level = int(self.levels[rng.choice(len(self.levels), p=self.probs)]) if len(self.levels) > 1 else int(self.levels[0])
+    for _ in range(1000):
+      generated = family.generate(rng, level)
+      if not self.eval_fraction or not in_eval_split(generated["prompt"], self.eval_fraction):
+        return {**example, **generated, "difficulty": level}
+    raise ValueError(f"no train-side prompt of domain {name!r} at level {level} in 1000 draws: the "
+                     f"train side of data.eval_fraction={self.eval_fraction} is (nearly) empty there.")
+
+
+def warm_levels(cfg) -> list[tuple[int, float]]:
+  """rl.sft_difficulty parsed: [] for "" (the warm start trains at the RL's own levels), else
+  [(level, weight)] from "2" or "1:0.95,2:0.05"; ValueError naming the field unless every level is one
+  of every generated domain of the run and the weights are positive (a run of file rows alone has
+  none: the setting leaves its rows as they are)."""
+  spec = str(cfg.rl.sft_difficulty).strip()
+  if not spec or spec == "0":
+    return []
+  field = "rl.sft_difficulty"
+  parsed = []
+  for name, weight in parse_weights(spec, field=field):
+    if not name.isdigit() or int(name) < 1:
+      raise ValueError(f"{field}={spec!r}: {name!r} is not a level (1, 2, ...); write '2' or '1:0.95,2:0.05'.")
+    if not weight > 0:
+      raise ValueError(f"{field}={spec!r}: the weight {weight} of level {name} must be positive.")
+    parsed.append((int(name), weight))
+  families, _ = generated_domains(cfg)  # none (file rows only): nothing to regenerate
+  for level, _ in parsed:
+    for name, family in families.items():
+      if level > DOMAINS[family].levels:
+        raise ValueError(f"{field}={spec!r}: domain {name!r} ({family}) has levels 1..{DOMAINS[family].levels}.")
+  return parsed
+
+
+def check_warm_start(cfg) -> None:
+  """rl.sft_difficulty (`warm_levels`); ValueError naming the field."""
+  warm_levels(cfg)
+
+
+def warm_start_source(cfg, source):
+  """The warm start's (rl.sft_steps) examples: `source`, the run's training source, with its
+  generated domains at rl.sft_difficulty's levels (`AtLevel`); `source` itself when that is empty."""
+  levels = warm_levels(cfg)
+  families, _ = generated_domains(cfg)
+  if not levels or not families:
+    return source
+  held_out_by_split = cfg.data.eval_fraction > 0 and not cfg.eval.jsonl  # as driver.train_source
+  return AtLevel(source, families, levels, seed=cfg.seed,
+                 eval_fraction=cfg.data.eval_fraction if held_out_by_split else 0.0)

@@ -24,9 +24,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from meshrl.configs import save_config
+from meshrl.rl.step.bootstrap import bootstrap_hooks
 from meshrl.rl.step.groups import shared_prompts
 from meshrl.rl.envs import TaskMixture
 from meshrl.rl.envs.env_work import EnvWork, mixture_options, run_quarantine
+from meshrl.rl.envs.levels import warm_start_source
 from meshrl.rl.envs.quality import Quarantine
 from meshrl.rl.envs.registry import DomainMixture
 from meshrl.rl.step.evaluation import Evaluator, held_out_examples
@@ -457,9 +459,10 @@ def _train(cfg, workdir: str, ready: _Prepared, checkpointer: Checkpointer | Non
   multi_turn, primary = wants_multi_turn(cfg), hosts.is_primary()
   if cfg.rl.sft_steps:
     from meshrl.train.sft import run_sft  # pylint: disable=import-outside-toplevel
+    sft_source = warm_start_source(cfg, source)  # its generated domains at rl.sft_difficulty
     try:
       warm = run_sft(cfg, os.path.join(workdir, "sft"), mesh=mesh, model=model,
-                     source=Demonstrations(source) if multi_turn else source,
+                     source=Demonstrations(sft_source) if multi_turn else sft_source,
                      tokenizer=tokenizer, preemption=preemption)
     except BaseException:
       if checkpointer is not None:
@@ -472,7 +475,7 @@ def _train(cfg, workdir: str, ready: _Prepared, checkpointer: Checkpointer | Non
     model = warm.model
   rl_run = build_run(cfg, mesh, model, tokenizer, env_work=env_work_for(cfg, source), spec=ready.spec)
   prompts = prompt_stream(source, per_step=cfg.rl.prompts_per_step, shared=shared_prompts(cfg))
-  hooks, start_step, restored = [], 0, None
+  hooks, start_step, restored = bootstrap_hooks(rl_run), 0, None  # issue 33's RFT rounds, before evaluation
   evaluator = None
   try:
     if checkpointer is not None and checkpointer.latest_step() is not None and cfg.checkpoint.restore:

@@ -97,7 +97,8 @@ def generation_spec(cfg, *, stop_ids, pad_id: int, stop_sequences=(), group_size
                         max_new_tokens=rl.max_new_tokens, scheduler=scheduler, slots=rl.decode_slots,
                         token_budget=budget,
                         weights=WeightsSpec(rl.generation_weights, rl.generation_layout), extension=extension,
-                        barrier=multi_turn and rl.engine == "static")
+                        barrier=multi_turn and rl.engine == "static", prefill_chunk=rl.prefill_chunk,
+                        kv_host_bytes=rl.kv_host_bytes)
 
 
 def episode_stops(tokenizer) -> tuple[tuple[int, ...], ...]:

@@ -1,0 +1,232 @@
+"""Learning benchmark: held-out accuracy against cumulative training FLOPs (a compute-to-capability curve),
+each named experiment the training job itself (scripts/rl.py) within a fixed CPU-time budget.
+
+Run:  JAX_PLATFORMS=cpu python scripts/bench_learning.py --json runs/bench_learning.json
+      (--experiments demo,hard; --budget_s 1200 CPU-seconds each; --keep_runs to keep the runs' folders)
+
+Experiments (issue 33):
+  demo  configs/tiny.py: the CPU demo (reversal of three letters from a warm start right ~40% of the time).
+  hard  configs/tiny_hard.py: reverse, copy and sort one level harder than the demo, from a warm start
+        under 5% held-out greedy there, with the bootstrapping options on (level curriculum, retries of
+        unsolved prompts, the replay of successes, rejection-sampling fine-tuning).
+
+Each runs as `python scripts/rl.py --config=... --workdir=<a fresh folder>` with rl.num_steps raised
+and eval.every set (--eval_every); when its CPU time (user + system, this machine's cores together)
+passes --budget_s it gets SIGTERM, finishes the step in flight, saves it and exits, as any
+preempted run does. The curve's points are the run's evaluations (eval.jsonl): step 0 (after the
+warm start) and every --eval_every RL steps; each point's x is the training FLOPs spent up to it:
+the warm start (model FLOPs per token x its trained tokens: train/metrics.model_flops_per_token),
+then each RL step's generation and update FLOPs (the compiled programs' cost, as the job records them:
+gen_flops_per_s x rollout_s + update_flops_per_s x update_s) and its rejection-sampling SFT rounds.
+Evaluation is not counted as training.
+
+Writes the JSON (per experiment: points [{step, train_flops, cpu_s, accuracy, per-domain accuracy}],
+the first and best accuracy, the CPU time and wall time used) and, when matplotlib is installed, a PNG
+beside it (PATH with .png). A run's folder is created under a fresh temporary folder that is removed
+at the end (unless --keep_runs); nothing else is written or deleted.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from meshrl.configs import cli
+
+EXPERIMENTS = {
+    "demo": ("configs/tiny.py", []),
+    "hard": ("configs/tiny_hard.py", []),
+}
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _flags(argv):
+  parser = cli.ArgumentParser(description=__doc__)
+  parser.add_argument("--json", required=True, help="where to write the results (and PATH.png)")
+  parser.add_argument("--experiments", default="demo,hard", help=f"comma-separated, of {sorted(EXPERIMENTS)}")
+  parser.add_argument("--budget_s", type=float, default=1200.0,
+                      help="CPU seconds (user + system, all cores) each experiment may use")
+  parser.add_argument("--eval_every", type=int, default=10, help="RL steps between held-out evaluations")
+  parser.add_argument("--max_steps", type=int, default=1000, help="rl.num_steps (the budget usually ends a run first)")
+  parser.add_argument("--keep_runs", default=None, help="keep the runs' folders under this new folder")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="a config override for every experiment (e.g. --set rl.rft_every=0)")
+  args = parser.parse_args(argv)
+  names = [n.strip() for n in args.experiments.split(",") if n.strip()]
+  unknown = [n for n in names if n not in EXPERIMENTS]
+  if unknown or not names:
+    parser.error(f"--experiments={args.experiments!r}: choose from {sorted(EXPERIMENTS)}.")
+  if not args.budget_s > 0:
+    parser.error(f"--budget_s={args.budget_s} must be positive.")
+  if args.eval_every < 1 or args.max_steps < 1:
+    parser.error(f"--eval_every={args.eval_every} and --max_steps={args.max_steps} must be at least 1.")
+  if args.keep_runs and os.path.exists(args.keep_runs):
+    parser.error(f"--keep_runs={args.keep_runs!r} exists: name a new folder (nothing is overwritten).")
+  for item in args.set:
+    if "=" not in item:
+      parser.error(f"--set {item!r}: write KEY=VALUE, e.g. rl.rft_every=0.")
+  from meshrl import configs  # pylint: disable=import-outside-toplevel
+  for name in names:  # a misspelt --set key is refused here, before any run
+    path, overrides = EXPERIMENTS[name]
+    try:
+      configs.load(os.path.join(_ROOT, path), overrides + args.set)
+    except ValueError as error:
+      parser.error(f"--set / experiment {name!r}: {error}")
+  json_dir = os.path.dirname(os.path.abspath(args.json))
+  if not os.path.isdir(json_dir):
+    parser.error(f"--json={args.json!r}: its folder {json_dir} does not exist.")
+  return args, names
+
+
+def cpu_seconds(pid: int) -> float:
+  """User + system CPU seconds of process `pid` (every thread) and its waited-for children (/proc)."""
+  with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+    fields = f.read().rsplit(")", 1)[1].split()
+  return sum(int(v) for v in fields[11:15]) / _TICKS  # utime, stime, cutime, cstime
+
+
+def run_experiment(name: str, workdir: str, args) -> dict:
+  """The training job of experiment `name` in `workdir` under the CPU budget -> its raw outcome."""
+  config, overrides = EXPERIMENTS[name]
+  command = [sys.executable, os.path.join(_ROOT, "scripts", "rl.py"), f"--config={os.path.join(_ROOT, config)}",
+             f"--workdir={workdir}", f"--config.rl.num_steps={args.max_steps}",
+             f"--config.eval.every={args.eval_every}", "--config.log.progress_bar=false",
+             "--config.checkpoint.every=100000", "--config.log.plot=false"]
+  command += [f"--config.{item}" for item in overrides + args.set]
+  start, used, stopped = time.perf_counter(), 0.0, False
+  with open(os.path.join(workdir + ".log"), "w", encoding="utf-8") as log:
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=_ROOT)
+    while process.poll() is None:
+      try:
+        used = cpu_seconds(process.pid)
+      except (FileNotFoundError, ProcessLookupError):
+        break
+      if used > args.budget_s and not stopped:
+        process.send_signal(signal.SIGTERM)  # the job saves the step in flight and exits 0
+        stopped = True
+      time.sleep(0.5)
+    process.wait()
+  wall = time.perf_counter() - start
+  with open(workdir + ".log", encoding="utf-8") as f:
+    tail = f.read()[-2000:]
+  if process.returncode:
+    raise RuntimeError(f"experiment {name!r} exited {process.returncode}: {tail}")
+  return {"wall_s": wall, "cpu_s": used, "stopped_by_budget": stopped, "log_tail": tail}
+
+
+def _jsonl(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def warm_start_flops(workdir: str):
+  """(the warm start's training FLOPs, model FLOPs per trained token, the run's config): model FLOPs
+  per token (forward + backward, train/metrics.model_flops_per_token) x the tokens it trained on."""
+  # pylint: disable=import-outside-toplevel
+  from ml_collections import ConfigDict
+  from meshrl.model.transformer import ModelConfig
+  from meshrl.train.metrics import model_flops_per_token
+  # pylint: enable=import-outside-toplevel
+  with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+    cfg = ConfigDict(json.load(f))
+  per_token = model_flops_per_token(ModelConfig.from_config(cfg), seq_len=cfg.data.seq_len)
+  return per_token * cfg.rl.sft_steps * cfg.rl.sft_batch_size * cfg.data.seq_len, per_token, cfg
+
+
+def curve(workdir: str) -> tuple[list[dict], dict]:
+  """The evaluations of the run in `workdir` with the training FLOPs spent up to each."""
+  warm, per_token, cfg = warm_start_flops(workdir)
+  steps = _jsonl(os.path.join(workdir, "metrics.jsonl"))
+  rft_flops = per_token * cfg.rl.get("rft_steps", 0) * cfg.rl.sft_batch_size * cfg.data.seq_len
+  spent, by_step = warm, {0: warm}
+  for record in steps:
+    spent += (record.get("gen_flops_per_s", 0.0) * record.get("rollout_s", 0.0)
+              + record.get("update_flops_per_s", 0.0) * record.get("update_s", 0.0))
+    spent += rft_flops if "rft_loss" in record else 0.0
+    by_step[record["step"]] = spent
+  points = []
+  for row in _jsonl(os.path.join(workdir, "eval.jsonl")):
+    if row["step"] not in by_step:
+      continue
+    points.append({"step": row["step"], "train_flops": by_step[row["step"]], "accuracy": row["eval/accuracy"],
+                   **{k.split("/", 2)[2]: v for k, v in row.items() if k.startswith("eval/accuracy/")}})
+  summary = {"rl_steps": len(steps), "warm_start_flops": warm,
+             "solved_frac_first10": _mean(r.get("solved_frac") for r in steps[:10]),
+             "solved_frac_last10": _mean(r.get("solved_frac") for r in steps[-10:])}
+  return points, summary
+
+
+def _mean(values) -> float | None:
+  values = [v for v in values if v is not None]
+  return sum(values) / len(values) if values else None
+
+
+def plot(results: dict, path: str) -> bool:
+  """Accuracy against training FLOPs, one line per experiment; False when matplotlib is missing."""
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return False
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for name, result in results.items():
+    points = result["points"]
+    ax.plot([p["train_flops"] for p in points], [100 * p["accuracy"] for p in points], marker="o", label=name)
+  ax.set_xlabel("cumulative training FLOPs (warm start + RL)")
+  ax.set_ylabel("held-out greedy accuracy (%)")
+  ax.set_xscale("log")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True
+
+
+def main(argv) -> int:
+  args, names = _flags(argv)
+  base = args.keep_runs or tempfile.mkdtemp(prefix="bench_learning_")
+  os.makedirs(base, exist_ok=bool(not args.keep_runs))
+  results = {}
+  try:
+    for name in names:
+      workdir = os.path.join(base, name)
+      outcome = run_experiment(name, workdir, args)
+      points, summary = curve(workdir)
+      if summary["rl_steps"] == 0:
+        raise RuntimeError(f"--budget_s={args.budget_s}: experiment {name!r} ended before its first RL step "
+                           f"(the warm start and compilation used it all); give a larger budget.")
+      results[name] = {"config": EXPERIMENTS[name][0], "points": points, **summary,
+                       "first_accuracy": points[0]["accuracy"] if points else None,
+                       "best_accuracy": max((p["accuracy"] for p in points), default=None),
+                       "last_accuracy": points[-1]["accuracy"] if points else None,
+                       **{k: v for k, v in outcome.items() if k != "log_tail"}}
+  finally:
+    if not args.keep_runs:
+      shutil.rmtree(base, ignore_errors=True)
+  report = {"budget_cpu_s": args.budget_s, "eval_every": args.eval_every, "overrides": args.set,
+            "experiments": results}
+  with open(args.json, "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=1)
+  png = os.path.splitext(args.json)[0] + ".png"
+  drew = plot(results, png)
+  print(f"{'experiment':<10} {'steps':>6} {'cpu_s':>7} {'wall_s':>7} {'first':>7} {'best':>7} {'last':>7} "
+        f"{'train FLOPs':>12}")
+  for name, r in results.items():
+    flops = r["points"][-1]["train_flops"] if r["points"] else 0.0
+    print(f"{name:<10} {r['rl_steps']:>6} {r['cpu_s']:>7.0f} {r['wall_s']:>7.0f} {r['first_accuracy']:>7.3f} "
+          f"{r['best_accuracy']:>7.3f} {r['last_accuracy']:>7.3f} {flops:>12.3g}")
+  print(f"wrote {args.json}" + (f" and {png}" if drew else " (no matplotlib: no PNG)"))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
