@@ -226,6 +226,7 @@ class PhaseCost:
 
   def __init__(self, run: RLRun, peak: float | None):
     self.peak, self.cfg = peak, run.cfg
+    self.update_shape = (run.run_spec.update_rows, run.run_spec.update_row_len)  # [rows, row_len]
     self.devices = run.mesh.size if run.mesh is not None else 1  # the programs are per device
     self._rollout, self._update = run.rollout, run.update
     self._rollout_args = self._update_args = None
@@ -266,7 +267,7 @@ class PhaseCost:
         print(f"phase FLOPs not counted: {self.error[:200]}")
         return {}
     gen = self.devices * sum(self.rollout_flops.at(n) for n in steps)
-    rows, row_len = run.run_spec.update_rows, run.run_spec.update_row_len
+    rows, row_len = self.update_shape
     slots = rows * row_len * self.cfg.rl.epochs
     rollout_s, update_s = max(metrics["rollout_s"], 1e-9), max(metrics["update_s"], 1e-9)
     out = {"gen_flops_per_s": gen / rollout_s, "gen_tokens_per_s": metrics["generated_tokens"] / rollout_s,

@@ -66,7 +66,6 @@ from meshrl.train.state import TrainState, create_train_state
 class RLRun:
   """Everything a step needs; built once by `build_run`."""
   cfg: Any
-  run_spec: RunSpec  # the config read and checked (rl/step/run_spec.py)
   mesh: Any
   graphdef: Any
   state: TrainState
@@ -90,6 +89,7 @@ class RLRun:
   episode_thread: Any = None  # asynchronous multi-turn RL: the executor running episodes beside the update
   bootstrap: Any = None  # rl/step/bootstrap.Bootstrap (issue 33: level curriculum, retries of unsolved prompts)
   replay: Any = None  # rl/step/replay.SuccessReplay (issue 33: verified successes replayed), rl.replay_groups > 0
+  run_spec: RunSpec | None = None  # the config read and checked (rl/step/run_spec.py); build_run sets it
 
   def close(self) -> None:
     self.pool.close()

@@ -61,7 +61,7 @@ def unpipelined():
 
 
 @pytest.mark.parametrize("stages,microbatches,mesh", [
-    (2, 2, "fsdp=4"), (2, 4, "fsdp=2,expert=2"), (4, 4, "fsdp=2"),
+    pytest.param(2, 2, "fsdp=4", marks=pytest.mark.slow), (2, 4, "fsdp=2,expert=2"), (4, 4, "fsdp=2"),
     pytest.param(2, 1, "fsdp=4", marks=pytest.mark.slow), pytest.param(4, 8, "fsdp=2", marks=pytest.mark.slow),
     pytest.param(2, 2, "sequence=2,fsdp=2,ring", marks=pytest.mark.slow)])
 def test_pipelined_loss_and_grads_equal_unpipelined(devices, unpipelined, stages, microbatches, mesh):

@@ -104,7 +104,8 @@ def _numeric_fields(config, prefix=""):
 
 # Fields where -1 is a meaning, not an error, and where it is only read in another mode (checked in
 # that mode by the sweep's variants below).
-NEGATIVE_IS_VALID = {"mesh.data", "mesh.fsdp", "mesh.expert", "mesh.sequence", "mesh.tensor"}
+NEGATIVE_IS_VALID = {"mesh.data", "mesh.fsdp", "mesh.expert", "mesh.sequence", "mesh.tensor",
+                     "rm.warmup_steps"}  # -1: optim.warmup_steps (checks.check_rm refuses -2)
 VARIANTS = {  # a field read only in some mode is swept in that mode
     "model.q_lora_rank": ["model.attention_type=mla"], "model.kv_lora_rank": ["model.attention_type=mla"],
     "model.qk_nope_head_dim": ["model.attention_type=mla"],

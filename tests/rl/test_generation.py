@@ -90,7 +90,10 @@ CASES = {  # scheduler x proposer, as a run configures them
 }
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.7])
+# T > 0 (the proposers' rejection sampling kept to the target distribution) runs with the slow tests: the
+# greedy case drives every scheduler x proposer through the same code, and the T > 0 draws are checked by
+# test_partial_rollouts_with_unchanged_params_give_the_static_samples and the server's speculative tests.
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(0.7, marks=pytest.mark.slow)])
 def test_every_scheduler_and_proposer_gives_the_same_samples(temperature):
   """4 prompts x G=3 with stop tokens and per-sample length limits, a MoE policy: every scheduler
   (static, continuous on 5 slots: 7 refills) x proposer (none, n-gram, a random draft) gives the

@@ -220,7 +220,7 @@ def test_phase_cost_divides_the_compiled_programs_flops_by_each_phase_time():
 
   cfg = configs.load("configs/tiny.py", ["rl.epochs=2"])
   import types  # pylint: disable=import-outside-toplevel
-  run = types.SimpleNamespace(cfg=cfg, mesh=None, rollout=rollout, update=update)
+  run = types.SimpleNamespace(cfg=cfg, mesh=None, rollout=rollout, update=update, run_spec=loop.build_spec(cfg))
   cost = loop.PhaseCost(run, peak=1e9)
   w = jnp.ones((n, n))
   run.rollout(w, jnp.array([2, 5]))  # longest response 5

@@ -4,6 +4,7 @@ a whole RL step (rollout, scoring, update)."""
 
 import jax
 import numpy as np
+import pytest
 
 from meshrl import configs
 from meshrl.model.init import build_model
@@ -30,6 +31,7 @@ def _run(*extra):
   return build_run(cfg, mesh, build_model(ModelConfig.from_config(cfg, mesh), mesh, seed=0), TOK)
 
 
+@pytest.mark.slow  # 65 s; by default tests/model/test_pipeline.py checks the pipelined loss and gradients
 def test_update_and_logprobs_through_the_pipeline_equal_unpipelined(devices):
   """stage=2 x fsdp=4, 2 microbatches, KL to a reference, routing replay, SGD: the log-probs of the
   reference/proximal forward, the update's loss and metrics and the parameters after one step equal

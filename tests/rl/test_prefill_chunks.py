@@ -94,7 +94,7 @@ def test_chunked_prefill_equals_one_pass_prefill(kv, devices):
 
 
 @pytest.mark.parametrize("kv, runs", [("model", (("continuous", 3, 3),)), ("model", (("static", 0, 4),)),
-                                      ("int8", (("continuous", 3, 3),))])
+                                      pytest.param("int8", (("continuous", 3, 3),), marks=pytest.mark.slow)])
 def test_chunked_prefill_gives_the_one_pass_samples(kv, runs, devices):
   """Greedy rollouts of 4 prompts x 2 samples with chunked prefill equal the one-pass static rollout
   token for token (and its log-probs and prompt routes): static (chunks back to back, 4 tokens) and

@@ -93,9 +93,11 @@ def _lines(path):
 
 @pytest.mark.usefixtures("compile_cache")
 @pytest.mark.parametrize("carried", [
-    # The async run checks all the sync one does and more: the plain resume runs with the slow tests.
+    # async_partial checks all the others do and more (rollouts in flight, partial pools): they run with the
+    # slow tests.
     pytest.param([], marks=pytest.mark.slow),
-    ["rl.max_staleness=1", "rl.tis_level=token"],  # rollouts in flight are saved and restored
+    # rollouts in flight saved and restored: async_partial below does it too, with partial harvests
+    pytest.param(["rl.max_staleness=1", "rl.tis_level=token"], marks=pytest.mark.slow),
     pytest.param(["rl.engine=continuous", "rl.rollout_token_budget=48", "rl.max_resample_rounds=0"],
                  marks=pytest.mark.slow),  # partial rollouts (tests/rl/test_engine.py by default)
     # both: the next step's partial rollout dispatched ahead, its harvest saved with the carried pool

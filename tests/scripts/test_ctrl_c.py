@@ -66,6 +66,7 @@ def _assert_same_run(reference, resumed, metrics_name, checkpoints):
     np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
+@pytest.mark.slow  # 40 s; the RL Ctrl-C test covers the signal path, tests/train/test_sft.py the SFT resume
 def test_ctrl_c_to_sft_saves_the_step_and_the_rerun_resumes_exactly(tmp_path):
   steps = ["rl.sft_steps=60"]
   env = _env(tmp_path / "xla_cache")
