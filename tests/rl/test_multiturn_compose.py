@@ -104,8 +104,11 @@ def test_generation_options_reach_episodes():
 
 
 @pytest.mark.parametrize("extra,check", [
-    (["rl.max_staleness=1", "rl.tis_level=token"], "async"),
-    (["rl.engine=continuous", "rl.decode_slots=8", "rl.rollout_token_budget=96"], "partial"),
+    # async and partial alone run with the slow tests (74 s together): async_partial below turns both on
+    # and asserts each one's effect (a step in flight after every step; groups carried, staleness >= 1).
+    pytest.param(["rl.max_staleness=1", "rl.tis_level=token"], "async", marks=pytest.mark.slow),
+    pytest.param(["rl.engine=continuous", "rl.decode_slots=8", "rl.rollout_token_budget=96"], "partial",
+                 marks=pytest.mark.slow),
     (["rl.pack_updates=true"], "packed"),
     (["rl.max_staleness=1", "rl.tis_level=token", "rl.engine=continuous", "rl.decode_slots=8",
       "rl.rollout_token_budget=96"], "async_partial"),
