@@ -164,3 +164,13 @@ def test_the_run_is_built_from_the_checked_spec():
     assert run.rollout.spec.step.sampler.temperature == 0.5
   finally:
     run.close()
+
+
+def test_generation_options_of_the_config_reach_the_run_spec():
+  """rl.prefill_chunk and rl.kv_host_bytes (issue 34) are read into the run's generation spec, which
+  every generator of the run is built from (they were once set only by tests on the spec itself)."""
+  cfg = configs.load("configs/tiny.py", ["rl.prefill_chunk=4", "rl.kv_host_bytes=1048576"])
+  spec = loop.check_config(cfg)
+  assert (spec.generation.prefill_chunk, spec.generation.kv_host_bytes) == (4, 1048576)
+  with pytest.raises(ValueError, match="rl.prefill_chunk=-2"):
+    loop.check_config(configs.load("configs/tiny.py", ["rl.prefill_chunk=-2"]))
