@@ -14,7 +14,6 @@ Claims and the bugs they catch:
 - a bad RL setting is refused before the reward model trains (found only after minutes of training).
 """
 
-import hashlib
 import json
 import os
 
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from support import folder_digests
 from meshrl import configs
 from meshrl.configs import cli
 from meshrl.rl.rewards.rm_first import ensure_reward_model, folder_state
@@ -38,15 +38,6 @@ SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model
 
 def _cfg(rm_dir, *extra):
   return configs.load("configs/tiny_rm.py", SMALL + [f"rl.reward_model_checkpoint={rm_dir}", *extra])
-
-
-def _files(folder) -> dict:
-  out = {}
-  for root, _, names in os.walk(folder):
-    for name in names:
-      with open(os.path.join(root, name), "rb") as f:
-        out[os.path.join(root, name)] = hashlib.sha256(f.read()).hexdigest()
-  return out
 
 
 def _plant(folder, cfg, step, *, weights=False) -> str:
@@ -96,14 +87,14 @@ def test_the_run_trains_into_an_empty_folder_then_reuses_it(trained, tmp_path, c
   assert records[-1]["step"] == 3 and "eval/pairwise_accuracy" in records[-1]
   cfg = _cfg(trained)
   assert folder_state(trained, reward_model_config(cfg)) == "done"
-  before = _files(trained)
+  before = folder_digests(trained)
   assert ensure_reward_model(cfg, str(tmp_path / "run")) == "reused"
-  assert _files(trained) == before and not os.path.exists(tmp_path / "run")
+  assert folder_digests(trained) == before and not os.path.exists(tmp_path / "run")
   assert "reused" in capsys.readouterr().out
   # One more rm.* step is another reward model: refused, not retrained over the old one.
   with pytest.raises(ValueError, match=r"rm.steps=3 there, 4 here"):
     ensure_reward_model(_cfg(trained, "rm.steps=4"), str(tmp_path / "run"))
-  assert _files(trained) == before
+  assert folder_digests(trained) == before
 
 
 def test_train_rm_runs_the_same_job_into_the_folder_the_run_reads(tmp_path, monkeypatch):
@@ -135,14 +126,14 @@ def test_train_rm_runs_the_same_job_into_the_folder_the_run_reads(tmp_path, monk
 
 
 def test_a_reward_model_of_the_same_settings_is_reused_as_it_is(planted, tmp_path, capsys):
-  before = _files(planted)
+  before = folder_digests(planted)
   assert ensure_reward_model(_cfg(planted, "model.init_std=0.5"), str(tmp_path / "run")) == "reused"
-  assert _files(planted) == before and not os.path.exists(tmp_path / "run")
+  assert folder_digests(planted) == before and not os.path.exists(tmp_path / "run")
   assert "reused" in capsys.readouterr().out
   # One more rm.* step is another reward model: refused, not retrained over the old one.
   with pytest.raises(ValueError, match=r"rm.steps=3 there, 4 here"):
     ensure_reward_model(_cfg(planted, "model.init_std=0.5", "rm.steps=4"), str(tmp_path / "run"))
-  assert _files(planted) == before
+  assert folder_digests(planted) == before
 
 
 def test_the_training_reward_is_the_reward_models_score(planted, tmp_path):
@@ -171,12 +162,12 @@ def test_the_training_reward_is_the_reward_models_score(planted, tmp_path):
 
 
 def _refused(cfg, workdir, fragment, *watched):
-  before = [_files(w) for w in watched]
+  before = [folder_digests(w) for w in watched]
   with pytest.raises(ValueError) as error:
     ensure_reward_model(cfg, workdir)
   message = str(error.value)
   assert fragment in message and "\n" not in message, message
-  assert [_files(w) for w in watched] == before
+  assert [folder_digests(w) for w in watched] == before
   return message
 
 

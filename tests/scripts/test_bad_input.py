@@ -4,26 +4,17 @@ changes. The config values themselves are swept in tests/rl/test_config_checks.p
 checkpoints, full disks and signals in tests/train/test_checkpoint.py, tests/rl/test_run_inputs.py,
 tests/serve/test_server.py and tests/scripts/test_ctrl_c.py."""
 
-import hashlib
 import importlib.util
 import json
 import os
 
 import pytest
 
+from support import folder_digests
 from meshrl.configs import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = "--config=configs/tiny.py"
-
-
-def _files(folder) -> dict:
-  out = {}
-  for root, _, names in os.walk(folder):
-    for name in names:
-      with open(os.path.join(root, name), "rb") as f:
-        out[os.path.join(root, name)] = hashlib.sha256(f.read()).hexdigest()
-  return out
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +120,7 @@ def _script(name):
 def test_bad_input_is_one_line_and_writes_nothing(inputs, script, argv, fragment, capsys, monkeypatch):
   monkeypatch.chdir(REPO)
   argv = [a.format(**inputs) for a in argv]
-  before = _files(inputs["folder"])
+  before = folder_digests(inputs["folder"])
   main = _script(script).main
   try:
     status = cli.run(main, argv) if main.__code__.co_argcount else cli.run(lambda a: main(a), argv)
@@ -139,4 +130,4 @@ def test_bad_input_is_one_line_and_writes_nothing(inputs, script, argv, fragment
   assert status == 2, (status, err)
   assert len(err) == 1 and err[0].startswith("error: "), err
   assert fragment.format(**inputs) in err[0], err[0]
-  assert _files(inputs["folder"]) == before
+  assert folder_digests(inputs["folder"]) == before

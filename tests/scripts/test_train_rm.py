@@ -2,13 +2,13 @@
 short run from a preference file writes metrics with held-out accuracy and a checkpoint that loads
 as a policy's reward model and exports to transformers' sequence-classification layout."""
 
-import hashlib
 import importlib.util
 import json
 import os
 
 import pytest
 
+from support import folder_digests
 from meshrl import configs
 from meshrl.configs import cli
 
@@ -27,15 +27,6 @@ def _script_main(name):
 
 def _main():
   return _script_main("train_rm")
-
-
-def _files(folder) -> dict:
-  out = {}
-  for root, _, names in os.walk(folder):
-    for name in names:
-      with open(os.path.join(root, name), "rb") as f:
-        out[os.path.join(root, name)] = hashlib.sha256(f.read()).hexdigest()
-  return out
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +69,7 @@ CASES = [
 def test_bad_input_is_one_line_and_writes_nothing(inputs, argv, fragment, capsys, monkeypatch):
   monkeypatch.chdir(REPO)
   argv = [RM, f"--workdir={inputs['folder']}/run"] + [a.format(**inputs) for a in argv]
-  before = _files(inputs["folder"])
+  before = folder_digests(inputs["folder"])
   try:
     status = cli.run(_main(), argv)
   except SystemExit as exit_:
@@ -87,7 +78,7 @@ def test_bad_input_is_one_line_and_writes_nothing(inputs, argv, fragment, capsys
   assert status == 2, (status, err)
   assert len(err) == 1 and err[0].startswith("error: "), err
   assert fragment.format(**inputs) in err[0], err[0]
-  assert _files(inputs["folder"]) == before
+  assert folder_digests(inputs["folder"]) == before
 
 
 def test_a_short_run_writes_a_reward_model_that_loads_and_exports(inputs, tmp_path, monkeypatch, capsys):
