@@ -45,7 +45,7 @@ class RunSpec:
   model / rollout_model: the model numbers under the training and the generation rules (mesh-aware
   when built with a Mesh); generation: the rollout's scheduler, proposer, sampler and options with the
   tokenizer's stop ids; update_rows x update_row_len: one update batch ([rows, row_len], packed or a
-  row per sample); data_parallel: the size of the mesh's data*fsdp*expert axes (None without a mesh)."""
+  row per sample)."""
   cfg: Any
   model: ModelConfig
   rollout_model: ModelConfig
@@ -56,7 +56,6 @@ class RunSpec:
   multi_turn: bool
   update_rows: int
   update_row_len: int
-  data_parallel: int | None = None
 
   @property
   def batch_size(self) -> int:
@@ -87,28 +86,24 @@ def check_config(cfg, num_devices: int | None = None, *, mesh: Mesh | None = Non
   num_devices = mesh.size if mesh is not None else num_devices
   if num_devices is not None:
     _check_mesh(cfg, num_devices, rows, row_len)
-  return build_spec(cfg, mesh if mesh is not None else num_devices, tokenizer=tokenizer)
+  return build_spec(cfg, mesh, tokenizer=tokenizer)
 
 
-def build_spec(cfg, mesh: Mesh | int | None = None, *, tokenizer: Tokenizer | None = None) -> RunSpec:
-  """The run spec of `cfg` on `mesh` (a Mesh; a device count; None), its parts built (each builder
-  checks its own fields) without the run's cross-checks, which `check_config` adds. tokenizer:
-  default cfg.model.tokenizer's."""
-  model_mesh = mesh if isinstance(mesh, Mesh) else None
-  num_devices = mesh.size if isinstance(mesh, Mesh) else mesh
+def build_spec(cfg, mesh: Mesh | None = None, *, tokenizer: Tokenizer | None = None) -> RunSpec:
+  """The run spec of `cfg` on `mesh` (None: model numbers without a layout), its parts built (each
+  builder checks its own fields) without the run's cross-checks, which `check_config` adds.
+  tokenizer: default cfg.model.tokenizer's."""
   estimator = _estimator(cfg)
   tokenizer = tokenizer_from_config(cfg) if tokenizer is None else tokenizer
   multi_turn = wants_multi_turn(cfg)
   generation = generation_spec(cfg, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, multi_turn=multi_turn,
                                stop_sequences=episode_stops(tokenizer) if multi_turn else ())
   rows, row_len = update_shape(cfg)
-  return RunSpec(cfg=cfg, model=ModelConfig.from_config(cfg, model_mesh),
-                 rollout_model=rollout_model_config(cfg, model_mesh), estimator=estimator,
+  return RunSpec(cfg=cfg, model=ModelConfig.from_config(cfg, mesh),
+                 rollout_model=rollout_model_config(cfg, mesh), estimator=estimator,
                  loss=losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic),
                  generation=generation, tokenizer=tokenizer, multi_turn=multi_turn, update_rows=rows,
-                 update_row_len=row_len,
-                 data_parallel=None if num_devices is None else data_parallel_size(
-                     global_mesh_sizes(cfg.mesh, num_devices)))
+                 update_row_len=row_len)
 
 
 def _estimator(cfg):
@@ -195,9 +190,9 @@ def _check_data(cfg) -> None:
                      "to hold out evaluation prompts (or give eval.jsonl).")
 
 
-def _check_mesh(cfg, num_devices: int, rows: int, row_len: int) -> int:
+def _check_mesh(cfg, num_devices: int, rows: int, row_len: int) -> None:
   """The batches against the mesh's data-parallel axes, the pipeline's microbatches and the sequence
-  axis; -> the data-parallel size."""
+  axis."""
   rl = cfg.rl
   batch, total = rl.prompts_per_step * rl.group_size, rl.max_prompt_len + rl.max_new_tokens
   sizes = global_mesh_sizes(cfg.mesh, num_devices)  # stage and data span the slices
@@ -227,7 +222,6 @@ def _check_mesh(cfg, num_devices: int, rows: int, row_len: int) -> int:
       if length % multiple:
         raise ValueError(f"{field} = {length} is not divisible by {multiple} (mesh.sequence={sequence}"
                          f"{', x2 for attention.zigzag' if multiple != sequence else ''}).")
-  return shards
 
 
 def domain_specs(cfg):
