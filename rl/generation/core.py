@@ -440,12 +440,28 @@ def fill_chunk(models: Models, fill: PromptFill, chunk: int) -> PromptFill:
 def prefill_in_chunks(models: Models, prompts: jax.Array, prompt_mask: jax.Array, total: int, chunk: int):
   """`prefill_prompts` in chunks of `chunk` tokens back to back (rl.prefill_chunk; the static
   scheduler): the same cache columns, logits and routes as the one-pass prefill (up to float
-  rounding), with activations of P x chunk tokens at a time instead of P x Lp."""
+  rounding), with activations of P x chunk tokens at a time instead of P x Lp. The draft of `models`
+  (when it has one) is fed the same chunks. Returns (cache, draft cache or None, logits, routing)."""
   fill = fill_prompts(models, prompts, prompt_mask, total)
   steps = -(-prompts.shape[1] // chunk)
   fill = jax.lax.fori_loop(0, steps, lambda _, f: fill_chunk(models, f, chunk), fill)
-  cache = fill.slots.cache.replace(index=jnp.asarray(prompts.shape[1], jnp.int32))
-  return cache, fill.slots.logits, fill.routing
+  done = lambda c: None if c is None else c.replace(index=jnp.asarray(prompts.shape[1], jnp.int32))  # noqa: E731
+  return done(fill.slots.cache), done(fill.slots.draft_cache), fill.slots.logits, fill.routing
+
+
+def prefill_models(models: Models, prompts: jax.Array, prompt_mask: jax.Array, total: int, chunk: int = 0):
+  """`prefill_prompts` of the target and of the (speculative) draft, both chunked alike (chunk: as
+  there; one pass otherwise). Caches stacked, as `prefill_prompts` returns them -> (cache, draft
+  cache or None, logits [P, V], routing or None)."""
+  if 0 < chunk < prompts.shape[1]:
+    return prefill_in_chunks(Models(models.target, draft=models.draft), prompts, prompt_mask, total, chunk)
+  cache, logits, routing = prefill_prompts(models.target, prompts, prompt_mask, total)
+  draft_cache = None
+  if models.draft is not None:
+    positions, segments = prompt_layout(prompt_mask)
+    draft_cache = models.draft(prompts, positions=positions, segment_ids=segments,
+                               cache=models.draft.init_cache(prompts.shape[0], total)).cache
+  return cache, draft_cache, logits, routing
 
 
 def prefill_prompts(model, prompts: jax.Array, prompt_mask: jax.Array, total: int, chunk: int = 0):
@@ -469,7 +485,8 @@ def prefill_prompts(model, prompts: jax.Array, prompt_mask: jax.Array, total: in
   """
   num_prompts, prompt_len = prompts.shape
   if 0 < chunk < prompt_len:
-    return prefill_in_chunks(Models(model), prompts, prompt_mask, total, chunk)
+    cache, _, logits, routing = prefill_in_chunks(Models(model), prompts, prompt_mask, total, chunk)
+    return cache, logits, routing
   positions, segment_ids = prompt_layout(prompt_mask)
   mc = model.config
   if not uses_ring_prefill(mc):

@@ -91,15 +91,11 @@ class SlotEngine:
                          draft_cache=core.per_layer(models, slots.draft_cache))
 
   def _prefill(self, weights, prompts, prompt_mask):
-    """prompts [P, Lp] -> (cache rows, draft cache rows or None, logits [P, V], routing or None)."""
+    """prompts [P, Lp] -> (cache rows, draft cache rows or None, logits [P, V], routing or None); the
+    target and the draft prefilled in chunks of rl.prefill_chunk alike (core.prefill_models)."""
     models = self.models(weights)
-    cache, logits, routing = core.prefill_prompts(models.target, prompts, prompt_mask, self.cache_len,
-                                                  self.prefill_chunk)
-    draft_cache = None
-    if models.draft is not None:
-      positions, segments = core.prompt_layout(prompt_mask)
-      draft_cache = models.draft(prompts, positions=positions, segment_ids=segments,
-                                 cache=models.draft.init_cache(prompts.shape[0], self.cache_len)).cache
+    cache, draft_cache, logits, routing = core.prefill_models(models, prompts, prompt_mask, self.cache_len,
+                                                             self.prefill_chunk)
     as_rows = lambda c: None if c is None else core.per_layer(models, kvc.with_row_index(c))  # noqa: E731
     return as_rows(cache), as_rows(draft_cache), logits, routing
 

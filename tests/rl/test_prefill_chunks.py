@@ -5,22 +5,25 @@ decode between a long prompt's chunks, and a bad chunk names the field."""
 
 import dataclasses
 import functools
+from unittest import mock
 
 import jax
 import ml_collections
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from meshrl import configs
 from meshrl.configs import checks
+from meshrl.model import kv_cache as kvc
 from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
-from meshrl.model.transformer import ModelConfig
+from meshrl.model.transformer import ModelConfig, Transformer
 from meshrl.rl.generation import core
 from meshrl.rl.generation.generator import Generator
 from meshrl.rl.generation.sampling import sample_keys
-from meshrl.rl.step.spec import make_generator
+from meshrl.rl.step.spec import make_generator, rollout_model_config
 from meshrl.sharding import make_mesh
 from meshrl.sharding.rules import rules_from_config
 from meshrl.train.optim import make_optimizer
@@ -144,3 +147,80 @@ def test_a_bad_chunk_names_the_field(chunk):
   for good in (0, 7):
     checks.check_kv_memory(ml_collections.ConfigDict({"rl": {"prefill_chunk": good, "kv_host_bytes": 0}}))
     assert dataclasses.replace(spec, prefill_chunk=good).prefill_chunk == good
+
+
+DRAFT_MARK = 0.125  # the draft's init_std: tells its forwards from the target's (init only; same numbers)
+
+
+def _draft_setup():
+  """The SMALL MoE target with rl.speculative=draft (k=2), and as its draft the target itself under a
+  config marked DRAFT_MARK (its config, params): every proposal is the target's own draw, so a draft
+  cache that differs from the one-pass one shows in the accepted count."""
+  cfg, mesh, _, state = _setup("rl.speculative=draft", "rl.speculative_k=2")
+  draft_mc = dataclasses.replace(rollout_model_config(cfg, mesh), init_std=DRAFT_MARK)
+  return cfg, mesh, state, (draft_mc, state.params)
+
+
+def _slot_engine_run(cfg, mesh, state, draft, chunk, widths=None):
+  """The host-driven slot engine (episodes, rl/generation/host.py) with rl.prefill_chunk=chunk: its
+  prompt prefill rows, and the pool after 4 prompts x 2 samples decode greedily (speculating with the
+  draft) to the end. widths: a list the draft's forwards append their token width to while tracing."""
+  base = make_generator(cfg, mesh, stop_ids=TOK.stop_ids, pad_id=TOK.pad_id, draft=draft)
+  gen = Generator(dataclasses.replace(base.spec, prefill_chunk=chunk), base.mc, mesh=mesh,
+                  rules=rules_from_config(cfg.mesh), draft=draft)
+  engine = gen.slot_engine(num_slots=8)
+  params, draft_params = gen.weights(state.params)
+  weights = (params, state.extra, draft_params)
+  tokens, mask = _prompts()
+  if widths is not None:  # trace the prefill alone, recording what the draft is fed
+    draft_call = Transformer.__call__
+
+    def recording(self, tokens, *args, **kw):
+      if self.config.init_std == DRAFT_MARK:
+        widths.append(tokens.shape[1])
+      return draft_call(self, tokens, *args, **kw)
+    with mock.patch.object(Transformer, "__call__", recording):
+      jax.eval_shape(engine._prefill, weights, tokens, mask)  # pylint: disable=protected-access
+  rows = engine.prefill(weights, tokens, mask)
+  num = 8
+  pool = gen.new_pool(tokens, mask, sample_keys(jax.random.key(1), jnp.arange(num)))
+  slots = engine.empty(weights, num, rows[2].shape[-1])
+  ids = jnp.arange(num, dtype=jnp.int32)
+  slots, pool = engine.admit(weights, slots, pool, rows, ids, ids)
+  slots, pool, counters = engine.decode(weights, slots, pool, jnp.int32(0), steps=4 * NEW)
+  return rows, pool, counters
+
+
+def test_the_draft_is_prefilled_in_the_targets_chunks(devices):
+  """The slot engine (episodes) with a draft model: with rl.prefill_chunk 1 and 3 the draft's prompt
+  cache (entries at the real prompt columns, positions, write index) and the target's logits equal
+  the one-pass prefill's; the greedy speculative samples (tokens, log-probs) and each sample's
+  accepted proposals (the draft is the target: most accepted) are the same; and while the prefill is traced the draft is fed chunk-wide token blocks
+  only (one pass: the prompt width). Catches a draft still prefilled in one pass beside a chunked
+  target (its activations stay P x Lp: the widths differ), a draft chunk written at other columns,
+  and a draft cache left at another write index."""
+  del devices
+  cfg, mesh, state, draft = _draft_setup()
+  widths0: list[int] = []
+  (_, draft0, logits0, _), pool0, counters0 = _slot_engine_run(cfg, mesh, state, draft, 0, widths0)
+  assert widths0 == [PROMPT_LEN]
+  accepted0 = np.asarray(counters0.row_accepted)
+  assert accepted0.sum() >= 8, accepted0  # the target as its own draft: proposals accepted
+  real = np.asarray(_prompts()[1], bool)
+  for chunk in (1, 3):
+    widths: list[int] = []
+    (_, got, logits, _), pool, counters = _slot_engine_run(cfg, mesh, state, draft, chunk, widths)
+    assert widths and set(widths) == {chunk}, (chunk, widths)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(logits0), atol=2e-4, rtol=1e-4)
+    np.testing.assert_array_equal(np.asarray(got.index), np.asarray(draft0.index), err_msg=f"chunk {chunk}")
+    np.testing.assert_array_equal(np.asarray(got.positions)[:, :PROMPT_LEN][real],
+                                  np.asarray(draft0.positions)[:, :PROMPT_LEN][real], err_msg=f"chunk {chunk}")
+    stacked = lambda c: kvc.stack(c) if kvc.is_unstacked(c) else c  # noqa: E731  (entries [L, P, S, ...])
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(stacked(got).layers),
+                            jax.tree.leaves(stacked(draft0).layers)):
+      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+      np.testing.assert_allclose(a[:, :, :PROMPT_LEN][:, real], b[:, :, :PROMPT_LEN][:, real], atol=1e-3,
+                                 err_msg=f"{jax.tree_util.keystr(path)} chunk {chunk}")
+    np.testing.assert_array_equal(np.asarray(pool.tokens), np.asarray(pool0.tokens), err_msg=f"chunk {chunk}")
+    np.testing.assert_allclose(np.asarray(pool.logprobs), np.asarray(pool0.logprobs), atol=1e-3)
+    np.testing.assert_array_equal(np.asarray(counters.row_accepted), accepted0, err_msg=f"chunk {chunk}")
