@@ -18,7 +18,14 @@ The thread loops: take new requests and cancellations from a thread-safe queue; 
 requests into free slots (the longest cached prompt prefix placed into the slot's cache row, the rest
 of the prompt fed by `start`); run one jitted decode chunk (serve.decode_chunk steps of every live
 slot); hand each request its new tokens and their log-probs through its `emit` callback; free the
-slots whose requests ended (stop id, max_tokens) or were cancelled. A request that ends leaves the
+slots whose requests ended (stop id, max_tokens) or were cancelled.
+
+Chunked prefill (rl.prefill_chunk = c > 0, the RL engine's setting; Sarathi-Serve's chunked prefills,
+Agrawal et al. 2024): a prompt remainder longer than c is fed c tokens at a time, the first chunk at
+admission and one more per loop iteration (`SlotEngine.feed`, before that iteration's decode chunk),
+so the slots already decoding keep receiving tokens while a long prompt comes in; its slot joins
+decoding once the prompt is in (the sample waits paused until then). Its new prefix blocks are saved
+then; a cancellation or an error meanwhile frees the slot like any other. A request that ends leaves the
 blocks of its prompt + reply in the prefix cache, so the next turn of a chat reuses them. A slot is
 held only between its request's admission and its end or cancellation (`metrics()["active"]`).
 
@@ -62,6 +69,7 @@ class EngineSpec:
   chunk: int = 8
   prefix_block: int = 16
   prefix_cache_bytes: int = 256 << 20
+  prefill_chunk: int = 0  # rl.prefill_chunk: prompt tokens fed per loop iteration (0 = the whole prompt at once)
 
   def __post_init__(self):
     if self.slots < 1:
@@ -74,6 +82,10 @@ class EngineSpec:
       raise ValueError(f"serve.prefix_block={self.prefix_block} must be at least 1.")
     if self.prefix_cache_bytes < 0:
       raise ValueError(f"serve.prefix_cache_mb={self.prefix_cache_bytes / 2**20} must be >= 0 (0 = off).")
+    chunk = self.prefill_chunk
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 0:
+      raise ValueError(f"rl.prefill_chunk={chunk!r} must be a whole number of tokens >= 1 (0 = the whole prompt "
+                       "at once).")
 
   @classmethod
   def from_config(cls, cfg) -> "EngineSpec":
@@ -84,7 +96,7 @@ class EngineSpec:
       raise ValueError(f"serve.max_len={s.max_len}" + (f" + rl.speculative_k={window}" if window else "")
                        + f" exceeds model.max_seq_len={cfg.model.max_seq_len}.")
     return cls(slots=s.slots, max_len=max_len, chunk=s.decode_chunk, prefix_block=s.prefix_block,
-               prefix_cache_bytes=int(s.prefix_cache_mb * 2**20))
+               prefix_cache_bytes=int(s.prefix_cache_mb * 2**20), prefill_chunk=cfg.rl.prefill_chunk)
 
   @property
   def buckets(self) -> tuple[int, ...]:
@@ -151,7 +163,7 @@ class Engine:
     step = StepConfig(sampler=Sampler(per_row=True), stop_tokens=self.stop_ids, pad_id=pad_id, proposer=proposer)
     self._slots_engine = SlotEngine(Graphs(graphdef, None, draft_graph, draft_rest), step, slots=spec.slots,
                                     cache_len=spec.max_len + k, per_row_sampling=True, stop_ids=MAX_STOP_IDS,
-                                    unrolled=False)
+                                    unrolled=False, prefill_chunk=spec.prefill_chunk)
     self._chunk_width = spec.chunk * (k + 1)  # tokens one chunk may add to a slot
     self._decode = functools.partial(self._slots_engine.decode, steps=spec.chunk)
     self._reset()
@@ -159,13 +171,14 @@ class Engine:
     self._inbox: queue.Queue = queue.Queue()
     self._waiting: list[Request] = []
     self._slot_req: list[Request | None] = [None] * spec.slots
+    self._prefilling: dict[int, tuple[int, list[bytes]]] = {}  # slot -> (prompt tokens in, its blocks' names)
     self._next_id = 0
     self._id_lock = threading.Lock()
     self._thread: threading.Thread | None = None
     self._stop = threading.Event()
     self._rng = np.random.default_rng()
     self._stats = dict(requests=0, finished=0, cancelled=0, errors=0, prompt_tokens=0, reused_tokens=0,
-                       generated_tokens=0, decode_chunks=0, prefills=0, target_forwards=0)
+                       generated_tokens=0, decode_chunks=0, prefills=0, prefill_chunks=0, target_forwards=0)
 
   def _reset(self) -> None:
     """Empty slots and a pool of one sample per slot (every slot free)."""
@@ -228,9 +241,11 @@ class Engine:
       self._thread = None
 
   def metrics(self) -> dict:
-    """Counters, slot occupancy and the prefix cache's hit rate (reused / prompt tokens)."""
+    """Counters, slot occupancy (active: held; prefilling: of those, still taking their prompt in
+    chunks) and the prefix cache's hit rate (reused / prompt tokens)."""
     stats = dict(self._stats)
     stats.update(slots=self.spec.slots, active=sum(r is not None for r in self._slot_req),
+                 prefilling=len(self._prefilling),
                  waiting=len(self._waiting) + self._inbox.qsize(),
                  prefix_hit_rate=stats["reused_tokens"] / max(stats["prompt_tokens"], 1),
                  prefix_cache_blocks=len(self.prefix), prefix_cache_bytes=self.prefix.bytes)
@@ -256,8 +271,9 @@ class Engine:
     while not self._stop.is_set():
       idle = not self._waiting and all(r is None for r in self._slot_req)
       self._drain(block=idle)
+      self._feed_prompts()
       self._admit()
-      if any(r is not None for r in self._slot_req):
+      if any(r is not None and slot not in self._prefilling for slot, r in enumerate(self._slot_req)):
         try:
           self._step()
         except Exception as e:  # pylint: disable=broad-except  (fail the requests, keep serving)
@@ -301,6 +317,7 @@ class Engine:
     self._slots, self._pool = self._slots_engine.finish(self._slots, self._pool, jnp.asarray([slot], jnp.int32),
                                                         jnp.ones((1,), bool))
     self._slot_req[slot] = None
+    self._prefilling.pop(slot, None)
 
   def _finish(self, request: Request, event: Event) -> None:
     key = {"cancelled": "cancelled", "error": "errors"}.get(event.finish_reason, "finished")
@@ -324,28 +341,69 @@ class Engine:
     size, block = len(prompt), self.spec.prefix_block
     saved, names = self.prefix.lookup(prompt, size - 1)  # at least one token left to feed
     start = len(saved) * block
-    bucket = next(b for b in self.spec.buckets if b >= size - start)
-    start = min(start, self.spec.max_len - bucket)  # the bucket must fit after the reused prefix
+    chunked = 0 < self.spec.prefill_chunk < size - start
+    if chunked:  # the first chunk now, the rest by _feed_prompts
+      width = self.spec.prefill_chunk
+      fed = start + width
+    else:
+      width = next(b for b in self.spec.buckets if b >= size - start)
+      start = min(start, self.spec.max_len - width)  # the bucket must fit after the reused prefix
+      fed = size
     engine, cache = self._slots_engine, self._slots.cache
     for b, entry in enumerate(saved[:-(-start // block)]):  # blocks holding columns < start
       cache = engine.place(cache, jnp.int32(slot), entry, jnp.int32(b * block))
     self._slots = self._slots.replace(cache=cache)
     row = np.full(self.spec.max_len, self.pad_id, np.int32)
     row[:size] = prompt
-    rest = np.full((1, bucket), self.pad_id, np.int32)
-    rest[0, :size - start] = prompt[start:]
+    rest = np.full((1, width), self.pad_id, np.int32)
+    rest[0, :fed - start] = prompt[start:fed]
     seed = request.seed if request.seed is not None else int(self._rng.integers(0, 2**31 - 1))
     stops = list(dict.fromkeys(tuple(request.stop_ids)))
     details = (jnp.int32(request.max_tokens), jax.random.key_data(jax.random.key(seed)),
                jnp.float32(request.temperature), jnp.float32(request.top_p),
                jnp.asarray(stops + [-1] * (MAX_STOP_IDS - len(stops)), jnp.int32))
     self._slots, self._pool = engine.start(self._weights, self._slots, self._pool, jnp.int32(slot), jnp.asarray(row),
-                                           jnp.int32(size), jnp.int32(start), jnp.asarray(rest), details)
-    self._save_blocks(slot, names)
+                                           jnp.int32(size), jnp.int32(start), jnp.asarray(rest), jnp.int32(fed),
+                                           details)
+    if chunked:
+      self._prefilling[slot] = (fed, names)
+      self._stats["prefill_chunks"] += 1
+    else:
+      self._save_blocks(slot, names)
     request.reused, request.generated, request.seen = start, [], 0
     self._stats["prefills"] += 1
     self._stats["prompt_tokens"] += size
     self._stats["reused_tokens"] += start
+
+  def _feed_prompts(self) -> None:
+    """One more chunk of every prompt being prefilled (`SlotEngine.feed`); a prompt now in whole
+    saves its new prefix blocks (its slot decodes from the next decode step). A failed chunk ends
+    its request with an error and frees the slot; the others go on."""
+    chunk = self.spec.prefill_chunk
+    for slot, (fed, names) in list(self._prefilling.items()):
+      if slot not in self._prefilling:  # a failed chunk before this one reset every slot
+        continue
+      request = self._slot_req[slot]
+      size = len(request.prompt)
+      try:
+        self._slots, self._pool = self._slots_engine.feed(self._weights, self._slots, self._pool, jnp.int32(slot),
+                                                          jnp.int32(fed))
+      except Exception as e:  # pylint: disable=broad-except  (fail this request, keep serving)
+        self._finish(request, Event(finish_reason="error", error=f"prefill failed: {type(e).__name__}: {e}"))
+        try:
+          self._free(slot)
+        except Exception:  # pylint: disable=broad-except  (the state was donated to the failed call)
+          self._slot_req[slot] = None
+          self._prefilling.pop(slot, None)
+          self._fail_all(f"prefill failed: {type(e).__name__}: {e}")
+        continue
+      self._stats["prefill_chunks"] += 1
+      fed = min(fed + chunk, size)
+      if fed < size:
+        self._prefilling[slot] = (fed, names)
+      else:
+        del self._prefilling[slot]
+        self._save_blocks(slot, names)
 
   def _save_blocks(self, slot: int, names: list[bytes]) -> None:
     """Puts the blocks `names` (of the tokens in `slot`'s cache row) that the prefix cache lacks."""
@@ -365,7 +423,7 @@ class Engine:
     self._stats["decode_chunks"] += 1
     self._stats["target_forwards"] += int(counters.steps)
     for slot, request in enumerate(self._slot_req):
-      if request is None:
+      if request is None or slot in self._prefilling:
         continue
       fresh = int(view["generated"][slot]) - request.seen
       request.seen += fresh
@@ -387,6 +445,7 @@ class Engine:
   def _fail_all(self, message: str, reset: bool = True) -> None:
     """Every decoding request ends with an error; with `reset` (after a failed decode, whose donated
     buffers may be gone) the slots and the cache start empty."""
+    self._prefilling.clear()
     for slot, request in enumerate(self._slot_req):
       if request is not None:
         self._slot_req[slot] = None

@@ -7,7 +7,10 @@ programs that all call rl/generation/core.py:
   prefill    prompts [P, Lp] -> their cache rows, next-token logits and MoE routes (prefix sharing)
   admit      copy prompt rows into free slots for new samples (a group shares its prompt's prefill)
   start      a request's prompt extended into a free slot after a prefix already placed there (the
-             server: no shared prompts; `place` puts saved prefix blocks into a slot's cache row)
+             server: no shared prompts; `place` puts saved prefix blocks into a slot's cache row);
+             with only part of the prompt fed, the sample waits (paused) for `feed`
+  feed       the next rl.prefill_chunk tokens of a started request's prompt (core.extend_chunk), one
+             call between decode chunks; the sample decodes once its prompt is in
   decode     up to `steps` decode steps of every live slot (core.decode_step); ends early when no
              slot is live
   observe    observation tokens extended into paused slots, which resume (core.observe)
@@ -65,6 +68,7 @@ class SlotEngine:
     self.observe = jax.jit(self._observe, donate_argnums=(1, 2))
     self.admit = jax.jit(self._admit, donate_argnums=(1,))
     self.start = jax.jit(self._start, donate_argnums=(1, 2))
+    self.feed = jax.jit(self._feed, donate_argnums=(1, 2))
     self.read_block = jax.jit(_read_block, static_argnums=(3,))
     self.place = jax.jit(_place_block, donate_argnums=(0,))
     self.resume = jax.jit(self._resume, donate_argnums=(1,))
@@ -146,11 +150,12 @@ class SlotEngine:
   def _resume(self, weights, slots, pool, rows, sid):
     return core.resume(self.models(weights), slots, pool, rows, sid)
 
-  def _start(self, weights, slots: Slots, pool: Pool, slot, row_tokens, length, prefix, rest, request):
+  def _start(self, weights, slots: Slots, pool: Pool, slot, row_tokens, length, prefix, rest, fed, request):
     """A request into slot `slot` (the server; sample `slot` of a pool of C): its buffer row becomes
     row_tokens [S] (the prompt, its first `length` real), columns [0, prefix) of the slot's cache
-    already hold the prompt's first `prefix` tokens (placed from the prefix cache), and the rest,
-    rest [1, T] (the prompt's tokens from `prefix` on, right-padded), is fed now. request:
+    already hold the prompt's first `prefix` tokens (placed from the prefix cache), and rest [1, T]
+    (the prompt's tokens from `prefix` on, right-padded) is fed now up to prompt token `fed` (length:
+    all of it; less: the sample waits, paused, for `feed` to bring in the rest). request:
     (max_tokens [], raw key [2], temperature [], top_p [], stop ids [M])."""
     models = self.models(weights)
     max_tokens, key, temperature, top_p, stops = request
@@ -160,7 +165,7 @@ class SlotEngine:
         versions=put(pool.versions, -1), pad=put(pool.pad, 0), count=put(pool.count, length),
         generated=put(pool.generated, 0), turn_start=put(pool.turn_start, 0), max_lengths=put(pool.max_lengths, max_tokens),
         keys=put(pool.keys, key), done=put(pool.done, False), stopped=put(pool.stopped, False),
-        paused=put(pool.paused, False))
+        paused=put(pool.paused, fed < length))
     cache = slots.cache
     slots = slots.replace(sid=put(slots.sid, slot), position=put(slots.position, prefix),
                           cache=cache.replace(index=put(cache.index, prefix)),
@@ -172,8 +177,20 @@ class SlotEngine:
     if slots.stops is not None:
       slots = slots.replace(stops=put(slots.stops, stops))
     rows = jnp.reshape(slot, (1,)).astype(jnp.int32)
-    slots, _ = core.extend(models, slots, rows, rest, jnp.reshape(length - prefix, (1,)).astype(jnp.int32))
+    slots, _ = core.extend(models, slots, rows, rest, jnp.reshape(fed - prefix, (1,)).astype(jnp.int32))
     return slots, pool
+
+  def _feed(self, weights, slots: Slots, pool: Pool, slot, fed):
+    """The next `prefill_chunk` tokens of the prompt in slot `slot`'s buffer row (a `start`ed request
+    whose cache row holds its first `fed` tokens, fed > 0; prompt longer than a chunk), fed by
+    core.extend_chunk (the last chunk ends at the prompt's end, re-feeding the columns before it);
+    the sample is unpaused (decodes from the next decode step on) once its prompt is in. The host
+    knows the tokens in after the call: min(fed + prefill_chunk, prompt length)."""
+    length = pool.count[slot]  # the prompt (nothing generated yet)
+    rows = jnp.reshape(slot, (1,)).astype(jnp.int32)
+    slots, after, _, _ = core.extend_chunk(self.models(weights), slots, rows, pool.tokens[rows], length[None],
+                                           jnp.reshape(fed, (1,)).astype(jnp.int32), self.prefill_chunk)
+    return slots, pool.replace(paused=pool.paused.at[slot].set(after[0] < length))
 
 
 def _finish(slots: Slots, pool: Pool, sid, free):
