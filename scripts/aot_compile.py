@@ -14,7 +14,10 @@ SFT step (train/sft.py). See rl/step/aot.py for what each figure means.
 JSON: a list with one object per step: {step, topology, chips, mesh, per_chip: {argument, output,
 temp, code, alias, total}, hbm_per_chip, fits, flops, model_flops, tokens, collective_bytes,
 projected_step_s, compile_s, diagnosis, microbatches, bubble_fraction, grad_collective_bytes,
-ici_bytes, dcn_bytes, hbm_fraction, assumed_mfu, flops_counting, projection}. grad_collective_bytes: what
+ici_bytes, dcn_bytes, kv_host_bytes, kv_host_row_bytes, kv_host_rows, hbm_fraction, assumed_mfu,
+flops_counting, projection}. kv_host_*: the decode step with a host tier (rl.kv_host_bytes > 0): one
+paused slot row's bytes and how many rows the tier holds. rl.prefill_chunk > 0 compiles the
+chunked prefill (its temporaries: one chunk's activations). grad_collective_bytes: what
 one chip sends reducing the gradients per step (optim.grad_collective_dtype picks its wire format);
 bubble_fraction: the pipeline's idle share with mesh.stage > 1 (the projection divides by 1 - it).
 `flops` is XLA's cost analysis per chip, which counts a scan / while body ONCE (layers, epochs,
@@ -96,6 +99,8 @@ def main(argv) -> int:
     hbm = f"{report.hbm_per_chip / 2 ** 30:.2f} GiB" if report.hbm_per_chip else "?"
     print(f"{step:>8}: {gib} per chip of {hbm} (fits: {report.fits}), compiled in "
           f"{report.compile_s:.0f} s", flush=True)
+    if report.kv_host_rows is not None:
+      print(f"          {aot.host_tier_line(report)}", flush=True)
     if report.diagnosis:
       print(f"          {report.diagnosis}", file=sys.stderr, flush=True)
   print("\n" + aot.markdown_table(reports))

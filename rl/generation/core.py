@@ -442,11 +442,27 @@ def prefill_in_chunks(models: Models, prompts: jax.Array, prompt_mask: jax.Array
   scheduler): the same cache columns, logits and routes as the one-pass prefill (up to float
   rounding), with activations of P x chunk tokens at a time instead of P x Lp. The draft of `models`
   (when it has one) is fed the same chunks. Returns (cache, draft cache or None, logits, routing)."""
-  fill = fill_prompts(models, prompts, prompt_mask, total)
+  def laid_out(f: PromptFill) -> PromptFill:  # the caches kept split like the one-pass prefill's
+    draft = None if models.draft is None else _laid_out(models.draft.config, f.slots.draft_cache)
+    return f.replace(slots=f.slots.replace(cache=_laid_out(models.target.config, f.slots.cache), draft_cache=draft))
+  fill = laid_out(fill_prompts(models, prompts, prompt_mask, total))
   steps = -(-prompts.shape[1] // chunk)
-  fill = jax.lax.fori_loop(0, steps, lambda _, f: fill_chunk(models, f, chunk), fill)
+  fill = jax.lax.fori_loop(0, steps, lambda _, f: laid_out(fill_chunk(models, f, chunk)), fill)
   done = lambda c: None if c is None else c.replace(index=jnp.asarray(prompts.shape[1], jnp.int32))  # noqa: E731
   return done(fill.slots.cache), done(fill.slots.draft_cache), fill.slots.logits, fill.routing
+
+
+def _laid_out(mc, cache: kvc.KVCache) -> kvc.KVCache:
+  """A stacked cache constrained to its layout (kv_cache.CACHE_AXES; positions and segments by
+  batch and cache_length). The chunks' row gathers (`extend`) otherwise leave the layout to the
+  partitioner, which replicated the cache over the batch axes (AOT prefill, v5e:2x2, fsdp x expert)."""
+  if kvc.is_unstacked(cache):
+    return cache
+  lay = mc.kernel.constrain
+  layers = {stack: {name: lay(a, kvc.CACHE_AXES[name]) for name, a in entries.items()}
+            for stack, entries in cache.layers.items()}
+  ids = ("batch", "cache_length")
+  return cache.replace(layers=layers, positions=lay(cache.positions, ids), segment_ids=lay(cache.segment_ids, ids))
 
 
 def prefill_models(models: Models, prompts: jax.Array, prompt_mask: jax.Array, total: int, chunk: int = 0):

@@ -11,7 +11,9 @@ and XLA compiles the same jitted programs a run executes:
            tokens written into an empty KV cache of the full length, last logits kept, and the
            prompt's MoE routes with routing replay (ROLLOUT rules;
            with attention.impl="ring" and mesh.sequence > 1 the ring prefill, `length` split over
-           `sequence` like the cache).
+           `sequence` like the cache). With rl.prefill_chunk = T (0 < T < rl.max_prompt_len) the
+           chunked prefill the engine runs instead: the chunks back to back, activations of P x T
+           tokens at a time over the full cache.
   decode   one decode step of `generate` against a full-length cache: sample, forward one token per
            row of the batch, write it into the cache (ROLLOUT rules; the cache is donated).
   sft      train/sft.py `make_sft_step` on rl.sft_batch_size rows of data.seq_len tokens.
@@ -47,6 +49,12 @@ too): a lower bound of what moves per step, good for comparing layouts. `ici_byt
 counted as often as they run, split by link, and the gradients' reductions among them
 (optim.grad_collective_dtype sets their wire format: sharding/compress.py).
 
+The host tier (rl.kv_host_bytes > 0, rl/generation/tiers.py) is reported with the decode step:
+`kv_host_row_bytes`, the bytes of one paused slot's row the tier moves (target and draft caches of
+the full cache length, int8 entries with their scales as stored, next-token logits, position:
+`host_tier_row_bytes`, from the abstract shapes) and `kv_host_rows`, how many such rows
+rl.kv_host_bytes holds.
+
 A program that does not fit fails to compile on TPU with RESOURCE_EXHAUSTED; both that and a compile
 that lands above the HBM fraction give `fits=False` and a `diagnosis` naming the bytes needed, the
 bytes available and the largest buffers.
@@ -76,8 +84,8 @@ from meshrl.rl.algo import losses
 from meshrl.rl.batches import routes
 from meshrl.rl.batches.handover import ALIGNED_FROM, UpdateBatch, align_arrays
 from meshrl.rl.generation import core
-from meshrl.rl.generation.state import Counters, Pool, Slots
-from meshrl.rl.step.spec import generation_spec, rollout_model_config
+from meshrl.rl.generation.state import Counters, Pool, Slots, empty_slots
+from meshrl.rl.step.spec import draft_run_config, generation_spec, rollout_model_config
 from meshrl.rl.algo.update import make_update
 from meshrl.sharding import traffic
 from meshrl.sharding.mesh import STAGE_AXIS, axis_size, make_mesh, mesh_shape_for
@@ -213,6 +221,7 @@ class Program:
   microbatches: int | None = None
   bubble_fraction: float | None = None
   copies: int = 1  # groups of chips running the same program (generation on every pipeline stage)
+  host_tier: dict | None = None  # {kv_host_bytes, kv_host_row_bytes, kv_host_rows} (`host_tier_figures`)
 
 
 def _pipeline_figures(cfg, mesh: Mesh, rows: int) -> dict:
@@ -288,7 +297,10 @@ def reshard_program(cfg, mesh: Mesh) -> Program:
 def prefill_program(cfg, mesh: Mesh) -> Program:
   """The prompt prefill of the generation core (rl/generation/core.prefill_prompts): P prompts of Lp
   tokens into an empty full-length cache; with attention.impl="ring" and mesh.sequence > 1 the ring
-  prefill into the sequence-sharded cache."""
+  prefill into the sequence-sharded cache. With rl.prefill_chunk = T (0 < T < Lp): the chunked
+  prefill, T tokens of every prompt at a time back to back (core.prefill_in_chunks, what the static
+  and episodic schedulers run), whose peak is one chunk's activations over the full cache, as is
+  the continuous scheduler's chunk per loop iteration (core.fill_chunk)."""
   mc, graphdef, params, extra = _rollout_state(cfg, mesh)
   rules = rules_from_config(cfg.mesh, "rollout")
   prompts_n, prompt_len = cfg.rl.prompts_per_step, cfg.rl.max_prompt_len
@@ -296,7 +308,7 @@ def prefill_program(cfg, mesh: Mesh) -> Program:
 
   def prefill(params, extra, prompts, prompt_mask):
     model = nnx.merge(graphdef, params, extra)
-    cache, logits, routing = core.prefill_prompts(model, prompts, prompt_mask, total)
+    cache, logits, routing = core.prefill_prompts(model, prompts, prompt_mask, total, cfg.rl.prefill_chunk)
     return cache, logits, routing if cfg.rl.replay_routing else None  # the prompt's routes, kept
 
   prompts = _struct(mesh, rules, (prompts_n, prompt_len), jnp.int32, ("batch", "length"))
@@ -351,7 +363,38 @@ def decode_program(cfg, mesh: Mesh) -> Program:
 
   return Program(jax.jit(decode, donate_argnums=(2, 3)), (params, extra, slots, pool, version),
                  rows, rows * model_flops_per_token(mc, seq_len=width, causal=False, training=False),
-                 copies=axis_size(mesh, STAGE_AXIS))
+                 copies=axis_size(mesh, STAGE_AXIS), host_tier=host_tier_figures(cfg, mesh))
+
+
+def host_tier_row_bytes(cfg, mesh: Mesh | None = None) -> int:
+  """Bytes of one paused slot's row that the host tier (rl/generation/tiers.HostTier) moves, from
+  abstract shapes: the target's and (rl.speculative = "draft") the draft's cache rows of the run's
+  cache length (int8 entries with their scales when rl.kv_cache_dtype = "int8", positions, segment
+  ids, write index), the next-token logits and the position. The multi-turn stop-sequence window (a
+  few int32 per row, from the tokenizer's stop strings) is left out."""
+  gen = generation_spec(cfg, stop_ids=(0,), pad_id=0)
+  models = [rollout_model_config(cfg, mesh)]
+  if cfg.rl.speculative == "draft":
+    models.append(rollout_model_config(draft_run_config(cfg.rl.draft_config), mesh))
+
+  def one_row():
+    caches = [kvc.init_cache(mc.cache_entry_shapes(), 1, gen.cache_len,
+                             "int8" if mc.kv_cache_dtype == "int8" else mc.dtype) for mc in models]
+    return empty_slots(caches[0], caches[1] if len(caches) > 1 else None, num_samples=1,
+                       vocab=models[0].vocab_size, window=gen.step.window)
+  row = jax.eval_shape(one_row)
+  fields = (row.cache, row.draft_cache, row.logits, row.position, row.window, row.sampling, row.stops)
+  return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(fields)))
+
+
+def host_tier_figures(cfg, mesh: Mesh | None = None) -> dict | None:
+  """{kv_host_bytes: rl.kv_host_bytes, kv_host_row_bytes: `host_tier_row_bytes`, kv_host_rows: the
+  rows the budget holds}, or None without a host tier (rl.kv_host_bytes = 0)."""
+  budget = int(cfg.rl.kv_host_bytes)
+  if budget <= 0:
+    return None
+  row = host_tier_row_bytes(cfg, mesh)
+  return {"kv_host_bytes": budget, "kv_host_row_bytes": row, "kv_host_rows": budget // row}
 
 
 def sft_program(cfg, mesh: Mesh) -> Program:
@@ -515,6 +558,9 @@ class StepReport:
   grad_collective_bytes: float | None = None  # bytes a chip sends reducing gradients per step (sharding/traffic.py)
   ici_bytes: float | None = None  # bytes a chip sends over ICI per step, loops counted as they run
   dcn_bytes: float | None = None  # bytes a chip sends across slices (DCN) per step
+  kv_host_bytes: int | None = None  # the decode step with a host tier: rl.kv_host_bytes
+  kv_host_row_bytes: int | None = None  # bytes of one paused slot's row (host_tier_row_bytes)
+  kv_host_rows: int | None = None  # rows rl.kv_host_bytes holds
 
   @classmethod
   def from_json(cls, record: dict) -> "StepReport":
@@ -562,7 +608,7 @@ def measure(step: str, program: Program, mesh: Mesh, topology: str) -> StepRepor
   common = dict(step=step, topology=topology, chips=len(devices), mesh=dict(mesh.shape),
                 hbm_per_chip=hbm, model_flops=program.model_flops, tokens=program.tokens,
                 projected_step_s=projected, microbatches=program.microbatches,
-                bubble_fraction=program.bubble_fraction)
+                bubble_fraction=program.bubble_fraction, **(program.host_tier or {}))
   try:
     compiled = program.fn.lower(*program.args).compile()
   except Exception as error:  # pylint: disable=broad-except
@@ -625,4 +671,12 @@ def markdown_table(reports: Sequence[StepReport]) -> str:
         f"{gib(r.hbm_per_chip) if r.hbm_per_chip else '-'} | {'yes' if r.fits else 'NO'} | "
         f"{r.model_flops / 1e15:.3g} | "
         f"{'-' if r.projected_step_s is None else f'{r.projected_step_s:.3g}'} |" + (f" {bubble} |" if piped else ""))
+  lines += [f"\n{host_tier_line(r)}" for r in reports if r.kv_host_rows is not None]
   return "\n".join(lines)
+
+
+def host_tier_line(report: StepReport) -> str:
+  """The host tier's figures in a sentence (rl.kv_host_bytes, one row's bytes, the rows it holds)."""
+  return (f"Host tier (rl.kv_host_bytes={report.kv_host_bytes}, {report.kv_host_bytes / 2 ** 30:.2f} GiB): one "
+          f"paused slot's row (target + draft caches, logits, position) is {report.kv_host_row_bytes} bytes "
+          f"({report.kv_host_row_bytes / 2 ** 20:.2f} MiB); the tier holds {report.kv_host_rows} rows.")

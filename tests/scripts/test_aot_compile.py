@@ -283,3 +283,50 @@ def test_decode_step_compiles_with_stages_across_slices_and_a_sequence_split_cac
   assert result.returncode == 0, result.stderr[-2000:]
   report = json.loads(out.read_text())[0]
   assert report["step"] == "decode" and report["fits"] and report["mesh"]["stage"] == 2
+
+
+def test_prefill_compiles_the_chunked_prefill_and_keeps_its_cache_split(aot):
+  """rl.prefill_chunk (issue 34) reaches the AOT prefill: on fsdp=2 x expert=2 of a v5e 2x2, chunks of
+  4 over 16-token prompts compile another program (other temp bytes) whose output, the prompt cache,
+  is split like the one-pass prefill's (output bytes per chip at most 1.25x its). Catches a report that
+  ignores the chunk, and the chunked cache left replicated over the batch axes (4x the bytes, as
+  before core._laid_out)."""
+  small = ["mesh.fsdp=2", "mesh.expert=2", "rl.max_prompt_len=16", "model.max_seq_len=24"]
+  whole = aot.compile_steps(_small(*small), "v5e:2x2", ["prefill"])[0]
+  chunked = aot.compile_steps(_small(*small, "rl.prefill_chunk=4"), "v5e:2x2", ["prefill"])[0]
+  assert chunked.fits is True and chunked.per_chip["temp"] != whole.per_chip["temp"]
+  assert chunked.per_chip["output"] <= 1.25 * whole.per_chip["output"]
+
+
+def test_decode_reports_the_host_tier_rows(aot):
+  """rl.kv_host_bytes > 0: the decode report carries one paused row's bytes, equal to what the host
+  tier measures on a real slot of the run's engine (rl/generation/tiers.HostTier.row_bytes), int8
+  KV making it smaller, and the rows the budget holds, which scale with the budget; the JSON and
+  the table have them; without a tier they are absent. Catches a row that forgets the int8 scales,
+  the logits or a cache field, and a budget that is not read."""
+  from meshrl.model.init import build_model  # pylint: disable=import-outside-toplevel
+  from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.generation.tiers import HostTier  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.spec import make_generator  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  for kv in ("model", "int8"):
+    cfg = _small("mesh.fsdp=4", "rl.kv_host_bytes=1000000", f"rl.kv_cache_dtype={kv}")
+    gen = make_generator(cfg, None, stop_ids=(1,), pad_id=0)
+    model = build_model(ModelConfig.from_config(cfg, None), None)
+    _, params, extra = nnx.split(model, nnx.Param, ...)
+    slots = gen.slot_engine(num_slots=2).empty((gen.prepare(params), extra, None), 2, model.config.vocab_size)
+    want = HostTier.row_bytes(slots)
+    figures = aot.host_tier_figures(cfg)
+    assert figures["kv_host_row_bytes"] == want, kv
+    assert figures["kv_host_rows"] == 1000000 // want
+    bigger = aot.host_tier_figures(_small("rl.kv_host_bytes=8000000", f"rl.kv_cache_dtype={kv}"))
+    assert bigger["kv_host_rows"] == 8000000 // want >= 8 * figures["kv_host_rows"]
+    if kv == "model":
+      full = want
+  assert want < full  # int8 entries with their scales take fewer bytes
+  cfg = _small("mesh.fsdp=4", "rl.kv_host_bytes=1000000")
+  report = aot.compile_steps(cfg, "v5e:2x2", ["decode"])[0]
+  assert (report.kv_host_bytes, report.kv_host_row_bytes) == (1000000, full)
+  assert report.to_json()["kv_host_rows"] == 1000000 // full
+  assert f"holds {1000000 // full} rows" in aot.markdown_table([report])
+  assert aot.host_tier_figures(_small()) is None
