@@ -77,14 +77,10 @@ def run(models: Models, config: StepConfig, pool: Pool, prompts: jax.Array, prom
   if interleave:
     fill = core.fill_chunk(models, core.fill_prompts(models, prompts, prompt_mask, cache_len), prefill_chunk)
   else:
-    prompt_cache, prompt_logits, prompt_routing = core.prefill_prompts(models.target, prompts, prompt_mask,
-                                                                       cache_len, prefill_chunk)
+    prompt_cache, draft_prompt_cache, prompt_logits, prompt_routing = core.prefill_models(
+        models, prompts, prompt_mask, cache_len, prefill_chunk)
     if pool.routing is not None and prompt_routing is not None:
       pool = pool.replace(routing=pool.routing.at[:, :, :prompt_len].set(prompt_routing[:, pool.group_of]))
-    if models.draft is not None:
-      positions, segments = core.prompt_layout(prompt_mask)
-      draft_prompt_cache = models.draft(prompts, positions=positions, segment_ids=segments,
-                                        cache=models.draft.init_cache(prompts.shape[0], cache_len)).cache
 
   def keep_going(carry):
     step, state, p, _ = carry[:4]

@@ -102,6 +102,7 @@ def test_jsonl_row_without_prompt_is_skipped(tmp_path):
   assert [source[i]["prompt"] for i in range(3)] == ["1+1="] * 3
 
 
+@pytest.mark.optimized
 def test_short_run_raises_reward_and_held_out_accuracy(tmp_path):
   """The demo's recipe cut short (warm start + 30 GRPO steps): the sampled reward and the held-out
   greedy accuracy both rise, nothing recompiles, and the outputs are written."""
