@@ -81,8 +81,43 @@ def replica_groups(line: str) -> list[frozenset[int]] | None:
 
 
 def _result_bytes(text: str) -> int:
-  return sum(math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dtype, 4)
-             for dtype, dims in _SHAPE.findall(text))
+  return sum(size for size, _ in shape_bytes(text))
+
+
+def shape_bytes(text: str) -> list[tuple[int, str]]:
+  """(bytes, "dtype[dims]") of every array shape written in `text`."""
+  found = []
+  for dtype, dims in _SHAPE.findall(text):
+    size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+    found.append((size * _DTYPE_BYTES.get(dtype, 4), f"{dtype}[{dims}]"))
+  return found
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+  """{op: bytes} summed over the collective ops of a compiled HLO module, each op once (a loop body
+  once), by result shape. An asynchronous pair counts at its `-done`, whose result is the output (a
+  `-start` result also holds the operand and context scalars)."""
+  totals = {op: 0 for op in COLLECTIVES}
+  pattern = re.compile(r"=\s*(.*?)\s(" + "|".join(map(re.escape, COLLECTIVES)) + r")(-start|-done)?\(")
+  for line in hlo_text.splitlines():
+    match = pattern.search(line)
+    if match and match.group(3) != "-start":
+      totals[match.group(2)] += sum(size for size, _ in shape_bytes(match.group(1)))
+  return {op: total for op, total in totals.items() if total}
+
+
+def largest_buffers(hlo_text: str, count: int = 5) -> list[str]:
+  """The `count` largest array results of the compiled HLO's instructions ("name dtype[dims] GiB")."""
+  results = []
+  for line in hlo_text.splitlines():
+    match = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)", line)
+    if match:
+      shapes = shape_bytes(match.group(2))
+      if shapes:
+        size, shape = max(shapes)
+        results.append((size, f"{match.group(1)} {shape} {size / 2 ** 30:.2f} GiB"))
+  results.sort(key=lambda r: -r[0])
+  return [text for _, text in results[:count]]
 
 
 def loop_counts(hlo_text: str) -> dict[str, int]:

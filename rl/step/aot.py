@@ -85,9 +85,12 @@ from meshrl.rl.batches import routes
 from meshrl.rl.batches.handover import ALIGNED_FROM, UpdateBatch, align_arrays
 from meshrl.rl.generation import core
 from meshrl.rl.generation.state import Counters, Pool, Slots, empty_slots
+from meshrl.rl.step.aot_report import (  # noqa: F401  (the report's names, read as aot.X by the scripts)
+    ASSUMED_MFU, HBM_FRACTION, StepReport, host_tier_line, largest_arguments, markdown_table, oom_diagnosis)
 from meshrl.rl.step.spec import draft_run_config, generation_spec, rollout_model_config
 from meshrl.rl.algo.update import make_update
 from meshrl.sharding import traffic
+from meshrl.sharding.traffic import collective_bytes, largest_buffers
 from meshrl.sharding.mesh import STAGE_AXIS, axis_size, make_mesh, mesh_shape_for
 from meshrl.sharding.rules import data_parallel_size, generation_param_shardings, logical_to_spec, rules_from_config
 from meshrl.train.metrics import model_flops_per_token, peak_flops
@@ -96,11 +99,7 @@ from meshrl.train.sft import MODEL_FIELDS, make_sft_step, zigzag_shards
 from meshrl.train.state import abstract_train_state, shardings_of
 
 STEPS = ("update", "prefill", "decode", "sft", "reshard", "routes", "batch")  # reshard: rl.generation_layout's one-off cost
-HBM_FRACTION = 0.9  # a step "fits" when its bytes per chip are at most this share of HBM
-ASSUMED_MFU = 0.4  # model FLOPs utilisation the projected step time assumes
 TOPOLOGY_FORMAT = re.compile(r"^(v4|v5e|v5p|v6e|tpu7x):\d+(x\d+){1,2}$")
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
-               "collective-permute")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,112 +478,6 @@ PROGRAMS = {"update": update_program, "prefill": prefill_program, "decode": deco
             "sft": sft_program, "reshard": reshard_program, "routes": routes_program, "batch": batch_program}
 
 
-# ---------------------------------------------------------------------------------------------
-# Compiling and reading the program.
-
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
-_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|c64|f8e4m3fn|f8e5m2)\[([\d,]*)\]")
-
-
-def _shape_bytes(text: str) -> list[tuple[int, str]]:
-  """(bytes, "dtype[dims]") of every array shape written in `text`."""
-  found = []
-  for dtype, dims in _SHAPE.findall(text):
-    size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-    found.append((size * _DTYPE_BYTES.get(dtype, 4), f"{dtype}[{dims}]"))
-  return found
-
-
-def collective_bytes(hlo_text: str) -> dict[str, int]:
-  """{op: bytes} summed over the collective ops of a compiled HLO module, each op once (a loop body
-  once), by result shape. An asynchronous pair counts at its `-done`, whose result is the output (a
-  `-start` result also holds the operand and context scalars)."""
-  totals = {op: 0 for op in COLLECTIVES}
-  pattern = re.compile(r"=\s*(.*?)\s(" + "|".join(map(re.escape, COLLECTIVES)) + r")(-start|-done)?\(")
-  for line in hlo_text.splitlines():
-    match = pattern.search(line)
-    if match and match.group(3) != "-start":
-      totals[match.group(2)] += sum(size for size, _ in _shape_bytes(match.group(1)))
-  return {op: total for op, total in totals.items() if total}
-
-
-def largest_buffers(hlo_text: str, count: int = 5) -> list[str]:
-  """The `count` largest array results of the compiled HLO's instructions ("name dtype[dims] GiB")."""
-  results = []
-  for line in hlo_text.splitlines():
-    match = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)", line)
-    if match:
-      shapes = _shape_bytes(match.group(2))
-      if shapes:
-        size, shape = max(shapes)
-        results.append((size, f"{match.group(1)} {shape} {size / 2 ** 30:.2f} GiB"))
-  results.sort(key=lambda r: -r[0])
-  return [text for _, text in results[:count]]
-
-
-def largest_arguments(args: Any, count: int = 5) -> list[str]:
-  """The `count` largest per-chip shards among abstract arguments ("path dtype[shard shape] GiB")."""
-  found = []
-  for path, leaf in jax.tree_util.tree_leaves_with_path(args):
-    if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is not None:
-      shard = leaf.sharding.shard_shape(leaf.shape)
-      size = math.prod(shard) * leaf.dtype.itemsize
-      name = jax.tree_util.keystr(path, simple=True, separator="/")
-      found.append((size, f"{name} {leaf.dtype}{list(shard)} {size / 2 ** 30:.2f} GiB"))
-  found.sort(key=lambda f: -f[0])
-  return [text for _, text in found[:count]]
-
-
-@dataclasses.dataclass
-class StepReport:
-  """What one compiled step needs per chip, and what it would take (see the module docstring)."""
-  step: str
-  topology: str
-  chips: int
-  mesh: dict
-  per_chip: dict  # {argument, output, temp, code, alias, total} bytes; empty if compile ran out of HBM
-  hbm_per_chip: int | None
-  fits: bool | None  # None: no HBM size known (not a TPU)
-  flops: float | None  # XLA cost analysis per chip; loop bodies counted once
-  model_flops: float  # the step's model FLOPs over all chips (train/metrics.py)
-  tokens: int
-  collective_bytes: dict
-  projected_step_s: float | None  # model_flops / (chips x peak x ASSUMED_MFU) / (1 - bubble_fraction)
-  compile_s: float
-  diagnosis: str = ""  # why it does not fit: bytes needed vs available, largest buffers
-  microbatches: int | None = None  # pipelined training steps: microbatches per forward
-  bubble_fraction: float | None = None  # pipelined training steps: (S - 1) / (M + S - 1)
-  grad_collective_bytes: float | None = None  # bytes a chip sends reducing gradients per step (sharding/traffic.py)
-  ici_bytes: float | None = None  # bytes a chip sends over ICI per step, loops counted as they run
-  dcn_bytes: float | None = None  # bytes a chip sends across slices (DCN) per step
-  kv_host_bytes: int | None = None  # the decode step with a host tier: rl.kv_host_bytes
-  kv_host_row_bytes: int | None = None  # bytes of one paused slot's row (host_tier_row_bytes)
-  kv_host_rows: int | None = None  # rows rl.kv_host_bytes holds
-
-  @classmethod
-  def from_json(cls, record: dict) -> "StepReport":
-    """The report `to_json` wrote (its explanatory keys dropped; a field it lacks is None)."""
-    return cls(**{f.name: record.get(f.name) for f in dataclasses.fields(cls)})
-
-  def to_json(self) -> dict:
-    out = dataclasses.asdict(self)
-    out.update(hbm_fraction=HBM_FRACTION, assumed_mfu=ASSUMED_MFU,
-               flops_counting="XLA cost_analysis per chip; scan/while bodies counted once",
-               projection="model_flops / (chips * peak_bf16_flops * assumed_mfu) / (1 - bubble_fraction)")
-    return out
-
-
-def _oom_diagnosis(step: str, message: str, hbm: int | None, args: Any) -> str:
-  """libtpu's RESOURCE_EXHAUSTED (bytes required vs available) and the largest argument shards."""
-  needed = re.search(r"(total memory required.*?available HBM \([\d.]+[GMK]?\))", message)
-  head = needed.group(1) if needed else message.strip().splitlines()[0][:300]
-  if "Vmem" in message:  # a Pallas kernel's blocks overflow the core's scoped VMEM, not HBM
-    head = f"a kernel's blocks exceed the TPU core's scoped VMEM (smaller blocks fit): {head}"
-  return (f"step {step!r} does not fit: {head}, HBM per chip {hbm} bytes; largest arguments per "
-          f"chip: " + " | ".join(largest_arguments(args)))
-
-
 def compile_step(step: str, cfg, mesh: Mesh, topology: str) -> StepReport:
   """Builds `step` (one of STEPS) for `mesh`, compiles it and reads it (`measure`)."""
   if step not in PROGRAMS:
@@ -617,7 +510,7 @@ def measure(step: str, program: Program, mesh: Mesh, topology: str) -> StepRepor
       raise
     return StepReport(per_chip={}, fits=False, flops=None, collective_bytes={},
                       compile_s=time.perf_counter() - start,
-                      diagnosis=_oom_diagnosis(step, message, hbm, program.args), **common)
+                      diagnosis=oom_diagnosis(step, message, hbm, program.args), **common)
   memory = compiled.memory_analysis()
   per_chip = dict(argument=memory.argument_size_in_bytes, output=memory.output_size_in_bytes,
                   temp=memory.temp_size_in_bytes, code=memory.generated_code_size_in_bytes,
@@ -652,31 +545,3 @@ def compile_steps(cfg, topology: str, steps: Sequence[str], num_slices: int = 1,
   devices = topology_devices(topology, num_slices) if devices is None else list(devices)
   mesh = topology_mesh(cfg, devices)
   return [compile_step(step, cfg, mesh, topology) for step in steps]
-
-
-def markdown_table(reports: Sequence[StepReport]) -> str:
-  """The "Will it fit?" table of docs/benchmarks.md; with a pipelined step among the reports, a last
-  column gives each step's microbatches and bubble fraction."""
-  gib = lambda b: f"{b / 2 ** 30:.1f}"  # noqa: E731
-  piped = any(r.bubble_fraction is not None for r in reports)
-  lines = ["| step | topology | chips | argument GiB | temp GiB | total GiB / chip | HBM GiB | "
-           "fits (<= 90%) | model PFLOP | projected s (MFU 40%) |" + (" microbatches, bubble |" if piped else ""),
-           "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if piped else "")]
-  for r in reports:
-    total = gib(r.per_chip["total"]) if r.per_chip else "OOM"
-    bubble = "-" if r.bubble_fraction is None else f"{r.microbatches}, {r.bubble_fraction:.0%}"
-    lines.append(
-        f"| {r.step} | {r.topology} | {r.chips} | {gib(r.per_chip['argument']) if r.per_chip else '-'} | "
-        f"{gib(r.per_chip['temp']) if r.per_chip else '-'} | {total} | "
-        f"{gib(r.hbm_per_chip) if r.hbm_per_chip else '-'} | {'yes' if r.fits else 'NO'} | "
-        f"{r.model_flops / 1e15:.3g} | "
-        f"{'-' if r.projected_step_s is None else f'{r.projected_step_s:.3g}'} |" + (f" {bubble} |" if piped else ""))
-  lines += [f"\n{host_tier_line(r)}" for r in reports if r.kv_host_rows is not None]
-  return "\n".join(lines)
-
-
-def host_tier_line(report: StepReport) -> str:
-  """The host tier's figures in a sentence (rl.kv_host_bytes, one row's bytes, the rows it holds)."""
-  return (f"Host tier (rl.kv_host_bytes={report.kv_host_bytes}, {report.kv_host_bytes / 2 ** 30:.2f} GiB): one "
-          f"paused slot's row (target + draft caches, logits, position) is {report.kv_host_row_bytes} bytes "
-          f"({report.kv_host_row_bytes / 2 ** 20:.2f} MiB); the tier holds {report.kv_host_rows} rows.")

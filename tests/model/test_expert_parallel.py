@@ -18,7 +18,7 @@ from meshrl.model import expert_parallel, moe_dispatch
 from meshrl.model.moe import MoE
 from meshrl.model.moe_dispatch import ExpertWeights
 from meshrl.rl.step import aot
-from meshrl.sharding import make_mesh
+from meshrl.sharding import make_mesh, traffic
 
 D, F, E, K = 32, 48, 4, 2  # D, F distinct, so a gathered expert weight is recognisable by shape
 
@@ -83,7 +83,7 @@ def _weight_gathers(hlo_text):
   found = []
   for line in hlo_text.splitlines():
     if match := re.search(r"=\s*(.*?)\sall-gather(-start|-done)?\(", line):
-      for _, shape in aot._shape_bytes(match.group(1)):  # pylint: disable=protected-access
+      for _, shape in traffic.shape_bytes(match.group(1)):
         dims = tuple(int(x) for x in shape.split("[")[1].rstrip("]").split(",") if x)
         if len(dims) == 3 and (dims[1:] in inner or dims[1:][::-1] in inner):
           found.append(line.strip()[:160])
@@ -99,7 +99,7 @@ def test_all_to_all_keeps_weights_sharded_and_matches_dense_at_3x37_tokens():
   step = _ep(mesh, "all_to_all")
   hlo = step.lower(xs, choices, weights, w_sharded, cot).compile().as_text()
   assert not _weight_gathers(hlo), _weight_gathers(hlo)
-  collectives = aot.collective_bytes(hlo)
+  collectives = traffic.collective_bytes(hlo)
   assert collectives.get("all-to-all", 0) > 0 and collectives.get("all-reduce", 0) > 0
   got = step(xs, choices, weights, w_sharded, cot)
   _assert_matches(got, _reference(xs, choices, weights, w, cot))
@@ -266,7 +266,7 @@ def test_ragged_all_to_all_compiles_for_tpu():
     return jax.grad(lambda s: jnp.sum(nnx.merge(graph, s)(x)[0] ** 2))(state)
 
   hlo = jax.jit(grads).lower(state, x).compile().as_text()
-  collectives = aot.collective_bytes(hlo)
+  collectives = traffic.collective_bytes(hlo)
   assert collectives.get("ragged-all-to-all", 0) > 0, collectives
   assert not _weight_gathers(hlo)
 

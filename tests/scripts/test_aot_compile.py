@@ -111,7 +111,8 @@ def test_bad_topology_and_mesh_name_the_numbers(aot):
     aot.compile_steps(_small(), "v5e:2x2", ["train"])
 
 
-def test_collective_bytes_and_largest_buffers_read_hlo(aot):
+def test_collective_bytes_and_largest_buffers_read_hlo():
+  from meshrl.sharding import traffic  # pylint: disable=import-outside-toplevel
   hlo = "\n".join([
       "  %all-gather.1 = bf16[8,128]{1,0} all-gather(bf16[2,128]{1,0} %p), dimensions={0}",
       "  %ags = (f32[4]{0}, f32[16]{0}) all-gather-start(f32[4]{0} %q), dimensions={0}",
@@ -120,9 +121,9 @@ def test_collective_bytes_and_largest_buffers_read_hlo(aot):
       "  %cpd = f32[8]{0} collective-permute-done((f32[8]{0}, f32[8]{0}, u32[], u32[]) %cps)",
       "  %a2a = (f32[2,3]{1,0}, f32[2,3]{1,0}) all-to-all(f32[2,3]{1,0} %x, f32[2,3]{1,0} %y)",
       "  ROOT %big = f32[1024,1024]{1,0} add(f32[1024,1024]{1,0} %u, f32[1024,1024]{1,0} %v)"])
-  assert aot.collective_bytes(hlo) == {"all-gather": 8 * 128 * 2 + 16 * 4, "all-to-all": 2 * 24,
-                                       "collective-permute": 8 * 4}
-  assert aot.largest_buffers(hlo, 1) == ["big f32[1024,1024] 0.00 GiB"]
+  assert traffic.collective_bytes(hlo) == {"all-gather": 8 * 128 * 2 + 16 * 4, "all-to-all": 2 * 24,
+                                           "collective-permute": 8 * 4}
+  assert traffic.largest_buffers(hlo, 1) == ["big f32[1024,1024] 0.00 GiB"]
 
 
 def _script(*args):
