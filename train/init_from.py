@@ -85,7 +85,7 @@ def _check_hf(cfg) -> None:
   path = cfg.model.init_from
   try:
     convert.hf_fields(path)  # supported architecture and features
-    convert._check_config_matches(cfg, path)  # pylint: disable=protected-access
+    convert.check_config_matches(cfg, path)
   except ValueError as e:
     raise ValueError(f"model.init_from={path!r}: {e}") from None
   if not any(os.path.isfile(os.path.join(path, f))
