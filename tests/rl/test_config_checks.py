@@ -77,6 +77,40 @@ def test_a_bad_value_is_one_line_naming_the_field(override, fragment):
   assert "\n" not in message, message
 
 
+# (overrides, fragment): the hard-task options of issue 33 (warm-start level, RFT, curriculum, retries,
+# replay), some bad only beside another setting they need.
+BAD_HARD_TASKS = [
+    (["rl.sft_difficulty=5"], "rl.sft_difficulty='5': domain 'reverse' (reverse) has levels 1..4"),
+    (["rl.sft_difficulty=-1"], "rl.sft_difficulty='-1': '-1' is not a level"),
+    (["rl.sft_difficulty=1:0.9,2:0"], "rl.sft_difficulty='1:0.9,2:0': the weight 0.0 of level 2 must be positive"),
+    (["rl.rft_every=-1"], "rl.rft_every=-1"),
+    (["rl.rft_every=1", "rl.rft_steps=0"], "rl.rft_steps=0"),
+    (["rl.rft_every=1", "rl.rft_bank=0"], "rl.rft_bank=0"),
+    (["rl.rft_every=1", "rl.rft_learning_rate=0.0"], "rl.rft_learning_rate=0.0"),
+    (["rl.rft_every=1", "data.seq_len=128"], "data.seq_len=128 (the rows of rl.rft_every's SFT rounds)"),
+    (["data.level_curriculum=revers"], "data.level_curriculum='revers': 'revers' is not a generated domain"),
+    (["data.level_curriculum=reverse", "data.level_curriculum_floor=9"], "data.level_curriculum_floor=9"),
+    (["data.level_curriculum=reverse", "data.level_curriculum_max=7"], "data.level_curriculum_max=7"),
+    (["data.level_curriculum=reverse", "data.difficulty=4", "data.level_curriculum_max=3"],
+     "data.level_curriculum_max=3"),
+    (["data.level_curriculum=reverse", "data.level_curriculum_promote=1.5"], "data.level_curriculum_promote=1.5"),
+    (["data.level_curriculum=reverse", "data.level_curriculum_demote=0.8"], "data.level_curriculum_demote=0.8"),
+    (["data.level_curriculum=reverse", "data.level_curriculum_window=0"], "data.level_curriculum_window=0"),
+    (["rl.retry_share=0.0"], "rl.retry_share=0.0"),
+    (["rl.retry_unsolved=-1"], "rl.retry_unsolved=-1"),
+    (["rl.replay_groups=-2"], "rl.replay_groups=-2"),
+    (["rl.replay_groups=1000000000"], "rl.replay_groups=1000000000 would hold"),  # past half the host's memory
+]
+
+
+@pytest.mark.parametrize("overrides, fragment", BAD_HARD_TASKS, ids=[",".join(o) for o, _ in BAD_HARD_TASKS])
+def test_a_bad_hard_task_setting_is_one_line_naming_the_field(overrides, fragment):
+  cfg = configs.load("configs/tiny.py", overrides)
+  with pytest.raises(ValueError) as raised:
+    loop.check_config(cfg, 8)
+  assert fragment in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
+
+
 def test_non_finite_numbers_are_refused_by_the_loader():
   with pytest.raises(configs.ConfigError, match=r"optim.learning_rate expects a finite number, got '1e999'"):
     configs.load("configs/tiny.py", ["optim.learning_rate=1e999"])
