@@ -88,7 +88,7 @@ def get_config(arg=None):
   config.moe.capacity_factor = 1.25  # Rows per expert = factor * tokens * k / experts: the capacity
   # buffer (overflow dropped) and the buffered fast path (overflow falls back to blocks, not dropped).
   config.moe.ep_exchange = "auto"  # Expert-parallel token exchange: "all_to_all" (fixed buffers), "ragged"
-  # (ragged_all_to_all, TPU only; an error on CPU) or "auto" (ragged on TPU, all_to_all elsewhere).
+  # (ragged_all_to_all, TPU only; an error on CPU) or "auto" (ragged on TPU for training and prefill; all_to_all for decode steps and elsewhere).
   config.moe.ep_weights = "auto"  # Expert parallelism: "sharded" (expert weights never gathered; activations
   # move, fsdp x larger), "gathered" (each layer gathers its experts' D over fsdp, as FSDP does) or "auto"
   # (per call, whichever moves/holds fewer bytes for its static shapes: expert_parallel.ep_weight_bytes).

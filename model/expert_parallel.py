@@ -50,12 +50,16 @@ def check_exchange(exchange: str, backend: str, weights: str = "sharded") -> Non
                      "(the experts' backend is 'cpu'); use 'all_to_all' (fixed buffers) or 'auto'.")
 
 
-def resolve_exchange(exchange: str, backend: str) -> str:
-  """The exchange an expert-parallel call runs: `auto` is `ragged` on TPU, `all_to_all` elsewhere."""
+def resolve_exchange(exchange: str, backend: str, phase: str = "train") -> str:
+  """The exchange an expert-parallel call runs: `auto` is `ragged` on TPU for training and prefill
+  and `all_to_all` elsewhere and for decode steps. A decode step moves a few rows per device (fixed
+  buffers of them cost little), and libtpu refuses ragged-all-to-all in paper_3t's compiled decode
+  step ("INTERNAL: Assigned barrier is not acceptable for opcode: ragged-all-to-all", one slice and
+  two; docs/pods-and-aot.md), so `auto` never gives a decode step the ragged exchange."""
   check_exchange(exchange, backend)
   if exchange != "auto":
     return exchange
-  return "ragged" if backend == "tpu" else "all_to_all"
+  return "ragged" if backend == "tpu" and phase != "decode" else "all_to_all"
 
 
 def token_axes(mesh: Mesh) -> tuple[str, ...]:

@@ -189,12 +189,14 @@ def ep_weights_plan(mc, mesh: Mesh, tokens_by_phase: dict[str, int]
   shapes = dict(k=mc.num_experts_per_tok, num_experts=mc.num_experts, embed=mc.embed_dim,
                 hidden=mc.expert_mlp_dim,
                 capacity_factor=mc.capacity_factor if mc.dispatch == "capacity" else None,
-                exchange=expert_parallel.resolve_exchange(mc.ep_exchange, backend),
                 act_bytes=jnp.dtype(mc.dtype).itemsize, weight_bytes=jnp.dtype(mc.dtype).itemsize,
                 d_axes=mc.ep_d_axes)
-  return {phase: (expert_parallel.resolve_weights(mc.ep_weights, mesh, num_tokens=tokens, **shapes),
-                  expert_parallel.ep_weight_bytes(mesh, num_tokens=tokens, **shapes))
-          for phase, tokens in tokens_by_phase.items()}
+
+  def plan(phase, tokens):
+    exchange = expert_parallel.resolve_exchange(mc.ep_exchange, backend, phase)
+    return (expert_parallel.resolve_weights(mc.ep_weights, mesh, num_tokens=tokens, exchange=exchange, **shapes),
+            expert_parallel.ep_weight_bytes(mesh, num_tokens=tokens, exchange=exchange, **shapes))
+  return {phase: plan(phase, tokens) for phase, tokens in tokens_by_phase.items()}
 
 
 class MoE(nnx.Module):
@@ -361,7 +363,7 @@ class MoE(nnx.Module):
     implementation = self.implementation(phase, batch * length if per_device is None else per_device)
     if implementation == "expert_parallel":
       capacity_factor = self.capacity_factor if self.dispatch == "capacity" else None
-      exchange = expert_parallel.resolve_exchange(self.ep_exchange, self.backend())
+      exchange = expert_parallel.resolve_exchange(self.ep_exchange, self.backend(), phase)
       ys, dropped = expert_parallel.expert_parallel(xs, indices, weights, experts, mesh=self.mesh,
                                                  capacity_factor=capacity_factor, exchange=exchange,
                                                  weights=self.ep_weights, d_axes=self.ep_d_axes,

@@ -248,6 +248,9 @@ def test_expert_parallel_token_layout():
   assert specs.down == jax.sharding.PartitionSpec("expert", "tensor", "fsdp")
   assert expert_parallel.expert_weight_specs(mesh, 15, 8).gate[1] is None  # 15 does not split over fsdp=2
   assert expert_parallel.resolve_exchange("auto", "tpu") == "ragged"
+  assert expert_parallel.resolve_exchange("auto", "tpu", "prefill") == "ragged"
+  assert expert_parallel.resolve_exchange("auto", "tpu", "decode") == "all_to_all"  # libtpu refuses ragged there
+  assert expert_parallel.resolve_exchange("ragged", "tpu", "decode") == "ragged"  # an explicit choice stands
   assert expert_parallel.resolve_exchange("auto", "cpu") == "all_to_all"
 
 

@@ -271,6 +271,27 @@ def test_ragged_all_to_all_compiles_for_tpu():
   assert not _weight_gathers(hlo)
 
 
+def test_auto_exchange_gives_tpu_decode_steps_fixed_buffers():
+  """moe.ep_exchange="auto" on TPU: a decode-phase call (paper_3t's decode step is refused by libtpu
+  with ragged-all-to-all) moves its tokens with all-to-all, a prefill-phase call with
+  ragged-all-to-all (fails if the phase is not passed on, or ignored)."""
+  pytest.importorskip("libtpu", reason="compiling for TPU topologies needs libtpu (the tpu extra)")
+  mesh = _mesh(tensor=1, devices=aot.topology_devices("v5e:2x2"))
+  moe = nnx.eval_shape(lambda: MoE(D, F, E, K, mesh=mesh, dispatch="capacity", ep_weights="sharded",
+                                   rngs=nnx.Rngs(0)))
+  graph, state = nnx.split(moe)
+  state = jax.tree_util.tree_map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, PartitionSpec())), state)
+  x = jax.ShapeDtypeStruct((4, 1, D), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+
+  def collectives(phase):
+    forward = lambda s, x: nnx.merge(graph, s)(x, phase=phase)[0]  # noqa: E731
+    return traffic.collective_bytes(jax.jit(forward).lower(state, x).compile().as_text())
+  decode, prefill = collectives("decode"), collectives("prefill")
+  assert decode.get("all-to-all", 0) > 0 and "ragged-all-to-all" not in decode, decode
+  assert prefill.get("ragged-all-to-all", 0) > 0, prefill
+
+
 def test_ragged_backward_sums_no_token_rows():
   """ragged_all_to_all's result takes the varying axes of its `output` buffer: with an invariant zeros
   buffer the rows it received were typed identical on every device, so the backward psum'd their
