@@ -204,6 +204,7 @@ class Planned:
   steps: dict  # {step: {"total_gib", "fits", "projected_s", "compute_s", "ici_s", "dcn_s", "bubble"}}
   estimate_s: float
   baseline: bool = False  # the config's own mesh (the hand-chosen layout)
+  error: str = ""  # a compile that failed (not for lack of memory): the step and the compiler's message
 
 
 def projected_step_s(report, *, ici: float, dcn: float) -> tuple[float, dict]:
@@ -233,21 +234,28 @@ def rank(cfg, chosen: Sequence[tuple[Estimate, bool]], compile_fn: Callable, *, 
          ici: float, dcn: float) -> list[Planned]:
   """Compiles the steps of each chosen candidate (up to the first that does not fit) and ranks them by
   projected RL step time from the compiled reports: those that fit fastest first, then those that do
-  not (no time).
+  not (no time). A compile that fails otherwise (the compiler refusing a program) rules its candidate
+  out with the error kept, and the others are still ranked.
 
   compile_fn(cfg_with_mesh, step) -> rl/step/aot.py StepReport."""
   planned = []
   for est, is_baseline in chosen:
     trial = with_mesh(cfg, est.sizes)
-    figures, total, fits = {}, 0.0, True
+    figures, total, fits, error = {}, 0.0, True, ""
     for step in steps:  # the first step that does not fit settles it: the rest are not compiled
-      seconds, figures[step] = projected_step_s(compile_fn(trial, step), ici=ici, dcn=dcn)
+      try:
+        report = compile_fn(trial, step)
+      except Exception as failure:  # pylint: disable=broad-except  (one candidate's compiler error)
+        error = f"{step}: {type(failure).__name__}: {str(failure).strip().splitlines()[0][:300]}"
+        fits = False
+        break
+      seconds, figures[step] = projected_step_s(report, ici=ici, dcn=dcn)
       fits = bool(figures[step]["fits"])
       total += seconds * (cfg.rl.max_new_tokens if step == "decode" else 1)
       if not fits:
         break
     planned.append(Planned(sizes=est.sizes, fits=fits, step_s=total if fits else None, steps=figures,
-                           estimate_s=est.step_s, baseline=is_baseline))
+                           estimate_s=est.step_s, baseline=is_baseline, error=error))
   return sorted(planned, key=lambda p: (not p.fits, p.step_s or 0.0))
 
 
@@ -267,7 +275,8 @@ def markdown(planned: Sequence[Planned]) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
     mark = " (hand-chosen)" if p.baseline else ""
     lines.append(f"| {i}{mark} | {s[DATA_AXIS]} | {s[STAGE_AXIS]} | {s[FSDP_AXIS]} | {s[EXPERT_AXIS]} | {s[SEQUENCE_AXIS]} | "
-                 f"{s[TENSOR_AXIS]} | {'yes' if p.fits else 'NO'} | {fmt(step('update', 'total_gib'))} | "
+                 f"{s[TENSOR_AXIS]} | {'yes' if p.fits else 'compile error' if p.error else 'NO'} | {fmt(step('update', 'total_gib'))} | "
                  f"{fmt(p.step_s)} | {fmt(step('update'))} | {fmt(step('prefill'))} | {fmt(step('decode'))} | "
                  f"{fmt(p.estimate_s)} |")
+  lines += [f"\nCandidate {i} failed to compile: {p.error}" for i, p in enumerate(planned, 1) if p.error]
   return "\n".join(lines)

@@ -77,6 +77,23 @@ def test_ranking_follows_the_compiled_figures_not_the_estimate():
   assert ranked[2].baseline and not ranked[0].baseline
 
 
+def test_a_candidate_the_compiler_refuses_is_ruled_out_and_the_rest_ranked():
+  """A compile that raises (libtpu's INTERNAL refusals, not a lack of memory) rules out that candidate
+  with the step and message kept; the plan goes on (it crashed the whole paper_3t plan before)."""
+  cfg = configs.load("configs/tiny.py", SMALL)
+  sizes = [dict(data=d, stage=1, fsdp=8 // d, expert=1, sequence=1, tensor=1) for d in (1, 2)]
+  chosen = [(planner.Estimate(sizes=s, bytes_per_chip=1.0, step_s=1.0, bubble=0.0), False) for s in sizes]
+
+  def compile_fn(trial, step):
+    if trial.mesh.data == 1 and step == "decode":
+      raise RuntimeError("INTERNAL: Assigned barrier is not acceptable for opcode: ragged-all-to-all\nmore")
+    return _report(True, 0.5)
+  ranked = planner.rank(cfg, chosen, compile_fn, steps=("update", "decode"), ici=1e10, dcn=1e9)
+  assert [(p.sizes["data"], p.fits) for p in ranked] == [(2, True), (1, False)]
+  assert ranked[1].error == "decode: RuntimeError: INTERNAL: Assigned barrier is not acceptable for opcode: ragged-all-to-all"
+  assert ranked[0].error == "" and "Candidate 2 failed to compile: decode: RuntimeError" in planner.markdown(ranked)
+
+
 @pytest.mark.slow  # about 2 minutes: two candidates' updates compiled through libtpu
 def test_plan_layout_script_compiles_and_ranks_for_a_tpu_topology(tmp_path):
   pytest.importorskip("libtpu", reason="compiling for TPU topologies needs libtpu (the tpu extra)")
