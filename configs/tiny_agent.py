@@ -15,7 +15,12 @@ Recipe: a short warm start (SFT, rl.sft_steps) on oracle episodes cut at each po
 (rl/multiturn_step.Demonstrations) leaves the greedy policy solving part of the held-out episodes; GRPO on
 multi-turn episodes (rl/step/episodes.py: turn, environment step, observation into the KV cache; loss on the
 policy's own tokens) then raises held-out success.
-Options: `configs/tiny_agent.py:quick` runs 10 RL steps (a smoke run).
+Options: `configs/tiny_agent.py:quick` runs 10 RL steps (a smoke run); `configs/tiny_agent.py:sandbox`
+runs the same recipe with every episode (warm-start demonstrations, rollouts, held-out evaluation) in
+the real sandbox (rl.env_backend = "sandbox", rl/envs/file_sandbox.py): a persistent bubblewrap session
+per episode, the example's file written into its work directory, the policy's commands run by bash
+(observations are the real shell's output and exit status), the target file checked by a command the
+harness runs beside the shell. Figures: docs/benchmarks.md "The multi-turn agent demo".
 """
 
 from meshrl.configs.loader import load_preset
@@ -65,6 +70,8 @@ def get_config(arg=None):
   config.checkpoint.every = 50
   if arg == "quick":
     config.rl.num_steps = 10
+  elif arg == "sandbox":
+    config.rl.env_backend = "sandbox"  # rl/envs/file_sandbox.py: bubblewrap sessions, not the in-memory shell
   elif arg:
-    raise ValueError(f"configs/tiny_agent.py takes no option {arg!r}; options: quick.")
+    raise ValueError(f"configs/tiny_agent.py takes no option {arg!r}; options: quick, sandbox.")
   return config
