@@ -22,7 +22,8 @@ per episode, the example's file written into its work directory, the policy's co
 (observations are the real shell's output and exit status), the target file checked by a command the
 harness runs beside the shell. Its recipe is the dense synchronous one above (the MoE asynchronous
 preset in the sandbox: docs/benchmarks.md), with room for the shell's longer observations
-(rl.max_obs_tokens=24, rl.max_new_tokens=112). Figures: docs/benchmarks.md "The multi-turn agent demo".
+(rl.max_obs_tokens=24, rl.max_new_tokens=112). Measured: held-out 28.1% after the warm start -> 45.3%
+after 80 steps, 29 min on the shared machine under load (docs/benchmarks.md "The multi-turn agent demo").
 """
 
 from meshrl.configs.loader import load_preset
