@@ -206,6 +206,7 @@ def get_config(arg=None):
   config.rl.max_obs_tokens = 64  # Multi-turn: observation tokens appended per turn (longer keep their head); also the KV cache's slack.
   config.rl.env_workers = 8  # Multi-turn: threads stepping the episodes' environments.
   config.rl.env_timeout_s = 30.0  # Multi-turn: seconds one environment call may take (past it: an env failure).
+  config.rl.env_backend = "memory"  # Multi-turn: where generated families of data.tasks (files_copy) run: "memory" (an in-memory four-command shell) or "sandbox" (a persistent bubblewrap session, rl/envs/file_sandbox.py).
   config.rl.env_retries = 2  # Environment jobs (an episode's environment start): retries of an infrastructure failure, with backoff (rl/envs/env_work.py); a wrong answer is never retried.
   config.rl.env_backoff_s = 0.5  # First retry's delay in seconds; doubles per attempt.
 

@@ -150,6 +150,7 @@ def check_data(cfg) -> None:
     raise ValueError(f"data.quarantine={cfg.data.quarantine!r}: its folder {quarantine_dir} does not "
                      "exist (environment failures are appended to this file).")
   check_env_work(cfg)
+  check_env_backend(cfg)
   check_bootstrap(cfg)
 
 
@@ -231,6 +232,14 @@ def check_env_work(cfg) -> None:
     if not isinstance(flags, dict):
       raise ValueError(f"data.curriculum={cfg.data.curriculum!r}: the report has no 'curriculum' object "
                        "(write it with scripts/env_qa.py --json and a policy).")
+
+
+def check_env_backend(cfg) -> None:
+  """rl.env_backend: where the generated multi-turn families run (rl/envs/file_sandbox.BACKENDS)."""
+  backend = cfg.rl.env_backend
+  if backend not in ("memory", "sandbox"):
+    raise ValueError(f"rl.env_backend={backend!r} is not one of 'memory' (an in-memory shell) or 'sandbox' "
+                     "(a bubblewrap session).")
 
 
 def check_eval(cfg) -> None:

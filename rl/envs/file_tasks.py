@@ -7,8 +7,9 @@
 
 `FileTaskEnv` runs the episode in an in-memory file system with a four-command shell (`cat F`, `ls`,
 `echo WORDS > F`, `echo WORDS >> F`): no sandbox process per call, so the agent demo
-(configs/tiny_agent.py) spends its time on the model. Terminal task directories (rl/envs/terminal.py)
-run through the same multi-turn rollout (rl/step/episodes.py) in the bubblewrap sandbox instead.
+(configs/tiny_agent.py) spends its time on the model. With rl.env_backend = "sandbox" the same
+examples run in the real sandbox instead (rl/envs/file_sandbox.py: a persistent bubblewrap session
+through TerminalEnv, as terminal task directories run).
 
 `data.tasks="files_copy:1.0"` draws it through `TaskPool` (rl/step/episodes.py `episode_pools`), with the
 held-out hash split of every family; `oracle_turns(example)` is the reference episode, which
@@ -48,21 +49,23 @@ def copy_task(rng: np.random.Generator, difficulty: int) -> dict:
 
 class TaskPool:
   """The family as a random-access pool of examples (example i from rng [seed, i], stamped with
-  domain, verifier and difficulty): what TaskMixture's `pools` take, so `data.tasks="files_copy:1.0"`
-  draws it with the usual hash split of held-out prompts, without touching the single-turn DOMAINS
-  registry (this family has no single-turn verifier)."""
+  domain, verifier, difficulty and the backend its episodes run in, rl.env_backend: "memory"
+  (FileTaskEnv) or "sandbox" (rl/envs/file_sandbox.py)): what TaskMixture's `pools` take, so
+  `data.tasks="files_copy:1.0"` draws it with the usual hash split of held-out prompts, without touching
+  the single-turn DOMAINS registry (this family has no single-turn verifier)."""
 
-  def __init__(self, difficulty: int = 1, seed: int = 0):
+  def __init__(self, difficulty: int = 1, seed: int = 0, backend: str = "memory"):
     if not 1 <= difficulty <= LEVELS:
       raise ValueError(f"data.difficulty={difficulty} for {FAMILY!r} must lie in 1..{LEVELS}.")
-    self.difficulty, self.seed = difficulty, seed
+    self.difficulty, self.seed, self.backend = difficulty, seed, backend
 
   def __len__(self) -> int:
     return 2 ** 31
 
   def __getitem__(self, index: int) -> dict:
     example = copy_task(np.random.default_rng([self.seed, int(index)]), self.difficulty)
-    return {**example, "domain": FAMILY, "verifier": VERIFIER, "difficulty": self.difficulty}
+    return {**example, "domain": FAMILY, "verifier": VERIFIER, "difficulty": self.difficulty,
+            "backend": self.backend}
 
 
 def _shell(files: dict[str, str], command: str) -> str:

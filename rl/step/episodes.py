@@ -76,16 +76,18 @@ EPISODE_FAMILIES = {file_tasks.FAMILY: file_tasks.TaskPool}  # data.tasks names 
 def episode_pools(cfg) -> dict:
   """{name: pool} of the multi-turn families data.tasks names (for TaskMixture's `pools`)."""
   names = [part.split(":")[0].strip() for part in str(cfg.data.tasks).split(",")]
-  return {name: EPISODE_FAMILIES[name](cfg.data.difficulty, cfg.seed) for name in names
+  return {name: EPISODE_FAMILIES[name](cfg.data.difficulty, cfg.seed, cfg.rl.env_backend) for name in names
           if name in EPISODE_FAMILIES}
 
 
 def default_env(example: dict):
-  """The environment an example names: FileTaskEnv ("files"), TerminalEnv ("terminal"), else a
+  """The environment an example names: "files" in its backend (FileTaskEnv in memory, or
+  rl/envs/file_sandbox.FileSandboxEnv in a sandbox session), TerminalEnv ("terminal"), else a
   SingleTurnEnv scored by rl.rewards.answer_reward."""
   from meshrl.rl.envs.driver import env_for  # pylint: disable=import-outside-toplevel
   if example.get("verifier") == file_tasks.VERIFIER:
-    return file_tasks.FileTaskEnv()
+    from meshrl.rl.envs.file_sandbox import file_env  # pylint: disable=import-outside-toplevel
+    return file_env(example)
   return env_for(example)
 
 
