@@ -21,10 +21,13 @@ environment) shows the policy the sandbox's observations too.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from meshrl.rl.envs import file_tasks
 from meshrl.rl.envs.terminal import TerminalEnv
-from meshrl.rl.sandbox import Limits
+from meshrl.rl.sandbox import Limits, SandboxUnavailable, check_bwrap
+from meshrl.rl.sandbox.bwrap import Runtime
+from meshrl.rl.sandbox.session import UID_BASE
 from meshrl.rl.sandbox.session import SessionSpec
 
 BACKENDS = ("memory", "sandbox")  # rl.env_backend: where generated multi-turn families run
@@ -83,3 +86,16 @@ def file_env(example: dict):
   if backend not in BACKENDS:
     raise ValueError(f"example backend={backend!r} is not one of {BACKENDS} (rl.env_backend).")
   return FileSandboxEnv() if backend == "sandbox" else file_tasks.FileTaskEnv()
+
+
+def check_backend_runs(backend: str) -> None:
+  """Before a run starts: with rl.env_backend = "sandbox", bubblewrap must start a session here (the
+  probe sessions run: as an unprivileged uid when this process is root). ValueError in one line
+  naming the field and why, else every episode would fail its environment one by one."""
+  if backend != "sandbox":
+    return
+  try:
+    check_bwrap(Runtime.host(), uid=UID_BASE if os.geteuid() == 0 else None)
+  except SandboxUnavailable as error:
+    raise ValueError(f"rl.env_backend='sandbox' cannot run here: {' '.join(str(error).split())} "
+                     "(rl.env_backend=memory runs the same tasks in an in-memory shell).") from None

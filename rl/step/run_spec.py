@@ -25,6 +25,7 @@ from meshrl.rl.algo import advantages as adv_lib
 from meshrl.rl.algo import losses
 from meshrl.rl.batches.packing import update_shape
 from meshrl.rl.envs import TaskMixture
+from meshrl.rl.envs.file_sandbox import check_backend_runs
 from meshrl.rl.envs.quality import Quarantine
 from meshrl.rl.envs.registry import check_single_turn, load_domains
 from meshrl.rl.generation.spec import GenerationSpec
@@ -176,6 +177,8 @@ def _check_data(cfg) -> None:
   if not wants_multi_turn(cfg) and episode_pools(cfg):
     raise ValueError(f"data.tasks={cfg.data.tasks!r} names multi-turn families {sorted(episode_pools(cfg))}: "
                      "set rl.multi_turn=true.")
+  if episode_pools(cfg):
+    check_backend_runs(cfg.rl.env_backend)
   if cfg.data.domains:
     domain_specs(cfg)
   Quarantine(cfg.data.quarantine)  # a malformed list is named by file and line

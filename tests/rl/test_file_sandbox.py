@@ -138,3 +138,17 @@ def test_a_bad_backend_is_named():
     checks.check_sections(configs.load("configs/tiny_agent.py", ["rl.env_backend=docker"]), "data")
   with pytest.raises(ValueError, match=r"backend='bwrap' is not one of"):
     file_env({**EXAMPLES[0], "backend": "bwrap"})
+
+
+def test_a_sandbox_backend_without_bubblewrap_is_refused_before_the_run(monkeypatch):
+  """rl.env_backend=sandbox where bubblewrap cannot run (a fresh machine): check_config refuses it in
+  one line naming the field, rather than every episode failing its environment."""
+  from meshrl.rl.sandbox import bwrap  # pylint: disable=import-outside-toplevel
+  bwrap.check_bwrap.cache_clear()  # the probe's verdict is cached per process: probe again here
+  monkeypatch.setattr(bwrap.shutil, "which", lambda name: None)
+  with pytest.raises(ValueError) as raised:
+    driver.check_config(configs.load("configs/tiny_agent.py:sandbox"), 8)
+  message = str(raised.value)
+  assert message.startswith("rl.env_backend='sandbox' cannot run here: bubblewrap") and "\n" not in message
+  driver.check_config(configs.load("configs/tiny_agent.py"), 8)  # the in-memory backend needs none
+  bwrap.check_bwrap.cache_clear()  # later tests probe the real bwrap again
