@@ -463,7 +463,8 @@ def _train(cfg, workdir: str, ready: _Prepared, checkpointer: Checkpointer | Non
     sft_source = warm_start_source(cfg, source)  # its generated domains at rl.sft_difficulty
     try:
       warm = run_sft(cfg, os.path.join(workdir, "sft"), mesh=mesh, model=model,
-                     source=Demonstrations(sft_source) if multi_turn else sft_source,
+                     source=(Demonstrations(sft_source, tokenizer=tokenizer, max_obs_tokens=cfg.rl.max_obs_tokens)
+                             if multi_turn else sft_source),
                      tokenizer=tokenizer, preemption=preemption)
     except BaseException:
       if checkpointer is not None:

@@ -22,7 +22,7 @@ from meshrl.rl.batches.handover import ScoredBatch
 from meshrl.rl.envs import file_tasks
 from meshrl.rl.envs.base import DONE
 from meshrl.rl.step.episodes import (ENDS, EpisodeStats, MultiTurnRollout, default_env,
-                                 episode_pools, render_observation)
+                                 episode_pools, observation_ids, render_observation)
 from meshrl.rl.step.replay import with_replay
 from meshrl.sharding import hosts
 
@@ -238,10 +238,23 @@ class Demonstrations:
   source it wraps: row i is example i's oracle episode, run in its environment, cut at one policy
   turn (turn i mod turns): {"prompt": the task, earlier turns and observations as the rollout renders
   them, "answer": that turn}. So the warm start trains only on policy turns, in the rollout's own
-  layout. Examples without oracle turns are single-turn rows as they are (prompt -> answer)."""
+  layout. Examples without oracle turns are single-turn rows as they are (prompt -> answer).
 
-  def __init__(self, source, make_env: Callable[[dict], Any] = default_env):
+  With a `tokenizer` and `max_obs_tokens` (rl.max_obs_tokens) each observation is cut as the rollout
+  cuts it (episodes.observation_ids), so the policy is trained on the observations it will see: a
+  real shell's "owl\n[exit 0]" is longer than the in-memory shell's "owl", and shown whole it taught
+  a layout rollouts never give (0% held-out after the sandbox demo's warm start)."""
+
+  def __init__(self, source, make_env: Callable[[dict], Any] = default_env, *, tokenizer=None,
+               max_obs_tokens: int = 0):
     self.source, self.make_env = source, make_env
+    self.tokenizer, self.max_obs_tokens = tokenizer, max_obs_tokens
+
+  def _observation(self, text: str) -> str:
+    if self.tokenizer is None or not self.max_obs_tokens:
+      return render_observation(text)
+    ids = observation_ids(self.tokenizer, text, self.max_obs_tokens)
+    return "" if ids is None else self.tokenizer.decode(ids)
 
   def __getitem__(self, index: int) -> dict:
     example = self.source[index]
@@ -253,7 +266,7 @@ class Demonstrations:
     cut = index % len(turns)
     for turn in turns[:cut]:
       result = env.step(turn)
-      text += turn + ("" if result.done else render_observation(result.observation))
+      text += turn + ("" if result.done else self._observation(result.observation))
     return {**example, "prompt": text, "answer": turns[cut]}
 
 

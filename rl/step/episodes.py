@@ -70,6 +70,17 @@ def render_observation(text: str) -> str:
   return f"{OBS_OPEN}{text}{OBS_CLOSE}"
 
 
+def observation_ids(tokenizer, text: str, limit: int) -> list[int] | None:
+  """The rendered observation in at most `limit` tokens (rl.max_obs_tokens, or the room left): its
+  head, then always the closing tag (None when not even the tags and one token fit). Rollouts feed
+  these; the warm start's demonstrations show the same cut (episode_collect.Demonstrations)."""
+  close = tokenizer.encode(OBS_CLOSE, add_bos=False)
+  head = tokenizer.encode(OBS_OPEN + text, add_bos=False)
+  if limit - len(close) <= len(tokenizer.encode(OBS_OPEN, add_bos=False)):
+    return None
+  return head[:limit - len(close)] + close
+
+
 EPISODE_FAMILIES = {file_tasks.FAMILY: file_tasks.TaskPool}  # data.tasks names served as pools
 
 
@@ -274,16 +285,6 @@ class EpisodeRunner:
 
   # --- environments -------------------------------------------------------------------------------
 
-  def _observation_ids(self, text: str, limit: int) -> list[int] | None:
-    """The rendered observation in at most `limit` tokens: its head, then always the closing tag
-    (None when not even the tags and one token fit)."""
-    tok = self.tokenizer
-    close = tok.encode(OBS_CLOSE, add_bos=False)
-    head = tok.encode(OBS_OPEN + text, add_bos=False)
-    if limit - len(close) <= len(tok.encode(OBS_OPEN, add_bos=False)):
-      return None
-    return head[:limit - len(close)] + close
-
   def _answer(self, episode: _Episode, turn: Turn, result) -> list[int] | None:
     """After the environment's step: the observation's tokens, or None when the episode ends (with
     `<done>` sent for a budget's end, so it is graded). Runs in a worker thread."""
@@ -302,7 +303,7 @@ class EpisodeRunner:
       end = "token_budget"
     else:
       room = budget.episode_len - (turn.count - budget.prompt_len) - 1  # and one more policy token
-      ids = self._observation_ids(result.observation, min(room, budget.max_obs_tokens))
+      ids = observation_ids(self.tokenizer, result.observation, min(room, budget.max_obs_tokens))
       if ids is not None:
         stats.obs_tokens += len(ids)
         return ids

@@ -152,3 +152,26 @@ def test_a_sandbox_backend_without_bubblewrap_is_refused_before_the_run(monkeypa
   assert message.startswith("rl.env_backend='sandbox' cannot run here: bubblewrap") and "\n" not in message
   driver.check_config(configs.load("configs/tiny_agent.py"), 8)  # the in-memory backend needs none
   bwrap.check_bwrap.cache_clear()  # later tests probe the real bwrap again
+
+
+def test_the_warm_start_shows_observations_cut_as_rollouts_cut_them(tmp_path, monkeypatch):
+  """The run's warm start (driver -> run_sft) gets demonstrations whose observations are cut to
+  rl.max_obs_tokens exactly as a rollout feeds them (episodes.observation_ids), head and closing tag:
+  fails if the driver drops the tokenizer or the limit, or the demonstrations render whole outputs."""
+  from meshrl.rl.step.episodes import OBS_CLOSE, observation_ids  # pylint: disable=import-outside-toplevel
+  from meshrl.train import sft  # pylint: disable=import-outside-toplevel
+  seen = {}
+
+  def fake_run_sft(cfg, workdir, *, source, tokenizer, **kw):
+    seen["source"], seen["tokenizer"] = source, tokenizer
+    return sft.SFTResult(model=None, state=None, graphdef=None, history=[], preempted=True)
+  monkeypatch.setattr(sft, "run_sft", fake_run_sft)
+  cfg = configs.load("configs/tiny_agent.py", ["rl.max_obs_tokens=13", "eval.every=0", f"workdir={tmp_path}"])
+  assert driver.run(cfg, str(tmp_path)) == []
+  source, tok = seen["source"], seen["tokenizer"]
+  row = next(source[i] for i in range(1, 9) if "</out>" in source[i]["prompt"])  # after one oracle turn
+  shown = row["prompt"][row["prompt"].index("<out>"):row["prompt"].index(OBS_CLOSE) + len(OBS_CLOSE)]
+  assert len(tok.encode(shown, add_bos=False)) <= 13 and shown.endswith(OBS_CLOSE)
+  word = row["files"][next(iter(row["files"]))].strip()
+  assert shown == tok.decode(observation_ids(tok, word + "\n", 13))  # "<out>ow</out>": the rollout's cut
+  assert word not in shown  # the three-letter word does not fit in 13 tokens with the tags
