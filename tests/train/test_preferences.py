@@ -100,3 +100,43 @@ def test_synthetic_pairs_are_right_against_wrong_by_the_verifier(task):
   answers = {e["answer"] for e in examples}
   others = sum(p.rejected in answers for p in pairs) / len(pairs)
   assert others > 0.35 and (task != "reverse" or others < 0.65), others
+
+
+def _order_shares(pairs):
+  """(share of rejected sides that are the chosen side's symbols in another order, share that are
+  the prompt's own order, share written with one symbol throughout where the answer has several)."""
+  same = [p for p in pairs if sorted(p.rejected) == sorted(p.chosen)]
+  copies = [p for p in pairs if p.rejected == p.chosen[::-1]]
+  one_symbol = [p for p in pairs if len(set(p.rejected)) == 1 and len(set(p.chosen)) > 1]
+  return len(same) / len(pairs), len(copies) / len(pairs), len(one_symbol) / len(pairs)
+
+
+@pytest.mark.parametrize("task", ["reverse", "sort"])
+def test_policy_error_negatives_are_verifier_wrong_and_teach_order(task):
+  """rm.negatives="policy_errors": every chosen side verifier-right, every rejected side
+  verifier-wrong, and the rejected sides are mostly the answer's own symbols in another order (the
+  prompt's order among them) or one symbol throughout: what near misses rarely give. Fails if the
+  option is ignored (the near-miss shares are measured beside it) or a draw the verifier accepts is
+  kept as a rejected side."""
+  examples = TaskMixture(f"{task}:1.0", seed=5).take(400)
+  by_prompt = {e["prompt"]: e for e in examples}
+  is_correct = lambda text, ex: answer_reward(text, ex) >= 1.0  # noqa: E731
+  pairs = synthetic_pairs(examples, seed=5, is_correct=is_correct, negatives="policy_errors")
+  near = synthetic_pairs(examples, seed=5, is_correct=is_correct)
+  assert len(pairs) >= 380
+  for pair in pairs:
+    assert answer_reward(pair.chosen, by_prompt[pair.prompt]) == 1.0
+    assert answer_reward(pair.rejected, by_prompt[pair.prompt]) < 1.0
+  same, copies, one_symbol = _order_shares(pairs)
+  near_same, near_copies, near_one_symbol = _order_shares(near)
+  assert same > 0.3 and same > 1.5 * near_same, (same, near_same)
+  assert one_symbol > 0.04 and one_symbol > 4 * near_one_symbol, (one_symbol, near_one_symbol)
+  if task == "reverse":  # the prompt's order: the error a policy that copies instead of reversing makes
+    assert copies > 0.06 and copies > 3 * near_copies, (copies, near_copies)
+  assert synthetic_pairs(examples, seed=5, is_correct=is_correct, negatives="policy_errors") == pairs
+
+
+def test_an_unknown_negatives_kind_is_one_line():
+  with pytest.raises(ValueError, match=r"^rm.negatives='on_policy' is not one of 'near_misses', 'policy_errors'.$"):
+    synthetic_pairs(TaskMixture("reverse:1.0", seed=5).take(2), seed=5, is_correct=lambda t, e: False,
+                    negatives="on_policy")
