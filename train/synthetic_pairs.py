@@ -13,7 +13,7 @@ steps by well-formed answers to no prompt: "xjx" for "rev abc=", "116" for every
 rm.negatives="policy_errors" draws the rejected side from the errors a policy learning the task
 writes instead (`policy_error`): the answer's own symbols in another order (the prompt's order, a
 partial reversal, any permutation), one symbol written throughout ("rrr" for "kir"), one dropped or
-doubled, a symbol from outside the prompt, or another example's answer. Near misses alone left RMs
+doubled, a symbol the answer lacks, or another example's answer. Near misses alone left RMs
 that learned which letters appear and not their order ("rrr" for "rev rik=" outscored "kir"; the
 correct answer was the RM's top choice among 100 candidates for 0-12.5% of prompts); these pairs
 teach order and count.
@@ -62,7 +62,9 @@ def policy_error(answer: str, rng: np.random.Generator, alphabet: Sequence[str])
   """One error of the kind a policy writing `answer` makes (may equal it; the caller checks): half
   the time the same symbols in another order (reversed back, i.e. the prompt's order; a reversed
   prefix or suffix; a permutation), else one symbol throughout, one dropped or doubled, or one
-  replaced by a symbol that is not in `alphabet`."""
+  replaced by any symbol the answer lacks (`alphabet` unused: drawing from outside the prompt never
+  showed a reward model the prompt's "r", "e", "v" in a wrong answer, and RL against it wrote
+  "eee", measured)."""
   chars = list(answer)
   n = len(chars)
   kind = int(rng.integers(8)) if n > 1 else int(rng.choice([5, 6, 7]))
@@ -81,8 +83,8 @@ def policy_error(answer: str, rng: np.random.Generator, alphabet: Sequence[str])
   elif kind == 6:  # one doubled
     i = int(rng.integers(n))
     chars.insert(i, chars[i])
-  else:  # one replaced by a symbol from outside the prompt
-    outside = [c for c in _SYMBOLS if c not in alphabet] or list(_SYMBOLS)
+  else:  # one replaced by a symbol the answer lacks (the prompt's own "rev" letters among them)
+    outside = [c for c in _SYMBOLS if c not in answer]
     chars[int(rng.integers(n))] = str(rng.choice(outside))
   return "".join(chars)
 

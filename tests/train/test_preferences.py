@@ -11,7 +11,7 @@ from meshrl.rl.envs.mixture import TaskMixture
 from meshrl.rl.rewards import answer_reward
 from meshrl.train.data import encode_example
 from meshrl.train.preferences import encode_pairs, read_pairs, split_pairs
-from meshrl.train.synthetic_pairs import synthetic_pairs
+from meshrl.train.synthetic_pairs import policy_error, synthetic_pairs
 
 GOOD = {"prompt": "rev abc=", "chosen": "cba", "rejected": "cab"}
 
@@ -140,3 +140,14 @@ def test_an_unknown_negatives_kind_is_one_line():
   with pytest.raises(ValueError, match=r"^rm.negatives='on_policy' is not one of 'near_misses', 'policy_errors'.$"):
     synthetic_pairs(TaskMixture("reverse:1.0", seed=5).take(2), seed=5, is_correct=lambda t, e: False,
                     negatives="on_policy")
+
+
+def test_policy_errors_use_every_symbol_the_answer_lacks():
+  """A replaced symbol may be any the answer lacks, the prompt's own "r", "e", "v" included: drawn
+  only from outside the prompt, no wrong answer ever held them and RL against that reward model
+  wrote "eee" (measured)."""
+  rng = np.random.default_rng(0)
+  seen = set()
+  for _ in range(3000):
+    seen |= set(policy_error("cba", rng, sorted(set("revabc"))))
+  assert {"r", "e", "v", "z", "0"} <= seen and len(seen - set("cba")) >= 30, sorted(seen)
