@@ -16,7 +16,7 @@ partial reversal, any permutation), one symbol written throughout ("rrr" for "ki
 doubled, a symbol the answer lacks, or another example's answer. Near misses alone left RMs
 that learned which letters appear and not their order ("rrr" for "rev rik=" outscored "kir"; the
 correct answer was the RM's top choice among 100 candidates for 0-12.5% of prompts); these pairs
-teach order and count.
+teach order and count (and RL still games the 2- and 4-layer RMs trained on them: docs/benchmarks.md).
 A corruption (or another answer) the verifier still accepts (e.g. the same digits of a sum in another order that happen to be right) is
 drawn again; an example with no wrong corruption in 32 draws gives no pair.
 """
