@@ -245,6 +245,7 @@ def get_config(arg=None):
   config.rm.train_jsonl = ""  # Preference pairs, JSONL of {"prompt", "chosen", "rejected", "margin"?}; "" = synthetic pairs from data.tasks.
   config.rm.eval_jsonl = ""  # Held-out pairs, same format; "" = the pairs whose prompt hashes into data.eval_fraction.
   config.rm.synthetic_pairs = 4096  # Synthetic training pairs (rm.train_jsonl=""): chosen = the task's answer, rejected = a wrong one.
+  config.rm.negatives = "near_misses"  # Synthetic pairs' rejected sides: "near_misses" (an edit of the answer, or another prompt's answer) or "policy_errors" (the answer's symbols in another order, one symbol throughout, one dropped/doubled/foreign; train/synthetic_pairs.py).
   config.rm.eval_pairs = 512  # Held-out pairs evaluated (fewer when the held-out side has fewer).
   config.rm.steps = 300  # Training steps.
   config.rm.batch_size = 32  # Pairs per step (each pair is two rows: chosen and rejected).

@@ -279,6 +279,7 @@ def check_rm(cfg) -> None:
   at_least(cfg, "rm.margin", 0.0, " (the score gap a pair's chosen side must clear)")
   at_least(cfg, "rm.max_len", 0, " (0 = model.max_seq_len)")
   one_of(cfg, "rm.overflow", ("reject", "truncate"))
+  one_of(cfg, "rm.negatives", ("near_misses", "policy_errors"))
   existing_file("rm.train_jsonl", cfg.rm.train_jsonl)
   existing_file("rm.eval_jsonl", cfg.rm.eval_jsonl)
   if not (cfg.rm.train_jsonl and cfg.rm.eval_jsonl):

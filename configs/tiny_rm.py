@@ -14,7 +14,9 @@ Expect (measured, 2 shared cores): held-out pairwise accuracy 0.477 -> 0.922 aft
 RL games the reward model: eval/accuracy 41.5% after the warm start, 3% after 10 RL steps, while
 eval/rm_score does not fall. docs/benchmarks.md ("RL against a learned reward model") has the
 variants tried and why a reward model this small is gamed; the target of issue 35 (accuracy up 20
-points) is not met by any of them.
+points) is not met by any of them, policy-error negatives included (--config.rm.negatives=
+policy_errors: rejected = the answer's letters in another order, one letter throughout, one
+dropped, doubled or foreign; 0.926 held-out pairwise accuracy in rm.steps=700, then 41.5% -> 0%).
 
 Your own preferences: --config.rm.train_jsonl=prefs.jsonl (and rm.eval_jsonl) with
 --config.rl.reward_model_checkpoint=runs/my_rm (a new folder); `scripts/train_rm.py` with this

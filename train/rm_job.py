@@ -11,7 +11,8 @@ The reward model is the config's model (model.*, from model.init_from when set) 
 as its score head: `reward_model_config` sets it, so a policy's config (configs/tiny_rm.py) names the
 reward model of its own shape. Pairs come from rm.train_jsonl ({"prompt", "chosen", "rejected",
 "margin"?} per line) or, when it is "", are made from the data.tasks mixture: chosen = the task's
-answer, rejected = a near miss the task's verifier calls wrong. Held-out pairs: rm.eval_jsonl, else
+answer, rejected = a near miss (or, rm.negatives="policy_errors", a policy's kind of error) the
+task's verifier calls wrong. Held-out pairs: rm.eval_jsonl, else
 the pairs whose prompts fall in the held-out data.eval_fraction.
 """
 
@@ -134,7 +135,8 @@ def _synthetic_pairs(cfg):
     mixture = TaskMixture(cfg.data.tasks, difficulty=cfg.data.difficulty, seed=seed, split=split,
                           eval_fraction=cfg.data.eval_fraction)
     return synthetic_pairs(mixture.take(count), seed=seed, origin=f"synthetic {split} example",
-                           is_correct=lambda text, example: answer_reward(text, example) >= 1.0)
+                           is_correct=lambda text, example: answer_reward(text, example) >= 1.0,
+                           negatives=cfg.rm.negatives)
   return side("train", cfg.seed, cfg.rm.synthetic_pairs), side("eval", cfg.seed + 7919, cfg.rm.eval_pairs)
 
 

@@ -57,6 +57,7 @@ CASES = [
      "rm.eval_jsonl='{good}' shares 12 prompt(s) with rm.train_jsonl"),
     (["--config.rm.train_jsonl={folder}/nope.jsonl"], "rm.train_jsonl='{folder}/nope.jsonl': no such file"),
     (["--config.rm.overflow=drop"], "rm.overflow='drop' is not one of 'reject', 'truncate'"),
+    (["--config.rm.negatives=on_policy"], "rm.negatives='on_policy' is not one of 'near_misses', 'policy_errors'"),
     (["--config.rm.margin=-1.0"], "rm.margin=-1.0 must be at least 0.0"),
     (["--config.rm.max_len=100"], "rm.max_len=100 must lie in [0, model.max_seq_len=64]"),
     (["--config.rm.batch_size=3"], "rm.batch_size=3 is not divisible by the 8 batch shards"),

@@ -11,7 +11,7 @@ from meshrl.rl.envs.mixture import TaskMixture
 from meshrl.rl.rewards import answer_reward
 from meshrl.train.data import encode_example
 from meshrl.train.preferences import encode_pairs, read_pairs, split_pairs
-from meshrl.train.synthetic_pairs import synthetic_pairs
+from meshrl.train.synthetic_pairs import policy_error, synthetic_pairs
 
 GOOD = {"prompt": "rev abc=", "chosen": "cba", "rejected": "cab"}
 
@@ -100,3 +100,67 @@ def test_synthetic_pairs_are_right_against_wrong_by_the_verifier(task):
   answers = {e["answer"] for e in examples}
   others = sum(p.rejected in answers for p in pairs) / len(pairs)
   assert others > 0.35 and (task != "reverse" or others < 0.65), others
+
+
+def _order_shares(pairs):
+  """(share of rejected sides that are the chosen side's symbols in another order, share that are
+  the prompt's own order, share written with one symbol throughout where the answer has several)."""
+  same = [p for p in pairs if sorted(p.rejected) == sorted(p.chosen)]
+  copies = [p for p in pairs if p.rejected == p.chosen[::-1]]
+  one_symbol = [p for p in pairs if len(set(p.rejected)) == 1 and len(set(p.chosen)) > 1]
+  return len(same) / len(pairs), len(copies) / len(pairs), len(one_symbol) / len(pairs)
+
+
+@pytest.mark.parametrize("task", ["reverse", "sort"])
+def test_policy_error_negatives_are_verifier_wrong_and_teach_order(task):
+  """rm.negatives="policy_errors": every chosen side verifier-right, every rejected side
+  verifier-wrong, and the rejected sides are mostly the answer's own symbols in another order (the
+  prompt's order among them) or one symbol throughout: what near misses rarely give. Fails if the
+  option is ignored (the near-miss shares are measured beside it) or a draw the verifier accepts is
+  kept as a rejected side."""
+  examples = TaskMixture(f"{task}:1.0", seed=5).take(400)
+  by_prompt = {e["prompt"]: e for e in examples}
+  is_correct = lambda text, ex: answer_reward(text, ex) >= 1.0  # noqa: E731
+  pairs = synthetic_pairs(examples, seed=5, is_correct=is_correct, negatives="policy_errors")
+  near = synthetic_pairs(examples, seed=5, is_correct=is_correct)
+  assert len(pairs) >= 380
+  for pair in pairs:
+    assert answer_reward(pair.chosen, by_prompt[pair.prompt]) == 1.0
+    assert answer_reward(pair.rejected, by_prompt[pair.prompt]) < 1.0
+  same, copies, one_symbol = _order_shares(pairs)
+  near_same, near_copies, near_one_symbol = _order_shares(near)
+  assert same > 0.3 and same > 1.5 * near_same, (same, near_same)
+  assert one_symbol > 0.04 and one_symbol > 4 * near_one_symbol, (one_symbol, near_one_symbol)
+  if task == "reverse":  # the prompt's order: the error a policy that copies instead of reversing makes
+    assert copies > 0.06 and copies > 3 * near_copies, (copies, near_copies)
+  assert synthetic_pairs(examples, seed=5, is_correct=is_correct, negatives="policy_errors") == pairs
+
+
+def test_an_unknown_negatives_kind_is_one_line():
+  with pytest.raises(ValueError, match=r"^rm.negatives='on_policy' is not one of 'near_misses', 'policy_errors'.$"):
+    synthetic_pairs(TaskMixture("reverse:1.0", seed=5).take(2), seed=5, is_correct=lambda t, e: False,
+                    negatives="on_policy")
+
+
+def test_policy_errors_use_every_symbol_the_answer_lacks():
+  """A replaced symbol may be any the answer lacks, the prompt's own "r", "e", "v" included: drawn
+  only from outside the prompt, no wrong answer ever held them and RL against that reward model
+  wrote "eee" (measured)."""
+  rng = np.random.default_rng(0)
+  seen = set()
+  for _ in range(3000):
+    seen |= set(policy_error("cba", rng, sorted(set("revabc"))))
+  assert {"r", "e", "v", "z", "0"} <= seen and len(seen - set("cba")) >= 30, sorted(seen)
+
+
+def test_the_reward_model_job_makes_the_negatives_rm_negatives_names():
+  """train/rm_job draws both sides' synthetic pairs with rm.negatives (an option dropped on the way
+  from the config leaves the near misses: the order shares below fall to theirs)."""
+  from meshrl import configs  # pylint: disable=import-outside-toplevel
+  from meshrl.train import rm_job  # pylint: disable=import-outside-toplevel
+  sizes = ["rm.synthetic_pairs=300", "rm.eval_pairs=300"]
+  near = rm_job._synthetic_pairs(configs.load("configs/tiny_rm.py", sizes))  # pylint: disable=protected-access
+  errors = rm_job._synthetic_pairs(configs.load("configs/tiny_rm.py", sizes + ["rm.negatives=policy_errors"]))  # pylint: disable=protected-access
+  for near_side, errors_side in zip(near, errors):
+    assert [p.prompt for p in near_side] == [p.prompt for p in errors_side]
+    assert _order_shares(errors_side)[2] > 4 * _order_shares(near_side)[2] + 0.04
