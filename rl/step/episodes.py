@@ -451,12 +451,21 @@ class EpisodeRunner:
     self.count_failures(episodes, lambda b: examples[b // self.spec.group_size])
     return self.output(pool, episodes, np.arange(num), counts, stats)
 
-  def output(self, pool, episodes: dict[int, _Episode], rows: np.ndarray, counts: dict, stats) -> MultiTurnRollout:
+  def output(self, pool, episodes: dict[int, _Episode], rows: np.ndarray, counts: dict, stats, *,
+             carried: bool = False) -> MultiTurnRollout:
     """The episodes of pool rows `rows` (all of them, or a partial step's ended groups) as the step
-    takes them: per-token fields kept on the devices, stats and texts gathered from their hosts."""
+    takes them: per-token fields kept on the devices, stats and texts gathered from their hosts.
+
+    carried: the pool lives on (partial episodes), and its next step's programs donate its buffers,
+    possibly in another thread while this step still reads its batch (asynchronous RL): the routes,
+    the one field the batch would otherwise share with the pool, are then taken as a copy of the
+    ended rows (a shared buffer donated under a running read crashed XLA:CPU with a segfault)."""
     batch = rollout_batch(pool, self.spec.prompt_len, self.spec.step.pad_id)
     fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
     routing = fields.pop("routing")
+    routing_rows = rows
+    if carried and routing is not None:
+      routing, routing_rows = jnp.take(routing, jnp.asarray(rows, jnp.int32), axis=1), np.arange(len(rows))
     arrays = rollout_rows(fields, rows)
     num = pool.num_samples
     own = hosts.share(num)
@@ -467,7 +476,7 @@ class EpisodeRunner:
     arrays["truncated"] = np.asarray([s.end != "done" for s in chosen], bool)
     if routing is not None:
       from meshrl.rl.batches.routes import RoutingRows  # pylint: disable=import-outside-toplevel
-      arrays["routing"] = RoutingRows.of_rollout(routing, rows)
+      arrays["routing"] = RoutingRows.of_rollout(routing, routing_rows)
     tokens, count = hosts.share_to_host(pool.tokens), hosts.to_host(pool.count)
     lp, tok = self.spec.prompt_len, self.tokenizer
     texts = dict(hosts.gather_objects([[b, tok.decode(tokens[b - own.start, lp:count[b]], stop_at_eos=False)]
@@ -552,7 +561,8 @@ class PartialEpisodes:
     done = hosts.to_host(self.pool.done).reshape(self.num_groups, group).all(axis=1)
     ended = np.flatnonzero(done & self.live)
     rows = (ended[:, None] * group + np.arange(group)).reshape(-1)
-    out = self.runner.output(self.pool, self.episodes, rows, {"prefill_tokens": 0, "prompts_truncated": 0}, stats)
+    out = self.runner.output(self.pool, self.episodes, rows, {"prefill_tokens": 0, "prompts_truncated": 0}, stats,
+                             carried=True)
     self.runner.count_failures({int(b): self.episodes[int(b)] for b in rows if int(b) in self.episodes},
                                lambda b: self.examples[b // group])
     for b in rows:

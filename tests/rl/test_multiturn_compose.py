@@ -103,6 +103,35 @@ def test_generation_options_reach_episodes():
   assert sum(e.policy_tokens for e in out.episodes) > 0
 
 
+def test_partial_episodes_hand_over_routes_the_carried_pool_does_not_hold(devices):
+  """Partial episodes with routing replay: the routes of a step's ended episodes are a copy of their
+  rows, not the carried pool's routing buffer, which the next step's programs donate (under
+  asynchronous RL in the episodes' thread while the update still reads the routes: a segfault in CI).
+  Fails if the harvest hands the pool's own buffer over (the routes then read as deleted, or change)."""
+  del devices
+  cfg = configs.load("configs/tiny.py", SMALL + ["rl.engine=continuous", "rl.decode_slots=8",
+                                                 "rl.rollout_token_budget=96"])
+  run, _ = loop.setup(cfg)
+  examples = _examples()
+  draw = lambda count: [next(examples) for _ in range(count)]  # noqa: E731
+  for version in range(6):  # until a step ends some group
+    out, _, info = run.partial.step(run.state.params, run.state.extra, draw, jax.random.key(version), version)
+    if info["groups_ended"]:
+      break
+  routes = out.arrays["routing"]
+  pool_routes = np.asarray(run.partial.pool.routing)
+  ended = [s for s in routes.sources]
+  assert all(source is not run.partial.pool.routing for source in ended)
+  rows = np.asarray(routes.rows)
+  mine = np.concatenate([np.asarray(source) for source in ended], axis=1)[:, rows]  # [L, E*G, S, K]
+  chosen = np.flatnonzero(~run.partial.live.repeat(cfg.rl.group_size))  # the ended groups' pool rows
+  np.testing.assert_array_equal(mine, pool_routes[:, chosen[:len(rows)]])
+  run.partial.step(run.state.params, run.state.extra, draw, jax.random.key(9), version + 1)  # donates the pool
+  assert not any(source.is_deleted() for source in ended)
+  np.testing.assert_array_equal(np.concatenate([np.asarray(s) for s in ended], axis=1)[:, rows], mine)
+  run.close()
+
+
 @pytest.mark.parametrize("extra,check", [
     # async and partial alone run with the slow tests (74 s together): async_partial below turns both on
     # and asserts each one's effect (a step in flight after every step; groups carried, staleness >= 1).
