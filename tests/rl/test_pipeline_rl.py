@@ -58,6 +58,7 @@ def test_update_and_logprobs_through_the_pipeline_equal_unpipelined(devices):
   piped.close()
 
 
+@pytest.mark.optimized  # aborted in XLA:CPU once at the tests' level-0 compiles (CI run of 8250c5a); level 1 as before
 def test_two_slice_mesh_runs_an_rl_step(devices):
   """mesh.num_slices=2 with mesh.stage=2 on 8 simulated devices: one stage per slice (devices 0-3 and
   4-7), fsdp=4 inside each. A whole RL step runs: the rollout generates from the stage-split weights,
