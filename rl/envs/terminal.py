@@ -495,10 +495,11 @@ class TerminalEnv:
     return (self.sessions or default_sessions()).acquire(spec, env=env, session_timeout_s=budget)
 
   def close(self) -> None:
-    """Ends the episode's session (every process and file of it); safe to call twice."""
+    """Ends the episode's session: handed back to its pool, which recycles it (every process and
+    file of the episode gone) or ends it; safe to call twice."""
     if self.session is not None:
-      self.session.close()
-      self.session = None
+      session, self.session = self.session, None
+      (self.sessions or default_sessions()).release(session)
 
   def _finish(self, reward: float, info: dict) -> StepResult:
     self.task = None

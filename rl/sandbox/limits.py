@@ -10,6 +10,8 @@ the backstop for the wall clock:
   max_processes    RLIMIT_NPROC; counted per user namespace, so only the run's own processes count.
   max_file_mb      RLIMIT_FSIZE: the largest file a process may write.
   max_open_files   RLIMIT_NOFILE.
+  (always)         RLIMIT_CORE 0 (no core files) and RLIMIT_MSGQUEUE 0: no POSIX message queue can
+                   be made, so none outlives an episode of a recycled session (session.py).
   disk_mb          size of each writable tmpfs (/work, /tmp, /dev/shm); writes past it fail ENOSPC.
   max_files        inodes in use across those mounts; the supervisor kills the run past it.
   max_output_bytes stdout and stderr bytes kept per stream; a stream that goes on past
@@ -62,4 +64,5 @@ class Limits:
             ("RLIMIT_NPROC", int(self.max_processes) + 2, int(self.max_processes) + 2),
             ("RLIMIT_FSIZE", int(self.max_file_mb) * mib, int(self.max_file_mb) * mib),
             ("RLIMIT_NOFILE", int(self.max_open_files), int(self.max_open_files)),
-            ("RLIMIT_CORE", 0, 0)]
+            ("RLIMIT_CORE", 0, 0),
+            ("RLIMIT_MSGQUEUE", 0, 0)]

@@ -444,6 +444,19 @@ class Session:
   def alive(self) -> bool:
     return self.ended is None and self._handle.proc.poll() is None
 
+  def recycle(self) -> bool:
+    """Makes this session a just-started one for another episode (session_shell.Supervisor.recycle:
+    every process killed, the writable mounts emptied, the start's environment, a fresh shell, the
+    wall clock stopped until `begin`); True if it is. When the supervisor finds something it cannot
+    remove, or does not answer, the session is ended instead (False)."""
+    with self._lock:
+      reply = self._call({"op": "recycle"}, START_TIMEOUT_S + 2 * HOST_GRACE_S)
+      if reply is None or "fatal" in reply or not reply.get("clean"):
+        self._kill("not_recycled: the fresh shell did not answer")  # keeps an earlier reason
+        return False
+      self.commands = 0
+      return True
+
   def close(self) -> None:
     """Kills every process of the session; its files (tmpfs mounts) go with its namespaces."""
     with self._lock:
@@ -523,25 +536,34 @@ def _entries(files: Mapping[str, str | bytes], *, strict: bool = True) -> list[t
 
 
 class SessionPool:
-  """Keeps up to `warm` sessions of `spec` started ahead (bwrap, supervisor and shell up), so an
-  episode's session is ready at once; thread-safe; a context manager (close() ends the warm ones;
-  sessions handed out belong to their takers).
+  """Keeps `warm` sessions of `spec` started ahead (bwrap, supervisor and shell up), so an episode's
+  session is ready at once, and takes sessions back: `release(session)` recycles an episode's session
+  in the background (Session.recycle: every process killed, the mounts emptied, a fresh shell) and
+  keeps it ready, up to `keep` in all, so a run whose steps start many episodes at once starts each
+  sandbox once, not once per episode (a start costs about 50 ms of CPU, a recycle a few). Thread-safe;
+  a context manager (close() ends the ready ones; sessions handed out belong to their takers until
+  released).
 
   Raises SandboxUnavailable at construction where bubblewrap cannot run.
   """
 
-  def __init__(self, spec: SessionSpec | None = None, *, warm: int = 2):
-    if isinstance(warm, bool) or not isinstance(warm, int) or warm < 0:
-      raise ValueError(f"warm={warm!r} must be an integer >= 0.")
+  def __init__(self, spec: SessionSpec | None = None, *, warm: int = 2, keep: int = 64):
+    for name, value in (("warm", warm), ("keep", keep)):
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r} must be an integer >= 0.")
+    if keep < warm:
+      raise ValueError(f"keep={keep} must be at least warm={warm}.")
     self.spec = spec or SessionSpec()
     runtime = self.spec.runtime or Runtime.host()
     check_bwrap(runtime, uid=UID_BASE if os.geteuid() == 0 else None)
-    self.warm = warm
+    self.warm, self.keep = warm, keep
     self._ready: list[Session] = []
     self._lock = threading.Lock()
     self._closed = False
     self._filling = 0
-    self.started = self.taken = 0
+    self.started = self.taken = self.recycled = 0
+    self._returned: queue.SimpleQueue = queue.SimpleQueue()
+    self._recycler: threading.Thread | None = None
     self._fill()
 
   def _fill(self):
@@ -593,6 +615,34 @@ class SessionPool:
     session.begin(session_timeout_s, env)
     return session
 
+  def release(self, session: Session) -> None:
+    """Hands back a session this pool gave out, its episode over: recycled and kept ready (in the
+    background, so the episode's last step does not wait), or ended when it cannot be (it ended, the
+    pool holds `keep`, the pool is closed)."""
+    if self._closed or session.spec != self.spec or not session.alive or self.keep == 0:
+      session.close()
+      return
+    with self._lock:
+      if self._recycler is None:
+        self._recycler = threading.Thread(target=self._recycle_returned, daemon=True,
+                                          name="session-recycle")
+        self._recycler.start()
+    self._returned.put(session)
+
+  def _recycle_returned(self):
+    while True:
+      session = self._returned.get()
+      if self._closed or not session.recycle():
+        session.close()
+        continue
+      with self._lock:
+        kept = not self._closed and len(self._ready) < self.keep
+        if kept:
+          self._ready.append(session)
+          self.recycled += 1
+      if not kept:
+        session.close()
+
   def close(self):
     with self._lock:
       self._closed = True
@@ -613,16 +663,20 @@ class PoolSet:
   """One SessionPool per SessionSpec, made on first use (tasks of different runtimes or work
   directories need different sandboxes); thread-safe; a context manager."""
 
-  def __init__(self, *, warm: int = 1):
-    self.warm = warm
+  def __init__(self, *, warm: int = 1, keep: int = 64):
+    self.warm, self.keep = warm, keep
     self._pools: dict[SessionSpec, SessionPool] = {}
     self._lock = threading.Lock()
 
   def pool(self, spec: SessionSpec) -> SessionPool:
     with self._lock:
       if spec not in self._pools:
-        self._pools[spec] = SessionPool(spec, warm=self.warm)
+        self._pools[spec] = SessionPool(spec, warm=self.warm, keep=self.keep)
       return self._pools[spec]
+
+  def release(self, session: Session) -> None:
+    """SessionPool.release on the pool of the session's spec."""
+    self.pool(session.spec).release(session)
 
   def acquire(self, spec: SessionSpec, *, env: Mapping[str, str] | None = None,
               session_timeout_s: float = DEFAULT_SESSION_S) -> Session:

@@ -27,6 +27,8 @@ Ops (each answered by one line with the same "id"):
   read   the first max_bytes of a file (relative to the shell's current directory).
   env    exports variables in the shell, and into the environment of later shells and checks.
   start  arms the session's wall clock (a warm session is started before its episode is known).
+  recycle  makes the session a just-started one for the next episode (see `recycle`), or ends it
+         ({"fatal": "not_recycled: <why>"}) when something of the episode could carry over.
 
 Session limits (checked every loop): the wall clock, the inodes in use across the writable mounts
 (max_files), and output produced while no command runs (OUTPUT_FLOOD_BYTES). Past any of them the
@@ -94,6 +96,84 @@ def _pids():
   return {int(p) for p in os.listdir("/proc") if p.isdigit()}
 
 
+def _keys():
+  """The kernel keys this uid can see (/proc/keys lines)."""
+  try:
+    with open("/proc/keys") as keys:
+      return keys.read().splitlines()
+  except OSError:
+    return []
+
+
+def _empty(path):
+  """Removes everything under the directory `path` (made writable first: the policy may have taken
+  the write bit off its own folders)."""
+  for entry in os.scandir(path):
+    full = entry.path
+    if entry.is_dir(follow_symlinks=False):
+      os.chmod(full, 0o700)
+      _empty(full)
+      os.rmdir(full)
+    else:
+      os.unlink(full)
+
+
+_KEYCTL = {"x86_64": 250, "aarch64": 219}  # the keyctl system call's number
+KEYCTL_GET_PERSISTENT, KEYCTL_CLEAR = 22, 7
+KEY_GC_S = 1.0
+KEY_SPEC_PROCESS, KEY_SPEC_USER, KEY_SPEC_USER_SESSION = -2, -4, -5
+
+
+def _clear_keys():
+  """Unlinks every key from the keyrings that outlive this uid's processes (the user, user-session
+  and persistent keyrings), so a key of the last episode is unreachable and collected; False when
+  that cannot be done here."""
+  import ctypes  # pylint: disable=import-outside-toplevel
+  number = _KEYCTL.get(os.uname().machine)
+  if number is None:
+    return False
+  libc = ctypes.CDLL(None, use_errno=True)
+  keyctl = lambda *args: libc.syscall(number, *[ctypes.c_long(a) for a in args])
+  persistent = keyctl(KEYCTL_GET_PERSISTENT, -1, KEY_SPEC_PROCESS)
+  if persistent < 0 and ctypes.get_errno() not in (38, 95):  # ENOSYS, EOPNOTSUPP: no such keyring here
+    return False
+  for keyring in (KEY_SPEC_USER, KEY_SPEC_USER_SESSION) + ((persistent,) if persistent >= 0 else ()):
+    if keyctl(KEYCTL_CLEAR, keyring) < 0 and ctypes.get_errno() != 38:
+      return False
+  return True
+
+
+def _leftovers(mounts, modes):
+  """None when nothing of the last episode is left (after every process is gone): the writable
+  mounts emptied and their modes restored, no SysV IPC object, no key reachable; else why."""
+  if _pids() != {1}:
+    return "a process survived"
+  try:
+    for path in mounts:
+      os.chmod(path, 0o700)
+      _empty(path)
+      os.chmod(path, modes[path])
+      if os.listdir(path):
+        return "%s is not empty" % path
+  except OSError as error:
+    return "emptying the mounts: %s" % error
+  for kind in ("shm", "sem", "msg"):
+    try:
+      with open("/proc/sysvipc/" + kind) as table:
+        if len(table.read().splitlines()) > 1:
+          return "a SysV %s object is left" % kind
+    except OSError:
+      pass
+  if not _clear_keys():
+    return "the keyrings could not be cleared"
+  deadline = _now() + KEY_GC_S  # unlinked keys are collected by the kernel a moment later
+  while any(line.split()[7:8] != ["keyring"] for line in _keys()):
+    if _now() > deadline:
+      return "a kernel key is left"
+    time.sleep(0.005)
+  return None
+
+
 class Stream:
   """One pipe read into a capped buffer: `kept` (at most `cap` bytes), `seen` (bytes read)."""
 
@@ -133,7 +213,10 @@ class Supervisor:
     self.cap = init["max_output_bytes"]
     self.kill_bytes = init["kill_output_bytes"]
     self.max_files, self.watch = init["max_files"], init["watch"]
-    self.deadline = _now() + init["idle_timeout_s"]
+    self.idle_timeout_s = init["idle_timeout_s"]
+    self.deadline = _now() + self.idle_timeout_s
+    self.init_env = dict(init["env"])
+    self.mount_modes = {path: os.stat(path).st_mode & 0o7777 for path in self.watch}
     self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     _signal.signal(_signal.SIGCHLD, lambda *_: None)
     _signal.set_wakeup_fd(wake_w)
@@ -515,6 +598,30 @@ class Supervisor:
     self.err.take()
     return {"ok": isinstance(ok, int)}
 
+  # --- recycling ---
+
+  def recycle(self, request):
+    """Back to the state a fresh session starts in, for another episode: every process but this one
+    killed (stopped first, so a fork bomb cannot outrun it) and reaped, every writable mount emptied
+    and its mode restored, the environment of `init`, a fresh shell, the idle clock. The session
+    ends instead (fatal "not_recycled: <why>") when anything could carry over that this process
+    cannot remove: a process left, a SysV IPC object, a kernel key still listed, a file that will not
+    go (kernel keys: the user, user-session and persistent keyrings are cleared, which leaves every
+    other key of the episode unreachable, and the kernel collects it).
+    (POSIX message queues cannot be listed from here; RLIMIT_MSGQUEUE 0 keeps them from being made.)"""
+    for fd in (self.cmd_w, self.out.fd, self.err.fd, self.noise.fd, self.status_r):
+      os.close(fd)
+    self._kill_new(set(), set())
+    self.kill_everything()
+    self.statuses.clear()
+    why = _leftovers(self.watch, self.mount_modes)
+    if why is not None:
+      self.fatal("not_recycled: " + why)
+    self.env = dict(self.init_env)
+    self.deadline = _now() + self.idle_timeout_s
+    self.baseline, self.background_seen = self._inodes(), 0
+    return {"clean": isinstance(self.start_shell(), int)}
+
   # --- the loop ---
 
   def _inodes(self):
@@ -556,7 +663,7 @@ class Supervisor:
 
   def serve(self):
     ops = {"run": self.run, "check": self.check, "write": self.write, "read": self.read,
-           "env": self.set_env}
+           "env": self.set_env, "recycle": self.recycle}
     while True:
       ready, _, _ = select.select([self.request_fd, self.out.fd, self.err.fd, self.noise.fd,
                                    self.wake_r, self.status_r], [], [], 0.1)

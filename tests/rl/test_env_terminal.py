@@ -4,6 +4,7 @@ session whose shell state and background processes live across turns (bubblewrap
 
 import json
 import os
+import time
 
 import pytest
 
@@ -32,6 +33,13 @@ def runner():
 def sessions():
   with SessionPool(SessionSpec(EPISODE_LIMITS), warm=1) as pool:
     yield pool
+
+
+def _wait_recycled(pool, count, timeout_s=20.0):
+  deadline = time.monotonic() + timeout_s
+  while pool.recycled < count and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert pool.recycled == count, (pool.recycled, count)
 
 
 def _task(tmp_path, family="edit", index=0):
@@ -132,12 +140,19 @@ def _service_task(tmp_path):
 
 
 @needs_bwrap
-def test_an_episode_lives_in_one_session_and_ends_with_it(tmp_path, sessions):
+def test_an_episode_lives_in_one_session_and_ends_with_it(tmp_path):
   """Turn 1 starts a service, turn 2 enters a folder, turn 3 writes there relying on the shell's
-  cwd and a variable of turn 2; check.sh (in the same session) reaches the service. The session ends
-  with the episode: nothing of it is left, and a new episode starts clean."""
+  cwd and a variable of turn 2; check.sh (in the same session) reaches the service. The session is
+  handed back with the episode's end and recycled: the next episode runs in the same sandbox and
+  finds nothing of this one (the service is gone, so its check fails)."""
   task = _service_task(tmp_path)
+  with SessionPool(SessionSpec(EPISODE_LIMITS), warm=0) as sessions:
+    _recycled_episodes(task, sessions)
+
+
+def _recycled_episodes(task, sessions):
   env = TerminalEnv(sessions)
+  recycled = sessions.recycled
   assert env.reset(task) == task.prompt
   turns = iter(["<cmd>python3 server.py >/dev/null 2>&1 &</cmd>", "<cmd>mkdir out && cd out; P=7000</cmd>",
                 "<cmd>echo $P > port; sleep 0.3; pwd</cmd>", "<done>"])
@@ -145,8 +160,12 @@ def test_an_episode_lives_in_one_session_and_ends_with_it(tmp_path, sessions):
   episode = run_episode(env, task, lambda conversation: next(turns))
   assert episode.reward == 1.0 and episode.end == "done", episode
   assert episode.messages[6]["content"].startswith("/work/out\n")
-  assert env.session is None and not session.alive  # closed at the episode's end
-  again = run_episode(TerminalEnv(sessions), task, lambda c: "<done>")  # nothing left running
+  assert env.session is None  # handed back at the episode's end
+  _wait_recycled(sessions, recycled + 1)
+  again_env = TerminalEnv(sessions)
+  again_env.reset(task)
+  assert again_env.session is session  # the recycled sandbox, not a new one
+  again = run_episode(again_env, task, lambda c: "<done>")  # nothing left running
   assert again.reward == 0.0 and again.env_failure is None
 
 
@@ -156,10 +175,11 @@ def test_close_ends_an_abandoned_episode_and_a_runaway_one_is_unsolved(tmp_path,
   env = TerminalEnv(sessions)
   env.reset(task)
   assert not env.step("<cmd>python3 server.py >/dev/null 2>&1 &</cmd>").done
-  session = env.session
+  recycled = sessions.recycled
   env.close()
   env.close()
-  assert not session.alive and env.session is None
+  assert env.session is None
+  _wait_recycled(sessions, recycled + 1)  # handed back once, recycled once
   small = SessionPool(SessionSpec(Limits(max_files=50, disk_mb=8)), warm=0)
   with small:
     env = TerminalEnv(small)

@@ -321,3 +321,85 @@ def test_uids_are_leased_per_session():
     finally:
       first.close()
       second.close()
+
+
+def _recycling_pool(keep=1):
+  try:
+    return SessionPool(SessionSpec(LIMITS), warm=0, keep=keep)
+  except sb.SandboxUnavailable as error:
+    pytest.skip(f"bubblewrap unavailable: {error}")
+
+
+def _returned(pool, count, timeout_s=20.0):
+  """Waits until the pool has recycled `count` sessions in all (released ones come back in the background)."""
+  deadline = time.monotonic() + timeout_s
+  while pool.recycled < count and time.monotonic() < deadline:
+    time.sleep(0.01)
+  return pool.recycled >= count
+
+
+KEYS = """import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+nr = {"x86_64": (248, 250), "aarch64": (217, 219)}[__import__("os").uname().machine]
+if sys.argv[1] == "add":
+  user = libc.syscall(nr[0], b"user", b"meshrl_left", b"owl", 3, ctypes.c_long(-4))
+  persistent = libc.syscall(nr[1], ctypes.c_long(22), ctypes.c_long(-1), ctypes.c_long(-2))
+  kept = libc.syscall(nr[0], b"user", b"meshrl_kept", b"owl", 3, ctypes.c_long(persistent))
+  print(user > 0, kept > 0)
+else:
+  found = [libc.syscall(nr[1], ctypes.c_long(10), ctypes.c_long(k), b"user", name, ctypes.c_long(0))
+           for k in (-4, -5) for name in (b"meshrl_left", b"meshrl_kept")]
+  persistent = libc.syscall(nr[1], ctypes.c_long(22), ctypes.c_long(-1), ctypes.c_long(-2))
+  found += [libc.syscall(nr[1], ctypes.c_long(10), ctypes.c_long(persistent), b"user", b"meshrl_kept", ctypes.c_long(0))]
+  print(max(found) > 0)
+"""
+
+
+def test_a_recycled_session_keeps_nothing_of_its_last_episode():
+  """Released, a session is recycled and handed out again (the same session: no new sandbox), and the
+  next episode finds nothing of the last one: no file in any writable mount (not even in a folder
+  made unreadable), the mounts' modes back, no process, no variable, the work dir as cwd, no kernel
+  key, and POSIX message queues cannot be made at all."""
+  pool = _recycling_pool()
+  with pool:
+    first = pool.acquire(env={"GREETING": "hi"})
+    setup = first.run("mkdir -p sub/locked && touch sub/locked/f .hidden /tmp/t /dev/shm/s && "
+                      "chmod 000 sub/locked && chmod 700 /work /tmp && cd sub && export LEFT=1 && "
+                      "(while true; do touch /tmp/beat; sleep 0.05; done) >/dev/null 2>&1 & "
+                      f"cat > /tmp/keys.py <<'PY'\n{KEYS}PY\npython3 /tmp/keys.py add")
+    assert setup.ok and setup.stdout.endswith(b"True True\n"), setup  # after the job line "[1] PID"
+    assert first.run("python3 /tmp/keys.py find").stdout == b"True\n"  # the probe finds a key that is there
+    pool.release(first)
+    assert _returned(pool, 1), "the released session was not recycled"
+    second = pool.acquire()
+    assert second is first  # a recycled session, not a new sandbox
+    look = ("sleep 0.3; ls -A /work /tmp /dev/shm | tr -s '\\n' ' '; echo; echo ${GREETING:-none} ${LEFT:-none}; pwd; "
+            "stat -c %a /work /tmp /dev/shm | tr '\\n' ' '")  # a surviving loop would touch /tmp/beat
+    after = second.run(look)
+    assert after.stdout.decode().splitlines() == ["/dev/shm: /tmp: /work: ", "none none", "/work",
+                                                      "755 1777 1777 "], after
+    second.write_files({"keys.py": KEYS})
+    assert second.run("python3 keys.py find").stdout == b"False\n"  # the keys of the last episode are gone
+    queue = second.run("python3 -c \"import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+                       "print(libc.mq_open(b'/q', os.O_CREAT | os.O_RDWR, 0o600, None))\"")
+    assert queue.stdout == b"-1\n", queue
+    second.close()
+
+
+def test_a_session_holding_what_recycling_cannot_remove_is_ended_not_reused():
+  """A SysV shared-memory segment lives in the session's IPC namespace past its processes: the session
+  is ended, and the next episode gets another sandbox that does not hold the segment."""
+  pool = _recycling_pool()
+  with pool:
+    first = pool.acquire()
+    made = first.run("python3 -c \"import ctypes; print(ctypes.CDLL(None).shmget(4242, 4096, 0o1666) >= 0)\"")
+    assert made.stdout == b"True\n", made
+    pool.release(first)
+    deadline = time.monotonic() + 20
+    while first.alive and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert not first.alive and first.ended == "not_recycled: a SysV shm object is left" and pool.recycled == 0
+    second = pool.acquire()
+    assert second is not first
+    assert second.run("cat /proc/sysvipc/shm | wc -l").stdout == b"1\n"  # the header line only
+    second.close()
