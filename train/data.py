@@ -148,11 +148,13 @@ class SFTData:
     num_workers: data.num_workers; > 0 runs the pipeline in grain worker processes, each packing
       its own slice of the examples (so the batch order depends on it: keep it across a resume).
     shard: (index, count) of this host's share of the source (jax.process_index/process_count).
+    read_threads: threads reading the source in order (a source whose rows wait on I/O, such as
+      multi-turn demonstrations run in sandboxes, says how many it wants as `source.read_threads`).
   """
 
   def __init__(self, source: grain.MapDataset, *, seq_len: int, batch_size: int,
                tokenizer: Tokenizer | None = None, num_workers: int = 0,
-               shard: tuple[int, int] = (0, 1)):
+               shard: tuple[int, int] = (0, 1), read_threads: int = 1):
     if seq_len < 2:
       raise ValueError(f"data.seq_len={seq_len} must be at least 2.")
     if batch_size < 1:
@@ -162,7 +164,7 @@ class SFTData:
     self.bad_rows = 0  # JSONL rows dropped before this pipeline (set by make_sft_data)
     index, count = shard
     examples = source[index::count].to_iter_dataset(
-        grain.ReadOptions(num_threads=1, prefetch_buffer_size=4 * batch_size))
+        grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=4 * batch_size))
     encoded = examples.map(self._encoder).filter(lambda x: x is not None)
     rows = pack(encoded, seq_len=seq_len, num_bins=batch_size, pad_id=self.tokenizer.pad_id)
     self.dataset = rows.batch(batch_size, drop_remainder=True)
@@ -210,6 +212,6 @@ def make_sft_data(cfg, *, source: Any, batch_size: int | None = None,
     raise ValueError(f"rl.sft_batch_size={batch_size} does not split over {hosts} hosts.")
   data = SFTData(example_source(source, seed=cfg.seed), seq_len=cfg.data.seq_len,
                  batch_size=batch_size // hosts, tokenizer=tokenizer, num_workers=cfg.data.num_workers,
-                 shard=(jax.process_index(), hosts))
+                 shard=(jax.process_index(), hosts), read_threads=getattr(source, "read_threads", 1))
   data.bad_rows = bad_rows
   return data

@@ -245,6 +245,8 @@ class Demonstrations:
   real shell's "owl\n[exit 0]" is longer than the in-memory shell's "owl", and shown whole it taught
   a layout rollouts never give (0% held-out after the sandbox demo's warm start)."""
 
+  read_threads = 8  # rows wait on their environments (a sandbox answers in milliseconds): read 8 at once
+
   def __init__(self, source, make_env: Callable[[dict], Any] = default_env, *, tokenizer=None,
                max_obs_tokens: int = 0):
     self.source, self.make_env = source, make_env
@@ -262,11 +264,15 @@ class Demonstrations:
     if turns is None:
       return example
     env = self.make_env(example)
-    text = env.reset(example)
-    cut = index % len(turns)
-    for turn in turns[:cut]:
-      result = env.step(turn)
-      text += turn + ("" if result.done else self._observation(result.observation))
+    try:
+      text = env.reset(example)
+      cut = index % len(turns)
+      for turn in turns[:cut]:
+        result = env.step(turn)
+        text += turn + ("" if result.done else self._observation(result.observation))
+    finally:
+      if hasattr(env, "close"):  # a sandbox session goes back to its pool (recycled), not to the GC
+        env.close()
     return {**example, "prompt": text, "answer": turns[cut]}
 
 

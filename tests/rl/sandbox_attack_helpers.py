@@ -5,10 +5,12 @@ program and then checks on the host that no sandbox process outlived it (`_sandb
 `_assert_nothing_left`). tests/rl/conftest.py loads this file as the module `sandbox_attack_helpers`
 and builds the `box`, `hang_box` and `host_helper` fixtures on it.
 
-Every attack runs twice (the fixtures are parametrized by `MODES`): in a one-shot `Sandbox` and in a
-persistent session (`SessionBox`: the program is one command of a fresh `Session`'s shell, after an
+Every attack runs three times (the fixtures are parametrized by `MODES`): in a one-shot `Sandbox`, in
+a persistent session (`SessionBox`: the program is one command of a fresh `Session`'s shell, after an
 earlier command left a background process and shell state behind; the session is closed after it,
-and `_run` then checks that nothing of it is left). `box.mode` says which; a few expectations differ
+and `_run` then checks that nothing of it is left), and in a recycled session (the same, in a session
+that an earlier episode used and left a background job and files in, then `Session.recycle`d, as a
+SessionPool hands sessions to episodes). `box.mode` says which; a few expectations differ
 by construction (in a session the program's parent is the shell, and PID 1 is not readable).
 
 Hostile programs against the sandbox: each test asserts the containment itself on the host side
@@ -34,7 +36,7 @@ from meshrl.rl.sandbox import result as sandbox_result
 from meshrl.rl.sandbox import runner
 from meshrl.rl.sandbox.session import SESSION_ENDED, Session, SessionSpec
 
-MODES = ("oneshot", "session")
+MODES = ("oneshot", "session", "recycled")
 
 LIMITS = sb.Limits(timeout_s=4.0, cpu_s=4.0, memory_mb=256, max_processes=16, disk_mb=8,
                    max_files=300, max_output_bytes=4096)
@@ -48,16 +50,18 @@ class SessionBox:
   command that leaves a background job and shell state, writes the files, runs the program as the
   next command (stderr apart, stdin from a file), closes the session and returns a SandboxResult
   (cpu_s, peak_memory_mb and startup_s are not measured per command: None)."""
-  mode = "session"
 
-  def __init__(self, limits):
-    self.limits = limits
+  def __init__(self, limits, mode="session"):
+    self.limits, self.mode = limits, mode
     self.spec = SessionSpec(limits)
     sb.check_bwrap(sb.Runtime.host(), uid=runner.UID_BASE if os.geteuid() == 0 else None)
 
   def run(self, cmd, *, files=None, stdin=None):
     session = Session.start(self.spec)
     try:
+      if self.mode == "recycled":  # an earlier episode's job and files, then the pool's recycle
+        earlier = session.run("(while true; do sleep 0.1; done) >/dev/null 2>&1 & touch /tmp/earlier")
+        assert earlier.ok and session.recycle(), (earlier, session.ended)
       first = session.run("sleep 300 & MESHRL_EARLIER=1; cd /tmp")
       assert first.ok, first
       files = dict(files or {})
@@ -88,8 +92,8 @@ class SessionBox:
 
 def _make(limits, mode="oneshot"):
   try:
-    if mode == "session":
-      return SessionBox(limits)
+    if mode in ("session", "recycled"):
+      return SessionBox(limits, mode)
     box = sb.Sandbox(limits)
     box.mode = "oneshot"
     return box

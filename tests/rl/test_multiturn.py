@@ -269,6 +269,34 @@ def test_oracle_demonstration_solves_file_task():
   assert row["answer"] == oracle_turns(example)[1]
 
 
+def test_demonstrations_hand_their_environments_back():
+  """Every environment a demonstration row opens is closed when the row is built, also when a step
+  raises: a sandboxed env then hands its session back to the pool to be recycled. Bug: the env left
+  to the garbage collector, so each of the warm start's rows started a new sandbox."""
+  example = {**copy_task(np.random.default_rng(0), 1), "verifier": "files"}
+  opened = []
+
+  class Recorded(FileTaskEnv):
+    def __init__(self, fail=False):
+      super().__init__()
+      self.fail, self.closed = fail, 0
+      opened.append(self)
+
+    def step(self, action):
+      if self.fail:
+        raise RuntimeError("the sandbox went away")
+      return super().step(action)
+
+    def close(self):
+      self.closed += 1
+
+  rows = mts.Demonstrations([example] * 3, make_env=lambda e: Recorded())
+  assert [rows[i]["answer"] for i in range(3)] == oracle_turns(example)
+  with pytest.raises(RuntimeError, match="went away"):
+    mts.Demonstrations([example] * 3, make_env=lambda e: Recorded(fail=True))[1]
+  assert [env.closed for env in opened] == [1, 1, 1, 1]
+
+
 def test_update_loss_ignores_observation_tokens(scripted):
   cfg, graphdef, state, _, out = scripted
   scored = mts.scored_batch(out, [{"domain": "a"}, {"domain": "b"}], cfg.rl.group_size)

@@ -5,6 +5,7 @@ checks the host side (canary unchanged, nothing written, no secret in the output
 helpers: tests/rl/sandbox_attack_helpers.py; fixtures: tests/rl/conftest.py.
 """
 
+import ast
 import os
 import secrets
 
@@ -163,9 +164,11 @@ def test_proc_tricks(box):
     assert lines[1] == str(sorted(["bin", "dev", "etc", "lib", "lib64", "proc", "sbin", "tmp",
                                    "usr", "work"]))
   else:
-    # The supervisor, the shell, the earlier command's `sleep` job and this program; PID 1 (the
-    # supervisor, non-dumpable) cannot even be looked into.
-    assert lines[0] == "[1, 2, 3, 4]"
+    # The supervisor, the shell, the earlier command's `sleep` job and this program (in a recycled
+    # session, pids after the earlier episode's); PID 1 (the supervisor, non-dumpable) cannot even be
+    # looked into.
+    pids = ast.literal_eval(lines[0])
+    assert len(pids) == 4 and pids[0] == 1 and (box.mode == "recycled" or pids == [1, 2, 3, 4]), pids
     assert lines[1] == "PermissionError"
   assert lines[2] == "[b'/usr/bin/python3', b'-I', b'-S']"
   assert lines[3:7] == ["denied"] * 4

@@ -1,6 +1,8 @@
 """SFT data: tokenisation, first-fit packing (segments, positions, loss mask), skips, resumable state."""
 
 import json
+import threading
+import time
 
 import grain
 import numpy as np
@@ -110,3 +112,36 @@ def test_mixture_source_is_deterministic():
   a = example_source(TaskMixture(cfg.data.tasks, seed=3), seed=3)
   b = example_source(TaskMixture(cfg.data.tasks, seed=3), seed=3)
   assert [a[i] for i in range(5)] == [b[i] for i in range(5)]
+
+
+class _SlowSource:
+  """Rows that wait (as demonstrations wait on their sandboxes); records how many are read at once."""
+
+  def __init__(self, read_threads=None):
+    if read_threads is not None:
+      self.read_threads = read_threads
+    self.lock, self.now, self.most = threading.Lock(), 0, 0
+
+  def __getitem__(self, index):
+    with self.lock:
+      self.now += 1
+      self.most = max(self.most, self.now)
+    time.sleep(0.01)
+    with self.lock:
+      self.now -= 1
+    return {"prompt": f"q{index}", "answer": f"a{index}"}
+
+
+def test_a_source_that_waits_on_io_is_read_by_its_threads_in_order():
+  """A source's `read_threads` (multi-turn demonstrations: 8) reaches the pipeline: rows are read
+  several at once, and the batches are the same as one thread's. Bug: the attribute dropped, so every
+  row of a sandboxed warm start waits for the one before it (the demo's warm start took 7 min 51 s)."""
+  cfg = load("configs/tiny.py")
+  one, many = _SlowSource(), _SlowSource(read_threads=4)
+  batches_one = [next(make_sft_data(cfg, source=one, batch_size=8)) for _ in range(1)]
+  data = make_sft_data(cfg, source=many, batch_size=8)
+  batches_many = [next(data)]
+  assert one.most == 1 and many.most > 1, (one.most, many.most)
+  for want, got in zip(batches_one, batches_many):
+    for key in want:
+      np.testing.assert_array_equal(got[key], want[key])
