@@ -32,6 +32,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from meshrl.rl.sandbox import result
+
 
 @dataclasses.dataclass(frozen=True)
 class DomainPolicy:
@@ -75,8 +77,7 @@ def plan_batch(policies: Mapping[str, DomainPolicy], batch_size: int,
   return [slots[i] for i in order]
 
 
-class EnvFailure(RuntimeError):
-  """Raised by a job function when the environment, not the policy, failed (retried)."""
+EnvFailure = result.EnvFailure  # raised by a job function when the environment, not the policy, failed (retried)
 
 
 @dataclasses.dataclass

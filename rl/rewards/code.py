@@ -27,6 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from meshrl.rl.sandbox import Limits, SandboxPool, SandboxResult
+from meshrl.rl.sandbox.result import SANDBOX_ERROR, EnvFailure
 
 HARNESS = (pathlib.Path(__file__).parent / "code_harness.py").read_text()
 DEFAULT_LIMITS = Limits(timeout_s=6.0, cpu_s=6.0, memory_mb=512, max_processes=16, disk_mb=32,
@@ -107,6 +108,11 @@ def _request(completion: str, tests: list, limits: Limits) -> tuple[dict, str]:
 
 
 def _score(result: SandboxResult, nonce: str, total: int) -> CodeScore:
+  """The tests' outcome; EnvFailure when the sandbox itself failed (it could not start, or its
+  supervisor broke), which is no verdict on the code: RewardPool retries it, then leaves the sample
+  out of the update and counts it against its task."""
+  if (result.killed_reason or "").startswith(SANDBOX_ERROR):
+    raise EnvFailure(result.killed_reason)
   summary = _summary(result, nonce)
   if summary is None or not isinstance(summary.get("passed"), int):
     reason = result.killed_reason or (f"harness reported nothing (exit {result.exit_code}): "
@@ -115,6 +121,13 @@ def _score(result: SandboxResult, nonce: str, total: int) -> CodeScore:
   passed = min(max(summary["passed"], 0), total)
   errors = tuple(str(e) for e in summary.get("errors", []))[:3]
   return CodeScore(passed, total, None, errors, result)
+
+
+def _scored(result: SandboxResult, nonce: str, total: int) -> CodeScore | EnvFailure:
+  try:
+    return _score(result, nonce, total)
+  except EnvFailure as failure:
+    return failure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +153,9 @@ class CodeReward:
     return _score(result, nonce, len(tests))
 
   def score_many(self, completions: Sequence[str], examples: Sequence[dict]
-                 ) -> list[CodeScore | ValueError]:
-    """Scores a batch concurrently through the pool; bad examples come back as their ValueError."""
+                 ) -> list[CodeScore | ValueError | EnvFailure]:
+    """Scores a batch concurrently through the pool; bad examples come back as their ValueError, a
+    sandbox that failed as its EnvFailure."""
     pending = []
     for completion, example in zip(completions, examples, strict=True):
       try:
@@ -152,13 +166,13 @@ class CodeReward:
       files, nonce = _request(str(completion), tests, self.limits)
       future = self._pool().submit(HARNESS, files=files, limits=self.limits)
       pending.append((future, nonce, len(tests)))
-    return [item if isinstance(item, ValueError) else _score(item[0].result(), *item[1:])
+    return [item if isinstance(item, ValueError) else _scored(item[0].result(), *item[1:])
             for item in pending]
 
   def rewards(self, completions: Sequence[str], examples: Sequence[dict]) -> np.ndarray:
-    """[N] float32 rewards for a batch (a bad example scores 0)."""
+    """[N] float32 rewards for a batch (a bad example, or a failed sandbox, scores 0)."""
     scores = self.score_many(completions, examples)
-    return np.array([0.0 if isinstance(s, ValueError) else s.reward(self.partial)
+    return np.array([0.0 if isinstance(s, Exception) else s.reward(self.partial)
                      for s in scores], np.float32)
 
   def __call__(self, completion: str, example: dict) -> float:

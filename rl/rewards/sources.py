@@ -176,6 +176,10 @@ class SourcedRewards:
       per_fn["verifier"][rows["verifier"]] = verified
     info["reward_errors"] += pool_info["reward_errors"]
     info["reward_timeouts"] += pool_info["reward_timeouts"]
+    info["given_up"] = np.zeros(len(completions), bool)
+    info["given_up"][rows["verifier"]] = pool_info["given_up"]
+    info["reward_env_retries"] = pool_info["reward_env_retries"]
+    info["reward_env_given_up"] = pool_info["reward_env_given_up"]
     info["first_errors"] = (pool_info["first_errors"] + info["first_errors"])[:3]
     total = np.asarray([sum(w * per_fn[n][i] for n, w in t) for i, t in enumerate(terms)], np.float32)
     if self.normalize_domains:
@@ -251,15 +255,18 @@ def reward_model_scorer(cfg, mesh, tokenizer, *, checked: bool = False) -> Rewar
                            length_penalty=rl.rm_length_penalty, length_normalize=rl.rm_length_normalize)
 
 
-def reward_pool(cfg, mesh, tokenizer):
+def reward_pool(cfg, mesh, tokenizer, *, on_given_up=None):
   """The run's reward scorer: a RewardPool of rl.rewards when every domain uses the verifier alone
   (and rl.reward_norm="none"), else SourcedRewards with the model sources loaded beside the policy on `mesh` (frozen, sharded by
-  the policy's rules). Checked first (`check_reward_sources`)."""
+  the policy's rules). Checked first (`check_reward_sources`). Infrastructure failures of the
+  verifiers are retried by rl.env_retries / rl.env_backoff_s; `on_given_up(example, reason)` records
+  the samples given up on (the run's quarantine)."""
   sources = check_reward_sources(cfg)
   models = any(sources.uses(name) for name in MODEL_SOURCES)
   if models:
     _one_process(cfg)
-  pool = RewardPool(compose(cfg.rl.rewards), num_workers=cfg.rl.reward_workers, timeout_s=cfg.rl.reward_timeout_s)
+  pool = RewardPool(compose(cfg.rl.rewards), num_workers=cfg.rl.reward_workers, timeout_s=cfg.rl.reward_timeout_s,
+                    max_retries=cfg.rl.env_retries, backoff_s=cfg.rl.env_backoff_s, on_given_up=on_given_up)
   normalize = cfg.rl.reward_norm == "domain"
   if not models:
     return SourcedRewards(pool, sources, {}, normalize_domains=True) if normalize else pool

@@ -15,6 +15,12 @@ SETUP_ERROR = "setup_error"
 SANDBOX_ERROR = "sandbox_error"
 
 
+class EnvFailure(RuntimeError):
+  """Raised where the environment, not the policy, failed (a sandbox that broke): retried by the
+  environment scheduler (rl/envs/scheduler.py) and by RewardPool (rl/rewards/pool.py), never
+  scored as a wrong answer."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SandboxResult:
   """Outcome of `Sandbox.run`.

@@ -177,8 +177,8 @@ def carried_state(run: RLRun) -> dict:
     state["in_flight"] = in_flight_state(run)
   if run.partial is not None:
     state["partial"] = run.partial.get_state()
-  if run.multiturn is not None:  # the quarantine of tasks whose environments kept failing
-    state["env"] = run.multiturn.env_work.state()
+  if run.env_work is not None:  # the quarantine of tasks whose environments kept failing
+    state["env"] = run.env_work.state()
   if run.bootstrap is not None:  # last: rollouts settled above may have drawn prompts (issue 33)
     state["bootstrap"] = run.bootstrap.get_state()
   if run.replay is not None:  # issue 33's stored successes
@@ -190,8 +190,8 @@ def restore_carried_state(run: RLRun, state: dict) -> None:
   """Continues from `carried_state`'s output."""
   if run.partial is not None:
     run.partial.set_state(state.get("partial", {}))
-  if run.multiturn is not None and "env" in state:
-    run.multiturn.env_work.restore(state["env"])
+  if run.env_work is not None and "env" in state:
+    run.env_work.restore(state["env"])
   restore_in_flight(run, state.get("in_flight", []))
   if run.bootstrap is not None and "bootstrap" in state:
     run.bootstrap.set_state(state["bootstrap"])

@@ -68,7 +68,8 @@ def score_rollout(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool
                   group_size: int, max_new_tokens: int, overlong_buffer: int,
                   overlong_penalty_value: float) -> ScoredBatch:
   """Decodes the responses of one rollout ([B, ...] numpy arrays, B = P * G) and scores them on
-  `pool`; a reward function that raises or hangs scores 0 and is counted in `info`.
+  `pool`; a reward function that raises or hangs scores 0 and is counted in `info`; a sample whose
+  reward's infrastructure kept failing (RewardPool's given_up) is not valid (no gradient).
 
   DAPO overlong shaping adds a penalty (<= 0) to the reward of responses within `overlong_buffer`
   tokens of the budget; `correct` keeps the unshaped task reward.
@@ -81,7 +82,7 @@ def score_rollout(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool
   shaped = correct + overlong_penalty(arrays["lengths"], max_len=max_new_tokens, buffer=overlong_buffer,
                                       penalty=overlong_penalty_value)
   return ScoredBatch(arrays=arrays, rewards=shaped.astype(np.float32), correct=correct,
-                     sample_valid=np.ones(len(texts), bool),
+                     sample_valid=~np.asarray(info.get("given_up", np.zeros(len(texts), bool)), bool),
                      domains=[str(ex.get("domain", "")) for ex in per_sample], texts=texts, info=info)
 
 

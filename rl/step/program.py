@@ -86,6 +86,7 @@ class RLRun:
   version: int = 0  # policy version: RL updates applied so far (restored with the checkpoint's step)
   in_flight: collections.deque = dataclasses.field(default_factory=collections.deque)  # InFlight
   multiturn: Any = None  # rl/multiturn.EpisodeRunner when episodes are multi-turn (else None)
+  env_work: Any = None  # rl/envs/env_work.EnvWork: the run's quarantine (in the checkpoint), episodes' starts
   episode_thread: Any = None  # asynchronous multi-turn RL: the executor running episodes beside the update
   bootstrap: Any = None  # rl/step/bootstrap.Bootstrap (issue 33: level curriculum, retries of unsolved prompts)
   replay: Any = None  # rl/step/replay.SuccessReplay (issue 33: verified successes replayed), rl.replay_groups > 0
@@ -102,7 +103,8 @@ class RLRun:
 def build_run(cfg, mesh, model, tokenizer: Tokenizer, *, env_work=None, spec: RunSpec | None = None) -> RLRun:
   """The train state of `model` and the run's jitted programs (nothing is compiled yet), built from
   the run spec (`spec`, default build_spec(cfg, mesh): the config checked). env_work: the run's
-  rl/envs/env_work.EnvWork (multi-turn episodes start their environments through it)."""
+  rl/envs/env_work.EnvWork (multi-turn episodes start their environments through it; a verifier's
+  sample given up on after its infrastructure retries is recorded in its quarantine)."""
   run_spec = build_spec(cfg, mesh, tokenizer=tokenizer) if spec is None else spec
   estimator = run_spec.estimator
   zigzag_over = zigzag_shards(cfg, mesh)
@@ -141,7 +143,9 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer, *, env_work=None, spec: Ru
                                  replay_routing=cfg.rl.replay_routing,
                                  logits_chunk=spec.logits_chunk, zigzag_inputs=spec.zigzag_inputs),
       advantages_fn=adv_lib.make_advantages(cfg), tokenizer=tokenizer,
-      pool=reward_pool(cfg, mesh, tokenizer),  # verifiers, and reward models / judges per domain
+      pool=reward_pool(cfg, mesh, tokenizer,  # verifiers, and reward models / judges per domain
+                       on_given_up=env_work.record if env_work is not None else None),
+      env_work=env_work if env_work is not None else getattr(multiturn, "env_work", None),
       batch_sharding=sharding, samples_sharding=samples_sharding, zigzag_shards=zigzag_over,
       multiturn=multiturn, bootstrap=Bootstrap.from_config(cfg),
       replay=(SuccessReplay(capacity=cfg.rl.replay_groups, group_size=cfg.rl.group_size)
@@ -293,6 +297,7 @@ def score_own_block(arrays: dict, examples: list[dict], tokenizer: Tokenizer, po
   infos = hosts.gather_objects([own.info])
   info = {"reward_errors": sum(i["reward_errors"] for i in infos),
           "reward_timeouts": sum(i["reward_timeouts"] for i in infos),
+          **{key: sum(i.get(key, 0) for i in infos) for key in ("reward_env_retries", "reward_env_given_up")},
           "first_errors": [e for i in infos for e in i["first_errors"]]}
   return ScoredBatch(arrays=arrays, rewards=hosts.gather_rows(own.rewards),
                      correct=hosts.gather_rows(own.correct),
@@ -326,6 +331,7 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
   scored_rounds, rejected, truncated = [], 0, 0
   rollout_s = reward_s = 0.0
   generated, reward_errors, reward_timeouts = 0, 0, 0
+  reward_env = {"reward_env_retries": 0, "reward_env_given_up": 0}  # verifiers' infrastructure failures
   first_errors = []
   partial_info = {}
 
@@ -374,6 +380,8 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
       run.bootstrap.observe(round_examples or [], scored)
     reward_errors += scored.info["reward_errors"]
     reward_timeouts += scored.info["reward_timeouts"]
+    for key in ("reward_env_retries", "reward_env_given_up"):
+      reward_env[key] += scored.info.get(key, 0)
     first_errors += scored.info["first_errors"]
     scored_rounds.append(scored)
     if enough_groups(scored_rounds, cfg):
@@ -394,7 +402,7 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
     first = batch
   metrics = {
       **batch_metrics(first, batch, first.arrays["lengths"], cfg.group_size),
-      "reward_errors": reward_errors, "reward_timeouts": reward_timeouts,
+      "reward_errors": reward_errors, "reward_timeouts": reward_timeouts, **reward_env,
       "rollout_rounds": len(scored_rounds), "prompts_rejected": rejected, "prompts_truncated": truncated,
       "rollout_s": rollout_s, "reward_s": reward_s, "generated_tokens": generated,
   }

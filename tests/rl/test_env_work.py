@@ -6,6 +6,7 @@ and restored on resume, and the config's curriculum draws flagged tasks less, ne
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from meshrl import configs
@@ -151,16 +152,102 @@ def test_bad_env_work_config_is_named(override, message):
 
 
 def test_the_run_checkpoint_carries_the_quarantine():
-  """driver.carried_state saves the episodes' EnvWork state and restore_carried_state puts it back, so a
+  """driver.carried_state saves the run's EnvWork state and restore_carried_state puts it back, so a
   resumed run keeps quarantining the tasks the interrupted one did (a driver that dropped it fails)."""
   import types  # pylint: disable=import-outside-toplevel
   work = EnvWork(quarantine=Quarantine(threshold=1))
   work.record({"task_id": "t7"}, "sandbox lost")
-  run = types.SimpleNamespace(in_flight=[], partial=None, multiturn=types.SimpleNamespace(env_work=work),
-                              bootstrap=None, replay=None)
+  run = types.SimpleNamespace(in_flight=[], partial=None, env_work=work, bootstrap=None, replay=None)
   state = json.loads(json.dumps(loop.carried_state(run)))  # JSON, as the checkpoint keeps it
-  resumed = types.SimpleNamespace(in_flight=[], partial=None,
-                                  multiturn=types.SimpleNamespace(env_work=EnvWork(quarantine=Quarantine(threshold=1))),
+  resumed = types.SimpleNamespace(in_flight=[], partial=None, env_work=EnvWork(quarantine=Quarantine(threshold=1)),
                                   bootstrap=None, replay=None)
   loop.restore_carried_state(resumed, state)
-  assert "t7" in resumed.multiturn.env_work.quarantine.ids
+  assert "t7" in resumed.env_work.quarantine.ids
+
+
+def test_single_turn_rewards_retry_infrastructure_failures_and_leave_given_up_samples_out():
+  """A verifier whose sandbox fails (EnvFailure, SessionStartError) is retried with backoff; a wrong
+  answer and a reward's own bug are not; a sample still failing after the retries scores 0, is marked
+  given up (so the step gives it no gradient) and is recorded against its task in the quarantine.
+  Bugs caught: retrying wrong answers, scoring an infrastructure failure as a wrong answer (valid, 0),
+  a dropped on_given_up."""
+  from meshrl.rl.rewards.pool import RewardPool  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.sandbox.result import EnvFailure  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.groups import score_rollout  # pylint: disable=import-outside-toplevel
+  calls = {}
+
+  def verifier(completion, example):
+    kind = example["task_id"]
+    calls[kind] = calls.get(kind, 0) + 1
+    if kind == "flaky" and calls[kind] < 3:
+      raise EnvFailure("sandbox_error: the supervisor did not answer")
+    if kind == "broken":
+      raise SessionStartError("a sandbox session did not start")
+    if kind == "buggy":
+      raise KeyError("answer")
+    return float(completion == "ok")
+
+  quarantine = Quarantine(threshold=1)
+  pool = RewardPool({"code": verifier}, num_workers=2, timeout_s=10, max_retries=2, backoff_s=0.01,
+                    on_given_up=quarantine.record_failure)
+  examples = [{"task_id": kind, "prompt": f"{kind}:", "domain": "code"} for kind in ("flaky", "broken", "wrong", "buggy")]
+  rewards, info = pool.score(["ok", "ok", "no", "ok"], examples)
+  pool.close()
+  assert calls == {"flaky": 3, "broken": 3, "wrong": 1, "buggy": 1}
+  assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
+  assert info["given_up"].tolist() == [False, True, False, False]
+  assert info["reward_env_retries"] == 4 and info["reward_env_given_up"] == 1 and info["reward_errors"] == 1
+  assert quarantine.ids == {"broken"}
+
+  class Scored:  # the pool's answer as score_rollout reads it: the given-up sample is not valid
+    def score(self, texts, per_sample):
+      return np.zeros(len(texts), np.float32), {**info, "given_up": np.asarray([False, True]), "reward_errors": 0}
+
+  arrays = {"tokens": np.full((2, 4), 65, np.int32), "response_mask": np.ones((2, 4), bool),
+            "lengths": np.full(2, 4, np.int32)}
+  scored = score_rollout(arrays, [examples[0], examples[1]], TOK, Scored(), group_size=1, max_new_tokens=4,
+                         overlong_buffer=0, overlong_penalty_value=0.0)
+  assert scored.sample_valid.tolist() == [True, False]
+
+
+def test_a_failed_code_sandbox_is_an_infrastructure_failure_not_a_wrong_answer():
+  """CodeReward raises EnvFailure for a run whose sandbox failed (RewardPool then retries it) and
+  scores a failing program 0 as before; the batch API returns the failure in place."""
+  from meshrl.rl.rewards.code import CodeReward  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.sandbox import result as res  # pylint: disable=import-outside-toplevel
+
+  class Done:
+    def __init__(self, value):
+      self.value = value
+
+    def result(self):
+      return self.value
+
+  class BrokenPool:
+    def submit(self, *args, **kwargs):
+      return Done(res.failed(f"{res.SANDBOX_ERROR}: no report from the supervisor"))
+
+  reward = CodeReward(pool=BrokenPool())
+  example = {"tests": ["assert f() == 1"]}
+  with pytest.raises(res.EnvFailure, match="sandbox_error"):
+    reward("def f(): return 1", example)
+  assert isinstance(reward.score_many(["x"], [example])[0], res.EnvFailure)
+  assert reward.rewards(["x"], [example]).tolist() == [0.0]
+
+
+def test_single_turn_runs_give_their_verifiers_the_runs_quarantine_and_checkpoint_it():
+  """build_run hands the run's EnvWork to the reward pool (its record) and keeps it on the run, whose
+  carried state (the checkpoint) holds the quarantine for single-turn runs too."""
+  from meshrl.rl.step.program import build_run  # pylint: disable=import-outside-toplevel
+  from meshrl.train.init_from import initial_model  # pylint: disable=import-outside-toplevel
+  cfg = configs.load("configs/tiny.py", ["rl.prompts_per_step=2", "rl.group_size=2", "rl.num_minibatches=1"])
+  spec = loop.check_config(cfg)
+  work = EnvWork(quarantine=Quarantine(threshold=1))
+  run = build_run(cfg, None, initial_model(cfg, None), spec.tokenizer, env_work=work, spec=spec)
+  try:
+    assert run.env_work is work
+    run.pool.on_given_up({"task_id": "t1", "prompt": "p"}, "sandbox_error: gone")
+    assert work.quarantine.ids == {"t1"}
+    assert loop.carried_state(run)["env"] == work.state()
+  finally:
+    run.close()
