@@ -40,8 +40,8 @@ from meshrl.rl.envs.base import DONE, StepResult, parse_action
 from meshrl.rl.envs.tools import Toolbox
 from meshrl.rl.sandbox import Limits, Sandbox
 from meshrl.rl.sandbox import result as sandbox_result
-from meshrl.rl.sandbox.session import (SESSION_ENDED, CommandResult, PoolSet, Session, SessionPool,
-                                       SessionSpec)
+from meshrl.rl.sandbox.session import SESSION_ENDED, CommandResult, Session, SessionSpec
+from meshrl.rl.sandbox.session_pool import PoolSet, SessionPool
 
 _HARNESS = (pathlib.Path(__file__).parent / "terminal_harness.py").read_text()
 TASK_FIELDS = {"id": str, "domain": str, "prompt": str, "max_turns": int, "timeout_s": (int, float)}

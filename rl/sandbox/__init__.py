@@ -16,5 +16,5 @@ from meshrl.rl.sandbox.limits import Limits
 from meshrl.rl.sandbox.pool import PoolStats, Request, SandboxPool
 from meshrl.rl.sandbox.result import SandboxResult
 from meshrl.rl.sandbox.runner import Sandbox
-from meshrl.rl.sandbox.session import (CommandResult, PoolSet, Session, SessionPool, SessionSpec,
-                                       SessionStartError)
+from meshrl.rl.sandbox.session import CommandResult, Session, SessionSpec, SessionStartError
+from meshrl.rl.sandbox.session_pool import PoolSet, SessionPool

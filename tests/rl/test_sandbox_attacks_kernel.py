@@ -16,7 +16,8 @@ import time
 import pytest
 
 from meshrl.rl import sandbox as sb
-from meshrl.rl.sandbox.session import SessionPool, SessionSpec
+from meshrl.rl.sandbox.session import SessionSpec
+from meshrl.rl.sandbox.session_pool import SessionPool
 from sandbox_attack_helpers import (  # loaded by tests/rl/conftest.py
     LIMITS, MODES, _assert_nothing_left, _leases, _make, _run, _sandbox_processes)
 

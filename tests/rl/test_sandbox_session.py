@@ -16,7 +16,8 @@ import pytest
 
 from meshrl.rl import sandbox as sb
 from meshrl.rl.sandbox import runner
-from meshrl.rl.sandbox.session import Session, SessionPool, SessionSpec
+from meshrl.rl.sandbox.session import Session, SessionSpec
+from meshrl.rl.sandbox.session_pool import SessionPool
 from sandbox_attack_helpers import _assert_nothing_left, _leases, _sandbox_processes  # tests/rl/conftest.py
 
 LIMITS = sb.Limits(timeout_s=5.0, cpu_s=10.0, memory_mb=256, max_processes=24, disk_mb=8,
@@ -398,7 +399,8 @@ def test_a_session_holding_what_recycling_cannot_remove_is_ended_not_reused():
     deadline = time.monotonic() + 20
     while first.alive and time.monotonic() < deadline:
       time.sleep(0.01)
-    assert not first.alive and first.ended == "not_recycled: a SysV shm object is left" and pool.recycled == 0
+    assert not first.alive and first.ended == "not_recycled: a SysV shm object is left" and pool.recycled == 0, (
+        first.alive, first.ended, pool.recycled)
     second = pool.acquire()
     assert second is not first
     assert second.run("cat /proc/sysvipc/shm | wc -l").stdout == b"1\n"  # the header line only
