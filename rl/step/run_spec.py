@@ -37,6 +37,7 @@ from meshrl.rl.step.episodes import episode_pools, wants_multi_turn
 from meshrl.rl.step.spec import check_generation, episode_stops, generation_spec, rollout_model_config
 from meshrl.sharding.mesh import SEQUENCE_AXIS, global_mesh_sizes
 from meshrl.sharding.rules import data_parallel_size
+from meshrl.train import init_from
 from meshrl.train.init_from import check_initial_model
 from meshrl.train.optim import check_optim
 
@@ -53,7 +54,7 @@ def model_numbers(cfg, mesh: Mesh | None = None) -> ModelNumbers:
   """The one builder of an RL run's model numbers (the run spec's, the AOT programs', the layout
   planner's trials'): model.* / moe.* / attention.* / mesh.* checked by building them, on `mesh`
   (None: without a layout)."""
-  return ModelNumbers(model=ModelConfig.from_config(cfg, mesh), rollout_model=rollout_model_config(cfg, mesh))
+  return ModelNumbers(model=init_from.model_numbers(cfg, mesh), rollout_model=rollout_model_config(cfg, mesh))
 
 
 @dataclasses.dataclass(frozen=True)
