@@ -2,7 +2,7 @@
 
 The config is read once: a run config becomes model numbers (a ModelConfig) in one builder per kind of
 run, and everything downstream takes the numbers (or the run spec) as an argument:
-  train/init_from.model_numbers   SFT, a reward model, a judge, a warm start, and under both rule sets
+  train/init_from.model_config    SFT, a reward model, a judge, a warm start, and under both rule sets
                                   the RL run spec's (rl/step/run_spec.model_numbers builds through it)
   model/convert.py                a Hugging Face folder's config (import and export)
   model/transformer.py            where ModelConfig.from_config is defined
@@ -58,7 +58,7 @@ def test_model_numbers_are_built_only_by_the_builders():
   assert found["train/init_from.py"], "the scan read no builder: the layout changed"
   outside = [f"{rel}:{line}" for rel, lines in found.items() if rel not in BUILDERS | NOT_YET for line in lines]
   assert not outside, ("ModelConfig.from_config outside the builders (take the numbers as an argument, or build "
-                       f"them with train/init_from.model_numbers / rl/step/run_spec.model_numbers): {outside}")
+                       f"them with train/init_from.model_config / rl/step/run_spec.model_numbers): {outside}")
 
 
 @pytest.mark.parametrize("path", sorted(NOT_YET))

@@ -40,7 +40,7 @@ from meshrl.train import chunked_loss
 from meshrl.train.checkpoint import Checkpointer
 from meshrl.model.ring_attention import zigzag
 from meshrl.train.data import make_sft_data
-from meshrl.train.init_from import model_numbers
+from meshrl.train.init_from import model_config
 from meshrl.train.metrics import (CompileCounter, MetricsWriter, mfu, model_flops_per_token, peak_flops,
                                   plot_curve)
 from meshrl.train.optim import make_optimizer, make_schedule
@@ -235,7 +235,7 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
     preemption: a `Preemption` (train/preemption.py) entered by the caller: once it is requested
       (SIGTERM), the step in flight finishes, is saved, and the run returns with preempted=True.
     numbers: the model numbers on `mesh` (an RL warm start: its run spec's), built once from cfg by
-      train/init_from.model_numbers when None; the model, the state and the FLOPs read them.
+      train/init_from.model_config when None; the model, the state and the FLOPs read them.
 
   Returns:
     SFTResult(model, state, graphdef, history, preempted). With checkpoint.restore, a run finds its
@@ -253,7 +253,7 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint.every,
                         max_to_keep=cfg.checkpoint.max_to_keep, async_save=cfg.checkpoint.async_save)
   resuming = ckpt is not None and cfg.checkpoint.restore and ckpt.latest_step() is not None
-  mc = model_numbers(cfg, mesh) if numbers is None else numbers
+  mc = model_config(cfg, mesh) if numbers is None else numbers
   graphdef, state = _initial_state(cfg, mesh, mc, model, tx, resuming)
   data = make_sft_data(cfg, source=source, tokenizer=tokenizer, bad_rows=bad_rows)
   zigzag_over = zigzag_shards(cfg, mesh)

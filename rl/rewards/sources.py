@@ -39,7 +39,7 @@ from meshrl.rl.rewards.pool import RewardPool
 from meshrl.rl.rewards.rm_scorer import RewardModelScorer
 from meshrl.sharding.rules import data_parallel_size, rules_from_config
 from meshrl.train import rm_source
-from meshrl.train.init_from import model_numbers
+from meshrl.train.init_from import model_config
 
 FIELD = "rl.reward_sources"
 SOURCES = ("verifier", "reward_model", "judge")
@@ -269,7 +269,7 @@ def reward_pool(cfg, mesh, tokenizer):
     scorers["reward_model"] = reward_model_scorer(cfg, mesh, tokenizer, checked=True)
   if sources.uses("judge"):
     model, judge_cfg = rm_source.load_judge_model(rl.judge_checkpoint, cfg, mesh, rules=rules)
-    mc = model_numbers(judge_cfg, mesh, rules=rules_from_config(cfg.mesh, "rollout"))  # the judge's, generating
+    mc = model_config(judge_cfg, mesh, rules=rules_from_config(cfg.mesh, "rollout"))  # the judge's, generating
     mc = dataclasses.replace(mc, kv_cache_dtype=rl.kv_cache_dtype)
     scorers["judge"] = Judge(model, mc, tokenizer, read_rubrics(rl.judge_rubrics), max_score=rl.judge_max_score,
                              prompt_len=rl.judge_prompt_len, max_tokens=rl.judge_max_tokens, rows=rows, mesh=mesh,

@@ -54,7 +54,7 @@ def model_numbers(cfg, mesh: Mesh | None = None) -> ModelNumbers:
   """The one builder of an RL run's model numbers (the run spec's, the AOT programs', the layout
   planner's trials'): model.* / moe.* / attention.* / mesh.* checked by building them, on `mesh`
   (None: without a layout)."""
-  return ModelNumbers(model=init_from.model_numbers(cfg, mesh), rollout_model=rollout_model_config(cfg, mesh))
+  return ModelNumbers(model=init_from.model_config(cfg, mesh), rollout_model=rollout_model_config(cfg, mesh))
 
 
 @dataclasses.dataclass(frozen=True)

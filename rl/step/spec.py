@@ -40,7 +40,7 @@ def rollout_model_config(cfg, mesh: Mesh | None) -> ModelConfig:
   and the KV cache of rl.kv_cache_dtype."""
   quant.check_generation_options(kv_cache_dtype=cfg.rl.kv_cache_dtype, generation_weights=cfg.rl.generation_weights,
                                  tis_level=cfg.rl.tis_level)
-  mc = init_from.model_numbers(cfg, mesh, rules=rules_from_config(cfg.mesh, "rollout"))
+  mc = init_from.model_config(cfg, mesh, rules=rules_from_config(cfg.mesh, "rollout"))
   return dataclasses.replace(mc, kv_cache_dtype=cfg.rl.kv_cache_dtype)
 
 

@@ -204,11 +204,11 @@ def test_sft_and_the_first_model_are_built_from_the_given_model_numbers(tmp_path
   rather than building them from cfg again: numbers whose vocabulary differs from the config's are
   what the trained model, its state and the first model hold. Fails if either rebuilt them from cfg."""
   import dataclasses  # pylint: disable=import-outside-toplevel
-  from meshrl.train.init_from import initial_model, model_numbers  # pylint: disable=import-outside-toplevel
+  from meshrl.train.init_from import initial_model, model_config  # pylint: disable=import-outside-toplevel
   cfg = _mesh_cfg(tmp_path, **{"model.num_layers": 1, "model.embed_dim": 32, "mesh.fsdp": 1, "mesh.tensor": 1,
                                "checkpoint.enabled": False, "log.tensorboard": False, "log.plot": False,
                                "rl.sft_batch_size": 4})
-  numbers = model_numbers(cfg)
+  numbers = model_config(cfg)
   wider = dataclasses.replace(numbers, vocab_size=numbers.vocab_size + 64)
   assert initial_model(cfg, None, numbers=wider).config == wider
   result = run_sft(cfg, str(tmp_path), None, source=_source(cfg), num_steps=1, numbers=wider)
