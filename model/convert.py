@@ -229,8 +229,8 @@ def _load_leaf(reader: _Reader, source: _Source | None, variable: nnx.Variable, 
 
 
 def import_checkpoint(hf_dir: str, mesh: Mesh | None = None,
-                      cfg: ml_collections.ConfigDict | None = None, *,
-                      rules: Rules = TRAIN_RULES) -> tuple[Transformer, ml_collections.ConfigDict]:
+                      cfg: ml_collections.ConfigDict | None = None, *, rules: Rules = TRAIN_RULES,
+                      numbers: ModelConfig | None = None) -> tuple[Transformer, ml_collections.ConfigDict]:
   """Builds a Transformer from a Hugging Face checkpoint, each parameter read into its sharding.
 
   Args:
@@ -239,6 +239,8 @@ def import_checkpoint(hf_dir: str, mesh: Mesh | None = None,
     cfg: the run config; its model.* / moe.* fields must match the checkpoint
       (`load_hf_config(hf_dir, base=cfg)` makes them). Default: `load_hf_config(hf_dir)`.
     rules: logical axis rules for the parameter shardings.
+    numbers: cfg's model numbers on `mesh` when the caller built them (train/init_from.py); default
+      built here from cfg (the folder's own config without one).
 
   Returns:
     (model, cfg). Parameters are stored in model.param_dtype; a value head (model.value_head) starts
@@ -248,7 +250,7 @@ def import_checkpoint(hf_dir: str, mesh: Mesh | None = None,
     cfg = load_hf_config(hf_dir)
   else:
     check_config_matches(cfg, hf_dir)
-  mc = ModelConfig.from_config(cfg, mesh)
+  mc = ModelConfig.from_config(cfg, mesh) if numbers is None else numbers
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(0))))
   flat = list(nnx.to_flat_state(abstract))
   if mesh is None:

@@ -60,7 +60,8 @@ def main(argv) -> int:
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from meshrl.rl.step import aot  # pylint: disable=import-outside-toplevel  (imports jax)
   try:
-    counts = aot.parameter_counts_of(cfg)  # builds the model's config: its checks (mesh.stage, ...) first
+    numbers = aot.model_numbers(cfg)  # the run's model numbers (no layout yet): their checks (mesh.stage, ...) first
+    counts = aot.parameter_counts_of(cfg, numbers)
   except ValueError as error:
     print(f"error: {error}", file=sys.stderr)
     return 2
@@ -73,7 +74,7 @@ def main(argv) -> int:
                      "needs none.")
   if args.num_slices < 1:
     raise ValueError(f"--num_slices={args.num_slices} must be at least 1.")
-  steps = list(aot.default_steps(cfg)) if args.step == "all" else [s.strip() for s in args.step.split(",") if s.strip()]
+  steps = list(aot.default_steps(cfg, numbers)) if args.step == "all" else [s.strip() for s in args.step.split(",") if s.strip()]
   if cfg.mesh.num_slices != args.num_slices:
     cfg.unlock()
     cfg.mesh.num_slices = args.num_slices
@@ -82,6 +83,7 @@ def main(argv) -> int:
   try:
     devices = aot.topology_devices(args.topology, args.num_slices)
     mesh = aot.topology_mesh(cfg, devices)
+    numbers = aot.model_numbers(cfg, mesh)  # laid out on the topology's mesh, once for every step
     unknown = [s for s in steps if s not in aot.STEPS]
     if unknown:
       raise ValueError(f"--step names unknown step(s) {unknown}; choose from {aot.STEPS} or all.")
@@ -92,7 +94,7 @@ def main(argv) -> int:
         f"{dict(mesh.shape)}", flush=True)
   reports = []
   for step in steps:
-    report = aot.compile_step(step, cfg, mesh, args.topology)
+    report = aot.compile_step(step, cfg, mesh, args.topology, numbers)
     reports.append(report)
     gib = (f"{report.per_chip['total'] / 2 ** 30:.2f} GiB" if report.per_chip
            else "out of VMEM" if "VMEM" in report.diagnosis else "out of HBM")

@@ -131,12 +131,12 @@ def warm_start_flops(workdir: str):
   per token (forward + backward, train/metrics.model_flops_per_token) x the tokens it trained on."""
   # pylint: disable=import-outside-toplevel
   from ml_collections import ConfigDict
-  from meshrl.model.transformer import ModelConfig
+  from meshrl.train.init_from import model_config
   from meshrl.train.metrics import model_flops_per_token
   # pylint: enable=import-outside-toplevel
   with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
     cfg = ConfigDict(json.load(f))
-  per_token = model_flops_per_token(ModelConfig.from_config(cfg), seq_len=cfg.data.seq_len)
+  per_token = model_flops_per_token(model_config(cfg), seq_len=cfg.data.seq_len)
   return per_token * cfg.rl.sft_steps * cfg.rl.sft_batch_size * cfg.data.seq_len, per_token, cfg
 
 

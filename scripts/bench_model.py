@@ -75,13 +75,13 @@ def bench_size(cfg, *, batch: int, seq_len: int, steps: int) -> dict:
 
   from meshrl.model import moe_dispatch
   from meshrl.model.init import build_model, parameter_counts
-  from meshrl.model.transformer import ModelConfig
+  from meshrl.train.init_from import model_config
   from meshrl.sharding import make_mesh
   from meshrl.train.metrics import model_flops_per_token
   from meshrl.train.sft import model_rows, sft_loss
   # pylint: enable=import-outside-toplevel
   mesh = make_mesh(cfg.mesh)
-  mc = ModelConfig.from_config(cfg, mesh)
+  mc = model_config(cfg, mesh)
   graphdef, params, extra = nnx.split(build_model(mc, mesh, seed=cfg.seed), nnx.Param, ...)
   tokens = jax.random.randint(jax.random.key(1), (batch, seq_len), 0, mc.vocab_size, jnp.int32)
   ones = jnp.ones((batch, seq_len), jnp.int32)

@@ -54,10 +54,10 @@ def main(argv) -> int:
 
   from meshrl.model.init import build_model
   from meshrl.model.tokenizer import ByteTokenizer
-  from meshrl.model.transformer import ModelConfig
   from meshrl.rl.generation import core
   from meshrl.rl.generation.generator import Generator
   from meshrl.rl.generation.sampling import sample_keys
+  from meshrl.rl.step.run_spec import model_numbers
   from meshrl.rl.step.spec import make_generator
   from meshrl.sharding import make_mesh
   from meshrl.sharding.rules import rules_from_config
@@ -70,7 +70,8 @@ def main(argv) -> int:
     cfg.rl.group_size, cfg.rl.temperature, cfg.rl.engine = 1, 0.0, "continuous"
     cfg.rl.decode_slots = args.prompts
   mesh = make_mesh(cfg.mesh)
-  model = build_model(ModelConfig.from_config(cfg, mesh), mesh)
+  numbers = model_numbers(cfg, mesh)  # the run's, both rule sets
+  model = build_model(numbers.model, mesh)
   from flax import nnx  # pylint: disable=import-outside-toplevel
   _, params, extra = nnx.split(model, nnx.Param, ...)
   tok = ByteTokenizer()
@@ -80,7 +81,7 @@ def main(argv) -> int:
   mask[0] = True
   mask[1:, -args.short:] = True
   tokens, mask = jnp.asarray(np.where(mask, tokens, tok.pad_id)), jnp.asarray(mask)
-  base = make_generator(cfg, mesh, stop_ids=(), pad_id=tok.pad_id)
+  base = make_generator(cfg, mesh, stop_ids=(), pad_id=tok.pad_id, model_numbers=numbers.rollout_model)
   rules = rules_from_config(cfg.mesh)
   num = args.prompts
   rows = {}

@@ -36,14 +36,14 @@ def _save_reward_model(cfg, folder: str) -> None:
   from flax import nnx
 
   from meshrl.model.init import build_model
-  from meshrl.model.transformer import ModelConfig
+  from meshrl.train.init_from import model_config
   from meshrl.train.checkpoint import Checkpointer
   from meshrl.train.state import TrainState
   # pylint: enable=import-outside-toplevel
   rm_cfg = cfg.copy_and_resolve_references()
   with rm_cfg.unlocked():
     rm_cfg.model.value_head = True
-  model = build_model(ModelConfig.from_config(rm_cfg), None, seed=cfg.seed + 17)
+  model = build_model(model_config(rm_cfg), None, seed=cfg.seed + 17)
   _, params, extra = nnx.split(model, nnx.Param, ...)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state={}, extra=extra)
   with Checkpointer(os.path.join(folder, "checkpoints"), async_save=False) as ckpt:

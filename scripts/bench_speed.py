@@ -217,9 +217,11 @@ def bench_int8(args) -> dict:
   from meshrl import configs  # pylint: disable=import-outside-toplevel
   from meshrl.model.init import build_model  # pylint: disable=import-outside-toplevel
   from meshrl.rl.generation.quality import int8_quality  # pylint: disable=import-outside-toplevel
+  from meshrl.train.init_from import model_config  # pylint: disable=import-outside-toplevel
   cfg = configs.load("configs/tiny.py", [f"model.max_seq_len={args.prompt_len + 256}"])
-  _, params, extra = nnx.split(build_model(ModelConfig.from_config(cfg), seed=args.seed), nnx.Param, ...)
-  return int8_quality(ModelConfig.from_config(cfg), params, extra, _random_prompts(args.seed + 3, 4, args.prompt_len),
+  mc = model_config(cfg)
+  _, params, extra = nnx.split(build_model(mc, seed=args.seed), nnx.Param, ...)
+  return int8_quality(mc, params, extra, _random_prompts(args.seed + 3, 4, args.prompt_len),
                       new_tokens=256)
 
 

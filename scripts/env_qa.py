@@ -75,13 +75,14 @@ class CheckpointPolicy:
     from flax import nnx
 
     from meshrl.model.tokenizer import tokenizer_from_config
-    from meshrl.model.transformer import ModelConfig, Transformer
+    from meshrl.model.transformer import Transformer
     from meshrl.serve.engine import Engine, EngineSpec
     from meshrl.train.checkpoint import from_nested_dict, load_params
+    from meshrl.train.init_from import model_config
     # pylint: enable=import-outside-toplevel
     self.tokenizer = tokenizer_from_config(cfg)
     spec = EngineSpec.from_config(cfg)
-    mc = ModelConfig.from_config(cfg)
+    mc = model_config(cfg)
     graphdef, like, rest = nnx.split(nnx.eval_shape(lambda: Transformer(mc, rngs=nnx.Rngs(0))), nnx.Param, ...)
     parts = ("params", "extra") if jax.tree.leaves(rest) else ("params",)  # router biases, if any
     saved = load_params(checkpoint, parts=parts)

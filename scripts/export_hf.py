@@ -51,7 +51,7 @@ def _tokenizer_folder(cfg) -> str | None:
 def _check(args, cfg) -> tuple[str, int, str]:
   """Everything that can be checked before reading the checkpoint; returns (folder, step, arch)."""
   from meshrl.model import convert  # pylint: disable=import-outside-toplevel
-  from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
+  from meshrl.train.init_from import model_config  # pylint: disable=import-outside-toplevel
   from meshrl.train import init_from  # pylint: disable=import-outside-toplevel
   convert.check_export_dtype(args.dtype, field="--dtype")
   if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -78,7 +78,7 @@ def _check(args, cfg) -> tuple[str, int, str]:
   if architecture not in convert.ARCHITECTURES:
     raise ValueError(f"--architecture={architecture!r} is not supported; supported: "
                      f"{', '.join(convert.ARCHITECTURES)}.")
-  convert.ARCHITECTURES[architecture].write(ModelConfig.from_config(cfg))  # raises if inexpressible
+  convert.ARCHITECTURES[architecture].write(model_config(cfg))  # raises if inexpressible
   if cfg.model.tokenizer != "byte":
     init_from.check_tokenizer(cfg)
   return folder, step, architecture
@@ -109,12 +109,12 @@ def main(argv):
   # jax only now, after --cpu_devices.
   from meshrl.model import convert  # pylint: disable=import-outside-toplevel
   from meshrl.model.tokenizer import tokenizer_from_config  # pylint: disable=import-outside-toplevel
-  from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
+  from meshrl.train.init_from import model_config  # pylint: disable=import-outside-toplevel
   from meshrl.sharding import make_mesh  # pylint: disable=import-outside-toplevel
   from meshrl.train import init_from  # pylint: disable=import-outside-toplevel
   folder, step, architecture = _check(args, cfg)  # bad input: one line (cli.run), nothing written
   mesh = make_mesh(cfg.mesh)
-  model = init_from.restore_params(folder, ModelConfig.from_config(cfg, mesh), mesh, step=step)
+  model = init_from.restore_params(folder, model_config(cfg, mesh), mesh, step=step)
   # A sequence classifier reads each row's score at its last non-pad token: it needs the pad id.
   pad_id = tokenizer_from_config(cfg).pad_id if architecture.endswith("ForSequenceClassification") else None
   written = convert.export_checkpoint(model, cfg, args.out, architecture, dtype=args.dtype, pad_token_id=pad_id)

@@ -74,8 +74,14 @@ def main(argv) -> int:
         f"divide them, {sum(e.bytes_per_chip <= limit for e in estimates)} estimated to fit; compiling "
         f"{len(chosen)}: the {args.top} fastest by estimate and the config's own mesh", flush=True)
 
+  built = {}  # id(trial) -> (trial, its mesh, its model numbers): built once per candidate
+
   def compile_fn(trial, step):
-    report = aot.compile_step(step, trial, aot.topology_mesh(trial, devices), args.topology)
+    if id(trial) not in built:
+      mesh = aot.topology_mesh(trial, devices)
+      built[id(trial)] = (trial, mesh, aot.model_numbers(trial, mesh))
+    _, mesh, numbers = built[id(trial)]
+    report = aot.compile_step(step, trial, mesh, args.topology, numbers)
     gib = f"{report.per_chip['total'] / 2 ** 30:.1f} GiB" if report.per_chip else "out of memory"
     print(f"  {dict((a, trial.mesh[a]) for a in planner.MESH_AXES)} "
           f"{step}: {gib}, compiled in {report.compile_s:.0f} s", flush=True)

@@ -30,10 +30,9 @@ def main(argv):
   import numpy as np
 
   from meshrl.model.tokenizer import tokenizer_from_config
-  from meshrl.model.transformer import ModelConfig
   from meshrl.rl.generation.quality import int8_quality
   from meshrl.rl.step.driver import prompt_stream, train_source
-  from meshrl.train.init_from import check_initial_model, initial_model
+  from meshrl.train.init_from import check_initial_model, initial_model, model_config
   from meshrl.train.state import split_model
   # pylint: enable=import-outside-toplevel
   for flag in ("prompts", "new_tokens"):
@@ -46,7 +45,7 @@ def main(argv):
       raise ValueError(f"--checkpoint={args.checkpoint!r} does not exist.")
     cfg.model.init_from = os.path.abspath(args.checkpoint)
   check_initial_model(cfg)
-  mc = ModelConfig.from_config(cfg)
+  mc = model_config(cfg)
   tokenizer = tokenizer_from_config(cfg)
   stream = prompt_stream(train_source(cfg))
   encoded = [tokenizer.encode(tokenizer.render_prompt(next(stream)["prompt"])) for _ in range(args.prompts)]

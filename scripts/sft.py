@@ -29,11 +29,10 @@ def main(argv):
   cli.join_job(args)  # several processes (a pod): join the job before jax touches a device
   # pylint: disable=import-outside-toplevel  (jax only now, after --cpu_devices)
   from meshrl.model.tokenizer import tokenizer_from_config
-  from meshrl.model.transformer import ModelConfig
   from meshrl.rl.step.driver import checkpoint_bytes, skipped_rows, train_source
   from meshrl.sharding import make_mesh
   from meshrl.train import checkpoint, workdir as workdir_lib
-  from meshrl.train.init_from import check_initial_model
+  from meshrl.train.init_from import check_initial_model, model_config
   from meshrl.train.optim import check_optim
   from meshrl.train.preemption import Preemption
   from meshrl.train.sft import check_shapes, run_sft
@@ -46,7 +45,7 @@ def main(argv):
   # Everything that can refuse the run, before anything is written.
   checks.check_sections(cfg, "run", "data", "checkpoint", "log")
   checks.at_least(cfg, "rl.sft_batch_size", 1)
-  model_numbers = ModelConfig.from_config(cfg)
+  numbers = model_config(cfg)  # model.*, moe.*, attention.* (the mesh's layout comes with run_sft)
   check_optim(cfg.optim, learning_rate=cfg.rl.sft_learning_rate, field="rl.sft_learning_rate")
   mesh = make_mesh(cfg.mesh)
   check_shapes(cfg, mesh)
@@ -63,7 +62,7 @@ def main(argv):
     print(skipped_rows(source))
   tokenizer = tokenizer_from_config(cfg)
   if cfg.checkpoint.enabled:
-    workdir_lib.check_free_space(workdir, checkpoint_bytes(model_numbers, cfg.optim))
+    workdir_lib.check_free_space(workdir, checkpoint_bytes(numbers, cfg.optim))
   workdir_lib.clear_outputs(workdir, leftovers)
   print(f"config: {save_config(cfg, workdir)}")
   # Builds the model sharded on the mesh, or on a resume reads the checkpoint straight into it.

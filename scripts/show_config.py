@@ -50,10 +50,10 @@ def print_dispatch_plan(config, mesh) -> None:
   """
   # pylint: disable=import-outside-toplevel
   from meshrl.model import moe, moe_dispatch
-  from meshrl.model.transformer import ModelConfig
+  from meshrl.train.init_from import model_config
   from meshrl.sharding.mesh import EXPERT_AXIS, axis_size, platform
   # pylint: enable=import-outside-toplevel
-  mc = ModelConfig.from_config(config, mesh)  # also checks moe.dispatch and moe.capacity_factor
+  mc = model_config(config, mesh)  # also checks moe.dispatch and moe.capacity_factor
   if not mc.num_moe_layers:
     return
   rl = config.rl

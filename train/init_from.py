@@ -2,6 +2,7 @@
 
   check_initial_model(cfg)             # cheap: reads a few JSON files, compiles and writes nothing
   model = initial_model(cfg, mesh)     # parameters born in their shardings on `mesh`
+  mc = model_config(cfg, mesh)         # a model job's numbers (SFT, reward model, judge): built here
 
 `model.init_from` is one of:
   ""                     random init (model/init.py `build_model`, seeded by cfg.seed);
@@ -198,13 +199,24 @@ def restore_params(folder: str, mc: ModelConfig, mesh: Mesh | None, *, step: int
                    from_nested_dict(restored["extra"], extra))
 
 
-def initial_model(cfg, mesh: Mesh | None, *, rules: Rules = TRAIN_RULES) -> Transformer:
-  """The run's first model, every parameter in its sharding on `mesh` (see the module docstring)."""
+def model_config(cfg, mesh: Mesh | None = None, *, rules: Rules | None = None) -> ModelConfig:
+  """The model numbers (a ModelConfig) of a run config on `mesh` (None: without a layout; rules: the
+  activations' layout, default the training rules): a model job's (SFT, a reward model, a judge, a
+  warm start) and, through rl/step/run_spec.model_numbers, an RL run's under both rule sets. With
+  model/convert.py (a Hugging Face folder's config) the only place a config becomes model numbers:
+  everything downstream takes them as an argument (tests/test_layout.py keeps it so)."""
+  return ModelConfig.from_config(cfg, mesh, rules=rules)
+
+
+def initial_model(cfg, mesh: Mesh | None, *, rules: Rules = TRAIN_RULES,
+                  numbers: ModelConfig | None = None) -> Transformer:
+  """The run's first model, every parameter in its sharding on `mesh` (see the module docstring).
+  numbers: the run's model numbers on `mesh` (an RL run's spec.model), default `model_config`'s."""
   kind = _source_kind(cfg)
-  mc = ModelConfig.from_config(cfg, mesh)
+  mc = model_config(cfg, mesh) if numbers is None else numbers
   if kind == "random":
     return build_model(mc, mesh, seed=cfg.seed, rules=rules)
   check_model_source(cfg)
   if kind == "hf":
-    return convert.import_checkpoint(cfg.model.init_from, mesh, cfg, rules=rules)[0]
+    return convert.import_checkpoint(cfg.model.init_from, mesh, cfg, rules=rules, numbers=mc)[0]
   return restore_params(checkpoint_dir(cfg.model.init_from), mc, mesh, rules=rules)

@@ -26,10 +26,9 @@ import ml_collections
 
 from meshrl.configs import checks
 from meshrl.model.tokenizer import tokenizer_from_config
-from meshrl.model.transformer import ModelConfig
 from meshrl.sharding import make_mesh
 from meshrl.train import checkpoint, workdir as workdir_lib
-from meshrl.train.init_from import check_initial_model, initial_model
+from meshrl.train.init_from import check_initial_model, initial_model, model_config
 from meshrl.train.optim import check_optim
 from meshrl.train.preferences import PairArrays, encode_pairs, read_pairs, split_pairs
 from meshrl.train.reward_model import check_score_head
@@ -157,7 +156,7 @@ def prepare_reward_model(rm_cfg, workdir: str, *, overwrite: bool = False) -> RM
   resumed, or `overwrite`)."""
   checks.check_sections(rm_cfg, "run", "moe", "checkpoint", "log", "rm")
   check_score_head(rm_cfg.model)
-  ModelConfig.from_config(rm_cfg)
+  model_config(rm_cfg)  # model.*, moe.*, attention.* by building them
   check_optim(rm_optim(rm_cfg), learning_rate=rm_cfg.rm.learning_rate, field="rm.learning_rate")
   mesh = make_mesh(rm_cfg.mesh)
   check_rm_shapes(rm_cfg, mesh)

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from meshrl.model import convert
 from meshrl.model.tokenizer import tokenizer_from_config
-from meshrl.model.transformer import ModelConfig, Transformer
+from meshrl.model.transformer import Transformer
 from meshrl.sharding.rules import TRAIN_RULES, Rules
 from meshrl.train import init_from
 from meshrl.train.checkpoint import check_readable
@@ -119,7 +119,7 @@ def _load(path: str, cfg, mesh: Mesh | None, rules: Rules) -> Transformer:
   folder = init_from.checkpoint_dir(path)
   if folder is None:
     return convert.import_checkpoint(path, mesh, cfg, rules=rules)[0]
-  return init_from.restore_params(folder, ModelConfig.from_config(cfg, mesh), mesh, rules=rules)
+  return init_from.restore_params(folder, init_from.model_config(cfg, mesh), mesh, rules=rules)
 
 
 def load_judge_model(path: str, policy_cfg, mesh: Mesh | None, *, field: str = JUDGE_FIELD,

@@ -40,6 +40,7 @@ from meshrl.train import chunked_loss
 from meshrl.train.checkpoint import Checkpointer
 from meshrl.model.ring_attention import zigzag
 from meshrl.train.data import make_sft_data
+from meshrl.train.init_from import model_config
 from meshrl.train.metrics import (CompileCounter, MetricsWriter, mfu, model_flops_per_token, peak_flops,
                                   plot_curve)
 from meshrl.train.optim import make_optimizer, make_schedule
@@ -206,10 +207,10 @@ def check_shapes(cfg, mesh: Mesh | None) -> None:
     raise ValueError(f"data.seq_len={seq_len} is not divisible by {multiple} (mesh.sequence={sequence}{twice}).")
 
 
-def _initial_state(cfg, mesh: Mesh | None, model: nnx.Module | None, tx, resuming: bool):
-  """(graphdef, state): the model's, or on a resume an abstract target (nothing initialised)."""
+def _initial_state(cfg, mesh: Mesh | None, mc: ModelConfig, model: nnx.Module | None, tx, resuming: bool):
+  """(graphdef, state): the model's, or on a resume an abstract target (nothing initialised), of
+  model numbers `mc`."""
   rules = rules_from_config(cfg.mesh)
-  mc = ModelConfig.from_config(cfg, mesh)
   if resuming and model is None and mesh is not None:
     return abstract_train_state(lambda: Transformer(mc, rngs=nnx.Rngs(cfg.seed)), tx, mesh, rules)
   if model is None:
@@ -219,7 +220,7 @@ def _initial_state(cfg, mesh: Mesh | None, model: nnx.Module | None, tx, resumin
 
 def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | None = None, *,
             source: Any, tokenizer=None, num_steps: int | None = None, bad_rows: int = 0,
-            preemption: Preemption | None = None) -> SFTResult:
+            preemption: Preemption | None = None, numbers: ModelConfig | None = None) -> SFTResult:
   """Trains `rl.sft_steps` steps of SFT, writing metrics and checkpoints to `workdir`.
 
   Args:
@@ -233,6 +234,8 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
     num_steps: overrides rl.sft_steps.
     preemption: a `Preemption` (train/preemption.py) entered by the caller: once it is requested
       (SIGTERM), the step in flight finishes, is saved, and the run returns with preempted=True.
+    numbers: the model numbers on `mesh` (an RL warm start: its run spec's), built once from cfg by
+      train/init_from.model_config when None; the model, the state and the FLOPs read them.
 
   Returns:
     SFTResult(model, state, graphdef, history, preempted). With checkpoint.restore, a run finds its
@@ -250,7 +253,8 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), every=cfg.checkpoint.every,
                         max_to_keep=cfg.checkpoint.max_to_keep, async_save=cfg.checkpoint.async_save)
   resuming = ckpt is not None and cfg.checkpoint.restore and ckpt.latest_step() is not None
-  graphdef, state = _initial_state(cfg, mesh, model, tx, resuming)
+  mc = model_config(cfg, mesh) if numbers is None else numbers
+  graphdef, state = _initial_state(cfg, mesh, mc, model, tx, resuming)
   data = make_sft_data(cfg, source=source, tokenizer=tokenizer, bad_rows=bad_rows)
   zigzag_over = zigzag_shards(cfg, mesh)
   start = 0
@@ -258,7 +262,7 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
     restored = ckpt.restore(state)
     state, start = restored.state, restored.step
     data.set_state(restored.data_state)
-  flops_per_token = model_flops_per_token(ModelConfig.from_config(cfg), seq_len=cfg.data.seq_len)
+  flops_per_token = model_flops_per_token(mc, seq_len=cfg.data.seq_len)
   peak = peak_flops(mesh.devices.flat if mesh is not None else jax.devices()[:1])
 
   step_fn = make_sft_step(graphdef, mesh, cfg, tx, state_shardings=shardings_of(state),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from typing import Any
 
@@ -83,6 +84,14 @@ def _nbytes(tree) -> int:
   return int(sum(a.nbytes for a in jax.tree.leaves(tree)))
 
 
+def row_bytes(slots: Slots) -> int:
+  """Bytes of one slot's row that the tier moves (target and draft caches, per-slot fields), over
+  real arrays or their abstract shapes (jax.ShapeDtypeStruct: rl/step/aot.py reports it for a
+  topology without allocating): the device tier's bytes / C."""
+  leaves = jax.tree.leaves((slots.cache, slots.draft_cache, _row_fields(slots)))
+  return int(sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in leaves)) // slots.num_slots
+
+
 def _host_kind(tree) -> str | None:
   """The host memory kind every device of `tree` has, or None."""
   devices = {d for a in jax.tree.leaves(tree) for d in a.sharding.device_set}
@@ -118,8 +127,8 @@ class HostTier:
 
   @staticmethod
   def row_bytes(slots: Slots) -> int:
-    """Bytes of one slot's row (caches and per-slot fields)."""
-    return HostTier.device_bytes(slots) // slots.num_slots
+    """Bytes of one slot's row (caches and per-slot fields): `row_bytes`."""
+    return row_bytes(slots)
 
   @staticmethod
   def device_bytes(slots: Slots) -> int:

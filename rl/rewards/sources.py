@@ -33,13 +33,13 @@ from typing import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from meshrl.model.transformer import ModelConfig
 from meshrl.rl.rewards.compose import compose, parse_weights
 from meshrl.rl.rewards.judge import Judge, read_rubrics
 from meshrl.rl.rewards.pool import RewardPool
 from meshrl.rl.rewards.rm_scorer import RewardModelScorer
 from meshrl.sharding.rules import data_parallel_size, rules_from_config
 from meshrl.train import rm_source
+from meshrl.train.init_from import model_config
 
 FIELD = "rl.reward_sources"
 SOURCES = ("verifier", "reward_model", "judge")
@@ -276,7 +276,7 @@ def reward_pool(cfg, mesh, tokenizer, *, on_given_up=None):
     scorers["reward_model"] = reward_model_scorer(cfg, mesh, tokenizer, checked=True)
   if sources.uses("judge"):
     model, judge_cfg = rm_source.load_judge_model(rl.judge_checkpoint, cfg, mesh, rules=rules)
-    mc = ModelConfig.from_config(judge_cfg, mesh, rules=rules_from_config(cfg.mesh, "rollout"))
+    mc = model_config(judge_cfg, mesh, rules=rules_from_config(cfg.mesh, "rollout"))  # the judge's, generating
     mc = dataclasses.replace(mc, kv_cache_dtype=rl.kv_cache_dtype)
     scorers["judge"] = Judge(model, mc, tokenizer, read_rubrics(rl.judge_rubrics), max_score=rl.judge_max_score,
                              prompt_len=rl.judge_prompt_len, max_tokens=rl.judge_max_tokens, rows=rows, mesh=mesh,

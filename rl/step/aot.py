@@ -85,8 +85,10 @@ from meshrl.rl.batches import routes
 from meshrl.rl.batches.handover import ALIGNED_FROM, UpdateBatch, align_arrays
 from meshrl.rl.generation import core
 from meshrl.rl.generation.state import Counters, Pool, Slots, empty_slots
+from meshrl.rl.generation.tiers import row_bytes
 from meshrl.rl.step.aot_report import (  # noqa: F401  (the report's names, read as aot.X by the scripts)
     ASSUMED_MFU, HBM_FRACTION, StepReport, host_tier_line, largest_arguments, markdown_table, oom_diagnosis)
+from meshrl.rl.step.run_spec import ModelNumbers, model_numbers
 from meshrl.rl.step.spec import draft_run_config, generation_spec, rollout_model_config
 from meshrl.rl.algo.update import make_update
 from meshrl.sharding import traffic
@@ -234,20 +236,21 @@ def _pipeline_figures(cfg, mesh: Mesh, rows: int) -> dict:
   return dict(microbatches=count, bubble_fraction=pipeline.bubble_fraction(stages, count))
 
 
-def _model(cfg, mesh: Mesh, rules=None) -> tuple[ModelConfig, Callable[[], Transformer]]:
-  mc = ModelConfig.from_config(cfg, mesh, rules=rules)
-  return mc, lambda: Transformer(mc, rngs=nnx.Rngs(cfg.seed))
+def _model(cfg, mc: ModelConfig) -> Callable[[], Transformer]:
+  return lambda: Transformer(mc, rngs=nnx.Rngs(cfg.seed))
 
 
-def update_program(cfg, mesh: Mesh) -> Program:
-  """rl/algo/update.py `make_update` over the abstract train state and UpdateBatch."""
+def update_program(cfg, mesh: Mesh, numbers: ModelNumbers | None = None) -> Program:
+  """rl/algo/update.py `make_update` over the abstract train state and UpdateBatch. numbers: the
+  run's model numbers on `mesh` (run_spec.model_numbers, or its RunSpec), default built from cfg;
+  every program below takes them."""
   estimator = adv_lib.make_estimator(cfg.rl.advantage, eps=cfg.rl.adv_eps, gamma=cfg.rl.gamma,
                                      lam=cfg.rl.gae_lambda)
   spec = dataclasses.replace(losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic),
                              zigzag_inputs=zigzag_shards(cfg, mesh) > 1)
   tx = make_optimizer(cfg.optim)
-  mc, make = _model(cfg, mesh)
-  graphdef, state = abstract_train_state(make, tx, mesh, rules_from_config(cfg.mesh))
+  mc = _numbers(cfg, mesh, numbers).model
+  graphdef, state = abstract_train_state(_model(cfg, mc), tx, mesh, rules_from_config(cfg.mesh))
   rows = cfg.rl.prompts_per_step * cfg.rl.group_size
   update = make_update(spec, graphdef, tx, batch_size=rows, num_minibatches=cfg.rl.num_minibatches,
                        epochs=cfg.rl.epochs, aux_free_bias=cfg.moe.aux_free_bias,
@@ -261,13 +264,18 @@ def update_program(cfg, mesh: Mesh) -> Program:
                  **_pipeline_figures(cfg, mesh, rows // cfg.rl.num_minibatches))
 
 
-def _rollout_state(cfg, mesh: Mesh, *, layout: str | None = None):
+def _numbers(cfg, mesh: Mesh | None, numbers: ModelNumbers | None) -> ModelNumbers:
+  """The programs' model numbers: `numbers` (a ModelNumbers or a RunSpec), else the run's builder's."""
+  return model_numbers(cfg, mesh) if numbers is None else numbers
+
+
+def _rollout_state(cfg, mesh: Mesh, numbers: ModelNumbers | None, *, layout: str | None = None):
   """(ModelConfig, graphdef, params, extra) of the rollout: parameters in the TRAIN layout (the
   same arrays the update trains), or in the generation layout `generation_params_shardings` gives
-  (rl.generation_layout = "gathered", or pipeline stages); activations by the ROLLOUT rules."""
-  mc = rollout_model_config(cfg, mesh)
-  graphdef, state = abstract_train_state(lambda: Transformer(mc, rngs=nnx.Rngs(cfg.seed)),
-                                         make_optimizer(cfg.optim), mesh, rules_from_config(cfg.mesh))
+  (rl.generation_layout = "gathered", or pipeline stages); activations by the ROLLOUT rules
+  (numbers.rollout_model)."""
+  mc = _numbers(cfg, mesh, numbers).rollout_model
+  graphdef, state = abstract_train_state(_model(cfg, mc), make_optimizer(cfg.optim), mesh, rules_from_config(cfg.mesh))
   params = state.params
   if layout != "train":
     params = _relaid(params, generation_params_shardings(cfg, jax.tree.map(lambda x: x.sharding, params)))
@@ -285,22 +293,22 @@ def _relaid(params, shardings):
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
 
 
-def reshard_program(cfg, mesh: Mesh) -> Program:
+def reshard_program(cfg, mesh: Mesh, numbers: ModelNumbers | None = None) -> Program:
   """The one-off cost of the generation layout (`generation_params_shardings`): the train-layout
   parameters resharded into it (once per rollout), as a jitted identity with the new out_shardings."""
-  _, _, params, _ = _rollout_state(cfg, mesh, layout="train")
+  _, _, params, _ = _rollout_state(cfg, mesh, numbers, layout="train")
   out = generation_params_shardings(cfg, jax.tree.map(lambda x: x.sharding, params))
   return Program(jax.jit(lambda p: p, out_shardings=out), (params,), 0, 0.0)
 
 
-def prefill_program(cfg, mesh: Mesh) -> Program:
+def prefill_program(cfg, mesh: Mesh, numbers: ModelNumbers | None = None) -> Program:
   """The prompt prefill of the generation core (rl/generation/core.prefill_prompts): P prompts of Lp
   tokens into an empty full-length cache; with attention.impl="ring" and mesh.sequence > 1 the ring
   prefill into the sequence-sharded cache. With rl.prefill_chunk = T (0 < T < Lp): the chunked
   prefill, T tokens of every prompt at a time back to back (core.prefill_in_chunks, what the static
   and episodic schedulers run), whose peak is one chunk's activations over the full cache, as is
   the continuous scheduler's chunk per loop iteration (core.fill_chunk)."""
-  mc, graphdef, params, extra = _rollout_state(cfg, mesh)
+  mc, graphdef, params, extra = _rollout_state(cfg, mesh, numbers)
   rules = rules_from_config(cfg.mesh, "rollout")
   prompts_n, prompt_len = cfg.rl.prompts_per_step, cfg.rl.max_prompt_len
   total = generation_spec(cfg, stop_ids=(0,), pad_id=0).cache_len
@@ -318,12 +326,12 @@ def prefill_program(cfg, mesh: Mesh) -> Program:
                  copies=axis_size(mesh, STAGE_AXIS))
 
 
-def decode_program(cfg, mesh: Mesh) -> Program:
+def decode_program(cfg, mesh: Mesh, numbers: ModelNumbers | None = None) -> Program:
   """One decode step of the generation core (rl/generation/core.decode_step) for B = prompts x group
   slots against a full cache, in the static scheduler's form (one shared write index): draw from the
   last logits, run the new tokens through the model, write them into the cache and the samples'
   buffers (tokens, log-probs, versions and, with routing replay, the MoE routes)."""
-  mc, graphdef, params, extra = _rollout_state(cfg, mesh)
+  mc, graphdef, params, extra = _rollout_state(cfg, mesh, numbers)
   rules = rules_from_config(cfg.mesh, "rollout")
   rows = cfg.rl.prompts_per_step * cfg.rl.group_size
   gen = generation_spec(cfg, stop_ids=(0,), pad_id=0, multi_turn=False)
@@ -362,17 +370,18 @@ def decode_program(cfg, mesh: Mesh) -> Program:
 
   return Program(jax.jit(decode, donate_argnums=(2, 3)), (params, extra, slots, pool, version),
                  rows, rows * model_flops_per_token(mc, seq_len=width, causal=False, training=False),
-                 copies=axis_size(mesh, STAGE_AXIS), host_tier=host_tier_figures(cfg, mesh))
+                 copies=axis_size(mesh, STAGE_AXIS), host_tier=host_tier_figures(cfg, mesh, numbers))
 
 
-def host_tier_row_bytes(cfg, mesh: Mesh | None = None) -> int:
+def host_tier_row_bytes(cfg, mesh: Mesh | None = None, numbers: ModelNumbers | None = None) -> int:
   """Bytes of one paused slot's row that the host tier (rl/generation/tiers.HostTier) moves, from
-  abstract shapes: the target's and (rl.speculative = "draft") the draft's cache rows of the run's
-  cache length (int8 entries with their scales when rl.kv_cache_dtype = "int8", positions, segment
-  ids, write index), the next-token logits and the position. The multi-turn stop-sequence window (a
-  few int32 per row, from the tokenizer's stop strings) is left out."""
+  abstract shapes (tiers.row_bytes, the tier's own count, over an abstract one-row Slots): the
+  target's and (rl.speculative = "draft") the draft's cache rows of the run's cache length (int8
+  entries with their scales when rl.kv_cache_dtype = "int8", positions, segment ids, write index),
+  the next-token logits and the position. The multi-turn stop-sequence window (a few int32 per row,
+  from the tokenizer's stop strings) is left out."""
   gen = generation_spec(cfg, stop_ids=(0,), pad_id=0)
-  models = [rollout_model_config(cfg, mesh)]
+  models = [_numbers(cfg, mesh, numbers).rollout_model]
   if cfg.rl.speculative == "draft":
     models.append(rollout_model_config(draft_run_config(cfg.rl.draft_config), mesh))
 
@@ -381,27 +390,25 @@ def host_tier_row_bytes(cfg, mesh: Mesh | None = None) -> int:
                              "int8" if mc.kv_cache_dtype == "int8" else mc.dtype) for mc in models]
     return empty_slots(caches[0], caches[1] if len(caches) > 1 else None, num_samples=1,
                        vocab=models[0].vocab_size, window=gen.step.window)
-  row = jax.eval_shape(one_row)
-  fields = (row.cache, row.draft_cache, row.logits, row.position, row.window, row.sampling, row.stops)
-  return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(fields)))
+  return row_bytes(jax.eval_shape(one_row))
 
 
-def host_tier_figures(cfg, mesh: Mesh | None = None) -> dict | None:
+def host_tier_figures(cfg, mesh: Mesh | None = None, numbers: ModelNumbers | None = None) -> dict | None:
   """{kv_host_bytes: rl.kv_host_bytes, kv_host_row_bytes: `host_tier_row_bytes`, kv_host_rows: the
   rows the budget holds}, or None without a host tier (rl.kv_host_bytes = 0)."""
   budget = int(cfg.rl.kv_host_bytes)
   if budget <= 0:
     return None
-  row = host_tier_row_bytes(cfg, mesh)
+  row = host_tier_row_bytes(cfg, mesh, numbers)
   return {"kv_host_bytes": budget, "kv_host_row_bytes": row, "kv_host_rows": budget // row}
 
 
-def sft_program(cfg, mesh: Mesh) -> Program:
+def sft_program(cfg, mesh: Mesh, numbers: ModelNumbers | None = None) -> Program:
   """train/sft.py `make_sft_step` on rl.sft_batch_size packed rows of data.seq_len tokens."""
   tx = make_optimizer(cfg.optim)
   rules = rules_from_config(cfg.mesh)
-  mc, make = _model(cfg, mesh)
-  graphdef, state = abstract_train_state(make, tx, mesh, rules)
+  mc = _numbers(cfg, mesh, numbers).model
+  graphdef, state = abstract_train_state(_model(cfg, mc), tx, mesh, rules)
   step = make_sft_step(graphdef, mesh, cfg, tx, state_shardings=shardings_of(state))
   shape = (cfg.rl.sft_batch_size, cfg.data.seq_len)
   dtypes = dict(tokens=jnp.int32, positions=jnp.int32, segment_ids=jnp.int32, targets=jnp.int32,
@@ -413,12 +420,12 @@ def sft_program(cfg, mesh: Mesh) -> Program:
                  **_pipeline_figures(cfg, mesh, cfg.rl.sft_batch_size))
 
 
-def routes_program(cfg, mesh: Mesh) -> Program:
+def routes_program(cfg, mesh: Mesh, numbers: ModelNumbers | None = None) -> Program:
   """rl/batches/routes.py's padded assembly: the update batch's MoE routes [B, L, S, K] (donated, filled in)
   built on the devices from a rollout's [L, B, S, K] (taken to be split like the update batch, batch
   axes x `sequence`), rows in any order, zigzag when the update is. Only with routing replay of an
   MoE model."""
-  mc = ModelConfig.from_config(cfg, mesh)
+  mc = _numbers(cfg, mesh, numbers).model
   if not (cfg.rl.replay_routing and mc.num_moe_layers):
     raise ValueError("--step=routes needs rl.replay_routing=True and MoE layers (nothing to assemble).")
   rules = rules_from_config(cfg.mesh)
@@ -434,12 +441,13 @@ def routes_program(cfg, mesh: Mesh) -> Program:
   return Program(routes.rows_program(out_sharding, zigzag_shards(cfg, mesh)), (out, source, order), 0, 0.0)
 
 
-def batch_program(cfg, mesh: Mesh) -> Program:
+def batch_program(cfg, mesh: Mesh, numbers: ModelNumbers | None = None) -> Program:
   """The update batch's per-token fields [B, S] built on the devices from a rollout's (taken to be
   split like the update batch, batch axes x `sequence`): rows gathered in any order (dynamic
   sampling), shifted to predicting positions (`align_arrays`), zigzag when the update is. A run
   calls the gathers (rl/batches/rows.py), the alignment and the zigzag (rl/batches/layouts.py) as separate programs;
-  here they are one, which needs at least as much as any of them."""
+  here they are one, which needs at least as much as any of them. (No model: `numbers` unused.)"""
+  del numbers
   rules = rules_from_config(cfg.mesh)
   rows, length = cfg.rl.prompts_per_step * cfg.rl.group_size, cfg.rl.max_prompt_len + cfg.rl.max_new_tokens
   sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh, shape=(rows, length)))
@@ -457,32 +465,33 @@ def batch_program(cfg, mesh: Mesh) -> Program:
   return Program(jax.jit(build, out_shardings=sharding), (sources, order, valid), 0, 0.0)
 
 
-def default_steps(cfg) -> tuple[str, ...]:
+def default_steps(cfg, numbers: ModelNumbers | None = None) -> tuple[str, ...]:
   """The steps `--step=all` compiles: reshard only when the parameters change layout for generation
   (rl.generation_layout = "gathered", or pipeline stages), routes only with routing replay of an MoE
-  model."""
+  model (numbers: the run's model numbers, default built from cfg without a mesh)."""
   skip = set()
   if cfg.rl.generation_layout != "gathered" and int(cfg.mesh.get("stage", 1)) == 1:
     skip.add("reshard")
-  if not (cfg.rl.replay_routing and ModelConfig.from_config(cfg).num_moe_layers):  # as routes_program
+  if not (cfg.rl.replay_routing and _numbers(cfg, None, numbers).model.num_moe_layers):  # as routes_program
     skip.add("routes")
   return tuple(s for s in STEPS if s not in skip)
 
 
-def parameter_counts_of(cfg) -> dict[str, int]:
+def parameter_counts_of(cfg, numbers: ModelNumbers | None = None) -> dict[str, int]:
   """{"total", "active_per_token", "embedding"} of the config's model, from shapes (model/init.py)."""
-  return parameter_counts(ModelConfig.from_config(cfg))
+  return parameter_counts(_numbers(cfg, None, numbers).model)
 
 
 PROGRAMS = {"update": update_program, "prefill": prefill_program, "decode": decode_program,
             "sft": sft_program, "reshard": reshard_program, "routes": routes_program, "batch": batch_program}
 
 
-def compile_step(step: str, cfg, mesh: Mesh, topology: str) -> StepReport:
-  """Builds `step` (one of STEPS) for `mesh`, compiles it and reads it (`measure`)."""
+def compile_step(step: str, cfg, mesh: Mesh, topology: str, numbers: ModelNumbers | None = None) -> StepReport:
+  """Builds `step` (one of STEPS) for `mesh`, compiles it and reads it (`measure`). numbers: the
+  run's model numbers on `mesh` (run_spec.model_numbers), default built from cfg."""
   if step not in PROGRAMS:
     raise ValueError(f"--step={step!r}; choose one of {STEPS} or all.")
-  return measure(step, PROGRAMS[step](cfg, mesh), mesh, topology)
+  return measure(step, PROGRAMS[step](cfg, mesh, numbers), mesh, topology)
 
 
 def measure(step: str, program: Program, mesh: Mesh, topology: str) -> StepReport:
@@ -544,4 +553,5 @@ def compile_steps(cfg, topology: str, steps: Sequence[str], num_slices: int = 1,
     raise ValueError(f"unknown step(s) {unknown}; choose from {STEPS}.")
   devices = topology_devices(topology, num_slices) if devices is None else list(devices)
   mesh = topology_mesh(cfg, devices)
-  return [compile_step(step, cfg, mesh, topology) for step in steps]
+  numbers = model_numbers(cfg, mesh)  # once for every step
+  return [compile_step(step, cfg, mesh, topology, numbers) for step in steps]

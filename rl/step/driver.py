@@ -132,7 +132,7 @@ def setup(cfg, *, mesh=None, model=None, tokenizer=None, position: int = 0) -> t
   mesh = make_mesh(cfg.mesh) if mesh is None else mesh
   spec = check_config(cfg, mesh=mesh, tokenizer=tokenizer)
   if model is None:
-    model = initial_model(cfg, mesh)
+    model = initial_model(cfg, mesh, numbers=spec.model)
   source = train_source(cfg)
   return build_run(cfg, mesh, model, spec.tokenizer, env_work=env_work_for(cfg, source), spec=spec), prompt_stream(
       source, position, per_step=cfg.rl.prompts_per_step, shared=shared_prompts(cfg))
@@ -424,7 +424,7 @@ def prepare(cfg, workdir: str, mesh=None, *, overwrite: bool = False) -> _Prepar
   size = checkpoint_bytes(spec.model, cfg.optim)
   if cfg.checkpoint.enabled and hosts.is_primary():
     check_free_space(workdir, size)
-  model = initial_model(cfg, mesh)
+  model = initial_model(cfg, mesh, numbers=spec.model)
   return _Prepared(mesh, spec, source, held_out, model, resuming, leftovers, size)
 
 
@@ -465,7 +465,7 @@ def _train(cfg, workdir: str, ready: _Prepared, checkpointer: Checkpointer | Non
       warm = run_sft(cfg, os.path.join(workdir, "sft"), mesh=mesh, model=model,
                      source=(Demonstrations(sft_source, tokenizer=tokenizer, max_obs_tokens=cfg.rl.max_obs_tokens)
                              if multi_turn else sft_source),
-                     tokenizer=tokenizer, preemption=preemption)
+                     tokenizer=tokenizer, preemption=preemption, numbers=ready.spec.model)
     except BaseException:
       if checkpointer is not None:
         checkpointer.close()

@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 from meshrl.configs import loader
 from meshrl.model import pipeline
 from meshrl.model.init import parameter_counts
-from meshrl.model.transformer import ModelConfig
+from meshrl.rl.step.run_spec import model_numbers
 from meshrl.sharding.mesh import (DATA_AXIS, EXPERT_AXIS, FSDP_AXIS, MESH_AXES, SEQUENCE_AXIS, STAGE_AXIS, TENSOR_AXIS,
                                   global_mesh_sizes, mesh_shape_for)
 from meshrl.sharding.rules import rules_from_config
@@ -104,7 +104,7 @@ def _builds(cfg, sizes: dict[str, int], num_chips: int) -> bool:
   trial = with_mesh(cfg, sizes)
   try:
     mesh_shape_for(trial.mesh, num_chips)
-    ModelConfig.from_config(trial)
+    model_numbers(trial).model
   except ValueError:
     return False
   return True
@@ -118,7 +118,7 @@ def candidates(cfg, num_chips: int) -> list[dict[str, int]]:
   if num_chips % num_slices:
     raise ValueError(f"{num_chips} chips do not split into mesh.num_slices={num_slices} slices.")
   per_slice = num_chips // num_slices
-  mc = ModelConfig.from_config(with_mesh(cfg, {STAGE_AXIS: 1}))
+  mc = model_numbers(with_mesh(cfg, {STAGE_AXIS: 1})).model
   found = []
   for stage in _divisors(mc.num_layers):
     if stage % num_slices and num_slices % stage:
@@ -153,7 +153,7 @@ def estimate(cfg, sizes: dict[str, int], *, num_chips: int, peak: float, hbm_byt
              dcn: float) -> Estimate:
   """Rough per-chip memory and RL step time of `cfg` on mesh `sizes`, from shapes alone."""
   trial = with_mesh(cfg, sizes)
-  mc = ModelConfig.from_config(trial)
+  mc = model_numbers(trial).model
   whole = global_mesh_sizes(trial.mesh, num_chips)
   counts = parameter_counts(mc)
   rules = dict(rules_from_config(trial.mesh))

@@ -3,8 +3,10 @@
   spec = check_config(cfg, mesh=mesh)   # or check_config(cfg, num_devices): the checks alone
   run = build_run(cfg, mesh, model, tokenizer, spec=spec)   (rl/step/program.py)
   build_spec(cfg, mesh)                 # the spec's parts without the run's cross-checks
+  model_numbers(cfg, mesh)              # its model numbers alone (the AOT programs, the planner)
 
-`check_config` is the validation and returns the spec: every setting a run would fail on raises
+`check_config` is the validation and returns the spec, each part built once (its builder checks
+its own fields) and the cross-checks run on the built parts: every setting a run would fail on raises
 ValueError naming the field, before the warm start, any compilation or any file written. The run
 then takes its model numbers, estimator, loss, generation and update shape from the spec instead of
 reading the config sections again, so what was checked is what runs.
@@ -34,19 +36,36 @@ from meshrl.rl.rewards.sources import check_reward_sources
 from meshrl.rl.step.episodes import episode_pools, wants_multi_turn
 from meshrl.rl.step.spec import check_generation, episode_stops, generation_spec, rollout_model_config
 from meshrl.sharding.mesh import SEQUENCE_AXIS, global_mesh_sizes
-from meshrl.sharding.rules import data_parallel_size, rules_from_config
+from meshrl.sharding.rules import data_parallel_size
+from meshrl.train import init_from
 from meshrl.train.init_from import check_initial_model
 from meshrl.train.optim import check_optim
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelNumbers:
+  """An RL run's model numbers on a mesh: `model` under the training rules (the update, SFT, the
+  checkpoint), `rollout_model` under the generation rules with rl.kv_cache_dtype (prefill, decode)."""
+  model: ModelConfig
+  rollout_model: ModelConfig
+
+
+def model_numbers(cfg, mesh: Mesh | None = None) -> ModelNumbers:
+  """The one builder of an RL run's model numbers (the run spec's, the AOT programs', the layout
+  planner's trials'): model.* / moe.* / attention.* / mesh.* checked by building them, on `mesh`
+  (None: without a layout)."""
+  return ModelNumbers(model=init_from.model_config(cfg, mesh), rollout_model=rollout_model_config(cfg, mesh))
+
+
+@dataclasses.dataclass(frozen=True)
 class RunSpec:
-  """What an RL run is, checked: built once by `build_spec` from the config (and the mesh).
+  """What an RL run is, checked: built once, by `check_config` (or `build_spec`) from the config
+  (and the mesh).
 
   model / rollout_model: the model numbers under the training and the generation rules (mesh-aware
-  when built with a Mesh); generation: the rollout's scheduler, proposer, sampler and options with the
-  tokenizer's stop ids; update_rows x update_row_len: one update batch ([rows, row_len], packed or a
-  row per sample)."""
+  when built with a Mesh; `model_numbers`); generation: the rollout's scheduler, proposer, sampler
+  and options with the tokenizer's stop ids; update_rows x update_row_len: one update batch
+  ([rows, row_len], packed or a row per sample)."""
   cfg: Any
   model: ModelConfig
   rollout_model: ModelConfig
@@ -67,10 +86,13 @@ class RunSpec:
 def check_config(cfg, num_devices: int | None = None, *, mesh: Mesh | None = None,
                  tokenizer: Tokenizer | None = None) -> RunSpec:
   """Raises ValueError naming the field for every setting the run would fail on, before the warm
-  start, any compilation or any file written; -> the run spec. With `num_devices` or the run's `mesh`,
-  also the mesh-dependent checks (and, with the mesh, the model numbers laid out on it)."""
+  start, any compilation or any file written; -> the run spec. Each part of the spec is built once
+  here (its builder checks its own fields), then the cross-checks read the built parts. With
+  `num_devices` or the run's `mesh`, also the mesh-dependent checks (and, with the mesh, the model
+  numbers laid out on it)."""
   checks.check_sections(cfg, "run", "rl", "moe", "data", "eval", "checkpoint", "log")
-  _check_model_and_optimizer(cfg)
+  numbers = model_numbers(cfg, mesh)
+  _check_optimizer(cfg)
   rl = cfg.rl
   estimator = _estimator(cfg)
   if estimator.needs_groups and rl.group_size < 2:
@@ -78,33 +100,34 @@ def check_config(cfg, num_devices: int | None = None, *, mesh: Mesh | None = Non
                      f" got {rl.group_size}.")
   if estimator.needs_critic and not cfg.model.value_head:
     raise ValueError("rl.advantage='gae' needs a critic: set model.value_head=true.")
-  losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic)
+  loss = losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic)
   rows, row_len = _check_shapes(cfg)
-  check_generation(cfg)  # scheduler, proposer, sampler, int8 and layout options, cache length
+  tokenizer = tokenizer_from_config(cfg) if tokenizer is None else tokenizer
+  # scheduler, proposer, sampler, int8 and layout options, cache length
+  generation = check_generation(cfg, spec=_generation(cfg, tokenizer))
   _check_rl_options(cfg)
   _check_data(cfg)
   check_initial_model(cfg)
   num_devices = mesh.size if mesh is not None else num_devices
   if num_devices is not None:
-    _check_mesh(cfg, num_devices, rows, row_len)
-  return build_spec(cfg, mesh, tokenizer=tokenizer)
+    _check_mesh(cfg, num_devices, rows, row_len, generation)
+  return RunSpec(cfg=cfg, model=numbers.model, rollout_model=numbers.rollout_model, estimator=estimator, loss=loss,
+                 generation=generation, tokenizer=tokenizer, multi_turn=wants_multi_turn(cfg), update_rows=rows,
+                 update_row_len=row_len)
 
 
 def build_spec(cfg, mesh: Mesh | None = None, *, tokenizer: Tokenizer | None = None) -> RunSpec:
-  """The run spec of `cfg` on `mesh` (None: model numbers without a layout), its parts built (each
-  builder checks its own fields) without the run's cross-checks, which `check_config` adds.
+  """The run spec of `cfg` on `mesh` (None: model numbers without a layout), its parts built by the
+  builders `check_config` uses (each checks its own fields) without the run's cross-checks.
   tokenizer: default cfg.model.tokenizer's."""
+  numbers = model_numbers(cfg, mesh)
   estimator = _estimator(cfg)
   tokenizer = tokenizer_from_config(cfg) if tokenizer is None else tokenizer
-  multi_turn = wants_multi_turn(cfg)
-  generation = generation_spec(cfg, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, multi_turn=multi_turn,
-                               stop_sequences=episode_stops(tokenizer) if multi_turn else ())
   rows, row_len = update_shape(cfg)
-  return RunSpec(cfg=cfg, model=ModelConfig.from_config(cfg, mesh),
-                 rollout_model=rollout_model_config(cfg, mesh), estimator=estimator,
+  return RunSpec(cfg=cfg, model=numbers.model, rollout_model=numbers.rollout_model, estimator=estimator,
                  loss=losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic),
-                 generation=generation, tokenizer=tokenizer, multi_turn=multi_turn, update_rows=rows,
-                 update_row_len=row_len)
+                 generation=_generation(cfg, tokenizer), tokenizer=tokenizer, multi_turn=wants_multi_turn(cfg),
+                 update_rows=rows, update_row_len=row_len)
 
 
 def _estimator(cfg):
@@ -112,10 +135,16 @@ def _estimator(cfg):
   return adv_lib.make_estimator(rl.advantage, eps=rl.adv_eps, gamma=rl.gamma, lam=rl.gae_lambda)
 
 
-def _check_model_and_optimizer(cfg) -> None:
-  """model.*, moe.*, attention.*, mesh rules and optim.* (both peak rates), by building their specs."""
-  ModelConfig.from_config(cfg)
-  rules_from_config(cfg.mesh, "rollout")
+def _generation(cfg, tokenizer: Tokenizer) -> GenerationSpec:
+  """The rollout's generation spec with the tokenizer's stop ids (and stop strings when multi-turn)."""
+  multi_turn = wants_multi_turn(cfg)
+  return generation_spec(cfg, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, multi_turn=multi_turn,
+                         stop_sequences=episode_stops(tokenizer) if multi_turn else ())
+
+
+def _check_optimizer(cfg) -> None:
+  """optim.* (both peak rates) and the local attention kernel (model.*, moe.*, attention.* and the
+  mesh rules are checked by building the model numbers)."""
   check_optim(cfg.optim)
   if cfg.rl.sft_steps:
     check_optim(cfg.optim, learning_rate=cfg.rl.sft_learning_rate, field="rl.sft_learning_rate")
@@ -193,9 +222,9 @@ def _check_data(cfg) -> None:
                      "to hold out evaluation prompts (or give eval.jsonl).")
 
 
-def _check_mesh(cfg, num_devices: int, rows: int, row_len: int) -> None:
-  """The batches against the mesh's data-parallel axes, the pipeline's microbatches and the sequence
-  axis."""
+def _check_mesh(cfg, num_devices: int, rows: int, row_len: int, generation: GenerationSpec) -> None:
+  """The batches and the generation's decode slots against the mesh's data-parallel axes, the
+  pipeline's microbatches and the sequence axis."""
   rl = cfg.rl
   batch, total = rl.prompts_per_step * rl.group_size, rl.max_prompt_len + rl.max_new_tokens
   sizes = global_mesh_sizes(cfg.mesh, num_devices)  # stage and data span the slices
@@ -206,7 +235,7 @@ def _check_mesh(cfg, num_devices: int, rows: int, row_len: int) -> None:
   if rl.pack_updates and (rows // rl.num_minibatches) % shards:
     raise ValueError(f"rl.packed_rows={rows} / rl.num_minibatches={rl.num_minibatches} packed rows per "
                      f"minibatch are not divisible by the data-parallel axes data*fsdp*expert = {shards}.")
-  check_generation(cfg, data_parallel=shards)
+  check_generation(cfg, data_parallel=shards, spec=generation)
   if rl.sft_steps and rl.sft_batch_size % shards:
     raise ValueError(f"rl.sft_batch_size={rl.sft_batch_size} is not divisible by the data-parallel axes "
                      f"data*fsdp*expert = {shards}.")

@@ -30,6 +30,7 @@ from meshrl.rl.generation.sampling import Sampler
 from meshrl.rl.generation.spec import GenerationSpec
 from meshrl.rl.generation.weights import WeightsSpec
 from meshrl.sharding.rules import rules_from_config
+from meshrl.train import init_from
 
 ENGINES = ("static", "continuous")
 
@@ -39,7 +40,7 @@ def rollout_model_config(cfg, mesh: Mesh | None) -> ModelConfig:
   and the KV cache of rl.kv_cache_dtype."""
   quant.check_generation_options(kv_cache_dtype=cfg.rl.kv_cache_dtype, generation_weights=cfg.rl.generation_weights,
                                  tis_level=cfg.rl.tis_level)
-  mc = ModelConfig.from_config(cfg, mesh, rules=rules_from_config(cfg.mesh, "rollout"))
+  mc = init_from.model_config(cfg, mesh, rules=rules_from_config(cfg.mesh, "rollout"))
   return dataclasses.replace(mc, kv_cache_dtype=cfg.rl.kv_cache_dtype)
 
 
@@ -168,14 +169,15 @@ def episode_runner(cfg, mesh: Mesh | None, tokenizer, *, group_size: int | None 
                                  make_env=make_env or multiturn.default_env, env_work=env_work)
 
 
-def check_generation(cfg, data_parallel: int | None = None) -> GenerationSpec:
-  """Builds the run's generation spec (the validation) without a model: the scheduler, proposer,
-  sampler and options; the caches' length against model.max_seq_len; the draft's files; the decode
-  slots against the data-parallel axes (`data_parallel`, their size, when the mesh is known)."""
+def check_generation(cfg, data_parallel: int | None = None, *, spec: GenerationSpec | None = None) -> GenerationSpec:
+  """Checks the run's generation spec without a model: the scheduler, proposer, sampler and options
+  (by building it, or `spec`, the run spec's, already built from cfg); the caches' length against
+  model.max_seq_len; the draft's files; the decode slots against the data-parallel axes
+  (`data_parallel`, their size, when the mesh is known). -> the spec."""
   rl = cfg.rl
-  multi_turn = bool(rl.multi_turn)
-  stops = ((1,),) if multi_turn else ()
-  spec = generation_spec(cfg, stop_ids=(0,), pad_id=0, stop_sequences=stops)
+  if spec is None:
+    stops = ((1,),) if rl.multi_turn else ()
+    spec = generation_spec(cfg, stop_ids=(0,), pad_id=0, stop_sequences=stops)
   quant.check_generation_options(kv_cache_dtype=rl.kv_cache_dtype, generation_weights=rl.generation_weights,
                                  tis_level=rl.tis_level)
   if spec.cache_len > cfg.model.max_seq_len:

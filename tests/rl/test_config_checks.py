@@ -209,3 +209,32 @@ def test_generation_options_of_the_config_reach_the_run_spec():
   assert (spec.generation.prefill_chunk, spec.generation.kv_host_bytes) == (4, 1048576)
   with pytest.raises(ValueError, match="rl.prefill_chunk=-2"):
     loop.check_config(configs.load("configs/tiny.py", ["rl.prefill_chunk=-2"]))
+
+
+def test_check_config_builds_each_part_once(monkeypatch):
+  """check_config is "build the spec": the model numbers once per rule set (training, generation), the
+  generation spec, the loss spec and the tokenizer once each, the cross-checks reading the built parts
+  (fails if it checks by building a part and then builds it again, as it once did for all four)."""
+  from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.algo import losses  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step import run_spec, spec as spec_lib  # pylint: disable=import-outside-toplevel
+  from meshrl.sharding.rules import rules_from_config  # pylint: disable=import-outside-toplevel
+  built = []
+
+  def counted(name, fn):
+    def wrapper(*args, **kwargs):
+      built.append((name, kwargs.get("rules")))
+      return fn(*args, **kwargs)
+    return wrapper
+
+  monkeypatch.setattr(ModelConfig, "from_config", classmethod(counted("model", ModelConfig.from_config.__func__)))
+  monkeypatch.setattr(losses.LossSpec, "from_config", classmethod(counted("loss", losses.LossSpec.from_config.__func__)))
+  for module in (run_spec, spec_lib):
+    monkeypatch.setattr(module, "generation_spec", counted("generation", spec_lib.generation_spec))
+  monkeypatch.setattr(run_spec, "tokenizer_from_config", counted("tokenizer", run_spec.tokenizer_from_config))
+  cfg = configs.load("configs/tiny.py", ["rl.multi_turn=false"])
+  spec = loop.check_config(cfg, 8)
+  names = [name for name, _ in built]
+  assert sorted(names) == ["generation", "loss", "model", "model", "tokenizer"], built
+  assert [rules for name, rules in built if name == "model"] == [None, rules_from_config(cfg.mesh, "rollout")]
+  assert spec.rollout_model.kernel.rules == rules_from_config(cfg.mesh, "rollout")

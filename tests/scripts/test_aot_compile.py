@@ -332,3 +332,34 @@ def test_decode_reports_the_host_tier_rows(aot):
   assert report.to_json()["kv_host_rows"] == 1000000 // full
   assert f"holds {1000000 // full} rows" in aot.markdown_table([report])
   assert aot.host_tier_figures(_small()) is None
+
+
+def test_the_programs_are_built_from_the_given_model_numbers():
+  """The AOT programs take the run's model numbers (rl/step/run_spec.model_numbers, built once by
+  compile_steps, scripts/aot_compile.py and once per candidate by scripts/plan_layout.py) rather than
+  building them from cfg again: numbers whose vocabulary differs from the config's are what the
+  update, SFT, prefill, decode and host-tier figures hold. Fails if any of them rebuilt the model
+  numbers from cfg. No libtpu: abstract programs on the CPU mesh, nothing compiled."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step import aot  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.run_spec import model_numbers  # pylint: disable=import-outside-toplevel
+  from meshrl.sharding.mesh import make_mesh  # pylint: disable=import-outside-toplevel
+  from meshrl.train.metrics import model_flops_per_token  # pylint: disable=import-outside-toplevel
+  cfg = _small("mesh.fsdp=8", "rl.kv_host_bytes=1000000")
+  mesh = make_mesh(cfg.mesh)
+  numbers = model_numbers(cfg, mesh)
+  extra = 64
+  wider = dataclasses.replace(
+      numbers, model=dataclasses.replace(numbers.model, vocab_size=numbers.model.vocab_size + extra),
+      rollout_model=dataclasses.replace(numbers.rollout_model, vocab_size=numbers.rollout_model.vocab_size + extra))
+  size = lambda tree: sum(x.size for x in jax.tree.leaves(tree))  # noqa: E731
+  for step, mc, seq_len in (("update", wider.model, 16), ("sft", wider.model, cfg.data.seq_len)):
+    plain, changed = aot.PROGRAMS[step](cfg, mesh), aot.PROGRAMS[step](cfg, mesh, wider)
+    assert changed.model_flops == changed.tokens * model_flops_per_token(mc, seq_len=seq_len, training=True), step
+    assert changed.model_flops > plain.model_flops and size(changed.args[0]) > size(plain.args[0]), step
+  prefill = aot.prefill_program(cfg, mesh, wider)
+  assert prefill.model_flops == prefill.tokens * model_flops_per_token(wider.rollout_model, seq_len=8, training=False)
+  plain, decode = aot.decode_program(cfg, mesh), aot.decode_program(cfg, mesh, wider)
+  assert decode.args[2].logits.shape[-1] == wider.rollout_model.vocab_size
+  assert decode.host_tier["kv_host_row_bytes"] - plain.host_tier["kv_host_row_bytes"] == extra * 4  # f32 logits

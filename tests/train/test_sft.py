@@ -197,3 +197,21 @@ def test_sft_stops_on_a_nonfinite_streak_and_on_preemption_with_a_checkpoint(tmp
   got = jax.tree.leaves(jax.device_get(restored.state.params))
   for g, w in zip(got, want, strict=True):
     np.testing.assert_array_equal(g, w)
+
+
+def test_sft_and_the_first_model_are_built_from_the_given_model_numbers(tmp_path):
+  """run_sft and initial_model take the run's model numbers (an RL warm start passes its run spec's)
+  rather than building them from cfg again: numbers whose vocabulary differs from the config's are
+  what the trained model, its state and the first model hold. Fails if either rebuilt them from cfg."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from meshrl.train.init_from import initial_model, model_config  # pylint: disable=import-outside-toplevel
+  cfg = _mesh_cfg(tmp_path, **{"model.num_layers": 1, "model.embed_dim": 32, "mesh.fsdp": 1, "mesh.tensor": 1,
+                               "checkpoint.enabled": False, "log.tensorboard": False, "log.plot": False,
+                               "rl.sft_batch_size": 4})
+  numbers = model_config(cfg)
+  wider = dataclasses.replace(numbers, vocab_size=numbers.vocab_size + 64)
+  assert initial_model(cfg, None, numbers=wider).config == wider
+  result = run_sft(cfg, str(tmp_path), None, source=_source(cfg), num_steps=1, numbers=wider)
+  assert result.model.config == wider and [r["step"] for r in result.history] == [1]
+  embed = [x.shape for x in jax.tree.leaves(result.state.params) if wider.vocab_size in x.shape]
+  assert embed and not [x for x in jax.tree.leaves(result.state.params) if numbers.vocab_size in x.shape]
