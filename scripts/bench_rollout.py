@@ -111,13 +111,13 @@ def _fresh_state(cfg):
   """(mesh, train state) of a randomly initialised model of `cfg`, laid out on its mesh."""
   # pylint: disable=import-outside-toplevel
   from meshrl.model.init import build_model
-  from meshrl.model.transformer import ModelConfig
+  from meshrl.rl.step.run_spec import model_numbers
   from meshrl.sharding import make_mesh
   from meshrl.train.optim import make_optimizer
   from meshrl.train.state import create_train_state
   # pylint: enable=import-outside-toplevel
   mesh = make_mesh(cfg.mesh)
-  _, state = create_train_state(build_model(ModelConfig.from_config(cfg, mesh), mesh),
+  _, state = create_train_state(build_model(model_numbers(cfg, mesh).model, mesh),
                                 make_optimizer(cfg.optim), mesh)
   return mesh, state
 
@@ -224,9 +224,8 @@ def section_update(args, cfg) -> dict:
   import numpy as np
 
   from meshrl.model.init import build_model
-  from meshrl.model.tokenizer import ByteTokenizer
-  from meshrl.model.transformer import ModelConfig
   from meshrl.rl.step.program import build_run, prepare
+  from meshrl.rl.step.run_spec import check_config
   from meshrl.sharding import make_mesh
   from meshrl.sharding.rules import data_parallel_size
   # pylint: enable=import-outside-toplevel
@@ -250,8 +249,8 @@ def section_update(args, cfg) -> dict:
     run_cfg = copy.deepcopy(cfg)
     run_cfg.rl.pack_updates = packed
     run_cfg.rl.packed_rows = rows if packed else 0
-    run = build_run(run_cfg, mesh, build_model(ModelConfig.from_config(run_cfg, mesh), mesh, seed=cfg.seed),
-                    ByteTokenizer())
+    spec = check_config(run_cfg, mesh=mesh)
+    run = build_run(run_cfg, mesh, build_model(spec.model, mesh, seed=cfg.seed), spec.tokenizer, spec=spec)
     t0 = time.perf_counter()
     update_batch, prepare_metrics = prepare(run, scored)
     jax.block_until_ready(update_batch)

@@ -11,14 +11,11 @@ run, and everything downstream takes the numbers (or the run spec) as an argumen
 import ast
 import os
 
-import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE_DIRS = ("configs", "sharding", "model", "train", "rl", "serve")  # setup.py's subpackages
 BUILDERS = {"model/transformer.py", "model/convert.py", "train/init_from.py"}
-# Scripts are the edge and build through the builders too; scripts/bench_rollout.py is the lead's
-# (issue 30 part 1) and is moved onto rl/step/run_spec.model_numbers with its next change.
-NOT_YET = {"scripts/bench_rollout.py"}
+# Scripts are the edge and build through the builders too.
 
 
 def from_config_calls(source: str) -> list[int]:
@@ -56,13 +53,6 @@ def test_model_numbers_are_built_only_by_the_builders():
   line that calls ModelConfig.from_config elsewhere."""
   found = {rel: from_config_calls(open(path, encoding="utf-8").read()) for rel, path in _sources()}
   assert found["train/init_from.py"], "the scan read no builder: the layout changed"
-  outside = [f"{rel}:{line}" for rel, lines in found.items() if rel not in BUILDERS | NOT_YET for line in lines]
+  outside = [f"{rel}:{line}" for rel, lines in found.items() if rel not in BUILDERS for line in lines]
   assert not outside, ("ModelConfig.from_config outside the builders (take the numbers as an argument, or build "
                        f"them with train/init_from.model_config / rl/step/run_spec.model_numbers): {outside}")
-
-
-@pytest.mark.parametrize("path", sorted(NOT_YET))
-def test_the_exceptions_still_exist(path):
-  """An exception is dropped from NOT_YET once its file no longer needs it."""
-  with open(os.path.join(REPO, path), encoding="utf-8") as f:
-    assert from_config_calls(f.read()), f"{path} builds through the builders now: remove it from NOT_YET"
