@@ -23,7 +23,8 @@ per episode, the example's file written into its work directory, the policy's co
 harness runs beside the shell. Its recipe is the dense synchronous one above (the MoE asynchronous
 preset in the sandbox: docs/benchmarks.md), with room for the shell's longer observations
 (rl.max_obs_tokens=24, rl.max_new_tokens=112). Measured: held-out 28.1% after the warm start -> 45.3%
-after 80 steps, 29 min on the shared machine under load (docs/benchmarks.md "The multi-turn agent demo").
+after 80 steps, 6 min 23 s on the shared machine under load (sessions recycled between episodes;
+docs/benchmarks.md "The multi-turn agent demo" has the variants tried).
 """
 
 from meshrl.configs.loader import load_preset
