@@ -297,7 +297,7 @@ def score_own_block(arrays: dict, examples: list[dict], tokenizer: Tokenizer, po
   infos = hosts.gather_objects([own.info])
   info = {"reward_errors": sum(i["reward_errors"] for i in infos),
           "reward_timeouts": sum(i["reward_timeouts"] for i in infos),
-          **{key: sum(i.get(key, 0) for i in infos) for key in ("reward_env_retries", "reward_env_given_up")},
+          **{name: sum(i.get(name, 0) for i in infos) for name in ("reward_env_retries", "reward_env_given_up")},
           "first_errors": [e for i in infos for e in i["first_errors"]]}
   return ScoredBatch(arrays=arrays, rewards=hosts.gather_rows(own.rewards),
                      correct=hosts.gather_rows(own.correct),
@@ -380,8 +380,8 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
       run.bootstrap.observe(round_examples or [], scored)
     reward_errors += scored.info["reward_errors"]
     reward_timeouts += scored.info["reward_timeouts"]
-    for key in ("reward_env_retries", "reward_env_given_up"):
-      reward_env[key] += scored.info.get(key, 0)
+    for name in reward_env:
+      reward_env[name] += scored.info.get(name, 0)
     first_errors += scored.info["first_errors"]
     scored_rounds.append(scored)
     if enough_groups(scored_rounds, cfg):

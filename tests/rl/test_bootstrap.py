@@ -132,7 +132,8 @@ def test_bootstrap_state_through_the_checkpoints_carried_state_continues_identic
   cfg = configs.load("configs/tiny.py", ["data.level_curriculum=reverse", "data.level_curriculum_window=8",
                                          "rl.retry_unsolved=2", "rl.group_size=4", "rl.prompts_per_step=4"])
   def run_of(bootstrap):
-    return types.SimpleNamespace(in_flight=[], partial=None, multiturn=None, bootstrap=bootstrap, replay=None)
+    return types.SimpleNamespace(in_flight=[], partial=None, multiturn=None, env_work=None, bootstrap=bootstrap,
+                                 replay=None)
   a = Bootstrap.from_config(cfg, processes=1)
   fresh = iter(TaskMixture("reverse:1.0", seed=0))
   examples = [next(a.stream(fresh)) for _ in range(4)]
