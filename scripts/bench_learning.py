@@ -2,7 +2,7 @@
 each named experiment the training job itself (scripts/rl.py) within a fixed CPU-time budget.
 
 Run:  JAX_PLATFORMS=cpu python scripts/bench_learning.py --json runs/bench_learning.json
-      (--experiments demo,hard; --budget_s 1200 CPU-seconds each; --keep_runs to keep the runs' folders)
+      (--experiments demo,hard,joint; --budget_s 1200 CPU-seconds each; --keep_runs to keep the runs' folders)
 
 Experiments (issue 33):
   demo  configs/tiny.py: the CPU demo (reversal of three letters from a warm start right ~40% of the time).
