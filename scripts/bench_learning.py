@@ -271,10 +271,21 @@ def run_joint(name: str, base: str, args, runner=run_job) -> dict:
   holds = bool(known) and len(known) == len(deltas) and mean_joint > mean_alone and all(
       d["joint"] >= TARGET_SHARE * d["alone"] for d in known)
   return {**joint, "domains": len(domain_rows(cfg.data.domains)), "alone": alone, "deltas": deltas,
+          "alone_curve": alone_curve(alone),
           "mean_joint": mean_joint, "mean_alone": mean_alone,
           "joint_train_flops": last.get("train_flops"),
           "alone_train_flops": sum(d["alone_train_flops"] or 0.0 for d in deltas.values()),
           "target_c": holds}
+
+
+def alone_curve(alone: dict) -> list[dict]:
+  """The runs alone taken together: their i-th evaluations as one point, the training FLOPs summed
+  and the accuracy the mean over domains (as many points as the shortest run has)."""
+  runs = [(domain, result["points"]) for domain, result in alone.items()]
+  count = min((len(points) for _, points in runs), default=0)
+  return [{"train_flops": sum(points[i]["train_flops"] for _, points in runs),
+           "accuracy": sum(points[i].get(domain, 0.0) for domain, points in runs) / len(runs)}
+          for i in range(count)]
 
 
 def _result(config: str, workdir: str, outcome: dict, *, allow_empty: bool = False) -> dict:
@@ -302,7 +313,16 @@ def plot(results: dict, path: str) -> bool:
   fig, ax = plt.subplots(figsize=(6, 4))
   for name, result in results.items():
     points = result["points"]
+    if result.get("alone_curve"):  # a JOINT experiment: the mean over its domains, as the runs alone's
+      domains = list(result["deltas"])
+      points = [{"train_flops": p["train_flops"], "accuracy": sum(p.get(d, 0.0) for d in domains) / len(domains)}
+                for p in points]
+      name = f"{name} (mean over domains)"
     ax.plot([p["train_flops"] for p in points], [100 * p["accuracy"] for p in points], marker="o", label=name)
+    if result.get("alone_curve"):  # its domains alone, FLOPs summed, mean over domains
+      together = result["alone_curve"]
+      ax.plot([p["train_flops"] for p in together], [100 * p["accuracy"] for p in together], marker="s",
+              linestyle="--", label="each domain alone (FLOPs summed, mean over domains)")
   ax.set_xlabel("cumulative training FLOPs (warm start + RL)")
   ax.set_ylabel("held-out greedy accuracy (%)")
   ax.set_xscale("log")

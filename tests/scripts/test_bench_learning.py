@@ -110,6 +110,10 @@ def test_joint_runs_each_domain_alone_on_its_share_of_the_budget_and_reports_del
   assert result["target_c"]  # >= 90% everywhere (0.9 exactly on copy_1) and the mean ahead (0.2 gained, 0.1 lost)
   assert result["alone"]["sort_1"]["budget_cpu_s"] == pytest.approx(100.0)
   assert "| copy_1 | 90.0 | 100.0 | -10.0 | 0.90 |" in bench.deltas_table(result)
+  together = result["alone_curve"]  # the runs alone as one curve: FLOPs summed, accuracy averaged
+  assert len(together) == 2 and together[1]["accuracy"] == pytest.approx(sum(alone_acc.values()) / 8)
+  assert together[1]["train_flops"] == pytest.approx(sum(a["points"][-1]["train_flops"] for a in result["alone"].values()))
+  assert bench.plot({"joint": result}, str(tmp_path / "curve.png")) and os.path.getsize(tmp_path / "curve.png") > 1000
   planted = dict(alone_acc)
   for domain, accuracy, name in (("sort_2", 0.7, "runs2"), ("sort_1", 0.8, "runs3")):
     alone_acc.update(planted, **{domain: accuracy})  # joint's 0.6 under 90% of 0.7; the means level
