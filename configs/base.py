@@ -271,7 +271,7 @@ def get_config(arg=None):
   config.log.every = 1  # Steps between metric writes.
   config.log.tensorboard = True  # Write TensorBoard event files.
   config.log.progress_bar = True  # Show a progress bar on the console.
-  config.log.plot = True  # Write reward_curve.png at the end.
+  config.log.plot = True  # Write reward_curve.png and eval_curve.png (held-out accuracy, one line per domain) at the end.
 
   # --- serve: the OpenAI-compatible server (serve/, scripts/serve.py).
   config.serve = ml_collections.ConfigDict()

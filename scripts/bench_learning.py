@@ -2,13 +2,21 @@
 each named experiment the training job itself (scripts/rl.py) within a fixed CPU-time budget.
 
 Run:  JAX_PLATFORMS=cpu python scripts/bench_learning.py --json runs/bench_learning.json
-      (--experiments demo,hard; --budget_s 1200 CPU-seconds each; --keep_runs to keep the runs' folders)
+      (--experiments demo,hard,joint; --budget_s 1200 CPU-seconds each; --keep_runs to keep the runs' folders)
 
 Experiments (issue 33):
   demo  configs/tiny.py: the CPU demo (reversal of three letters from a warm start right ~40% of the time).
   hard  configs/tiny_hard.py: reverse, copy and sort one level harder than the demo, from a warm start
         under 5% held-out greedy there, with the bootstrapping options on (level curriculum, retries of
         unsolved prompts, the replay of successes, rejection-sampling fine-tuning).
+  joint configs/tiny_multi.py: joint training over its n = 8 registry domains (budget --budget_s), then
+        each domain alone for the same total compute: the same preset with data.domains a file holding
+        that domain's row only, --budget_s / n CPU-seconds, rl.sft_steps and rl.num_steps (--max_steps)
+        divided by n (rounded up), eval.num_prompts the joint run's per-domain share (so each domain is
+        evaluated on the same held-out prompts: rl/envs/registry.py keys them by the domain's name).
+        Writes per domain the joint and the alone run's held-out accuracy (last evaluation), their delta and
+        ratio, and whether target (c) holds (joint >= 90% of alone on every domain, above it on the mean).
+        --domains chooses which domains run alone (default: all; their budget stays --budget_s / n).
 
 Each runs as `python scripts/rl.py --config=... --workdir=<a fresh folder>` with rl.num_steps raised
 and eval.every set (--eval_every); when its CPU time (user + system, this machine's cores together)
@@ -27,6 +35,7 @@ at the end (unless --keep_runs); nothing else is written or deleted.
 """
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -40,7 +49,10 @@ from meshrl.configs import cli
 EXPERIMENTS = {
     "demo": ("configs/tiny.py", []),
     "hard": ("configs/tiny_hard.py", []),
+    "joint": ("configs/tiny_multi.py", []),
 }
+JOINT = ("joint",)  # experiments compared with each of their domains trained alone (issue 33 (c))
+TARGET_SHARE = 0.9  # (c): joint reaches this share of each domain's alone accuracy
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -54,6 +66,7 @@ def _flags(argv):
   parser.add_argument("--eval_every", type=int, default=10, help="RL steps between held-out evaluations")
   parser.add_argument("--max_steps", type=int, default=1000, help="rl.num_steps (the budget usually ends a run first)")
   parser.add_argument("--keep_runs", default=None, help="keep the runs' folders under this new folder")
+  parser.add_argument("--domains", default="", help="joint: the domains to train alone (default: all of them)")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="a config override for every experiment (e.g. --set rl.rft_every=0)")
   args = parser.parse_args(argv)
@@ -74,9 +87,20 @@ def _flags(argv):
   for name in names:  # a misspelt --set key is refused here, before any run
     path, overrides = EXPERIMENTS[name]
     try:
-      configs.load(os.path.join(_ROOT, path), overrides + args.set)
+      cfg = configs.load(os.path.join(_ROOT, path), overrides + args.set)
     except ValueError as error:
       parser.error(f"--set / experiment {name!r}: {error}")
+    if name in JOINT:
+      try:
+        rows = domain_rows(cfg.data.domains)
+      except ValueError as error:
+        parser.error(f"experiment {name!r}: {error}")
+      chosen = [d.strip() for d in args.domains.split(",") if d.strip()]
+      unknown = sorted(set(chosen) - set(rows))
+      if unknown:
+        parser.error(f"--domains={args.domains!r}: {unknown} not among experiment {name!r}'s domains {sorted(rows)}.")
+  if args.domains and not set(names) & set(JOINT):
+    parser.error(f"--domains={args.domains!r} applies to the experiments {list(JOINT)}, none of which is chosen.")
   json_dir = os.path.dirname(os.path.abspath(args.json))
   if not os.path.isdir(json_dir):
     parser.error(f"--json={args.json!r}: its folder {json_dir} does not exist.")
@@ -93,6 +117,14 @@ def cpu_seconds(pid: int) -> float:
 def run_experiment(name: str, workdir: str, args) -> dict:
   """The training job of experiment `name` in `workdir` under the CPU budget -> its raw outcome."""
   config, overrides = EXPERIMENTS[name]
+  return run_job(config, overrides, workdir, args, budget_s=args.budget_s)
+
+
+def run_job(config: str, overrides: list[str], workdir: str, args, *, budget_s: float) -> dict:
+  """scripts/rl.py on `config` with `overrides` (after the bench's own: rl.num_steps=--max_steps,
+  eval.every=--eval_every, which they may replace) in `workdir`, stopped by SIGTERM once its CPU time
+  passes `budget_s` -> {"wall_s", "cpu_s", "stopped_by_budget", "log_tail"}."""
+  name = os.path.basename(workdir)
   command = [sys.executable, os.path.join(_ROOT, "scripts", "rl.py"), f"--config={os.path.join(_ROOT, config)}",
              f"--workdir={workdir}", f"--config.rl.num_steps={args.max_steps}",
              f"--config.eval.every={args.eval_every}", "--config.log.progress_bar=false",
@@ -106,7 +138,7 @@ def run_experiment(name: str, workdir: str, args) -> dict:
         used = cpu_seconds(process.pid)
       except (FileNotFoundError, ProcessLookupError):
         break
-      if used > args.budget_s and not stopped:
+      if used > budget_s and not stopped:
         process.send_signal(signal.SIGTERM)  # the job saves the step in flight and exits 0
         stopped = True
       time.sleep(0.5)
@@ -168,6 +200,108 @@ def _mean(values) -> float | None:
   return sum(values) / len(values) if values else None
 
 
+def domain_rows(path: str) -> dict[str, dict]:
+  """{domain name: its registry row as written} of the data.domains file `path` (checked by
+  rl/envs/registry.load_domains first; ValueError naming the file and line)."""
+  from meshrl.rl.envs.registry import load_domains  # pylint: disable=import-outside-toplevel
+  if not path:
+    raise ValueError("its config has no data.domains registry to train domain by domain.")
+  load_domains(path)
+  with open(path, encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  base = os.path.dirname(os.path.abspath(path))
+  for row in rows:  # a file-backed source is relative to the registry: keep it valid from elsewhere
+    kind, _, target = row["source"].partition(":")
+    if kind != "generator":
+      row["source"] = f"{kind}:{os.path.normpath(os.path.join(base, target))}"
+  return {row["name"]: row for row in rows}
+
+
+def alone_plans(cfg, budget_s: float, folder: str, chosen: list[str] | None = None) -> list[dict]:
+  """The single-domain runs that match joint run `cfg` (its n registry domains, CPU budget
+  `budget_s`): for each domain of `chosen` (default all), {"domain", "budget_s": budget_s / n,
+  "overrides"}: data.domains a one-row file written in `folder`, rl.sft_steps and rl.num_steps divided
+  by n (rounded up), eval.every likewise, eval.num_prompts the joint run's share per domain."""
+  rows = domain_rows(cfg.data.domains)
+  n = len(rows)
+  share = lambda value: max(1, math.ceil(value / n))  # noqa: E731
+  plans = []
+  for domain in chosen or sorted(rows):
+    path = os.path.join(folder, f"domain_{domain}.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+      f.write(json.dumps(rows[domain]) + "\n")
+    overrides = [f"data.domains={path}", f"rl.sft_steps={math.ceil(cfg.rl.sft_steps / n)}",
+                 f"rl.num_steps={share(cfg.rl.num_steps)}", f"eval.every={share(cfg.eval.every)}",
+                 f"eval.num_prompts={max(1, cfg.eval.num_prompts // n)}"]
+    plans.append({"domain": domain, "budget_s": budget_s / n, "overrides": overrides})
+  return plans
+
+
+def run_joint(name: str, base: str, args, runner=run_job) -> dict:
+  """Experiment `name` of JOINT: the joint run under --budget_s, then each domain alone
+  (`alone_plans`), each through `runner(config, overrides, workdir, args, budget_s=...)` (run_job; a
+  test injects its own) -> the result with per-domain deltas (joint - alone, last evaluations)."""
+  from meshrl import configs  # pylint: disable=import-outside-toplevel
+  config, overrides = EXPERIMENTS[name]
+  overrides = overrides + [f"rl.num_steps={args.max_steps}", f"eval.every={args.eval_every}"]
+  cfg = configs.load(os.path.join(_ROOT, config), overrides + args.set)
+  chosen = [d.strip() for d in args.domains.split(",") if d.strip()] or None
+  workdir = os.path.join(base, name)
+  outcome = runner(config, overrides, workdir, args, budget_s=args.budget_s)
+  joint = _result(config, workdir, outcome)
+  alone, plans = {}, alone_plans(cfg, args.budget_s, base, chosen)
+  for plan in plans:
+    alone_dir = os.path.join(base, f"{name}_alone_{plan['domain']}")
+    # after the joint run's own overrides, so the divided steps replace them
+    outcome = runner(config, overrides + plan["overrides"], alone_dir, args, budget_s=plan["budget_s"])
+    alone[plan["domain"]] = {**_result(config, alone_dir, outcome, allow_empty=True),
+                             "budget_cpu_s": plan["budget_s"], "overrides": plan["overrides"]}
+  last = joint["points"][-1] if joint["points"] else {}
+  deltas = {}
+  for domain, result in alone.items():
+    mine = last.get(domain)
+    theirs = result["points"][-1].get(domain) if result["points"] else None
+    deltas[domain] = {"joint": mine, "alone": theirs,
+                      "delta": None if mine is None or theirs is None else mine - theirs,
+                      "ratio": None if mine is None or not theirs else mine / theirs,
+                      "alone_train_flops": result["points"][-1]["train_flops"] if result["points"] else None}
+  known = [d for d in deltas.values() if d["joint"] is not None and d["alone"] is not None]
+  mean_joint = _mean(d["joint"] for d in known)
+  mean_alone = _mean(d["alone"] for d in known)
+  holds = bool(known) and len(known) == len(deltas) and mean_joint > mean_alone and all(
+      d["joint"] >= TARGET_SHARE * d["alone"] for d in known)
+  return {**joint, "domains": len(domain_rows(cfg.data.domains)), "alone": alone, "deltas": deltas,
+          "alone_curve": alone_curve(alone),
+          "mean_joint": mean_joint, "mean_alone": mean_alone,
+          "joint_train_flops": last.get("train_flops"),
+          "alone_train_flops": sum(d["alone_train_flops"] or 0.0 for d in deltas.values()),
+          "target_c": holds}
+
+
+def alone_curve(alone: dict) -> list[dict]:
+  """The runs alone taken together: their i-th evaluations as one point, the training FLOPs summed
+  and the accuracy the mean over domains (as many points as the shortest run has)."""
+  runs = [(domain, result["points"]) for domain, result in alone.items()]
+  count = min((len(points) for _, points in runs), default=0)
+  return [{"train_flops": sum(points[i]["train_flops"] for _, points in runs),
+           "accuracy": sum(points[i].get(domain, 0.0) for domain, points in runs) / len(runs)}
+          for i in range(count)]
+
+
+def _result(config: str, workdir: str, outcome: dict, *, allow_empty: bool = False) -> dict:
+  """One run's curve and summary (see `curve`); RuntimeError when it ended before an RL step,
+  unless `allow_empty` (a domain alone whose budget share ends in its warm start: its step 0 counts)."""
+  points, summary = curve(workdir)
+  if summary["rl_steps"] == 0 and not allow_empty:
+    raise RuntimeError(f"the run in {workdir} ended before its first RL step (the warm start and "
+                       f"compilation used the budget); give a larger --budget_s.")
+  return {"config": config, "points": points, **summary,
+          "first_accuracy": points[0]["accuracy"] if points else None,
+          "best_accuracy": max((p["accuracy"] for p in points), default=None),
+          "last_accuracy": points[-1]["accuracy"] if points else None,
+          **{k: v for k, v in outcome.items() if k != "log_tail"}}
+
+
 def plot(results: dict, path: str) -> bool:
   """Accuracy against training FLOPs, one line per experiment; False when matplotlib is missing."""
   try:
@@ -179,7 +313,16 @@ def plot(results: dict, path: str) -> bool:
   fig, ax = plt.subplots(figsize=(6, 4))
   for name, result in results.items():
     points = result["points"]
+    if result.get("alone_curve"):  # a JOINT experiment: the mean over its domains, as the runs alone's
+      domains = list(result["deltas"])
+      points = [{"train_flops": p["train_flops"], "accuracy": sum(p.get(d, 0.0) for d in domains) / len(domains)}
+                for p in points]
+      name = f"{name} (mean over domains)"
     ax.plot([p["train_flops"] for p in points], [100 * p["accuracy"] for p in points], marker="o", label=name)
+    if result.get("alone_curve"):  # its domains alone, FLOPs summed, mean over domains
+      together = result["alone_curve"]
+      ax.plot([p["train_flops"] for p in together], [100 * p["accuracy"] for p in together], marker="s",
+              linestyle="--", label="each domain alone (FLOPs summed, mean over domains)")
   ax.set_xlabel("cumulative training FLOPs (warm start + RL)")
   ax.set_ylabel("held-out greedy accuracy (%)")
   ax.set_xscale("log")
@@ -191,6 +334,26 @@ def plot(results: dict, path: str) -> bool:
   return True
 
 
+def deltas_table(result: dict) -> str:
+  """The per-domain table of a JOINT experiment's result (markdown)."""
+  pct = lambda v: "-" if v is None else f"{100 * v:.1f}"  # noqa: E731
+  lines = [f"| domain | joint (%) | alone (%) | delta (points) | joint / alone | alone steps | alone train FLOPs |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+  for domain, d in result["deltas"].items():
+    ratio = "-" if d["ratio"] is None else f"{d['ratio']:.2f}"
+    flops = "-" if d["alone_train_flops"] is None else f"{d['alone_train_flops']:.3g}"
+    lines.append(f"| {domain} | {pct(d['joint'])} | {pct(d['alone'])} | {pct(d['delta'])} | {ratio} | "
+                 f"{result['alone'][domain]['rl_steps']} | {flops} |")
+  lines.append(f"| **mean** | {pct(result['mean_joint'])} | {pct(result['mean_alone'])} | "
+               f"{pct(None if result['mean_joint'] is None else result['mean_joint'] - result['mean_alone'])} | | | |")
+  joint_flops = result["joint_train_flops"] or 0.0
+  lines.append(f"joint: {result['rl_steps']} RL steps, {joint_flops:.3g} training FLOPs, {result['cpu_s']:.0f} CPU-s; "
+               f"alone together: {result['alone_train_flops']:.3g} training FLOPs, "
+               f"{sum(a['cpu_s'] for a in result['alone'].values()):.0f} CPU-s; target (c) "
+               f"{'met' if result['target_c'] else 'not met'}")
+  return "\n".join(lines)
+
+
 def main(argv) -> int:
   args, names = _flags(argv)
   base = args.keep_runs or tempfile.mkdtemp(prefix="bench_learning_")
@@ -198,17 +361,14 @@ def main(argv) -> int:
   results = {}
   try:
     for name in names:
+      if name in JOINT:
+        results[name] = run_joint(name, base, args)
+        continue
       workdir = os.path.join(base, name)
-      outcome = run_experiment(name, workdir, args)
-      points, summary = curve(workdir)
-      if summary["rl_steps"] == 0:
-        raise RuntimeError(f"--budget_s={args.budget_s}: experiment {name!r} ended before its first RL step "
-                           f"(the warm start and compilation used it all); give a larger budget.")
-      results[name] = {"config": EXPERIMENTS[name][0], "points": points, **summary,
-                       "first_accuracy": points[0]["accuracy"] if points else None,
-                       "best_accuracy": max((p["accuracy"] for p in points), default=None),
-                       "last_accuracy": points[-1]["accuracy"] if points else None,
-                       **{k: v for k, v in outcome.items() if k != "log_tail"}}
+      try:
+        results[name] = _result(EXPERIMENTS[name][0], workdir, run_experiment(name, workdir, args))
+      except RuntimeError as error:
+        raise RuntimeError(f"--budget_s={args.budget_s}: experiment {name!r}: {error}") from None
   finally:
     if not args.keep_runs:
       shutil.rmtree(base, ignore_errors=True)
@@ -224,6 +384,9 @@ def main(argv) -> int:
     flops = r["points"][-1]["train_flops"] if r["points"] else 0.0
     print(f"{name:<10} {r['rl_steps']:>6} {r['cpu_s']:>7.0f} {r['wall_s']:>7.0f} {r['first_accuracy']:>7.3f} "
           f"{r['best_accuracy']:>7.3f} {r['last_accuracy']:>7.3f} {flops:>12.3g}")
+  for name, r in results.items():
+    if "deltas" in r:
+      print(deltas_table(r))
   print(f"wrote {args.json}" + (f" and {png}" if drew else " (no matplotlib: no PNG)"))
   return 0
 

@@ -8,7 +8,7 @@
 
 Writes into the work directory (cfg.workdir, or --workdir): config.json, metrics.jsonl (one record
 per RL step), eval.jsonl (held-out evaluations, with eval.every > 0), TensorBoard events (tb/),
-reward_curve.png, sft/ (warm start) and checkpoints/. Running the same command again resumes from
+reward_curve.png, eval_curve.png (held-out accuracy, one line per domain), sft/ (warm start) and checkpoints/. Running the same command again resumes from
 the latest checkpoint; a folder holding another run is refused unless --overwrite (which removes
 that run's outputs). Every bad input (config, files, rows, checkpoints, disk space) is reported as
 one line before anything is written. Ctrl-C or SIGTERM saves the step in flight and exits 0.
@@ -43,9 +43,12 @@ def main(argv):
           f"({last - first:+.3f}); outputs in {workdir}")
   elif cfg.rl.num_steps == 0:
     print(f"rl.num_steps=0: the warm start alone; outputs in {workdir}")
-  from meshrl.train.metrics import read_jsonl  # pylint: disable=import-outside-toplevel
+  from meshrl.sharding import hosts  # pylint: disable=import-outside-toplevel
+  from meshrl.train.metrics import plot_domains, read_jsonl  # pylint: disable=import-outside-toplevel
   evals = os.path.join(workdir, "eval.jsonl")
   rows = read_jsonl(evals) if os.path.exists(evals) else []
+  if rows and cfg.log.plot and hosts.is_primary():  # eval/accuracy and each eval/accuracy/<domain>
+    plot_domains(evals, "eval/accuracy", os.path.join(workdir, "eval_curve.png"), title="held-out greedy accuracy")
   if rows:
     print(f"held-out greedy accuracy: step {rows[0]['step']} {rows[0]['eval/accuracy']:.3f} -> "
           f"step {rows[-1]['step']} {rows[-1]['eval/accuracy']:.3f} "

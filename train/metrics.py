@@ -4,6 +4,7 @@
   writer.write(step, {"reward": ..., "kl": ..., "tokens_per_s": ...})   # jax/numpy scalars are fine
   writer.close()
   plot_curve(f"{workdir}/metrics.jsonl", "reward", f"{workdir}/reward_curve.png")
+  plot_domains(f"{workdir}/eval.jsonl", "eval/accuracy", f"{workdir}/eval_curve.png")  # one line per domain
 
 Files in `workdir`: `metrics.jsonl` (one JSON object per write, with "step"), `tb/` (TensorBoard
 events). `CompileCounter` counts XLA compilations by function name, so a loop can log (and a test
@@ -188,6 +189,48 @@ def plot_curve(metrics_jsonl: str, key: str, out_png: str, *, smooth: int = 1,
   fig.savefig(out_png)
   plt.close(fig)
   return out_png
+
+
+def per_domain_keys(records: Iterable[Mapping[str, Any]], metric: str) -> list[str]:
+  """`metric` and every `metric/<domain>` key holding a number in `records` (the evaluator's
+  eval/accuracy and eval/accuracy/<domain>), the mean first, then the domains sorted."""
+  keys = {k for r in records for k, v in r.items() if k.startswith(metric + "/") and _is_scalar(v)}
+  return [metric] + sorted(keys)
+
+
+def plot_domains(jsonl: str, metric: str, out_png: str, *, title: str | None = None) -> list[str]:
+  """Plots `metric` (bold: the mean) and each `metric/<domain>` against step from a JSONL file of
+  {"step", ...} records (eval.jsonl) into `out_png`: one line per domain. Returns the keys drawn.
+
+  Raises:
+    ValueError when no record holds a number for `metric`.
+  """
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  records = read_jsonl(jsonl)
+  if not any(_is_scalar(r.get(metric)) for r in records):
+    raise ValueError(f"{jsonl} has no numeric {metric!r} values to plot.")
+  fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+  drawn = []
+  for key in per_domain_keys(records, metric):
+    points = [(r["step"], r[key]) for r in records if _is_scalar(r.get(key))]
+    steps, values = zip(*points)
+    mean = key == metric
+    ax.plot(steps, values, marker="o", markersize=3, linewidth=2.5 if mean else 1.0, color="black" if mean else None,
+            label="mean" if mean else key[len(metric) + 1:])
+    drawn.append(key)
+  ax.set_xlabel("step")
+  ax.set_ylabel(metric)
+  ax.set_title(title or f"{metric} per domain")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+  fig.savefig(out_png)
+  plt.close(fig)
+  return drawn
 
 
 def model_flops_per_token(mc, *, seq_len: int, causal: bool = True, training: bool = True) -> float:

@@ -27,6 +27,7 @@ eval/accuracy/<domain> are per registry domain.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -291,24 +292,30 @@ class DomainMixture:
     return [self[i] for i in range(start, start + count)]
 
   def held_out(self, per_domain: int) -> list[dict]:
-    """Up to `per_domain` distinct examples of every domain (use on split="eval"), domain by domain."""
+    """Up to `per_domain` distinct examples of every domain (use on split="eval"), domain by domain.
+    A domain's examples depend on (seed, its name, its spec), not on the other domains of the file:
+    a run of one domain alone is evaluated on the prompts the joint run evaluates it on."""
     examples = []
-    for position, name in enumerate(self.names):
-      source = _DomainView(self, name, position)
-      examples += distinct_examples(source, per_domain, max_draws=20 * per_domain)
+    for name in self.names:
+      examples += distinct_examples(_DomainView(self, name), per_domain, max_draws=20 * per_domain)
     return examples
+
+
+def _name_key(name: str) -> int:
+  """A stable 63-bit key of a domain's name (the same in every process, unlike hash())."""
+  return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "big") >> 1
 
 
 class _DomainView:
   """Random access to one domain of a mixture (its split and quarantine honoured)."""
 
-  def __init__(self, mixture: DomainMixture, name: str, position: int):
-    self.mixture, self.name, self.position = mixture, name, position
+  def __init__(self, mixture: DomainMixture, name: str):
+    self.mixture, self.name, self.key = mixture, name, _name_key(name)
 
   def __getitem__(self, index: int) -> dict:
     m = self.mixture
     for attempt in range(1000):
-      example = m.draw(self.name, np.random.default_rng([m.seed, 1 << 21, self.position, index, attempt]))
+      example = m.draw(self.name, np.random.default_rng([m.seed, 1 << 21, self.key, index, attempt]))
       if m.allowed(example):
         return example
     raise ValueError(f"domain {self.name!r}: no {m.split} example in 1000 draws.")

@@ -214,9 +214,9 @@ def _check_data(cfg) -> None:
   if cfg.data.tasks:
     TaskMixture(cfg.data.tasks, difficulty=cfg.data.difficulty, seed=cfg.seed,
                 pools={**{name: [{}] for name in file_pool_names(cfg)}, **episode_pools(cfg)})
-  elif not cfg.data.jsonl and not cfg.data.array_record:
-    raise ValueError("data.tasks is empty and neither data.jsonl nor data.array_record is set: there "
-                     "are no prompts.")
+  elif not cfg.data.jsonl and not cfg.data.array_record and not cfg.data.domains:
+    raise ValueError("data.tasks is empty and none of data.domains, data.jsonl or data.array_record is "
+                     "set: there are no prompts.")
   if cfg.eval.every and not cfg.eval.jsonl and not 0.0 < cfg.data.eval_fraction < 1.0:
     raise ValueError(f"data.eval_fraction={cfg.data.eval_fraction} must lie strictly between 0 and 1 "
                      "to hold out evaluation prompts (or give eval.jsonl).")
