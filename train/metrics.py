@@ -95,6 +95,14 @@ class MetricsWriter:
       from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
       self._bar = tqdm(total=total_steps, initial=resume_step or 0, dynamic_ncols=True)
 
+  def scalars(self, step: int, metrics: Mapping[str, Any]) -> None:
+    """TensorBoard only: `metrics`' scalars at `step` (a record kept elsewhere, e.g. the evaluation
+    before the first step, which eval.jsonl holds and metrics.jsonl does not)."""
+    if self._tb is not None:
+      for key, value in to_python(dict(metrics)).items():
+        if _is_scalar(value):
+          self._tb.add_scalar(key, value, step)
+
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
     """Records `metrics` for `step`; returns the record as written (plain Python values)."""
     record = {"step": int(step), **to_python(dict(metrics))}
@@ -151,6 +159,26 @@ def read_jsonl(path: str) -> list[dict]:
       except json.JSONDecodeError:
         continue
   return records
+
+
+def read_tensorboard(folder: str) -> dict[str, dict[int, float]]:
+  """{tag: {step: value}} of the scalars in the tensorboardX event files under `folder` (the writer's
+  tb/; TFRecord framing: an 8-byte length, 4 bytes of its CRC, the Event, 4 bytes of its CRC)."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
+  scalars = collections.defaultdict(dict)
+  for name in sorted(os.listdir(folder)):
+    if not name.startswith("events.out.tfevents"):
+      continue
+    with open(os.path.join(folder, name), "rb") as f:
+      data = f.read()
+    offset = 0
+    while offset + 12 <= len(data):
+      length = int.from_bytes(data[offset:offset + 8], "little")
+      event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+      offset += 12 + length + 4
+      for value in event.summary.value:
+        scalars[value.tag][event.step] = value.simple_value
+  return dict(scalars)
 
 
 def plot_curve(metrics_jsonl: str, key: str, out_png: str, *, smooth: int = 1,

@@ -478,7 +478,7 @@ def _train(cfg, workdir: str, ready: _Prepared, checkpointer: Checkpointer | Non
   rl_run = build_run(cfg, mesh, model, tokenizer, env_work=env_work_for(cfg, source), spec=ready.spec)
   prompts = prompt_stream(source, per_step=cfg.rl.prompts_per_step, shared=shared_prompts(cfg))
   hooks, start_step, restored = bootstrap_hooks(rl_run), 0, None  # issue 33's RFT rounds, before evaluation
-  evaluator = None
+  evaluator = initial = None
   try:
     if checkpointer is not None and checkpointer.latest_step() is not None and cfg.checkpoint.restore:
       restored = checkpointer.restore(rl_run.state)
@@ -510,6 +510,8 @@ def _train(cfg, workdir: str, ready: _Prepared, checkpointer: Checkpointer | Non
       with MetricsWriter(workdir, tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar,
                          total_steps=cfg.rl.num_steps, resume_step=start_step,
                          bar_keys=("reward_mean", "kl", "entropy", "tokens_per_s")) as writer:
+        if initial is not None:  # the evaluation before RL: every domain's step 0 in TensorBoard too
+          writer.scalars(0, initial)
         records = train_steps(rl_run, prompts, start_step=start_step, hooks=tuple(hooks), writer=writer,
                               checkpoint=save, preemption=preemption, phase_cost=phase_cost)
   finally:

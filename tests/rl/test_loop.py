@@ -12,6 +12,7 @@ from meshrl.rl.step import driver as loop
 from meshrl.rl.step.groups import next_prompts, score_rollout, select_groups
 from meshrl.rl.batches.handover import ScoredBatch
 from meshrl.rl.rewards.pool import RewardPool
+from meshrl.train.metrics import read_tensorboard
 
 TOK = ByteTokenizer()
 
@@ -107,8 +108,7 @@ def test_short_run_raises_reward_and_held_out_accuracy(tmp_path):
   """The demo's recipe cut short (warm start + 30 GRPO steps): the sampled reward and the held-out
   greedy accuracy both rise, nothing recompiles, and the outputs are written."""
   cfg = configs.load("configs/tiny.py", ["rl.num_steps=30", "log.progress_bar=false", "eval.every=30",
-                                         "eval.num_prompts=64", "log.tensorboard=false",
-                                         "checkpoint.every=30"])
+                                         "eval.num_prompts=64", "checkpoint.every=30"])
   records = loop.run(cfg, str(tmp_path))
   rewards = np.asarray([r["reward_mean"] for r in records])
   first, last = rewards[:10].mean(), rewards[-10:].mean()
@@ -116,6 +116,9 @@ def test_short_run_raises_reward_and_held_out_accuracy(tmp_path):
   evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
   assert [e["step"] for e in evals] == [0, 30]
   assert evals[1]["eval/accuracy"] >= evals[0]["eval/accuracy"] + 0.1, evals
+  board = read_tensorboard(str(tmp_path / "tb"))  # the evaluation before RL too (the writer opens after it)
+  assert {step: round(value, 5) for step, value in board["eval/accuracy"].items()} == {
+      e["step"]: round(e["eval/accuracy"], 5) for e in evals}
   assert len({r["compiles"] for r in records[1:]}) == 1  # nothing compiles after the first step
   lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
   assert len(lines) == 30 and {"step", "reward_mean", "kl", "entropy", "clip_frac", "response_len_mean",

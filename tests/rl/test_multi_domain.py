@@ -3,10 +3,8 @@ prompts that do not depend on the other domains of the registry, and eval/accura
 eval.jsonl, TensorBoard and the per-domain plot."""
 
 import collections
-import glob
 import json
 import os
-import struct
 
 import pytest
 
@@ -18,7 +16,7 @@ from meshrl.rl.envs.registry import held_out_from_file, load_domains
 from meshrl.rl.step import driver as loop
 from meshrl.rl.step.evaluation import Evaluator, held_out_examples
 from meshrl.sharding import make_mesh
-from meshrl.train.metrics import MetricsWriter, plot_domains, read_jsonl
+from meshrl.train.metrics import MetricsWriter, plot_domains, read_jsonl, read_tensorboard
 from meshrl.train.state import split_model
 
 TOK = ByteTokenizer()
@@ -66,22 +64,6 @@ def test_a_domain_alone_is_evaluated_on_the_prompts_the_joint_run_evaluates_it_o
     assert mine == [e["prompt"] for e in joint if e["domain"] == row["name"]] and len(mine) >= 4
 
 
-def _tensorboard_scalars(folder):
-  """{tag: {step: value}} of the tensorboardX event files under `folder` (TFRecord framing)."""
-  from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
-  scalars = collections.defaultdict(dict)
-  for path in glob.glob(os.path.join(folder, "events.out.tfevents*")):
-    data = open(path, "rb").read()
-    offset = 0
-    while offset < len(data):
-      (length,) = struct.unpack("<Q", data[offset:offset + 8])
-      event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
-      offset += 12 + length + 4
-      for value in event.summary.value:
-        scalars[value.tag][event.step] = value.simple_value
-  return scalars
-
-
 def test_per_domain_held_out_accuracy_reaches_eval_jsonl_tensorboard_and_the_plot(devices, tmp_path):
   """The evaluator on the preset's held-out prompts (a small model), through the driver's eval hook
   and the metrics writer: every domain's eval/accuracy/<domain> is in eval.jsonl, in TensorBoard and
@@ -111,7 +93,7 @@ def test_per_domain_held_out_accuracy_reaches_eval_jsonl_tensorboard_and_the_plo
     counts = collections.Counter(e["domain"] for e in evaluator.examples)
     total = sum(row[f"eval/accuracy/{d}"] * counts[d] for d in domains) / sum(counts.values())
     assert row["eval/accuracy"] == pytest.approx(total, abs=1e-6)
-  scalars = _tensorboard_scalars(str(tmp_path / "tb"))
+  scalars = read_tensorboard(str(tmp_path / "tb"))
   assert all(set(scalars[key]) == {1, 2} for key in wanted), sorted(scalars)
   drawn = plot_domains(eval_path, "eval/accuracy", str(tmp_path / "eval_curve.png"))
   assert drawn == ["eval/accuracy"] + sorted(wanted) and os.path.getsize(tmp_path / "eval_curve.png") > 1000
