@@ -289,9 +289,28 @@ def check_rm(cfg) -> None:
                        "from that share (or give both rm.train_jsonl and rm.eval_jsonl).")
 
 
+def check_rm_pairs(cfg) -> None:
+  """rm.pairs_from and its sample counts (train/policy_pairs.py; one in 8 prompts is held out)."""
+  one_of(cfg, "rm.pairs_from", ("synthetic", "policy", "policy+synthetic"))
+  one_of(cfg, "rm.init", ("model", "policy"))
+  at_least(cfg, "rm.policy_prompts", 8, " (one in 8 gives the held-out pairs)")
+  at_least(cfg, "rm.policy_samples", 2, " (a pair needs a right and a wrong sample of one prompt)")
+  if cfg.rm.init == "policy" and cfg.rl.sft_steps < 1:
+    raise ValueError(f"rm.init='policy' starts the reward model from the warm-started policy, but "
+                     f"rl.sft_steps={cfg.rl.sft_steps}: set rl.sft_steps >= 1, or rm.init=model.")
+  if "policy" in cfg.rm.pairs_from:
+    if cfg.rl.sft_steps < 1:
+      raise ValueError(f"rm.pairs_from={cfg.rm.pairs_from!r} samples the warm-started policy, but "
+                       f"rl.sft_steps={cfg.rl.sft_steps}: set rl.sft_steps >= 1, or rm.pairs_from=synthetic.")
+    if cfg.rl.get("multi_turn", False):
+      raise ValueError(f"rm.pairs_from={cfg.rm.pairs_from!r} samples single-turn completions, and "
+                       "rl.multi_turn=true: give the episodes' pairs as rm.train_jsonl with rm.pairs_from=synthetic.")
+
+
 SECTIONS: dict[str, Callable] = {
     "run": check_run, "rl": check_rl, "moe": check_moe, "data": check_data, "eval": check_eval,
     "checkpoint": check_checkpoint, "log": check_log, "serve": check_serve, "rm": check_rm,
+    "rm_pairs": check_rm_pairs,
 }
 
 

@@ -41,7 +41,11 @@ def main(argv):
   # pylint: disable-next=import-outside-toplevel  (jax only now, after --cpu_devices)
   from meshrl.train.rm_job import prepare_reward_model, reward_model_config, train_reward_model
   workdir = args.workdir or cfg.rl.reward_model_checkpoint or cfg.workdir.format(name=cfg.name)
-  job = prepare_reward_model(reward_model_config(cfg, steps=args.steps), workdir, overwrite=args.overwrite)
+  from meshrl.rl.rewards.rm_first import temporary_warm_start  # pylint: disable=import-outside-toplevel
+  # rm.pairs_from="policy": the pairs are the warm-started policy's samples; its warm start runs in a
+  # temporary folder (an RL run trains its own).
+  job = prepare_reward_model(reward_model_config(cfg, steps=args.steps), workdir, overwrite=args.overwrite,
+                             warm_policy=lambda: temporary_warm_start(cfg))
   start = time.perf_counter()
   result = train_reward_model(job)
   evals = [r for r in result.history if "eval/pairwise_accuracy" in r]
