@@ -249,7 +249,8 @@ def get_config(arg=None):
   config.rm.pairs_from = "synthetic"  # Pairs when rm.train_jsonl="": "synthetic" (train/synthetic_pairs.py), "policy" (the warm-started policy's own samples, chosen verifier-right, rejected verifier-wrong, same prompt; train/policy_pairs.py) or "policy+synthetic" (both).
   config.rm.init = "model"  # The reward model's first weights: "model" (model.*: random, or model.init_from) or "policy" (the warm-started policy, rl.sft_steps, with a zero score head: InstructGPT's RM from the SFT model).
   config.rm.policy_prompts = 1024  # rm.pairs_from="policy": training-split prompts sampled (one in 8 gives the held-out pairs).
-  config.rm.policy_samples = 8  # rm.pairs_from="policy": completions per prompt, at rl.temperature.
+  config.rm.policy_samples = 8  # rm.pairs_from="policy": completions per prompt at each of rm.policy_temperatures.
+  config.rm.policy_temperatures = ""  # rm.pairs_from="policy": sampling temperatures, comma-separated ("0.3,0.7": K samples at each; "" = rl.temperature).
   config.rm.eval_pairs = 512  # Held-out pairs evaluated (fewer when the held-out side has fewer).
   config.rm.steps = 300  # Training steps.
   config.rm.batch_size = 32  # Pairs per step (each pair is two rows: chosen and rejected).

@@ -295,6 +295,15 @@ def check_rm_pairs(cfg) -> None:
   one_of(cfg, "rm.init", ("model", "policy"))
   at_least(cfg, "rm.policy_prompts", 8, " (one in 8 gives the held-out pairs)")
   at_least(cfg, "rm.policy_samples", 2, " (a pair needs a right and a wrong sample of one prompt)")
+  temperatures = str(cfg.rm.policy_temperatures)
+  for item in filter(None, (t.strip() for t in temperatures.split(","))):
+    try:
+      value = float(item)
+    except ValueError:
+      value = -1.0
+    if not 0.0 < value < math.inf:
+      raise ValueError(f"rm.policy_temperatures={temperatures!r}: {item!r} is not a positive number; give "
+                       "temperatures like '0.3,0.7' ('' = rl.temperature).")
   if cfg.rm.init == "policy" and cfg.rl.sft_steps < 1:
     raise ValueError(f"rm.init='policy' starts the reward model from the warm-started policy, but "
                      f"rl.sft_steps={cfg.rl.sft_steps}: set rl.sft_steps >= 1, or rm.init=model.")

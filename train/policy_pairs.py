@@ -92,15 +92,25 @@ def sample_policy(cfg, mesh, model, tokenizer, examples: Sequence[dict], *, samp
   return texts
 
 
+def policy_temperatures(cfg) -> list[float]:
+  """rm.policy_temperatures as numbers ("" = [rl.temperature])."""
+  items = [t.strip() for t in str(cfg.rm.policy_temperatures).split(",") if t.strip()]
+  return [float(t) for t in items] or [float(cfg.rl.temperature)]
+
+
 def policy_pairs(cfg, mesh, model, tokenizer, *, report: Callable[[str], None] = print
                  ) -> tuple[list[Pair], list[Pair]]:
-  """(training pairs, held-out pairs) over `model`'s samples (rm.policy_samples per prompt) of
+  """(training pairs, held-out pairs) over `model`'s samples (rm.policy_samples per prompt at each of
+  rm.policy_temperatures) of
   rm.policy_prompts training-split prompts; held out: the prompts i % HELD_OUT_EVERY == 7 (training
   split, not trained on). ValueError naming rm.policy_prompts when a side has no pair."""
   from meshrl.rl.rewards import answer_reward  # pylint: disable=import-outside-toplevel
   examples = training_examples(cfg, cfg.rm.policy_prompts)
-  texts = sample_policy(cfg, mesh, model, tokenizer, examples, samples=cfg.rm.policy_samples,
-                        key=jax.random.key(cfg.seed + 3571))
+  texts = [[] for _ in examples]
+  for i, temperature in enumerate(policy_temperatures(cfg)):
+    for mine, more in zip(texts, sample_policy(cfg, mesh, model, tokenizer, examples, samples=cfg.rm.policy_samples,
+                                               key=jax.random.key(cfg.seed + 3571 + i), temperature=temperature)):
+      mine.extend(more)
   is_correct = lambda text, example: answer_reward(text, example) >= 1.0  # noqa: E731
   held = [i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 for i in range(len(examples))]
   side = lambda keep: pairs_from_samples(  # noqa: E731
@@ -109,7 +119,7 @@ def policy_pairs(cfg, mesh, model, tokenizer, *, report: Callable[[str], None] =
   train, held_out = side(False), side(True)
   right = np.mean([[is_correct(t, e) for t in ts] for e, ts in zip(examples, texts)])
   report(f"policy pairs: {len(examples)} training-split prompts x {cfg.rm.policy_samples} samples at "
-         f"T={cfg.rl.temperature}, {right:.1%} verifier-right; {len(train)} training pairs, {len(held_out)} held out")
+         f"T={','.join(map(str, policy_temperatures(cfg)))}, {right:.1%} verifier-right; {len(train)} training pairs, {len(held_out)} held out")
   for pairs, name in ((train, "training"), (held_out, "held-out")):
     if not pairs:
       raise ValueError(f"rm.policy_prompts={cfg.rm.policy_prompts}: the warm-started policy's samples give no "
