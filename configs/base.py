@@ -189,6 +189,7 @@ def get_config(arg=None):
   config.rl.reward_norm = "none"  # "domain": whiten rewards within each domain of a batch (sources on other scales weigh alike); "none": as scored.
   config.rl.reward_model_checkpoint = ""  # A reward model (scripts/train_rm.py's work directory, or a Qwen3MoeForSequenceClassification folder) for the reward_model source.
   config.rl.rm_length_penalty = 0.0  # Subtracted from a reward-model score per response token (>= 0; a guard against rewarding length).
+  config.rl.rm_binarize = False  # Reward 1 when the reward model's score is above the threshold calibrated on its held-out pairs (calibration.json beside it), else 0: a learned verifier (train/rm_calibration.py).
   config.rl.rm_length_normalize = False  # Divide a reward-model score by the response's tokens (a guard against rewarding length).
   config.rl.judge_checkpoint = ""  # A policy-shaped judge model (meshrl checkpoint or Hugging Face causal LM folder) for the judge source.
   config.rl.judge_rubrics = ""  # Rubric files per domain, "domain=path;*=path": text with {prompt}, {response} and the verdict format "Score: N".

@@ -38,6 +38,7 @@ from meshrl.train.init_from import check_initial_model, initial_model
 from meshrl.train.optim import check_optim
 from meshrl.train.preferences import PairArrays, encode_pairs, read_pairs, split_pairs
 from meshrl.train.reward_model import check_score_head
+from meshrl.train.rm_calibration import write_calibration
 from meshrl.train.rm_source import tokenizer_identity
 from meshrl.train.rm_training import RMResult, check_rm_shapes, rm_max_len, rm_optim, run_reward_model
 
@@ -238,4 +239,15 @@ def train_reward_model(job: RMJob) -> RMResult:
     from flax import nnx  # pylint: disable=import-outside-toplevel
     nnx.update(model, job.start_params)
     print("reward model: starts from the warm-started policy (rm.init=policy)")
-  return run_reward_model(job.cfg, job.workdir, job.mesh, model, train=job.train, held_out=job.held_out)
+  result = run_reward_model(job.cfg, job.workdir, job.mesh, model, train=job.train, held_out=job.held_out)
+  if len(job.held_out):  # rl.rm_binarize's threshold (train/rm_calibration.py)
+    from meshrl.train.reward_model import make_scorer, score_pairs  # pylint: disable=import-outside-toplevel
+    from meshrl.sharding.rules import rules_from_config  # pylint: disable=import-outside-toplevel
+    rules = rules_from_config(job.cfg.mesh)
+    chosen, rejected = score_pairs(make_scorer(result.graphdef, job.mesh, rules), result.state.params,
+                                   result.state.extra, job.held_out, batch_size=job.cfg.rm.batch_size,
+                                   mesh=job.mesh, rules=rules)
+    record = write_calibration(job.workdir, chosen, rejected)
+    print(f"reward model: threshold {record['threshold']:.3f} classifies {record['accuracy']:.3f} of the held-out "
+          "pairs' sides (rl.rm_binarize)")
+  return result
