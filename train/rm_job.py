@@ -157,21 +157,14 @@ def needs_policy(cfg) -> bool:
   return "policy" in cfg.rm.pairs_from or cfg.rm.init == "policy"
 
 
-def _pairs(cfg, policy):
-  """(train, held-out) pairs of rm.train_jsonl or the synthetic ones (rm.pairs_from), with the
-  warm-started `policy`'s pairs (train/policy_pairs.py) first when rm.pairs_from names "policy"."""
+def _base_pairs(cfg):
+  """(train, held-out) pairs of rm.train_jsonl, else the synthetic ones when rm.pairs_from names
+  them, else none (rm.pairs_from="policy" alone)."""
   if cfg.rm.train_jsonl:
-    train, held_out = _file_pairs(cfg)
-  elif "synthetic" in cfg.rm.pairs_from:
-    train, held_out = _synthetic_pairs(cfg)
-  else:
-    train, held_out = [], []
-  if "policy" in cfg.rm.pairs_from:
-    from meshrl.train.policy_pairs import policy_pairs  # pylint: disable=import-outside-toplevel
-    policy_cfg, mesh, model, tokenizer = policy
-    policy_train, policy_held_out = policy_pairs(policy_cfg, mesh, model, tokenizer)
-    train, held_out = policy_train + train, policy_held_out + held_out
-  return train, held_out
+    return _file_pairs(cfg)
+  if "synthetic" in cfg.rm.pairs_from:
+    return _synthetic_pairs(cfg)
+  return [], []
 
 
 class RMJob(NamedTuple):
@@ -205,16 +198,22 @@ def prepare_reward_model(rm_cfg, workdir: str, *, overwrite: bool = False, warm_
   if resuming:
     checkpoint.check_readable(os.path.join(workdir, "checkpoints", str(saved[-1])))
     checkpoint.check_saved_config(os.path.join(workdir, "checkpoints", str(saved[-1])), rm_cfg)
+  # The file's (or synthetic) pairs are read and encoded first: a bad line is refused before the warm start.
+  train, held_out = _base_pairs(rm_cfg)
+  tokenizer = tokenizer_from_config(rm_cfg)
+  encode = lambda pairs: encode_pairs(pairs, tokenizer, max_len=rm_max_len(rm_cfg),  # noqa: E731
+                                      overflow=rm_cfg.rm.overflow)
+  encode(train), encode(held_out[:rm_cfg.rm.eval_pairs])
   policy = None
   if needs_policy(rm_cfg):
     if warm_policy is None:
       raise ValueError(f"rm.pairs_from={rm_cfg.rm.pairs_from!r}, rm.init={rm_cfg.rm.init!r} need the warm-started "
                        "policy, and none was given: scripts/rl.py and scripts/train_rm.py run its warm start first.")
     policy = warm_policy()
-  train, held_out = _pairs(rm_cfg, policy)
-  tokenizer = tokenizer_from_config(rm_cfg)
-  encode = lambda pairs: encode_pairs(pairs, tokenizer, max_len=rm_max_len(rm_cfg),  # noqa: E731
-                                      overflow=rm_cfg.rm.overflow)
+  if "policy" in rm_cfg.rm.pairs_from:  # the policy's pairs first (rm.eval_pairs keeps its held-out ones)
+    from meshrl.train.policy_pairs import policy_pairs  # pylint: disable=import-outside-toplevel
+    policy_train, policy_held_out = policy_pairs(*policy)
+    train, held_out = policy_train + train, policy_held_out + held_out
   train_arrays, held_out_arrays = encode(train), encode(held_out[:rm_cfg.rm.eval_pairs])
   source = "rm.train_jsonl" if rm_cfg.rm.train_jsonl else (
       "synthetic, from " + rm_cfg.data.tasks if "synthetic" in rm_cfg.rm.pairs_from else "")

@@ -204,3 +204,15 @@ def test_the_warm_starts_settings_make_a_policy_pairs_reward_model():
   assert [d[0] for d in rm_job.settings_diff(base.to_dict(), other)] == ["rl.sft_steps", "rl.temperature"]
   synthetic = rm_job.reward_model_config(_cfg())
   assert rm_job.settings_diff(synthetic.to_dict(), rm_job.reward_model_config(_cfg("rl.sft_steps=7"))) == []
+
+
+def test_a_bad_preference_line_is_refused_before_the_warm_start(tmp_path):
+  """rm.pairs_from=policy beside rm.train_jsonl: the file's bad line is named before the warm start
+  runs (found only after minutes of SFT and sampling otherwise)."""
+  prefs = tmp_path / "prefs.jsonl"
+  prefs.write_text('{"prompt": "rev abc=", "chosen": "cba", "rejected": "abc"}\n{"prompt": "rev dog="}\n')
+  calls = []
+  rm_cfg = rm_job.reward_model_config(_cfg("rm.pairs_from=policy", f"rm.train_jsonl={prefs}"))
+  with pytest.raises(ValueError, match=rf"^{prefs}:2: "):
+    rm_job.prepare_reward_model(rm_cfg, str(tmp_path / "rm"), warm_policy=lambda: calls.append(1))
+  assert not calls and not os.path.exists(tmp_path / "rm")
