@@ -280,6 +280,7 @@ def check_rm(cfg) -> None:
   at_least(cfg, "rm.max_len", 0, " (0 = model.max_seq_len)")
   one_of(cfg, "rm.overflow", ("reject", "truncate"))
   one_of(cfg, "rm.negatives", ("near_misses", "policy_errors"))
+  check_rm_pairs(cfg)
   existing_file("rm.train_jsonl", cfg.rm.train_jsonl)
   existing_file("rm.eval_jsonl", cfg.rm.eval_jsonl)
   if not (cfg.rm.train_jsonl and cfg.rm.eval_jsonl):
@@ -319,7 +320,6 @@ def check_rm_pairs(cfg) -> None:
 SECTIONS: dict[str, Callable] = {
     "run": check_run, "rl": check_rl, "moe": check_moe, "data": check_data, "eval": check_eval,
     "checkpoint": check_checkpoint, "log": check_log, "serve": check_serve, "rm": check_rm,
-    "rm_pairs": check_rm_pairs,
 }
 
 

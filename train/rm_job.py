@@ -185,7 +185,7 @@ def prepare_reward_model(rm_cfg, workdir: str, *, overwrite: bool = False, warm_
   resumed, or `overwrite`). rm.pairs_from="policy" or rm.init="policy": `warm_policy()` -> (its
   config, mesh, nnx model, tokenizer) is called after those checks (it may write its warm start;
   never into `workdir`)."""
-  checks.check_sections(rm_cfg, "run", "moe", "checkpoint", "log", "rm", "rm_pairs")
+  checks.check_sections(rm_cfg, "run", "moe", "checkpoint", "log", "rm")
   check_score_head(rm_cfg.model)
   ModelConfig.from_config(rm_cfg)
   check_optim(rm_optim(rm_cfg), learning_rate=rm_cfg.rm.learning_rate, field="rm.learning_rate")

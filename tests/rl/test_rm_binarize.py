@@ -24,7 +24,7 @@ from meshrl.train.rm_job import reward_model_config
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
          "moe.expert_mlp_dim=32", "rl.max_prompt_len=8", "rl.max_new_tokens=6", "model.max_seq_len=32",
-         "data.seq_len=32", "model.init_std=0.5", "checkpoint.async_save=false"]
+         "data.seq_len=32", "model.init_std=0.5", "checkpoint.async_save=false", "rl.rm_binarize=false"]
 
 
 def _brute(chosen, rejected):

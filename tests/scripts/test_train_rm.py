@@ -62,7 +62,7 @@ CASES = [
     (["--config.rm.init=sft"], "rm.init='sft' is not one of 'model', 'policy'"),
     (["--config.rm.policy_samples=1"], "rm.policy_samples=1 must be at least 2"),
     (["--config.rm.policy_prompts=4"], "rm.policy_prompts=4 must be at least 8"),
-    (["--config.rm.pairs_from=policy", "--config.rl.sft_steps=0"],
+    (["--config.rm.pairs_from=policy", "--config.rm.init=model", "--config.rl.sft_steps=0"],
      "rm.pairs_from='policy' samples the warm-started policy, but rl.sft_steps=0"),
     (["--config.rm.init=policy", "--config.rl.sft_steps=0"],
      "rm.init='policy' starts the reward model from the warm-started policy, but rl.sft_steps=0"),
@@ -104,7 +104,8 @@ def test_a_short_run_writes_a_reward_model_that_loads_and_exports(inputs, tmp_pa
   from meshrl.train.rm_source import load_reward_model  # pylint: disable=import-outside-toplevel
   monkeypatch.chdir(REPO)
   workdir, out = str(tmp_path / "rm"), str(tmp_path / "hf")
-  flags = [RM, "--config.model.qk_norm=true"]  # Qwen3-MoE's attention, so the layout can hold it
+  flags = [RM, "--config.model.qk_norm=true",  # Qwen3-MoE's attention, so the layout can hold it
+           "--config.rm.pairs_from=synthetic", "--config.rm.init=model"]  # the file's pairs alone
   status = cli.run(_main(), flags + [f"--workdir={workdir}", f"--config.rm.train_jsonl={inputs['good']}",
                                      "--config.data.eval_fraction=0.3", "--config.rm.batch_size=8", "--steps=3",
                                      "--config.log.progress_bar=false", "--config.checkpoint.async_save=false"])

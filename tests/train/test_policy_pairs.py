@@ -31,7 +31,8 @@ SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model
          "data.seq_len=32", "rm.max_len=16", "rm.steps=3", "rm.synthetic_pairs=64", "rm.eval_pairs=16",
          "rm.batch_size=8", "rm.eval_every=0", "log.progress_bar=false", "log.tensorboard=false",
          "log.plot=false", "checkpoint.async_save=false", "eval.batch_size=16", "rm.policy_prompts=32",
-         "rm.policy_samples=4"]
+         "rm.policy_samples=4", "rm.pairs_from=synthetic", "rm.init=model", "rm.policy_temperatures=",
+         "rl.temperature=0.7"]  # the preset's recipe is policy pairs at two temperatures: each test names its own
 
 
 def _cfg(*extra):
@@ -158,8 +159,16 @@ def test_rm_init_policy_starts_the_reward_model_from_the_policys_weights(tmp_pat
   job = rm_job.prepare_reward_model(rm_job.reward_model_config(cfg), str(tmp_path / "rm"),
                                     warm_policy=lambda: (cfg, mesh, policy, None))
   models = []
-  monkeypatch.setattr(rm_job, "run_reward_model", lambda cfg_, workdir, mesh_, model, **k: models.append(model))
-  rm_job.train_reward_model(job)
+
+  class Done(Exception):
+    pass
+
+  def capture(cfg_, workdir, mesh_, model, **k):
+    models.append(model)
+    raise Done()
+  monkeypatch.setattr(rm_job, "run_reward_model", capture)
+  with pytest.raises(Done):
+    rm_job.train_reward_model(job)
   (model,) = models
   got, want = nnx.state(model, nnx.Param).to_pure_dict(), nnx.state(policy, nnx.Param).to_pure_dict()
   got.pop("value_head")  # the score head is the reward model's own
@@ -201,6 +210,7 @@ def test_the_run_warm_starts_into_its_own_sft_folder_first(tmp_path, monkeypatch
 def test_the_warm_starts_settings_make_a_policy_pairs_reward_model():
   base = rm_job.reward_model_config(_cfg("rm.pairs_from=policy"))
   other = rm_job.reward_model_config(_cfg("rm.pairs_from=policy", "rl.sft_steps=7", "rl.temperature=0.3"))
+  assert base.rl.temperature != 0.3
   assert [d[0] for d in rm_job.settings_diff(base.to_dict(), other)] == ["rl.sft_steps", "rl.temperature"]
   synthetic = rm_job.reward_model_config(_cfg())
   assert rm_job.settings_diff(synthetic.to_dict(), rm_job.reward_model_config(_cfg("rl.sft_steps=7"))) == []
