@@ -291,3 +291,14 @@ def test_a_damaged_latest_checkpoint_names_the_intact_step_before_it(tmp_path, d
     assert "step 1 before it is intact: move" in message and "to resume from step 1" in message
     assert ckpt.restore(state, step=1).state["params"]["w"][0, 1] == 1.0  # step 1 really is intact
   assert _tree_files(tmp_path / "ck") == before
+
+
+def test_a_checkpoint_named_by_a_relative_path_is_readable(tmp_path, monkeypatch):
+  """configs/tiny_rm.py names its reward model runs/tiny_rm/reward_model: orbax read no array
+  metadata under a relative path, so check_readable called the intact checkpoint damaged."""
+  from meshrl.train.checkpoint import check_readable, saved_shapes  # pylint: disable=import-outside-toplevel
+  with Checkpointer(str(tmp_path / "runs" / "x" / "checkpoints"), async_save=False) as ckpt:
+    ckpt.save(3, {"params": {"w": jnp.ones((2, 3))}}, force=True)
+  monkeypatch.chdir(tmp_path)
+  check_readable("runs/x/checkpoints/3")
+  assert (2, 3) in [shape for shape, _ in saved_shapes("runs/x/checkpoints/3/state").values()]
