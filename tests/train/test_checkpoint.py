@@ -302,3 +302,21 @@ def test_a_checkpoint_named_by_a_relative_path_is_readable(tmp_path, monkeypatch
   monkeypatch.chdir(tmp_path)
   check_readable("runs/x/checkpoints/3")
   assert (2, 3) in [shape for shape, _ in saved_shapes("runs/x/checkpoints/3/state").values()]
+
+
+def test_a_model_restored_from_a_relative_path(tmp_path, monkeypatch):
+  """orbax restores from absolute paths only: a reward model or model.init_from named relatively
+  (runs/tiny_rm/reward_model) was refused as damaged when the RL job loaded it."""
+  from meshrl.train.init_from import checkpoint_dir, restore_params  # pylint: disable=import-outside-toplevel
+  cfg = load("configs/tiny.py")
+  mc = ModelConfig.from_config(cfg)
+  model = build_model(mc, None, seed=0)
+  _, params, extra = nnx.split(model, nnx.Param, ...)
+  with Checkpointer(str(tmp_path / "runs" / "m" / "checkpoints"), async_save=False) as ckpt:
+    ckpt.save(1, {"params": params, "extra": extra, "step": jnp.zeros((), jnp.int32), "opt_state": {}},
+              config=cfg, force=True)
+  monkeypatch.chdir(tmp_path)
+  restored = restore_params(checkpoint_dir("runs/m"), mc, None)
+  a, b = nnx.state(restored, nnx.Param).to_pure_dict(), params.to_pure_dict()
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
