@@ -189,6 +189,7 @@ def get_config(arg=None):
   config.rl.reward_norm = "none"  # "domain": whiten rewards within each domain of a batch (sources on other scales weigh alike); "none": as scored.
   config.rl.reward_model_checkpoint = ""  # A reward model (scripts/train_rm.py's work directory, or a Qwen3MoeForSequenceClassification folder) for the reward_model source.
   config.rl.rm_length_penalty = 0.0  # Subtracted from a reward-model score per response token (>= 0; a guard against rewarding length).
+  config.rl.rm_binarize = False  # Reward 1 when the reward model's score is above the threshold calibrated on its held-out pairs (calibration.json beside it), else 0: a learned verifier (train/rm_calibration.py).
   config.rl.rm_length_normalize = False  # Divide a reward-model score by the response's tokens (a guard against rewarding length).
   config.rl.judge_checkpoint = ""  # A policy-shaped judge model (meshrl checkpoint or Hugging Face causal LM folder) for the judge source.
   config.rl.judge_rubrics = ""  # Rubric files per domain, "domain=path;*=path": text with {prompt}, {response} and the verdict format "Score: N".
@@ -246,6 +247,11 @@ def get_config(arg=None):
   config.rm.eval_jsonl = ""  # Held-out pairs, same format; "" = the pairs whose prompt hashes into data.eval_fraction.
   config.rm.synthetic_pairs = 4096  # Synthetic training pairs (rm.train_jsonl=""): chosen = the task's answer, rejected = a wrong one.
   config.rm.negatives = "near_misses"  # Synthetic pairs' rejected sides: "near_misses" (an edit of the answer, or another prompt's answer) or "policy_errors" (the answer's symbols in another order, one symbol throughout, one dropped/doubled/foreign; train/synthetic_pairs.py).
+  config.rm.pairs_from = "synthetic"  # Pairs when rm.train_jsonl="": "synthetic" (train/synthetic_pairs.py), "policy" (the warm-started policy's own samples, chosen verifier-right, rejected verifier-wrong, same prompt; train/policy_pairs.py) or "policy+synthetic" (both).
+  config.rm.init = "model"  # The reward model's first weights: "model" (model.*: random, or model.init_from) or "policy" (the warm-started policy, rl.sft_steps, with a zero score head: InstructGPT's RM from the SFT model).
+  config.rm.policy_prompts = 1024  # rm.pairs_from="policy": training-split prompts sampled (one in 8 gives the held-out pairs).
+  config.rm.policy_samples = 8  # rm.pairs_from="policy": completions per prompt at each of rm.policy_temperatures.
+  config.rm.policy_temperatures = ""  # rm.pairs_from="policy": sampling temperatures, comma-separated ("0.3,0.7": K samples at each; "" = rl.temperature).
   config.rm.eval_pairs = 512  # Held-out pairs evaluated (fewer when the held-out side has fewer).
   config.rm.steps = 300  # Training steps.
   config.rm.batch_size = 32  # Pairs per step (each pair is two rows: chosen and rejected).

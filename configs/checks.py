@@ -280,6 +280,7 @@ def check_rm(cfg) -> None:
   at_least(cfg, "rm.max_len", 0, " (0 = model.max_seq_len)")
   one_of(cfg, "rm.overflow", ("reject", "truncate"))
   one_of(cfg, "rm.negatives", ("near_misses", "policy_errors"))
+  check_rm_pairs(cfg)
   existing_file("rm.train_jsonl", cfg.rm.train_jsonl)
   existing_file("rm.eval_jsonl", cfg.rm.eval_jsonl)
   if not (cfg.rm.train_jsonl and cfg.rm.eval_jsonl):
@@ -287,6 +288,33 @@ def check_rm(cfg) -> None:
     if cfg.data.eval_fraction == 0.0:
       raise ValueError("data.eval_fraction=0.0 holds out no prompts: the reward model's held-out pairs come "
                        "from that share (or give both rm.train_jsonl and rm.eval_jsonl).")
+
+
+def check_rm_pairs(cfg) -> None:
+  """rm.pairs_from and its sample counts (train/policy_pairs.py; one in 8 prompts is held out)."""
+  one_of(cfg, "rm.pairs_from", ("synthetic", "policy", "policy+synthetic"))
+  one_of(cfg, "rm.init", ("model", "policy"))
+  at_least(cfg, "rm.policy_prompts", 8, " (one in 8 gives the held-out pairs)")
+  at_least(cfg, "rm.policy_samples", 2, " (a pair needs a right and a wrong sample of one prompt)")
+  temperatures = str(cfg.rm.policy_temperatures)
+  for item in filter(None, (t.strip() for t in temperatures.split(","))):
+    try:
+      value = float(item)
+    except ValueError:
+      value = -1.0
+    if not 0.0 < value < math.inf:
+      raise ValueError(f"rm.policy_temperatures={temperatures!r}: {item!r} is not a positive number; give "
+                       "temperatures like '0.3,0.7' ('' = rl.temperature).")
+  if cfg.rm.init == "policy" and cfg.rl.sft_steps < 1:
+    raise ValueError(f"rm.init='policy' starts the reward model from the warm-started policy, but "
+                     f"rl.sft_steps={cfg.rl.sft_steps}: set rl.sft_steps >= 1, or rm.init=model.")
+  if "policy" in cfg.rm.pairs_from:
+    if cfg.rl.sft_steps < 1:
+      raise ValueError(f"rm.pairs_from={cfg.rm.pairs_from!r} samples the warm-started policy, but "
+                       f"rl.sft_steps={cfg.rl.sft_steps}: set rl.sft_steps >= 1, or rm.pairs_from=synthetic.")
+    if cfg.rl.get("multi_turn", False):
+      raise ValueError(f"rm.pairs_from={cfg.rm.pairs_from!r} samples single-turn completions, and "
+                       "rl.multi_turn=true: give the episodes' pairs as rm.train_jsonl with rm.pairs_from=synthetic.")
 
 
 SECTIONS: dict[str, Callable] = {

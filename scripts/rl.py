@@ -32,9 +32,11 @@ def main(argv):
   cli.join_job(args)  # several processes (a pod): join the job before jax touches a device
   from meshrl.rl.step import driver as loop  # pylint: disable=import-outside-toplevel  (after --cpu_devices)
   workdir = args.workdir or cfg.workdir.format(name=cfg.name)
-  from meshrl.rl.rewards.rm_first import ensure_reward_model  # pylint: disable=import-outside-toplevel
-  ensure_reward_model(cfg, workdir, overwrite=args.overwrite)  # rm.train_before_rl: the reward model first
-  records = loop.run(cfg, workdir, overwrite=args.overwrite)
+  from meshrl.rl.rewards.rm_first import WARM_STARTED, ensure_reward_model  # pylint: disable=import-outside-toplevel
+  status = ensure_reward_model(cfg, workdir, overwrite=args.overwrite)  # rm.train_before_rl: the reward model first
+  # rm.pairs_from="policy": the warm start is in workdir/sft already (the earlier run's outputs removed
+  # first under --overwrite); the driver resumes it.
+  records = loop.run(cfg, workdir, overwrite=args.overwrite and status != WARM_STARTED)
   if records:
     tenth = max(1, len(records) // 10)
     first = sum(r["reward_mean"] for r in records[:tenth]) / tenth

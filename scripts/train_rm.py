@@ -10,7 +10,11 @@ or a Hugging Face folder, Qwen3MoeForSequenceClassification included) with a val
 train/rm_job.py's, which scripts/rl.py also runs first under rm.train_before_rl. Pairs come from rm.train_jsonl
 ({"prompt", "chosen", "rejected", "margin"?} per line) or, when it is "", are made from the data.tasks
 mixture: chosen = the task's answer, rejected = a near miss the task's verifier calls wrong. Held-out
-pairs: rm.eval_jsonl, else the pairs whose prompts fall in the held-out data.eval_fraction.
+pairs: rm.eval_jsonl, else the pairs whose prompts fall in the held-out data.eval_fraction. With
+rm.pairs_from=policy (configs/tiny_rm.py's default) the pairs are the warm-started policy's own samples
+labelled by the verifier (train/policy_pairs.py; the warm start runs in a temporary folder first), and
+with rm.init=policy the reward model starts from that policy. The job also writes calibration.json,
+the threshold that rl.rm_binarize reads.
 
 Writes to the work directory (--workdir; default rl.reward_model_checkpoint, the reward model the
 config's RL run reads, when set, else cfg.workdir with "{name}" filled in): config.json,
@@ -41,7 +45,11 @@ def main(argv):
   # pylint: disable-next=import-outside-toplevel  (jax only now, after --cpu_devices)
   from meshrl.train.rm_job import prepare_reward_model, reward_model_config, train_reward_model
   workdir = args.workdir or cfg.rl.reward_model_checkpoint or cfg.workdir.format(name=cfg.name)
-  job = prepare_reward_model(reward_model_config(cfg, steps=args.steps), workdir, overwrite=args.overwrite)
+  from meshrl.rl.rewards.rm_first import temporary_warm_start  # pylint: disable=import-outside-toplevel
+  # rm.pairs_from="policy": the pairs are the warm-started policy's samples; its warm start runs in a
+  # temporary folder (an RL run trains its own).
+  job = prepare_reward_model(reward_model_config(cfg, steps=args.steps), workdir, overwrite=args.overwrite,
+                             warm_policy=lambda: temporary_warm_start(cfg))
   start = time.perf_counter()
   result = train_reward_model(job)
   evals = [r for r in result.history if "eval/pairwise_accuracy" in r]

@@ -151,6 +151,8 @@ def _quiet_absl():
 
 
 def _read_shapes(state_dir: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+  if "://" not in state_dir:  # orbax reads no item metadata under a relative path (runs/x/checkpoints/3/state)
+    state_dir = os.path.abspath(state_dir)
   try:
     with _quiet_absl():
       meta = ocp.PyTreeCheckpointer().metadata(state_dir)

@@ -56,10 +56,11 @@ def checkpoint_steps(folder: str) -> list[int]:
 
 
 def checkpoint_dir(path: str) -> str | None:
-  """The folder of step checkpoints that `path` is or holds (`path/checkpoints`), or None."""
+  """The folder of step checkpoints that `path` is or holds (`path/checkpoints`), or None; absolute
+  for a local path (orbax restores from absolute paths only)."""
   for folder in (path, os.path.join(path, "checkpoints")):
     if checkpoint_steps(folder):
-      return folder
+      return folder if "://" in folder else os.path.abspath(folder)
   return None
 
 

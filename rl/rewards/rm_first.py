@@ -2,7 +2,8 @@
 `ensure_reward_model` before the driver, so one command trains (or reuses) the reward model at
 rl.reward_model_checkpoint and then runs RL against it (configs/tiny_rm.py).
 
-  status = ensure_reward_model(cfg, workdir, overwrite=False)   # "off", "reused" or "trained"
+  status = ensure_reward_model(cfg, workdir, overwrite=False)   # "off", "reused", "trained" or WARM_STARTED
+  policy_cfg, mesh, model, tokenizer = warm_start(cfg, folder)  # the driver's warm start, run before it
 
 What the folder rl.reward_model_checkpoint holds decides:
   nothing of a run                        the reward model is trained there (train/rm_job.py: the
@@ -18,22 +19,56 @@ What the folder rl.reward_model_checkpoint holds decides:
 in place is not noticed; give the new reward model another folder). Before anything is written, the
 RL run's own checks run too (its config with the reward model set aside, its work directory), so a
 bad RL setting is not found only after the reward model has trained.
+
+With rm.pairs_from="policy" the reward model is trained on the warm-started policy's own samples
+(train/policy_pairs.py), so the warm start (rl.sft_steps) runs first, here: into the RL run's own
+<workdir>/sft when checkpoints are on (the driver then resumes it at its last step: it is trained
+once; with --overwrite the earlier run's outputs are removed first, as the driver would, and the
+status is WARM_STARTED so the driver is not told to remove them again), else in a temporary folder
+removed afterwards (the driver trains the same warm start again: same seed, same data).
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 import ml_collections
 
 from meshrl.rl.rewards.sources import FIELD as SOURCES_FIELD, DomainSources, domain_sources, parse_sources
 from meshrl.train.checkpoint import committed_steps
-from meshrl.train.rm_job import (prepare_reward_model, reward_model_config, saved_run_config, settings_diff,
+from meshrl.train.rm_job import (needs_policy, prepare_reward_model, reward_model_config, saved_run_config, settings_diff,
                                  train_reward_model)
-from meshrl.train.workdir import check_workdir, run_outputs
+from meshrl.train.workdir import check_workdir, clear_outputs, run_outputs
 
 FIELD = "rl.reward_model_checkpoint"
 SWITCH = "rm.train_before_rl"
+WARM_STARTED = "trained on the warm start"  # ensure_reward_model: the RL run's sft/ is written (and resumed)
+
+
+def warm_start(cfg, folder: str, mesh=None):
+  """(cfg, mesh, warm-started nnx model, tokenizer): the driver's warm start (rl/step/driver._train:
+  rl.sft_steps of SFT from the initial model on the training source at rl.sft_difficulty) run into
+  `folder` (train/sft.run_sft: it resumes a checkpoint there)."""
+  # pylint: disable=import-outside-toplevel  (the driver imports the whole RL stack)
+  from meshrl.model.tokenizer import tokenizer_from_config
+  from meshrl.rl.envs.levels import warm_start_source
+  from meshrl.rl.step import driver
+  from meshrl.sharding import make_mesh
+  from meshrl.train.init_from import initial_model
+  from meshrl.train.sft import run_sft
+  mesh = make_mesh(cfg.mesh) if mesh is None else mesh
+  tokenizer = tokenizer_from_config(cfg)
+  print(f"warm start for the reward model's pairs: {cfg.rl.sft_steps} SFT steps into {folder}")
+  result = run_sft(cfg, folder, mesh=mesh, model=initial_model(cfg, mesh),
+                   source=warm_start_source(cfg, driver.train_source(cfg)), tokenizer=tokenizer)
+  return cfg, mesh, result.model, tokenizer
+
+
+def temporary_warm_start(cfg):
+  """`warm_start` in a temporary folder, removed after (checkpoints off, or scripts/train_rm.py)."""
+  with tempfile.TemporaryDirectory(prefix="meshrl_warm_start_") as folder:
+    return warm_start(cfg, folder)
 
 
 def _spec(sources: DomainSources) -> str:
@@ -126,11 +161,19 @@ def ensure_reward_model(cfg, workdir: str, *, overwrite: bool = False) -> str:
     return "reused"
   # A run of these settings stopped before its first checkpoint: its records are redone, as the
   # driver redoes a run of the same config (train/workdir.check_workdir); nothing else is replaced.
-  job = prepare_reward_model(rm_cfg, path, overwrite=state == "partial-unsaved")
+  in_workdir = needs_policy(rm_cfg) and cfg.checkpoint.enabled and cfg.checkpoint.restore
+
+  def warm():
+    if not in_workdir:
+      return temporary_warm_start(cfg)
+    if overwrite:  # what the driver's --overwrite removes, removed before the warm start writes there
+      clear_outputs(workdir, check_workdir(workdir, cfg, resuming=False, overwrite=True))
+    return warm_start(cfg, os.path.join(workdir, "sft"))
+  job = prepare_reward_model(rm_cfg, path, overwrite=state == "partial-unsaved", warm_policy=warm)
   print(f"reward model: training into {path} ({rm_cfg.rm.steps} steps, {SWITCH}=true)")
   result = train_reward_model(job)
   evals = [r for r in result.history if "eval/pairwise_accuracy" in r]
   if evals:
     print(f"reward model: held-out pairwise accuracy {evals[0]['eval/pairwise_accuracy']:.3f} (step "
           f"{evals[0]['step']}) -> {evals[-1]['eval/pairwise_accuracy']:.3f} (step {evals[-1]['step']})")
-  return "trained"
+  return WARM_STARTED if in_workdir else "trained"

@@ -53,16 +53,20 @@ class RewardModelScorer:
     row_len: T, tokens per row (at most the reward model's model.max_seq_len).
     mesh, rules: where the rows lie (None: one device).
     length_penalty, length_normalize: the length guards (`length_guard`).
+    threshold: rl.rm_binarize's (train/rm_calibration.py): a score above it is 1, any other 0, before
+      the length guards; None: the scores as they are.
   """
 
   def __init__(self, model: nnx.Module, tokenizer: Tokenizer, *, rows: int, row_len: int, mesh=None,
-               rules: Rules | None = None, length_penalty: float = 0.0, length_normalize: bool = False):
+               rules: Rules | None = None, length_penalty: float = 0.0, length_normalize: bool = False,
+               threshold: float | None = None):
     if rows < 1 or row_len < 2:
       raise ValueError(f"reward-model rows={rows} must be >= 1 and row_len={row_len} >= 2 (BOS and EOS).")
     graphdef, self.params, self.extra = nnx.split(model, nnx.Param, ...)
     self.score_fn = make_scorer(graphdef, mesh, rules)
     self.tokenizer, self.rows, self.row_len, self.mesh, self.rules = tokenizer, rows, row_len, mesh, rules
     self.length_penalty, self.length_normalize = float(length_penalty), bool(length_normalize)
+    self.threshold = threshold
 
   def encode(self, completions: Sequence[str], examples: Sequence[dict]) -> tuple[np.ndarray, np.ndarray, int]:
     """-> (tokens [N, T] int32 right-padded, lengths [N] int32, rows cut to their last T tokens)."""
@@ -96,6 +100,8 @@ class RewardModelScorer:
     "rm_truncated": rows cut to T})."""
     tokens, lengths, cut = self.encode(completions, examples)
     scores = self.raw_scores(tokens, lengths)
+    if self.threshold is not None:  # rl.rm_binarize: right (1) above the calibrated threshold, else 0
+      scores = (scores > self.threshold).astype(np.float32)
     if self.length_penalty or self.length_normalize:
       response = [len(self.tokenizer.encode(c, add_bos=False)) for c in completions]
       scores = length_guard(scores, np.asarray(response), penalty=self.length_penalty,

@@ -251,8 +251,13 @@ def reward_model_scorer(cfg, mesh, tokenizer, *, checked: bool = False) -> Rewar
   rl, rules = cfg.rl, rules_from_config(cfg.mesh)
   model, rm_cfg = rm_source.load_reward_model(rl.reward_model_checkpoint, cfg, mesh, rules=rules)
   row_len = min(rm_cfg.model.max_seq_len, rl.max_prompt_len + rl.max_new_tokens + 2)  # + BOS, EOS
+  threshold = None
+  if rl.rm_binarize:
+    from meshrl.train.rm_calibration import read_threshold  # pylint: disable=import-outside-toplevel
+    threshold = read_threshold(rl.reward_model_checkpoint)
   return RewardModelScorer(model, tokenizer, rows=_rows(cfg, mesh), row_len=row_len, mesh=mesh, rules=rules,
-                           length_penalty=rl.rm_length_penalty, length_normalize=rl.rm_length_normalize)
+                           length_penalty=rl.rm_length_penalty, length_normalize=rl.rm_length_normalize,
+                           threshold=threshold)
 
 
 def reward_pool(cfg, mesh, tokenizer, *, on_given_up=None):

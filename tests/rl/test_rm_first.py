@@ -33,7 +33,10 @@ SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model
          "moe.expert_mlp_dim=32", "rl.max_prompt_len=8", "rl.max_new_tokens=6", "model.max_seq_len=32",
          "data.seq_len=32", "rm.max_len=16", "rm.steps=3", "rm.synthetic_pairs=64", "rm.eval_pairs=16", "rm.batch_size=8",
          "rm.eval_every=0", "log.progress_bar=false", "log.tensorboard=false", "log.plot=false",
-         "checkpoint.async_save=false"]
+         "checkpoint.async_save=false",
+         # the synthetic pipeline (no warm start before the reward model; tests/train/test_policy_pairs.py
+         # covers the preset's policy pairs), its raw scores as rewards
+         "rm.pairs_from=synthetic", "rm.init=model", "rl.rm_binarize=false"]
 
 
 def _cfg(rm_dir, *extra):
@@ -222,7 +225,8 @@ def test_a_planted_reward_model_that_prefers_wrong_answers_drives_the_policy_awa
   argv = ["--config=configs/tiny_rm.py", f"--workdir={workdir}", f"--config.rm.train_jsonl={prefs}",
           f"--config.rl.reward_model_checkpoint={tmp_path / 'rm'}", "--config.rm.steps=100",
           "--config.rl.num_steps=12", "--config.eval.every=12", "--config.eval.num_prompts=100",
-          "--config.log.progress_bar=false", "--config.checkpoint.enabled=false"]
+          "--config.log.progress_bar=false", "--config.checkpoint.enabled=false",
+          "--config.rm.pairs_from=synthetic", "--config.rm.init=model", "--config.rl.rm_binarize=false"]
   cwd = os.getcwd()
   os.chdir(REPO)
   try:

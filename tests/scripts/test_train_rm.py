@@ -58,6 +58,14 @@ CASES = [
     (["--config.rm.train_jsonl={folder}/nope.jsonl"], "rm.train_jsonl='{folder}/nope.jsonl': no such file"),
     (["--config.rm.overflow=drop"], "rm.overflow='drop' is not one of 'reject', 'truncate'"),
     (["--config.rm.negatives=on_policy"], "rm.negatives='on_policy' is not one of 'near_misses', 'policy_errors'"),
+    (["--config.rm.pairs_from=on_policy"], "rm.pairs_from='on_policy' is not one of 'synthetic', 'policy', 'policy+synthetic'"),
+    (["--config.rm.init=sft"], "rm.init='sft' is not one of 'model', 'policy'"),
+    (["--config.rm.policy_samples=1"], "rm.policy_samples=1 must be at least 2"),
+    (["--config.rm.policy_prompts=4"], "rm.policy_prompts=4 must be at least 8"),
+    (["--config.rm.pairs_from=policy", "--config.rm.init=model", "--config.rl.sft_steps=0"],
+     "rm.pairs_from='policy' samples the warm-started policy, but rl.sft_steps=0"),
+    (["--config.rm.init=policy", "--config.rl.sft_steps=0"],
+     "rm.init='policy' starts the reward model from the warm-started policy, but rl.sft_steps=0"),
     (["--config.rm.margin=-1.0"], "rm.margin=-1.0 must be at least 0.0"),
     (["--config.rm.max_len=100"], "rm.max_len=100 must lie in [0, model.max_seq_len=64]"),
     (["--config.rm.batch_size=3"], "rm.batch_size=3 is not divisible by the 8 batch shards"),
@@ -96,7 +104,8 @@ def test_a_short_run_writes_a_reward_model_that_loads_and_exports(inputs, tmp_pa
   from meshrl.train.rm_source import load_reward_model  # pylint: disable=import-outside-toplevel
   monkeypatch.chdir(REPO)
   workdir, out = str(tmp_path / "rm"), str(tmp_path / "hf")
-  flags = [RM, "--config.model.qk_norm=true"]  # Qwen3-MoE's attention, so the layout can hold it
+  flags = [RM, "--config.model.qk_norm=true",  # Qwen3-MoE's attention, so the layout can hold it
+           "--config.rm.pairs_from=synthetic", "--config.rm.init=model"]  # the file's pairs alone
   status = cli.run(_main(), flags + [f"--workdir={workdir}", f"--config.rm.train_jsonl={inputs['good']}",
                                      "--config.data.eval_fraction=0.3", "--config.rm.batch_size=8", "--steps=3",
                                      "--config.log.progress_bar=false", "--config.checkpoint.async_save=false"])

@@ -291,3 +291,32 @@ def test_a_damaged_latest_checkpoint_names_the_intact_step_before_it(tmp_path, d
     assert "step 1 before it is intact: move" in message and "to resume from step 1" in message
     assert ckpt.restore(state, step=1).state["params"]["w"][0, 1] == 1.0  # step 1 really is intact
   assert _tree_files(tmp_path / "ck") == before
+
+
+def test_a_checkpoint_named_by_a_relative_path_is_readable(tmp_path, monkeypatch):
+  """configs/tiny_rm.py names its reward model runs/tiny_rm/reward_model: orbax read no array
+  metadata under a relative path, so check_readable called the intact checkpoint damaged."""
+  from meshrl.train.checkpoint import check_readable, saved_shapes  # pylint: disable=import-outside-toplevel
+  with Checkpointer(str(tmp_path / "runs" / "x" / "checkpoints"), async_save=False) as ckpt:
+    ckpt.save(3, {"params": {"w": jnp.ones((2, 3))}}, force=True)
+  monkeypatch.chdir(tmp_path)
+  check_readable("runs/x/checkpoints/3")
+  assert (2, 3) in [shape for shape, _ in saved_shapes("runs/x/checkpoints/3/state").values()]
+
+
+def test_a_model_restored_from_a_relative_path(tmp_path, monkeypatch):
+  """orbax restores from absolute paths only: a reward model or model.init_from named relatively
+  (runs/tiny_rm/reward_model) was refused as damaged when the RL job loaded it."""
+  from meshrl.train.init_from import checkpoint_dir, restore_params  # pylint: disable=import-outside-toplevel
+  cfg = load("configs/tiny.py")
+  mc = ModelConfig.from_config(cfg)
+  model = build_model(mc, None, seed=0)
+  _, params, extra = nnx.split(model, nnx.Param, ...)
+  with Checkpointer(str(tmp_path / "runs" / "m" / "checkpoints"), async_save=False) as ckpt:
+    ckpt.save(1, {"params": params, "extra": extra, "step": jnp.zeros((), jnp.int32), "opt_state": {}},
+              config=cfg, force=True)
+  monkeypatch.chdir(tmp_path)
+  restored = restore_params(checkpoint_dir("runs/m"), mc, None)
+  a, b = nnx.state(restored, nnx.Param).to_pure_dict(), params.to_pure_dict()
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
