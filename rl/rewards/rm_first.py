@@ -47,21 +47,19 @@ WARM_STARTED = "trained on the warm start"  # ensure_reward_model: the RL run's 
 
 
 def warm_start(cfg, folder: str, mesh=None):
-  """(cfg, mesh, warm-started nnx model, tokenizer): the driver's warm start (rl/step/driver._train:
+  """(cfg, mesh, warm-started nnx model, tokenizer): the driver's warm start (rl/step/driver.warm_start:
   rl.sft_steps of SFT from the initial model on the training source at rl.sft_difficulty) run into
   `folder` (train/sft.run_sft: it resumes a checkpoint there)."""
   # pylint: disable=import-outside-toplevel  (the driver imports the whole RL stack)
   from meshrl.model.tokenizer import tokenizer_from_config
-  from meshrl.rl.envs.levels import warm_start_source
   from meshrl.rl.step import driver
   from meshrl.sharding import make_mesh
   from meshrl.train.init_from import initial_model
-  from meshrl.train.sft import run_sft
   mesh = make_mesh(cfg.mesh) if mesh is None else mesh
   tokenizer = tokenizer_from_config(cfg)
   print(f"warm start for the reward model's pairs: {cfg.rl.sft_steps} SFT steps into {folder}")
-  result = run_sft(cfg, folder, mesh=mesh, model=initial_model(cfg, mesh),
-                   source=warm_start_source(cfg, driver.train_source(cfg)), tokenizer=tokenizer)
+  result = driver.warm_start(cfg, folder, mesh=mesh, model=initial_model(cfg, mesh), source=driver.train_source(cfg),
+                             tokenizer=tokenizer)
   return cfg, mesh, result.model, tokenizer
 
 

@@ -453,19 +453,28 @@ def _run(cfg, workdir: str, mesh, preemption: Preemption, overwrite: bool) -> li
                                                   latest[-1] if latest else None)) from error
 
 
+def warm_start(cfg, folder: str, *, mesh, model, source, tokenizer, preemption=None, numbers=None):
+  """The run's warm start (rl.sft_steps of SFT into `folder`, resumed from a checkpoint there): on
+  `source`'s examples at rl.sft_difficulty, as multi-turn demonstrations when episodes are
+  multi-turn -> train/sft.run_sft's result (.model, .preempted). The driver runs it before RL; the
+  reward model's policy pairs (rl/rewards/rm_first.py) run it first, into the same folder."""
+  from meshrl.train.sft import run_sft  # pylint: disable=import-outside-toplevel
+  sft_source = warm_start_source(cfg, source)  # its generated domains at rl.sft_difficulty
+  if wants_multi_turn(cfg):
+    sft_source = Demonstrations(sft_source, tokenizer=tokenizer, max_obs_tokens=cfg.rl.max_obs_tokens)
+  return run_sft(cfg, folder, mesh=mesh, model=model, source=sft_source, tokenizer=tokenizer,
+                 preemption=preemption, numbers=numbers)
+
+
 def _train(cfg, workdir: str, ready: _Prepared, checkpointer: Checkpointer | None,
            preemption: Preemption) -> list[dict]:
   """The warm start, then RL steps with their hooks (after `prepare` and the first writes)."""
   mesh, tokenizer, source, model = ready.mesh, ready.spec.tokenizer, ready.source, ready.model
   multi_turn, primary = wants_multi_turn(cfg), hosts.is_primary()
   if cfg.rl.sft_steps:
-    from meshrl.train.sft import run_sft  # pylint: disable=import-outside-toplevel
-    sft_source = warm_start_source(cfg, source)  # its generated domains at rl.sft_difficulty
     try:
-      warm = run_sft(cfg, os.path.join(workdir, "sft"), mesh=mesh, model=model,
-                     source=(Demonstrations(sft_source, tokenizer=tokenizer, max_obs_tokens=cfg.rl.max_obs_tokens)
-                             if multi_turn else sft_source),
-                     tokenizer=tokenizer, preemption=preemption, numbers=ready.spec.model)
+      warm = warm_start(cfg, os.path.join(workdir, "sft"), mesh=mesh, model=model, source=source,
+                        tokenizer=tokenizer, preemption=preemption, numbers=ready.spec.model)
     except BaseException:
       if checkpointer is not None:
         checkpointer.close()
