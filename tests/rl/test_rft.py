@@ -139,6 +139,24 @@ def test_warm_start_mixes_levels_by_their_weights():
   assert all(len(warm[i]["answer"]) == {1: 3, 2: 5}[warm[i]["difficulty"]] for i in range(40))
 
 
+def test_warm_start_levels_per_domain_keep_the_other_domains_draws():
+  """rl.sft_difficulty="copy=1:1,2:1;*=1:1,2:0.03": copy half at level 2, the others as the plain
+  mix gives them, example for example (the same generator per index)."""
+  cfg = configs.load("configs/tiny_hard.py", ["rl.sft_difficulty=copy=1:1,2:1;*=1:1,2:0.03"])
+  source = loop.train_source(cfg)
+  warm = warm_start_source(cfg, source)
+  plain = warm_start_source(configs.load("configs/tiny_hard.py", ["rl.sft_difficulty=1:1,2:0.03"]), source)
+  rows, plain_rows = [warm[i] for i in range(600)], [plain[i] for i in range(600)]
+  copy = np.array([r["difficulty"] for r in rows if r["domain"] == "copy"])
+  assert 0.4 < (copy == 2).mean() < 0.6
+  assert [r for r in rows if r["domain"] != "copy"] == [r for r in plain_rows if r["domain"] != "copy"]
+  assert not any(in_eval_split(r["prompt"], cfg.data.eval_fraction) for r in rows)
+  # a domain without an entry (and no "*") keeps its RL level: the source's example as it is
+  only_copy = warm_start_source(configs.load("configs/tiny_hard.py", ["rl.sft_difficulty=copy=1"]), source)
+  assert all(only_copy[i] == source[i] for i in range(60) if source[i]["domain"] != "copy")
+  assert {only_copy[i]["difficulty"] for i in range(60) if source[i]["domain"] == "copy"} == {1}
+
+
 def test_warm_start_leaves_file_rows_as_they_are():
   mixture = TaskMixture("reverse:1.0,jsonl:1.0", pools={"jsonl": [{"prompt": "hi=", "answer": "yo"}]})
   warm = AtLevel(mixture, {"reverse": "reverse"}, 3)
