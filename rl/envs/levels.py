@@ -11,6 +11,11 @@ level), so samples drawn before a move (asynchronous rollouts, retries) count fo
 drawn at. Once the current level has `window` samples since the domain arrived there, its pass rate
 decides: >= `promote_at` moves one level up (to `top` at most), <= `demote_at` one level down (never
 below `floor`), anything between stays and starts a new window. A move starts a fresh window too.
+A lower level is there to give a domain signal: when the floor, below the domain's configured (start)
+level, is as hopeless as the level above was (<= `demote_at`), the domain goes back to its start
+level and is not sent below it again (its floor becomes that level). A warm start aimed at the hard
+level can leave the easier one worse: issue 33's copy, warmed up with 44% of its rows at five symbols,
+passed 1.5% at three and was held there for a whole run while RL at five took it to 100%.
 
 `relevel` keeps the mixture's choice of domain (its weights and quotas) and regenerates the prompt at
 the domain's level with a generator seeded by (seed, host, the number of examples relevelled so far), so a
@@ -124,6 +129,8 @@ class LevelCurriculum:
     start = dict(start or {})
     self.levels = {name: int(np.clip(start.get(name, self.floor), self.floor, self.top[name]))
                    for name in self.families}
+    self.start = dict(self.levels)  # the configured levels
+    self.floors = {name: self.floor for name in self.families}  # raised when no lower level helped
     self.counts: dict[str, list[int]] = {}  # "domain@level" -> [successes, samples] over the whole run
     self.window_counts = {name: [0, 0] for name in self.families}  # at the current level, since arriving
     self.relevelled = 0
@@ -165,8 +172,10 @@ class LevelCurriculum:
       rate, level = wins / samples, self.levels[name]
       if rate >= self.promote_at and level < self.top[name]:
         self.levels[name] = level + 1
-      elif rate <= self.demote_at and level > self.floor:
+      elif rate <= self.demote_at and level > self.floors[name]:
         self.levels[name] = level - 1
+      elif rate <= self.demote_at and level < self.start[name]:  # no lower level gave it signal
+        self.levels[name] = self.floors[name] = self.start[name]
       self.window_counts[name] = [0, 0]
       if self.levels[name] != level:
         self.moves += 1
@@ -183,8 +192,9 @@ class LevelCurriculum:
     return out
 
   def get_state(self) -> dict:
-    """JSON: the levels, counts, windows and the relevel counter."""
-    return {"levels": dict(self.levels), "counts": {k: list(v) for k, v in self.counts.items()},
+    """JSON: the levels, floors, counts, windows and the relevel counter."""
+    return {"levels": dict(self.levels), "floors": dict(self.floors),
+            "counts": {k: list(v) for k, v in self.counts.items()},
             "window": {k: list(v) for k, v in self.window_counts.items()}, "relevelled": self.relevelled,
             "moves": self.moves}
 
@@ -194,6 +204,7 @@ class LevelCurriculum:
       raise ValueError(f"the checkpoint's curriculum governs {sorted(state['levels'])}, this run "
                        f"{sorted(self.families)}: resume with the same data.level_curriculum.")
     self.levels = {k: int(v) for k, v in state["levels"].items()}
+    self.floors = {k: int(v) for k, v in state.get("floors", {}).items()} or {k: self.floor for k in self.levels}
     self.counts = {k: [int(a), int(b)] for k, (a, b) in state["counts"].items()}
     self.window_counts = {k: [int(a), int(b)] for k, (a, b) in state["window"].items()}
     self.relevelled, self.moves = int(state["relevelled"]), int(state["moves"])

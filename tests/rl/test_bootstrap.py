@@ -3,6 +3,7 @@ unsolved prompts (rl/step/retry.py), both through rl/step/bootstrap.py, and the 
 figures (rl/step/groups.success_metrics)."""
 
 import collections
+import json
 import types
 
 import numpy as np
@@ -53,6 +54,24 @@ def test_curriculum_promotes_when_solved_and_demotes_when_hopeless_keeping_its_f
   metrics = c.metrics()
   assert metrics["curriculum/level/reverse"] == 2.0 and metrics["curriculum/moves"] == 2.0
   assert metrics["curriculum/pass_rate/reverse@3"] == 0.5  # 10 of 20 at level 3 over the run
+
+
+def test_a_floor_as_hopeless_as_the_configured_level_sends_the_domain_back_there_for_good():
+  """Issue 33's copy: warmed up at five symbols, it passes no better at three. The curriculum must not
+  hold it at the easier-on-paper level: back to its configured level, and no lower again."""
+  c = LevelCurriculum({"copy": "copy", "sort": "sort"}, start={"copy": 2, "sort": 2}, floor=1, top=2,
+                      promote_at=0.6, demote_at=0.05, window=10)
+  assert _observe(c, "copy", 2, 0, 10) == ["copy 2->1"]  # hopeless: one level down, as before
+  assert _observe(c, "copy", 1, 0, 10) == ["copy 1->2"]  # no better there: back to level 2
+  assert _observe(c, "copy", 2, 0, 10) == [] and c.levels["copy"] == 2  # ... and it stays
+  _observe(c, "sort", 2, 0, 10)
+  _observe(c, "sort", 1, 3, 10)  # level 1 gives signal (between the thresholds): sort stays there
+  assert c.levels["sort"] == 1
+  resumed = LevelCurriculum({"copy": "copy", "sort": "sort"}, start={"copy": 2, "sort": 2}, floor=1, top=2,
+                            promote_at=0.6, demote_at=0.05, window=10)
+  resumed.set_state(json.loads(json.dumps(c.get_state())))
+  assert resumed.floors == {"copy": 2, "sort": 1}
+  assert _observe(resumed, "copy", 2, 0, 10) == [] and resumed.levels["copy"] == 2
 
 
 def test_samples_of_an_earlier_level_count_there_not_toward_the_current_window():
@@ -183,7 +202,8 @@ def test_rl_steps_run_the_curriculum_and_the_retries_and_report_a_step_with_noth
   """Two real RL steps on the tiny model with a reward that never pays: every group is dropped, so
   the record says all_groups_dropped (no entropy measured); the refill round samples 2 of the 4
   unsolved prompts again (rl.retry_share 0.5); the curriculum, hopeless at level 2 after a window
-  of 16 samples, demotes reverse to level 1 (its floor), and the next step draws level 1."""
+  of 16 samples, demotes reverse to level 1 (its floor), and the next step draws level 1; hopeless
+  there too, reverse goes back to level 2, its configured level, for good."""
   from meshrl.rl.rewards.pool import RewardPool  # pylint: disable=import-outside-toplevel
   cfg = configs.load("configs/tiny.py", [
       "model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
@@ -204,11 +224,13 @@ def test_rl_steps_run_the_curriculum_and_the_retries_and_report_a_step_with_noth
   # Every sample's example, as (level, retry) (the reward pool's threads score in any order). Step 1:
   # 4 fresh prompts at level 2, all unsolved; the curriculum demotes at once (16 samples at <= 0.5),
   # so the refill round has 2 retries (level 2) and 2 fresh prompts at level 1. Step 2 takes the 2
-  # level-2 prompts left in the queue, then the 2 level-1 ones: 4 rounds of 4 groups of 4.
+  # level-2 prompts left in the queue and 2 fresh ones at level 1: with step 1's, 16 samples at level
+  # 1, as hopeless, so reverse goes back to level 2; the refill round has 2 level-1 retries and 2 fresh
+  # prompts at level 2. 4 rounds of 4 groups of 4.
   drawn = collections.Counter((e["difficulty"], e.get("retry", 0)) for e in seen)
-  assert drawn == {(2, 0): 16, (2, 1): 16, (1, 0): 24, (1, 1): 8}, drawn
+  assert drawn == {(2, 0): 24, (2, 1): 16, (1, 0): 16, (1, 1): 8}, drawn
   assert first["curriculum/moved"] == "reverse 2->1" and first["curriculum/level/reverse"] == 1.0
-  assert second["curriculum/level/reverse"] == 1.0  # the floor
+  assert second["curriculum/moved"] == "reverse 1->2" and second["curriculum/level/reverse"] == 2.0
 
 
 def test_hosts_drawing_their_own_prompts_relevel_to_different_prompts():
