@@ -200,7 +200,7 @@ def get_config(arg=None):
   config.rl.sft_steps = 200  # Supervised warm-start steps before RL (0 = none).
   config.rl.sft_learning_rate = 1e-3  # Warm-start learning rate.
   config.rl.sft_batch_size = 16  # Warm-start sequences per step.
-  config.rl.sft_difficulty = ""  # Warm-start levels of the generated domains: "1", or a mix "1:0.95,2:0.05" ("" = the RL's own: data.difficulty or each data.domains row's); RL and held-out evaluation keep theirs.
+  config.rl.sft_difficulty = ""  # Warm-start levels of the generated domains: "1", or a mix "1:0.95,2:0.05", or per domain "copy=1:1,2:0.8;*=1:1,2:0.03" ("*": the others; "" = the RL's own: data.difficulty or each data.domains row's); RL and held-out evaluation keep theirs.
   config.rl.multi_turn = False  # Multi-turn tool episodes (rl/step/episodes.py): turn, env step, observation into the KV cache; rl.max_new_tokens is the episode's budget after the prompt.
   config.rl.max_turns = 4  # Multi-turn: policy turns per episode (an example's own max_turns may be lower).
   config.rl.max_turn_tokens = 32  # Multi-turn: tokens of one policy turn.

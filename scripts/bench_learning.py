@@ -7,8 +7,9 @@ Run:  JAX_PLATFORMS=cpu python scripts/bench_learning.py --json runs/bench_learn
 Experiments (issue 33):
   demo  configs/tiny.py: the CPU demo (reversal of three letters from a warm start right ~40% of the time).
   hard  configs/tiny_hard.py: reverse, copy and sort one level harder than the demo, from a warm start
-        under 5% held-out greedy there, with the bootstrapping options on (level curriculum, retries of
-        unsolved prompts, the replay of successes, rejection-sampling fine-tuning).
+        under 5% held-out greedy there, with the preset's bootstrapping options on (retries of unsolved
+        prompts, the replay of successes, rejection-sampling fine-tuning; the level curriculum with
+        --config.data.level_curriculum=all).
   joint configs/tiny_multi.py: joint training over its n = 8 registry domains (budget --budget_s), then
         each domain alone for the same total compute: the same preset with data.domains a file holding
         that domain's row only, --budget_s / n CPU-seconds, rl.sft_steps and rl.num_steps (--max_steps)

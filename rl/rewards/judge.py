@@ -38,6 +38,7 @@ from meshrl.rl.generation.core import StepConfig
 from meshrl.rl.generation.generator import Generator
 from meshrl.rl.generation.sampling import Sampler
 from meshrl.rl.generation.spec import GenerationSpec
+from meshrl.rl.rewards.pool import Dispatched
 
 FIELD = "rl.judge_rubrics"
 SCORE_FORMAT = "Score:"
@@ -154,24 +155,40 @@ class Judge:
     longer = sum(len(self.tokenizer.encode(t)) > self.prompt_len for t in texts)
     return texts, longer
 
-  def verdicts(self, texts: Sequence[str]) -> list[str]:
-    """The judge's greedy verdict for each prompt text, R prompts per generation call."""
-    out = []
+  def _launch(self, texts: Sequence[str]) -> list:
+    """Starts the judge's greedy decoding of each prompt text, R prompts per generation call, without
+    waiting -> [(RolloutBatch on the devices, prompts of the call that are real)]."""
+    calls = []
     for start in range(0, len(texts), self.rows):
       part = list(texts[start:start + self.rows])
       filled = part + [part[0]] * (self.rows - len(part))
       tokens, mask = self.tokenizer.encode_batch(filled, length=self.prompt_len, padding="left", overflow="truncate")
-      batch = self.generator(self.params, self.extra, tokens, mask, jax.random.key(0))
+      calls.append((self.generator(self.params, self.extra, tokens, mask, jax.random.key(0)), len(part)))
+    return calls
+
+  def _read(self, calls: list) -> list[str]:
+    """`_launch`'s calls -> the verdicts' texts (waits for them)."""
+    out = []
+    for batch, real in calls:
       response = np.asarray(jax.device_get(batch.tokens))[:, self.prompt_len:]
       keep = np.asarray(jax.device_get(batch.response_mask))[:, self.prompt_len:]
-      out += self.tokenizer.decode_batch(np.where(keep, response, self.tokenizer.pad_id))[:len(part)]
+      out += self.tokenizer.decode_batch(np.where(keep, response, self.tokenizer.pad_id))[:real]
     return out
 
-  def __call__(self, completions: Sequence[str], examples: Sequence[dict]) -> tuple[np.ndarray, dict]:
+  def verdicts(self, texts: Sequence[str]) -> list[str]:
+    """The judge's greedy verdict for each prompt text, R prompts per generation call."""
+    return self._read(self._launch(texts))
+
+  def dispatch(self, completions: Sequence[str], examples: Sequence[dict]) -> Dispatched:
+    """Renders the judge's prompts and starts their decoding on the devices without waiting; `finish`
+    parses the verdicts."""
+    texts, longer = self.prompts(completions, examples)
+    return Dispatched(self._launch(texts), list(completions), {"judge_truncated": longer})
+
+  def finish(self, dispatched: Dispatched) -> tuple[np.ndarray, dict]:
     """-> (scores [N] float32 in [0, 1], info {"errors", "first_errors", "judge_malformed",
     "judge_truncated", "verdicts"}); a malformed verdict scores 0 and counts as an error."""
-    texts, longer = self.prompts(completions, examples)
-    verdicts = self.verdicts(texts)
+    verdicts = self._read(dispatched.calls)
     scores = np.zeros(len(verdicts), np.float32)
     malformed = []
     for i, verdict in enumerate(verdicts):
@@ -181,4 +198,8 @@ class Judge:
       else:
         scores[i] = value
     return scores, {"errors": len(malformed), "first_errors": malformed[:3], "judge_malformed": len(malformed),
-                    "judge_truncated": longer, "verdicts": verdicts}
+                    **dispatched.info, "verdicts": verdicts}
+
+  def __call__(self, completions: Sequence[str], examples: Sequence[dict]) -> tuple[np.ndarray, dict]:
+    """`finish(dispatch(...))`: the scores at once."""
+    return self.finish(self.dispatch(completions, examples))

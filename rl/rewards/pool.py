@@ -22,6 +22,7 @@ Results are placed by sample index, so scores do not depend on which worker ran 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import queue
 import threading
@@ -189,3 +190,11 @@ class RewardPool:
     """Stops the idle workers (hung ones are daemons and end with the process)."""
     for _ in range(self._workers):
       self._queue.put(None)
+
+
+@dataclasses.dataclass
+class Dispatched:
+  """A model source's scoring started on the devices (`dispatch`), not yet read (`finish`)."""
+  calls: list  # the device calls' outputs, each with how many of its rows are real
+  completions: list  # the scored completions, for what `finish` computes on the host
+  info: dict  # what the host already knows (counts of rows cut or prompts truncated)

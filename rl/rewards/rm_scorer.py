@@ -4,6 +4,8 @@ the same rules as the policy's.
 
   scorer = RewardModelScorer(model, tokenizer, rows=R, row_len=T, mesh=mesh, rules=rules)
   scores, info = scorer(completions, examples)       # [N] float32 (N any; R rows per call)
+  handle = scorer.dispatch(completions, examples)   # the same, started on the devices without waiting
+  scores, info = scorer.finish(handle)
 
 A sample's row is the one the reward model was trained on (train/preferences.encode_side): BOS, the
 rendered prompt, the completion, EOS, right-padded to T; a longer row keeps its last T tokens (the
@@ -27,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from meshrl.model.tokenizer import Tokenizer
+from meshrl.rl.rewards.pool import Dispatched
 from meshrl.sharding.rules import Rules
 from meshrl.train.preferences import encode_side
 from meshrl.train.reward_model import make_scorer, row_shardings
@@ -80,9 +83,10 @@ class RewardModelScorer:
       tokens[i, :len(ids)], lengths[i] = ids, len(ids)
     return tokens, lengths, cut
 
-  def raw_scores(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """tokens [N, T], lengths [N] -> the reward model's scores [N] float32, R rows per call."""
-    out = []
+  def _launch(self, tokens: np.ndarray, lengths: np.ndarray) -> list[tuple[jax.Array, int]]:
+    """Starts the scoring calls, R rows each, without waiting -> [(scores [R] on the devices, rows
+    of the call that are real)]. JAX dispatch returns at once: the devices score while the host goes on."""
+    calls = []
     for start in range(0, len(tokens), self.rows):
       part = np.arange(start, min(start + self.rows, len(tokens)))
       filled = np.concatenate([part, np.full(self.rows - len(part), part[0])])
@@ -91,19 +95,39 @@ class RewardModelScorer:
         tokens_sharding, rows_sharding = row_shardings(self.mesh, self.rules)
         rows = jax.make_array_from_process_local_data(tokens_sharding, rows)
         row_lengths = jax.make_array_from_process_local_data(rows_sharding, row_lengths)
-      scores = self.score_fn(self.params, self.extra, rows, row_lengths)
-      out.append(np.asarray(jax.device_get(scores), np.float32)[:len(part)])
+      calls.append((self.score_fn(self.params, self.extra, rows, row_lengths), len(part)))
+    return calls
+
+  @staticmethod
+  def _read(calls: list[tuple[jax.Array, int]]) -> np.ndarray:
+    """`_launch`'s calls -> their scores [N] float32 on the host (waits for them)."""
+    out = [np.asarray(jax.device_get(scores), np.float32)[:real] for scores, real in calls]
     return np.concatenate(out) if out else np.zeros(0, np.float32)
 
-  def __call__(self, completions: Sequence[str], examples: Sequence[dict]) -> tuple[np.ndarray, dict]:
-    """-> (scores [N] float32 after the length guards, info {"errors": 0, "first_errors": [],
-    "rm_truncated": rows cut to T})."""
+  def raw_scores(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """tokens [N, T], lengths [N] -> the reward model's scores [N] float32, R rows per call."""
+    return self._read(self._launch(tokens, lengths))
+
+  def dispatch(self, completions: Sequence[str], examples: Sequence[dict]) -> Dispatched:
+    """Encodes the rows and starts their scoring on the devices without waiting; `finish` reads the
+    scores. The RL step dispatches a batch's scoring ahead of the next rollout (rl/step/program.py)."""
     tokens, lengths, cut = self.encode(completions, examples)
-    scores = self.raw_scores(tokens, lengths)
+    return Dispatched(self._launch(tokens, lengths), list(completions), {"rm_truncated": cut})
+
+  def finish(self, dispatched: Dispatched) -> tuple[np.ndarray, dict]:
+    """`dispatch`'s scores -> (scores [N] float32 after the length guards, info {"errors": 0,
+    "first_errors": [], "rm_truncated": rows cut to T})."""
+    scores = self._read(dispatched.calls)
+    completions = dispatched.completions
     if self.threshold is not None:  # rl.rm_binarize: right (1) above the calibrated threshold, else 0
       scores = (scores > self.threshold).astype(np.float32)
     if self.length_penalty or self.length_normalize:
       response = [len(self.tokenizer.encode(c, add_bos=False)) for c in completions]
       scores = length_guard(scores, np.asarray(response), penalty=self.length_penalty,
                             normalize=self.length_normalize)
-    return scores, {"errors": 0, "first_errors": [], "rm_truncated": cut}
+    return scores, {"errors": 0, "first_errors": [], **dispatched.info}
+
+  def __call__(self, completions: Sequence[str], examples: Sequence[dict]) -> tuple[np.ndarray, dict]:
+    """`finish(dispatch(...))`: the scores at once."""
+    return self.finish(self.dispatch(completions, examples))
+

@@ -14,9 +14,11 @@ the data.domains registry may name its sources in its own "sources" field instea
   reward_model  rl.reward_model_checkpoint's score (rl/rewards/rm_scorer.py), length guards applied
   judge         rl.judge_checkpoint's verdict / rl.judge_max_score (rl/rewards/judge.py)
 
-Scoring one batch (`SourcedRewards.score`): the verifier's samples are queued on the pool's threads
-first, then each model source scores every sample of its domains in batched calls on the mesh while
-the threads work, then the pool is collected. A sample's reward is sum_s weight_s * score_s over its
+Scoring one batch (`SourcedRewards.score`, or `submit` then `collect`): the verifier's samples are
+queued on the pool's threads first, then each model source's batched calls for every sample of its
+domains are dispatched to the mesh (nothing waits), then both are collected. The RL step submits a
+batch before it dispatches the next rollout (asynchronous RL), so the devices score batch k ahead of
+generating batch k + 1 while the host verifies (rl/step/program.next_in_flight). A sample's reward is sum_s weight_s * score_s over its
 own domain's sources; the reward goes into the advantages as a verifier's does (it is the
 ScoredBatch's reward). rl.reward_norm="domain" then whitens the rewards within each domain of the
 batch (`normalize_per_domain`): for batch-level estimators (REINFORCE++, GAE) when domains score on
@@ -28,14 +30,14 @@ in info["reward_errors"], with the first messages in info["first_errors"].
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, NamedTuple, Protocol, Sequence
 
 import jax
 import numpy as np
 
 from meshrl.rl.rewards.compose import compose, parse_weights
 from meshrl.rl.rewards.judge import Judge, read_rubrics
-from meshrl.rl.rewards.pool import RewardPool
+from meshrl.rl.rewards.pool import Dispatched, Pending, RewardPool
 from meshrl.rl.rewards.rm_scorer import RewardModelScorer
 from meshrl.sharding.rules import data_parallel_size, rules_from_config
 from meshrl.train import rm_source
@@ -130,17 +132,34 @@ def domain_sources(cfg) -> DomainSources:
   return DomainSources(tuple(named.items()), sources.default)
 
 
-BatchScorer = Callable[[Sequence[str], Sequence[dict]], tuple[np.ndarray, dict]]
+class BatchScorer(Protocol):
+  """A model source (RewardModelScorer, Judge): `dispatch` starts a batch's scoring on the devices and
+  returns at once; `finish` waits -> (scores [n] float32, info with "errors" and "first_errors")."""
+
+  def dispatch(self, completions: Sequence[str], examples: Sequence[dict]) -> Dispatched: ...
+
+  def finish(self, dispatched: Dispatched) -> tuple[np.ndarray, dict]: ...
+
+
+class SourcedPending(NamedTuple):
+  """`SourcedRewards.submit`'s batch: the verifier's queued samples and the model sources' dispatched
+  scoring, with where each sample's sources are."""
+  count: int  # N samples
+  domains: list  # [N] each sample's domain
+  terms: list  # [N] each sample's (source, weight) terms
+  rows: dict  # {source: indices of the samples it scores}
+  verifier: Pending  # RewardPool.submit's
+  models: dict  # {source: Dispatched}
 
 
 class SourcedRewards:
-  """RewardPool's interface (`score`, `close`) over per-domain sources.
+  """RewardPool's interface (`score`, `submit`/`collect`, `close`) over per-domain sources.
 
   Args:
     pool: the verifier's RewardPool (rl.rewards).
     sources: each domain's sources.
-    scorers: {"reward_model": RewardModelScorer, "judge": Judge} for the model sources `sources` uses;
-      each `(completions, examples) -> (scores [n], info with "errors" and "first_errors")`.
+    scorers: {"reward_model": RewardModelScorer, "judge": Judge} for the model sources `sources` uses
+      (BatchScorer each).
   """
 
   def __init__(self, pool: RewardPool, sources: DomainSources, scorers: Mapping[str, BatchScorer], *,
@@ -156,27 +175,38 @@ class SourcedRewards:
     first_errors, per_fn {source: [N] unweighted, 0 where unused}, by_domain) and each model
     source's own counts (rm_truncated, judge_malformed, judge_truncated); sources {source: [n] indices
     of the samples it scored}."""
+    return self.collect(self.submit(completions, examples))
+
+  def submit(self, completions: Sequence[str], examples: Sequence[dict]) -> "SourcedPending":
+    """Starts every source without waiting: the verifier's samples queued on the pool's threads, then
+    each model source's scoring dispatched to the devices (`dispatch`); `collect` waits for both."""
     if len(completions) != len(examples):
       raise ValueError(f"len(completions)={len(completions)} != len(examples)={len(examples)}.")
     domains = [str(e.get("domain", "")) if isinstance(e, Mapping) else "" for e in examples]
     terms = [self.sources.of(d) for d in domains]
     rows = {name: [i for i, t in enumerate(terms) if any(n == name for n, _ in t)] for name in SOURCES}
-    pending = self.pool.submit([completions[i] for i in rows["verifier"]], [examples[i] for i in rows["verifier"]])
-    per_fn = {name: np.zeros(len(completions), np.float32) for name in SOURCES if rows[name]}
+    verifier = self.pool.submit([completions[i] for i in rows["verifier"]], [examples[i] for i in rows["verifier"]])
+    models = {name: scorer.dispatch([completions[i] for i in rows[name]], [examples[i] for i in rows[name]])
+              for name, scorer in self.scorers.items() if rows[name]}
+    return SourcedPending(len(completions), domains, terms, rows, verifier, models)
+
+  def collect(self, pending: "SourcedPending") -> tuple[np.ndarray, dict]:
+    """Waits for `submit`'s sources -> (rewards [N] float32, info), as `score` returns them."""
+    count, domains, terms, rows = pending.count, pending.domains, pending.terms, pending.rows
+    per_fn = {name: np.zeros(count, np.float32) for name in SOURCES if rows[name]}
     info = {"reward_errors": 0, "reward_timeouts": 0, "first_errors": []}
-    for name, scorer in self.scorers.items():  # on the devices, while the pool's threads verify
-      if rows[name]:
-        scores, own = scorer([completions[i] for i in rows[name]], [examples[i] for i in rows[name]])
-        per_fn[name][rows[name]] = scores
-        info["reward_errors"] += own["errors"]
-        info["first_errors"] += [f"{name}: {message}" for message in own["first_errors"]]
-        info.update({k: v for k, v in own.items() if k not in ("errors", "first_errors", "verdicts")})
-    verified, pool_info = self.pool.collect(pending)
+    for name, dispatched in pending.models.items():
+      scores, own = self.scorers[name].finish(dispatched)
+      per_fn[name][rows[name]] = scores
+      info["reward_errors"] += own["errors"]
+      info["first_errors"] += [f"{name}: {message}" for message in own["first_errors"]]
+      info.update({k: v for k, v in own.items() if k not in ("errors", "first_errors", "verdicts")})
+    verified, pool_info = self.pool.collect(pending.verifier)
     if rows["verifier"]:
       per_fn["verifier"][rows["verifier"]] = verified
     info["reward_errors"] += pool_info["reward_errors"]
     info["reward_timeouts"] += pool_info["reward_timeouts"]
-    info["given_up"] = np.zeros(len(completions), bool)
+    info["given_up"] = np.zeros(count, bool)
     info["given_up"][rows["verifier"]] = pool_info["given_up"]
     info["reward_env_retries"] = pool_info["reward_env_retries"]
     info["reward_env_given_up"] = pool_info["reward_env_given_up"]
@@ -187,7 +217,7 @@ class SourcedRewards:
     info["per_fn"] = per_fn
     info["sources"] = {name: np.asarray(rows[name], np.int64) for name in per_fn}  # the samples each scored
     info["by_domain"] = {d: float(np.mean(total[[x == d for x in domains]])) for d in sorted(set(domains))}
-    return total.reshape(len(completions)), info
+    return total.reshape(count), info
 
   def close(self) -> None:
     self.pool.close()

@@ -8,7 +8,7 @@ Axis legend: P prompts, G group size, B = P * G sequences, S tokens.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
+from typing import Callable, Iterator
 
 import jax
 import numpy as np
@@ -74,16 +74,30 @@ def score_rollout(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool
   DAPO overlong shaping adds a penalty (<= 0) to the reward of responses within `overlong_buffer`
   tokens of the budget; `correct` keeps the unshaped task reward.
   """
+  return start_scoring(arrays, examples, tokenizer, pool, group_size=group_size, max_new_tokens=max_new_tokens,
+                       overlong_buffer=overlong_buffer, overlong_penalty_value=overlong_penalty_value)()
+
+
+def start_scoring(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool: RewardPool, *,
+                  group_size: int, max_new_tokens: int, overlong_buffer: int,
+                  overlong_penalty_value: float) -> Callable[[], ScoredBatch]:
+  """`score_rollout` in two halves: decodes the responses and submits them to `pool` (verifiers
+  queued on its threads, model sources dispatched to the devices: nothing waits) -> `finish()`, which
+  waits for the scores and returns the ScoredBatch."""
   columns = response_columns(arrays, max_new_tokens)
   texts = tokenizer.decode_batch(np.where(columns["response_mask"], columns["tokens"], tokenizer.pad_id))
   per_sample = [ex for ex in examples for _ in range(group_size)]
-  rewards, info = pool.score(texts, per_sample)
-  correct = rewards.astype(np.float32)
-  shaped = correct + overlong_penalty(arrays["lengths"], max_len=max_new_tokens, buffer=overlong_buffer,
-                                      penalty=overlong_penalty_value)
-  return ScoredBatch(arrays=arrays, rewards=shaped.astype(np.float32), correct=correct,
-                     sample_valid=~np.asarray(info.get("given_up", np.zeros(len(texts), bool)), bool),
-                     domains=[str(ex.get("domain", "")) for ex in per_sample], texts=texts, info=info)
+  pending = pool.submit(texts, per_sample)
+
+  def finish() -> ScoredBatch:
+    rewards, info = pool.collect(pending)
+    correct = rewards.astype(np.float32)
+    shaped = correct + overlong_penalty(arrays["lengths"], max_len=max_new_tokens, buffer=overlong_buffer,
+                                        penalty=overlong_penalty_value)
+    return ScoredBatch(arrays=arrays, rewards=shaped.astype(np.float32), correct=correct,
+                       sample_valid=~np.asarray(info.get("given_up", np.zeros(len(texts), bool)), bool),
+                       domains=[str(ex.get("domain", "")) for ex in per_sample], texts=texts, info=info)
+  return finish
 
 
 def response_columns(arrays: dict, max_new_tokens: int, names: tuple[str, ...] = ("tokens", "response_mask")

@@ -37,7 +37,7 @@ from meshrl.rl.algo import losses
 from meshrl.rl.batches import packing
 from meshrl.rl.batches import routes
 from meshrl.rl.step.groups import (batch_metrics, empty_scored, enough_groups, next_prompts, response_columns,
-                            score_rollout, shared_prompts, staleness, step_groups)
+                            shared_prompts, staleness, start_scoring, step_groups)
 from meshrl.rl.batches.handover import (ScoredBatch, UpdateBatch, align_for_update, align_on_devices,
                                device_put_batch, zigzag_batch)
 from meshrl.rl.batches.layouts import sample_layout
@@ -244,29 +244,47 @@ def restore_in_flight(run: RLRun, state: list[dict]) -> None:
       for item in state)
 
 
-def next_in_flight(run: RLRun, draw, key: jax.Array) -> InFlight:
-  """Asynchronous RL: tops the queue of dispatched rollouts up to rl.max_staleness + 1 and pops the
-  oldest.
+def next_in_flight(run: RLRun, draw, key: jax.Array, start=None) -> tuple[InFlight, Any]:
+  """Asynchronous RL: pops the oldest dispatched rollout, then tops the queue up to rl.max_staleness
+  rollouts ahead -> (the popped InFlight, `start(popped)`'s result).
 
-  New rollouts are dispatched with the current parameters and not waited for: JAX dispatch returns
-  at once, so the devices generate them while the host scores the popped one (and the update that
-  follows queues behind them). Each queued rollout waits max_staleness steps, so a rollout generated
-  at version v is trained on at version v + max_staleness at most (v + step - 1 in the first steps).
+  `start(popped)` runs between the pop and the new dispatches: the step starts scoring the popped
+  rollout there (responses pulled, verifiers queued on the host's threads, a reward model's or
+  judge's calls dispatched to the devices), so the devices score batch k ahead of generating batch
+  k + 1 while the host verifies; dispatched after the next rollout, any device work of the scoring
+  (the responses' pull included) would wait for that whole rollout. New rollouts are dispatched with
+  the current parameters and not waited for: JAX dispatch returns at once, so the devices generate
+  them while the host scores the popped one (and the update that follows queues behind them). Each
+  queued rollout waits max_staleness steps, so a rollout generated at version v is trained on at
+  version v + max_staleness at most (v + step - 1 in the first steps).
   draw(count) -> (examples, tokens [count, Lp], mask) gives the prompts. With partial rollouts
   (run.partial) each dispatch is a budgeted step of the carried pool (PartialRollouts.dispatch), and
-  the popped one is harvested: the groups that ended in it.
+  the popped one is harvested when `start` reads it: the groups that ended in it (their slots are
+  refilled by the dispatches that follow).
   """
   cfg = run.cfg.rl
-  while len(run.in_flight) < cfg.max_staleness + 1:
-    dispatch_key = jax.random.fold_in(key, 1000 + len(run.in_flight))
+  popped = 0
+
+  def dispatch():
+    # The n-th rollout of a step has key 1000 + n, n counting the one popped: as when the queue was
+    # topped up to max_staleness + 1 before the pop.
+    dispatch_key = jax.random.fold_in(key, 1000 + len(run.in_flight) + popped)
     if run.partial is not None:
       harvest = run.partial.dispatch(run.state.params, run.state.extra, draw, dispatch_key, run.version)
       run.in_flight.append(InFlight(None, harvest, run.version))
-      continue
+      return
     examples, tokens, mask = draw(cfg.prompts_per_step)
     batch = run.rollout(run.state.params, run.state.extra, tokens, mask, dispatch_key, None, run.version)
     run.in_flight.append(InFlight(examples, batch, run.version))
-  return run.in_flight.popleft()
+
+  if not run.in_flight:
+    dispatch()
+  oldest = run.in_flight.popleft()
+  popped = 1
+  started = start(oldest) if start is not None else None
+  while len(run.in_flight) < cfg.max_staleness:
+    dispatch()
+  return oldest, started
 
 
 def score_own_block(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool: RewardPool, *,
@@ -278,8 +296,15 @@ def score_own_block(arrays: dict, examples: list[dict], tokenizer: Tokenizer, po
   Its own groups: the block of its own prompts (`examples` holds only those), or with
   `examples_everywhere` (partial rollouts: `examples` lists every group's, on every host) its
   `hosts.share` of the groups, as even as their count allows."""
+  return start_own_block(arrays, examples, tokenizer, pool, examples_everywhere=examples_everywhere, **kw)()
+
+
+def start_own_block(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool: RewardPool, *,
+                    examples_everywhere: bool = False, **kw):
+  """`score_own_block` in two halves (groups.start_scoring): the responses pulled and submitted to
+  the pool -> `finish()`, which waits for the scores (and gathers every host's) -> ScoredBatch."""
   if not hosts.is_multihost():
-    return score_rollout(arrays, examples, tokenizer, pool, **kw)
+    return start_scoring(arrays, examples, tokenizer, pool, **kw)
   group_size = kw["group_size"]
   groups = arrays["tokens"].shape[0] // group_size
   if examples_everywhere:
@@ -293,17 +318,22 @@ def score_own_block(arrays: dict, examples: list[dict], tokenizer: Tokenizer, po
   responses = {**{k: v for k, v in arrays.items() if k in ("lengths", "truncated")},
                **response_columns(arrays, kw["max_new_tokens"])}
   own_arrays = {k: v[rows] for k, v in responses.items()}
-  own = score_rollout(own_arrays, examples, tokenizer, pool, **kw) if examples else empty_scored(own_arrays)
-  infos = hosts.gather_objects([own.info])
-  info = {"reward_errors": sum(i["reward_errors"] for i in infos),
-          "reward_timeouts": sum(i["reward_timeouts"] for i in infos),
-          **{name: sum(i.get(name, 0) for i in infos) for name in ("reward_env_retries", "reward_env_given_up")},
-          "first_errors": [e for i in infos for e in i["first_errors"]]}
-  return ScoredBatch(arrays=arrays, rewards=hosts.gather_rows(own.rewards),
-                     correct=hosts.gather_rows(own.correct),
-                     sample_valid=hosts.gather_rows(own.sample_valid),
-                     domains=hosts.gather_objects(own.domains), texts=hosts.gather_objects(own.texts),
-                     info=info)
+  own_finish = start_scoring(own_arrays, examples, tokenizer, pool, **kw) if examples else (
+      lambda: empty_scored(own_arrays))
+
+  def finish() -> ScoredBatch:
+    own = own_finish()
+    infos = hosts.gather_objects([own.info])
+    info = {"reward_errors": sum(i["reward_errors"] for i in infos),
+            "reward_timeouts": sum(i["reward_timeouts"] for i in infos),
+            **{name: sum(i.get(name, 0) for i in infos) for name in ("reward_env_retries", "reward_env_given_up")},
+            "first_errors": [e for i in infos for e in i["first_errors"]]}
+    return ScoredBatch(arrays=arrays, rewards=hosts.gather_rows(own.rewards),
+                       correct=hosts.gather_rows(own.correct),
+                       sample_valid=hosts.gather_rows(own.sample_valid),
+                       domains=hosts.gather_objects(own.domains), texts=hosts.gather_objects(own.texts),
+                       info=info)
+  return finish
 
 
 def _rows_sharding(sharding: NamedSharding | None) -> NamedSharding | None:
@@ -352,29 +382,42 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
     rows = _rows_sharding(run.samples_sharding)
     return prompts.examples, hosts.global_rows(prompts.tokens, rows), hosts.global_rows(prompts.mask, rows)
 
+  def begin(arrays, round_examples):
+    """Starts scoring a round (start_own_block) -> finish() -> ScoredBatch."""
+    if not round_examples:
+      return lambda: empty_scored(arrays)
+    return start_own_block(arrays, round_examples, run.tokenizer, run.pool, group_size=cfg.group_size,
+                           max_new_tokens=cfg.max_new_tokens, overlong_buffer=cfg.overlong_buffer,
+                           overlong_penalty_value=cfg.overlong_penalty, examples_everywhere=shared)
+
   for round_index in range(rounds):
     t0 = time.perf_counter()
     if round_index == 0 and cfg.max_staleness > 0:
-      dispatched = next_in_flight(run, draw, key)
-      t0 = time.perf_counter()  # the wait for a rollout dispatched earlier
-      arrays = dispatched.arrays()
+      def start(item):  # the popped rollout's scoring starts before the next rollout is dispatched
+        arrays = item.arrays()
+        waited = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        return arrays, begin(arrays, item.examples), waited, time.perf_counter() - t1
+      dispatched, (arrays, finish, waited, starting) = next_in_flight(run, draw, key, start)
+      rollout_s, reward_s = rollout_s + waited, reward_s + starting
       round_examples, partial_info = dispatched.examples, dict(dispatched.info or {})
-    elif run.partial is not None:
-      arrays, round_examples, partial_info = run.partial.step(
-          run.state.params, run.state.extra, draw, jax.random.fold_in(key, round_index), run.version)
     else:
-      round_examples, tokens, mask = draw(cfg.prompts_per_step)
+      if run.partial is not None:
+        arrays, round_examples, partial_info = run.partial.step(
+            run.state.params, run.state.extra, draw, jax.random.fold_in(key, round_index), run.version)
+      else:
+        round_examples, tokens, mask = draw(cfg.prompts_per_step)
+        t0 = time.perf_counter()
+        arrays = _rollout_arrays(run.rollout(run.state.params, run.state.extra, tokens, mask,
+                                             jax.random.fold_in(key, round_index), None, run.version),
+                                 keep_on_devices=True)
+      rollout_s += time.perf_counter() - t0
       t0 = time.perf_counter()
-      arrays = _rollout_arrays(run.rollout(run.state.params, run.state.extra, tokens, mask,
-                                           jax.random.fold_in(key, round_index), None, run.version),
-                               keep_on_devices=True)
-    rollout_s += time.perf_counter() - t0
+      finish = begin(arrays, round_examples)
+      reward_s += time.perf_counter() - t0
     generated += int(arrays["lengths"].sum())
     t0 = time.perf_counter()
-    scored = empty_scored(arrays) if not round_examples else score_own_block(
-        arrays, round_examples, run.tokenizer, run.pool, group_size=cfg.group_size,
-        max_new_tokens=cfg.max_new_tokens, overlong_buffer=cfg.overlong_buffer,
-        overlong_penalty_value=cfg.overlong_penalty, examples_everywhere=shared)
+    scored = finish()
     reward_s += time.perf_counter() - t0
     if run.bootstrap is not None:
       run.bootstrap.observe(round_examples or [], scored)

@@ -112,7 +112,7 @@ def _with_kernel(mc: ModelConfig, local_kernel: str) -> ModelConfig:
   return dataclasses.replace(mc, kernel=dataclasses.replace(mc.kernel, local_kernel=local_kernel))
 
 
-@pytest.mark.parametrize("zigzag", [True, False])
+@pytest.mark.parametrize("zigzag", [True, pytest.param(False, marks=pytest.mark.slow)])  # contiguous: suite budget
 def test_model_equals_the_jnp_ring_in_either_layout(attention_cases, zigzag):
   """fsdp=2 x sequence=2 x tensor=2 (heads split too), a packed batch of 512 tokens: the model's logits
   and every parameter gradient of a next-token loss equal the jnp ring's, on a zigzag batch given to

@@ -36,7 +36,8 @@ def _forward(model, tokens, **kw):
 
 
 @pytest.mark.parametrize("variant,mesh_sizes", [
-    ("gqa", dict(fsdp=8)), ("gqa", dict(fsdp=2, tensor=2, expert=2)),
+    pytest.param("gqa", dict(fsdp=8), marks=pytest.mark.slow),  # fsdp alone: within the next one
+    ("gqa", dict(fsdp=2, tensor=2, expert=2)),
     ("mla", dict(fsdp=1, expert=4, tensor=2))])
 def test_sharded_forward_equals_unsharded(devices, variant, mesh_sizes):
   extra = MLA if variant == "mla" else ["model.qk_norm=true"]
@@ -52,7 +53,8 @@ def test_sharded_forward_equals_unsharded(devices, variant, mesh_sizes):
   np.testing.assert_allclose(np.asarray(sharded), np.asarray(reference), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("variant", ["gqa", "mla"])
+# GQA's cache decode runs in every generation test; the slow run checks it here too (suite budget).
+@pytest.mark.parametrize("variant", [pytest.param("gqa", marks=pytest.mark.slow), "mla"])
 def test_cache_decode_equals_full_forward(variant):
   cfg = _cfg(*(MLA if variant == "mla" else []))
   model = build_model(ModelConfig.from_config(cfg))
@@ -69,7 +71,7 @@ def test_cache_decode_equals_full_forward(variant):
 
 
 @pytest.mark.parametrize("row_index,layers", [
-    (True, "scan"), (True, "unrolled"),
+    (True, "scan"), pytest.param(True, "unrolled", marks=pytest.mark.slow),
     pytest.param(False, "loop", marks=pytest.mark.slow)])  # the last: ~10 s more
 def test_decode_writes_each_layer_slot_like_a_prefill(row_index, layers):
   """Token by token, each layer's cache ends equal to one prefill of the whole sequence (a write at

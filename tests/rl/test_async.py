@@ -48,21 +48,16 @@ class _Rollout:
 
 def test_staleness_is_bounded_and_next_rollouts_are_dispatched_before_scoring():
   """max_staleness=2: step k trains on a rollout of version max(0, k - 3) (staleness 0, 1, 2, 2, ...),
-  and while the host scores a batch the next two rollouts are already dispatched (a driver that
-  scored first, or dispatched late, fails here); each dispatch has its own key."""
+  and while the host waits for a batch's scores the next two rollouts are already dispatched (a driver
+  that scored first, or dispatched late, fails here); each dispatch has its own key."""
   cfg = _cfg("rl.max_staleness=2", "rl.tis_level=token")
   rollout = _Rollout(cfg)
-  in_flight_while_scoring = []
   run = RLRun(cfg=cfg, mesh=None, graphdef=None, state=types.SimpleNamespace(params=None, extra=None),
               ref_params=None, spec=None, estimator=None, rollout=rollout, update=None, logprob_fn=None,
               advantages_fn=None, tokenizer=ByteTokenizer(), pool=None, batch_sharding=None,
               zigzag_shards=1)
-
-  def reward(completion, example):
-    del completion, example
-    in_flight_while_scoring.append(len(run.in_flight))
-    return 1.0
-  run.pool = RewardPool(reward, num_workers=1)
+  events = []
+  run.pool = _RecordingPool(lambda completion, example: 1.0, events, run, num_workers=1)
   examples = itertools.cycle([{"prompt": "rev abc=", "answer": "cba", "domain": "reverse"}])
   staleness = []
   for step in range(5):
@@ -74,7 +69,74 @@ def test_staleness_is_bounded_and_next_rollouts_are_dispatched_before_scoring():
   assert staleness == [0.0, 1.0, 2.0, 2.0, 2.0]
   assert [version for version, _ in rollout.calls] == [0, 0, 0, 1, 2, 3, 4]
   assert len({key for _, key in rollout.calls}) == len(rollout.calls)
-  assert set(in_flight_while_scoring) == {2}
+  assert [queued for name, queued in events if name == "collect"] == [2] * 5
+
+
+class _RecordingPool(RewardPool):
+  """A RewardPool that logs when a batch's scoring starts (`submit`) and when the step waits for it
+  (`collect`), with the rollouts queued at that moment."""
+
+  def __init__(self, reward, events, run, **kw):
+    super().__init__(reward, **kw)
+    self.events, self.run = events, run
+
+  def submit(self, completions, examples):
+    self.events.append(("submit", len(self.run.in_flight)))
+    return super().submit(completions, examples)
+
+  def collect(self, pending):
+    self.events.append(("collect", len(self.run.in_flight)))
+    return super().collect(pending)
+
+
+class _PlantedModel:
+  """A model source (rl/rewards/sources.BatchScorer) that logs its dispatch and its read."""
+
+  def __init__(self, events):
+    self.events = events
+
+  def dispatch(self, completions, examples):
+    del examples
+    self.events.append(("model_dispatch", None))
+    return list(completions)
+
+  def finish(self, completions):
+    self.events.append(("model_finish", None))
+    return np.full(len(completions), 0.5, np.float32), {"errors": 0, "first_errors": []}
+
+
+def test_a_batch_is_scored_on_the_devices_before_the_next_rollout_is_dispatched():
+  """Asynchronous RL with a reward model: each step pops batch k, starts its scoring (the verifier's
+  samples queued, the reward model's calls dispatched to the devices), and only then dispatches batch
+  k + 1's rollout; it waits for the scores after. Devices run programs in dispatch order, so a
+  step that dispatched the rollout first would leave the reward model waiting for the whole rollout."""
+  from meshrl.rl.rewards.sources import SourcedRewards, parse_sources  # pylint: disable=import-outside-toplevel
+  cfg = _cfg("rl.max_staleness=1", "rl.tis_level=token")
+  events = []
+
+  class Rollout(_Rollout):
+    def __call__(self, *args):
+      events.append(("rollout", args[-1]))
+      return super().__call__(*args)
+
+  run = RLRun(cfg=cfg, mesh=None, graphdef=None, state=types.SimpleNamespace(params=None, extra=None),
+              ref_params=None, spec=None, estimator=None, rollout=Rollout(cfg), update=None, logprob_fn=None,
+              advantages_fn=None, tokenizer=ByteTokenizer(), pool=None, batch_sharding=None, zigzag_shards=1)
+  pool = _RecordingPool(lambda completion, example: 1.0, events, run, num_workers=1)
+  run.pool = SourcedRewards(pool, parse_sources("chat=reward_model;*=verifier"), {"reward_model": _PlantedModel(events)})
+  examples = itertools.cycle([{"prompt": "rev abc=", "answer": "cba", "domain": "reverse"},
+                              {"prompt": "say hi", "answer": "hi", "domain": "chat"}])
+  rewards = []
+  for step in range(3):
+    batch, _ = collect(run, examples, jax.random.key(step))
+    rewards.append(batch.rewards.tolist())
+    run.version += 1
+  run.close()
+  names = [name if name != "rollout" else f"rollout{version}" for name, version in events]
+  assert names == (["rollout0", "submit", "model_dispatch", "rollout0", "model_finish", "collect"]
+                   + ["submit", "model_dispatch", "rollout1", "model_finish", "collect"]
+                   + ["submit", "model_dispatch", "rollout2", "model_finish", "collect"]), names
+  assert rewards == [[1.0, 1.0, 0.5, 0.5]] * 3  # the verifier's domain and the reward model's, each its own
 
 
 @pytest.mark.parametrize("overrides, message", [

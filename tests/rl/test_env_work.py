@@ -200,7 +200,10 @@ def test_single_turn_rewards_retry_infrastructure_failures_and_leave_given_up_sa
   assert quarantine.ids == {"broken"}
 
   class Scored:  # the pool's answer as score_rollout reads it: the given-up sample is not valid
-    def score(self, texts, per_sample):
+    def submit(self, texts, per_sample):
+      return texts
+
+    def collect(self, texts):
       return np.zeros(len(texts), np.float32), {**info, "given_up": np.asarray([False, True]), "reward_errors": 0}
 
   arrays = {"tokens": np.full((2, 4), 65, np.int32), "response_mask": np.ones((2, 4), bool),

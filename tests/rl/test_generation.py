@@ -93,8 +93,14 @@ CASES = {  # scheduler x proposer, as a run configures them
 # T > 0 (the proposers' rejection sampling kept to the target distribution) runs with the slow tests: the
 # greedy case drives every scheduler x proposer through the same code, and the T > 0 draws are checked by
 # test_partial_rollouts_with_unchanged_params_give_the_static_samples and the server's speculative tests.
-@pytest.mark.parametrize("temperature", [0.0, pytest.param(0.7, marks=pytest.mark.slow)])
-def test_every_scheduler_and_proposer_gives_the_same_samples(temperature):
+# The default run drives both schedulers and both proposers (continuous, static+draft, continuous+ngram);
+# the slow run every pair.
+FAST_CASES = ("continuous", "static+draft", "continuous+ngram")
+
+
+@pytest.mark.parametrize("temperature, cases", [(0.0, FAST_CASES), pytest.param(0.0, tuple(CASES), marks=pytest.mark.slow),
+                                                pytest.param(0.7, tuple(CASES), marks=pytest.mark.slow)])
+def test_every_scheduler_and_proposer_gives_the_same_samples(temperature, cases):
   """4 prompts x G=3 with stop tokens and per-sample length limits, a MoE policy: every scheduler
   (static, continuous on 5 slots: 7 refills) x proposer (none, n-gram, a random draft) gives the
   static rollout's samples field by field (tokens, masks, positions, log-probs, MoE routes, versions),
@@ -109,7 +115,8 @@ def test_every_scheduler_and_proposer_gives_the_same_samples(temperature):
   assert (np.asarray(want.policy_version)[np.asarray(want.response_mask)] == 3).all()
   draft = _draft()
   accepted = {}
-  for name, extra in CASES.items():
+  for name in cases:
+    extra = CASES[name]
     case_cfg = configs.load("configs/tiny.py", SMALL + list(base) + extra)
     gen = _generator(case_cfg, draft=draft if "draft" in name else None)
     got = gen(state.params, state.extra, tokens, mask, key, LIMITS, 3)
@@ -322,7 +329,8 @@ def test_partial_rollouts_carry_masks_positions_logprobs_and_versions():
   assert multi >= 2  # segments under different params really happened
 
 
-@pytest.mark.parametrize("proposer", [[], ["rl.speculative=ngram", "rl.ngram_n=1"]])
+# The n-gram proposer under the budgeted scheduler: the golden test drives it greedy; here at T > 0 in the slow run.
+@pytest.mark.parametrize("proposer", [[], pytest.param(["rl.speculative=ngram", "rl.ngram_n=1"], marks=pytest.mark.slow)])
 def test_partial_rollouts_with_unchanged_params_give_the_static_samples(proposer):
   """Carrying (re-prefilling prompt + generated-so-far) loses nothing: with the params unchanged
   across steps, the groups end as the static rollout drew them, speculating or not, even when the

@@ -72,7 +72,7 @@ def _decoded_slots(gen, state, engine):
   return weights, slots, pool
 
 
-@pytest.mark.parametrize("kv", ["model", "int8"])
+@pytest.mark.parametrize("kv", ["model", pytest.param("int8", marks=pytest.mark.slow)])  # int8: suite budget
 def test_a_parked_and_restored_row_gives_identical_logits(kv, devices):
   """Sample 3's slot (1) parked in the host tier (memory kind pinned_host: its arrays live there),
   the slot freed, the row restored into slot 3: its cache row (entries, int8 scales, positions,

@@ -68,7 +68,7 @@ def _prefill_program(cfg, mesh, state):
   return functools.partial(prefill, gen.prepare(state.params))
 
 
-@pytest.mark.parametrize("kv", ["model", "int8"])
+@pytest.mark.parametrize("kv", ["model", pytest.param("int8", marks=pytest.mark.slow)])  # int8: suite budget
 def test_chunked_prefill_equals_one_pass_prefill(kv, devices):
   """On a sharded 8-device mesh (fsdp), with the model's and the int8 KV cache: chunks of 1, 3
   (divides neither the prompt columns nor most prompts), 4 and 9 tokens (longer than two prompts)
@@ -96,7 +96,7 @@ def test_chunked_prefill_equals_one_pass_prefill(kv, devices):
                                    err_msg=f"{name} chunk {chunk}")
 
 
-@pytest.mark.parametrize("kv, runs", [("model", (("continuous", 3, 3),)), ("model", (("static", 0, 4),)),
+@pytest.mark.parametrize("kv, runs", [("model", (("continuous", 3, 3),)), pytest.param("model", (("static", 0, 4),), marks=pytest.mark.slow),
                                       pytest.param("int8", (("continuous", 3, 3),), marks=pytest.mark.slow)])
 def test_chunked_prefill_gives_the_one_pass_samples(kv, runs, devices):
   """Greedy rollouts of 4 prompts x 2 samples with chunked prefill equal the one-pass static rollout

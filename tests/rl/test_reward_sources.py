@@ -147,8 +147,12 @@ class _Planted:
   def __init__(self, table, errors=0):
     self.table, self.errors, self.calls = table, errors, []
 
-  def __call__(self, completions, examples):
+  def dispatch(self, completions, examples):
+    del examples
     self.calls.append(list(completions))
+    return list(completions)
+
+  def finish(self, completions):
     return (np.asarray([self.table[c] for c in completions], np.float32),
             {"errors": self.errors, "first_errors": ["planted"] * self.errors})
 
@@ -187,9 +191,9 @@ def test_model_sources_score_while_the_verifier_threads_run():
     return 1.0
 
   class SlowModel(_Planted):
-    def __call__(self, completions, examples):
-      time.sleep(0.4)
-      return super().__call__(completions, examples)
+    def finish(self, completions):
+      time.sleep(0.4)  # the devices' scoring, read back
+      return super().finish(completions)
 
   pool = RewardPool(slow_verifier, num_workers=2, timeout_s=5.0)
   scorer = SourcedRewards(pool, parse_sources("chat=reward_model"), {"reward_model": SlowModel({"b": 3.0})})
@@ -230,9 +234,12 @@ def test_judge_parses_planted_verdicts_and_counts_malformed_ones():
       self.tokenizer, self.rubrics, self.max_score, self.prompt_len = TOK, {"*": read_rubric_text()}, 10.0, 64
       self.planted = verdicts
 
-    def verdicts(self, texts):
+    def _launch(self, texts):  # the decoding the devices would start: here, the planted verdicts
       assert len(texts) == len(self.planted)
       return list(self.planted)
+
+    def _read(self, calls):
+      return calls
 
   def read_rubric_text():
     return Rubric(RUBRIC, "planted")
@@ -287,9 +294,12 @@ class _Spy:
   def __init__(self, pool):
     self.pool, self.seen = pool, []
 
-  def score(self, completions, examples):
+  def submit(self, completions, examples):
     self.seen.append((list(completions), list(examples)))
-    return self.pool.score(completions, examples)
+    return self.pool.submit(completions, examples)
+
+  def collect(self, pending):
+    return self.pool.collect(pending)
 
   def close(self):
     self.pool.close()

@@ -62,8 +62,8 @@ out["scored"] = {"rewards": scored.rewards.tolist(), "texts": scored.texts, "dom
 
 # Partial rollouts: every host holds every group's example and scores its share of the groups that
 # ended, 3 groups (1 and 2) and 1 group (none and 1); the pool records what this host scored.
-scored_here, score = [], pool.score
-pool.score = lambda texts, exs: (scored_here.append(texts), score(texts, exs))[1]
+scored_here, submit = [], pool.submit
+pool.submit = lambda texts, exs: (scored_here.append(texts), submit(texts, exs))[1]
 out["shares"] = {}
 for groups in (3, 1):
   part = {k: v[:2 * groups] for k, v in arrays.items()}
