@@ -104,10 +104,6 @@ class RewardModelScorer:
     out = [np.asarray(jax.device_get(scores), np.float32)[:real] for scores, real in calls]
     return np.concatenate(out) if out else np.zeros(0, np.float32)
 
-  def raw_scores(self, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """tokens [N, T], lengths [N] -> the reward model's scores [N] float32, R rows per call."""
-    return self._read(self._launch(tokens, lengths))
-
   def dispatch(self, completions: Sequence[str], examples: Sequence[dict]) -> Dispatched:
     """Encodes the rows and starts their scoring on the devices without waiting; `finish` reads the
     scores. The RL step dispatches a batch's scoring ahead of the next rollout (rl/step/program.py)."""
@@ -130,4 +126,3 @@ class RewardModelScorer:
   def __call__(self, completions: Sequence[str], examples: Sequence[dict]) -> tuple[np.ndarray, dict]:
     """`finish(dispatch(...))`: the scores at once."""
     return self.finish(self.dispatch(completions, examples))
-

@@ -18,9 +18,9 @@ Scoring one batch (`SourcedRewards.score`, or `submit` then `collect`): the veri
 queued on the pool's threads first, then each model source's batched calls for every sample of its
 domains are dispatched to the mesh (nothing waits), then both are collected. The RL step submits a
 batch before it dispatches the next rollout (asynchronous RL), so the devices score batch k ahead of
-generating batch k + 1 while the host verifies (rl/step/program.next_in_flight). A sample's reward is sum_s weight_s * score_s over its
-own domain's sources; the reward goes into the advantages as a verifier's does (it is the
-ScoredBatch's reward). rl.reward_norm="domain" then whitens the rewards within each domain of the
+generating batch k + 1 while the host verifies (rl/step/program.next_in_flight). A sample's reward
+is sum_s weight_s * score_s over its own domain's sources; the reward goes into the advantages as a
+verifier's does (it is the ScoredBatch's reward). rl.reward_norm="domain" then whitens the rewards within each domain of the
 batch (`normalize_per_domain`): for batch-level estimators (REINFORCE++, GAE) when domains score on
 other scales; group estimators (GRPO) normalise within a group, which lies in one domain, anyway.
 Errors (a verifier that raised, a judge's malformed verdict) score 0 for that source and are counted

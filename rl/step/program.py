@@ -244,7 +244,7 @@ def restore_in_flight(run: RLRun, state: list[dict]) -> None:
       for item in state)
 
 
-def next_in_flight(run: RLRun, draw, key: jax.Array, start=None) -> tuple[InFlight, Any]:
+def next_in_flight(run: RLRun, draw, key: jax.Array, start) -> tuple[InFlight, Any]:
   """Asynchronous RL: pops the oldest dispatched rollout, then tops the queue up to rl.max_staleness
   rollouts ahead -> (the popped InFlight, `start(popped)`'s result).
 
@@ -281,7 +281,7 @@ def next_in_flight(run: RLRun, draw, key: jax.Array, start=None) -> tuple[InFlig
     dispatch()
   oldest = run.in_flight.popleft()
   popped = 1
-  started = start(oldest) if start is not None else None
+  started = start(oldest)
   while len(run.in_flight) < cfg.max_staleness:
     dispatch()
   return oldest, started
