@@ -13,7 +13,9 @@ the jitted steps span all devices of all processes. How meshrl's RL loop splits 
   scoring   each host scores only its own block of groups (`own_block`) with its own examples and
             reward workers; rewards, texts and domains are gathered (`gather_rows`,
             `gather_objects`), so every host then makes the same decisions (dynamic sampling, packing)
-            on the same global batch and the update's inputs are equal everywhere;
+            on the same global batch and the update's inputs are equal everywhere; a reward model's
+            or judge's calls span the mesh, each host filling its own rows of every call with its own
+            samples (`calls_over_hosts`, `global_rows`) and reading back only those (`share_to_host`);
   shared    partial rollouts (rl/partial.PartialRollouts: the groups that end in a step are not one
             block per host), and prompts that do not split evenly over the hosts (more hosts than
             prompts; rl/batch.shared_prompts): every host draws the same prompts (the whole stream,
@@ -191,6 +193,20 @@ def global_rows(local: np.ndarray, sharding: NamedSharding | None) -> np.ndarray
   if sharding is not None and _holds_own_block(sharding, shape):
     return jax.make_array_from_process_local_data(sharding, local, shape)
   return gather_rows(local)
+
+
+def calls_over_hosts(count: int, rows: int) -> tuple[int, int]:
+  """Batched device calls of `rows` global rows each, every host filling its own block of each call
+  with its own `count` items (the counts may differ by host) -> (rows per call from this host,
+  rows // processes; the number of calls, enough for the host with the most items, the same on
+  every host). Collective with several processes (the counts are gathered); ValueError when `rows`
+  does not split over the processes."""
+  processes = jax.process_count()
+  if rows < 1 or rows % processes:
+    raise ValueError(f"{rows} rows per call do not split over {processes} host processes.")
+  per_host = rows // processes
+  most = int(gather_rows(np.asarray([count], np.int64)).max()) if is_multihost() else count
+  return per_host, -(-most // per_host)
 
 
 def _holds_own_block(sharding: NamedSharding, shape: tuple[int, ...]) -> bool:

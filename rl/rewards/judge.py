@@ -7,7 +7,8 @@ and the policy's response, writes a verdict "Score: N", and N / max_score is the
 
 Decoding is the generation engine's (rl/generation: a `Generator` with a static scheduler, one slot
 per sample, greedy), on the policy's mesh, R judge prompts per call (the last call padded by
-repeating its first prompt), so one compiled program serves every step.
+repeating its first prompt), so one compiled program serves every step. With several host processes
+each host judges its own samples, filling and reading its own R / processes rows of every call.
 
 A rubric is text holding `{prompt}`, `{response}` and the verdict format `Score:`; the judge's
 prompt is the rubric with the two filled in, rendered by the tokenizer's chat template, left-padded
@@ -31,6 +32,7 @@ from typing import Mapping, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from meshrl.model.tokenizer import Tokenizer
 from meshrl.model.transformer import ModelConfig
@@ -38,7 +40,9 @@ from meshrl.rl.generation.core import StepConfig
 from meshrl.rl.generation.generator import Generator
 from meshrl.rl.generation.sampling import Sampler
 from meshrl.rl.generation.spec import GenerationSpec
-from meshrl.rl.rewards.pool import Dispatched
+from meshrl.rl.rewards.pool import Dispatched, call_rows
+from meshrl.sharding import hosts
+from meshrl.sharding.rules import TRAIN_RULES, logical_to_spec
 
 FIELD = "rl.judge_rubrics"
 SCORE_FORMAT = "Score:"
@@ -129,7 +133,7 @@ class Judge:
     tokenizer: the policy's (checked to be the judge's by rm_source).
     rubrics: {domain: Rubric} ("*": every other domain).
     max_score: the scale's top; prompt_len, max_tokens: the judge's prompt and verdict tokens.
-    rows: R judge prompts per call, a multiple of the mesh's batch shards.
+    rows: R judge prompts per call, a multiple of the mesh's batch shards and of the host processes.
     mesh, rules: the policy's mesh and its parameter rules (None: one device).
   """
 
@@ -145,8 +149,13 @@ class Judge:
     self.generator = Generator(judge_spec(tokenizer, prompt_len=prompt_len, max_tokens=max_tokens), mc, mesh=mesh,
                                rules=rules)
     _, self.params, self.extra = nnx.split(model, nnx.Param, ...)
+    if rows % jax.process_count():
+      raise ValueError(f"judge rows={rows} per call do not split over {jax.process_count()} host processes.")
     self.tokenizer, self.rubrics, self.max_score = tokenizer, dict(rubrics), float(max_score)
     self.prompt_len, self.rows = prompt_len, rows
+    # [R, ...] prompts split by rows over the batch axes that divide R (as the rollout's prompts).
+    self.prompt_sharding = None if mesh is None else NamedSharding(
+        mesh, logical_to_spec(("batch",), TRAIN_RULES if rules is None else rules, mesh, shape=(rows,)))
 
   def prompts(self, completions: Sequence[str], examples: Sequence[dict]) -> tuple[list[str], int]:
     """(the judge's rendered prompts, how many are longer than prompt_len tokens)."""
@@ -157,22 +166,29 @@ class Judge:
 
   def _launch(self, texts: Sequence[str]) -> list:
     """Starts the judge's greedy decoding of each prompt text, R prompts per generation call, without
-    waiting -> [(RolloutBatch on the devices, prompts of the call that are real)]."""
+    waiting -> [(RolloutBatch on the devices, this host's prompts of the call that are real)]. With
+    several host processes every call spans the mesh: each host fills its own R / processes prompts
+    with its own texts (hosts.global_rows), and all make as many calls as the host with the most
+    texts needs (hosts.calls_over_hosts; collective), a host with none included."""
+    count = len(texts)
+    per_call, num_calls = hosts.calls_over_hosts(count, self.rows)
+    tokens, mask = self.tokenizer.encode_batch(list(texts) or [""], length=self.prompt_len, padding="left",
+                                               overflow="truncate")
     calls = []
-    for start in range(0, len(texts), self.rows):
-      part = list(texts[start:start + self.rows])
-      filled = part + [part[0]] * (self.rows - len(part))
-      tokens, mask = self.tokenizer.encode_batch(filled, length=self.prompt_len, padding="left", overflow="truncate")
-      calls.append((self.generator(self.params, self.extra, tokens, mask, jax.random.key(0)), len(part)))
+    for call in range(num_calls):
+      index, real = call_rows(count, per_call, call)
+      prompts, prompt_mask = (hosts.global_rows(x[index], self.prompt_sharding) for x in (tokens, mask))
+      calls.append((self.generator(self.params, self.extra, prompts, prompt_mask, jax.random.key(0)), real))
     return calls
 
   def _read(self, calls: list) -> list[str]:
-    """`_launch`'s calls -> the verdicts' texts (waits for them)."""
+    """`_launch`'s calls -> this host's verdicts' texts (waits for them; with several host processes
+    each reads its own rows of every call: hosts.share_to_host)."""
     out = []
     for batch, real in calls:
-      response = np.asarray(jax.device_get(batch.tokens))[:, self.prompt_len:]
-      keep = np.asarray(jax.device_get(batch.response_mask))[:, self.prompt_len:]
-      out += self.tokenizer.decode_batch(np.where(keep, response, self.tokenizer.pad_id))[:real]
+      response = hosts.share_to_host(batch.tokens)[:real, self.prompt_len:]
+      keep = hosts.share_to_host(batch.response_mask)[:real, self.prompt_len:]
+      out += self.tokenizer.decode_batch(np.where(keep, response, self.tokenizer.pad_id))
     return out
 
   def verdicts(self, texts: Sequence[str]) -> list[str]:

@@ -198,3 +198,13 @@ class Dispatched:
   calls: list  # the device calls' outputs, each with how many of its rows are real
   completions: list  # the scored completions, for what `finish` computes on the host
   info: dict  # what the host already knows (counts of rows cut or prompts truncated)
+
+
+def call_rows(count: int, per_call: int, call: int) -> tuple[np.ndarray, int]:
+  """This host's rows of batched call `call` over its `count` items, `per_call` per call ->
+  (indices [per_call] into the items, how many are real); a short call repeats its first row (item
+  0 when the host has none left: the caller keeps a row 0 even when `count` is 0), so every call
+  has one shape and every host makes the same number of calls (sharding/hosts.calls_over_hosts)."""
+  part = np.arange(call * per_call, min((call + 1) * per_call, count))
+  filler = part[0] if len(part) else 0
+  return np.concatenate([part, np.full(per_call - len(part), filler, part.dtype)]), len(part)

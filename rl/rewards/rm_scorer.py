@@ -11,7 +11,8 @@ A sample's row is the one the reward model was trained on (train/preferences.enc
 rendered prompt, the completion, EOS, right-padded to T; a longer row keeps its last T tokens (the
 completion, its EOS and the end of the prompt: the score position stays) and is counted in
 info["rm_truncated"]. Rows go R at a time (the last call padded by repeating its first row), so one
-compiled program serves every step.
+compiled program serves every step. With several host processes each scores its own samples: every
+call spans the mesh, each host filling and reading its own R / processes rows (`_launch`).
 
 Length guards (reward hacking: a reward model that likes long answers is exploited by long answers):
 `length_normalize` divides a score by the completion's token count, `length_penalty` then subtracts
@@ -29,7 +30,8 @@ import numpy as np
 from flax import nnx
 
 from meshrl.model.tokenizer import Tokenizer
-from meshrl.rl.rewards.pool import Dispatched
+from meshrl.rl.rewards.pool import Dispatched, call_rows
+from meshrl.sharding import hosts
 from meshrl.sharding.rules import Rules
 from meshrl.train.preferences import encode_side
 from meshrl.train.reward_model import make_scorer, row_shardings
@@ -52,7 +54,7 @@ class RewardModelScorer:
   Args:
     model: the reward model (train/rm_source.load_reward_model), parameters already sharded.
     tokenizer: the policy's tokenizer (checked to be the reward model's by rm_source).
-    rows: R, rows per call; a multiple of the mesh's batch shards.
+    rows: R, rows per call; a multiple of the mesh's batch shards and of the host processes.
     row_len: T, tokens per row (at most the reward model's model.max_seq_len).
     mesh, rules: where the rows lie (None: one device).
     length_penalty, length_normalize: the length guards (`length_guard`).
@@ -65,6 +67,8 @@ class RewardModelScorer:
                threshold: float | None = None):
     if rows < 1 or row_len < 2:
       raise ValueError(f"reward-model rows={rows} must be >= 1 and row_len={row_len} >= 2 (BOS and EOS).")
+    if rows % jax.process_count():
+      raise ValueError(f"reward-model rows={rows} per call do not split over {jax.process_count()} host processes.")
     graphdef, self.params, self.extra = nnx.split(model, nnx.Param, ...)
     self.score_fn = make_scorer(graphdef, mesh, rules)
     self.tokenizer, self.rows, self.row_len, self.mesh, self.rules = tokenizer, rows, row_len, mesh, rules
@@ -84,24 +88,31 @@ class RewardModelScorer:
     return tokens, lengths, cut
 
   def _launch(self, tokens: np.ndarray, lengths: np.ndarray) -> list[tuple[jax.Array, int]]:
-    """Starts the scoring calls, R rows each, without waiting -> [(scores [R] on the devices, rows
-    of the call that are real)]. JAX dispatch returns at once: the devices score while the host goes on."""
+    """Starts the scoring calls without waiting -> [(scores [R] on the devices, this host's rows of
+    the call that are real)]. JAX dispatch returns at once: the devices score while the host goes on.
+    With several host processes every call spans the mesh: each host fills its own R / processes
+    rows with its own samples (hosts.global_rows), and all make as many calls as the host with the
+    most samples needs (hosts.calls_over_hosts; collective), a host with none included."""
+    count = len(tokens)
+    per_call, num_calls = hosts.calls_over_hosts(count, self.rows)
+    if not count:  # no samples here, but this host still takes its part in every call: a BOS row
+      tokens = np.full((1, self.row_len), self.tokenizer.pad_id, np.int32)
+      tokens[0, 0] = self.tokenizer.pad_id if self.tokenizer.bos_id is None else self.tokenizer.bos_id
+      lengths = np.ones(1, np.int32)
+    shardings = row_shardings(self.mesh, self.rules) if self.mesh is not None else (None, None)
     calls = []
-    for start in range(0, len(tokens), self.rows):
-      part = np.arange(start, min(start + self.rows, len(tokens)))
-      filled = np.concatenate([part, np.full(self.rows - len(part), part[0])])
-      rows, row_lengths = tokens[filled], lengths[filled]
-      if self.mesh is not None:
-        tokens_sharding, rows_sharding = row_shardings(self.mesh, self.rules)
-        rows = jax.make_array_from_process_local_data(tokens_sharding, rows)
-        row_lengths = jax.make_array_from_process_local_data(rows_sharding, row_lengths)
-      calls.append((self.score_fn(self.params, self.extra, rows, row_lengths), len(part)))
+    for call in range(num_calls):
+      index, real = call_rows(count, per_call, call)
+      rows, row_lengths = (hosts.global_rows(x[index], sharding)
+                           for x, sharding in zip((tokens, lengths), shardings))
+      calls.append((self.score_fn(self.params, self.extra, rows, row_lengths), real))
     return calls
 
   @staticmethod
   def _read(calls: list[tuple[jax.Array, int]]) -> np.ndarray:
-    """`_launch`'s calls -> their scores [N] float32 on the host (waits for them)."""
-    out = [np.asarray(jax.device_get(scores), np.float32)[:real] for scores, real in calls]
+    """`_launch`'s calls -> this host's scores [N] float32 (waits for them; with several host
+    processes, each reads its own rows of every call: hosts.share_to_host)."""
+    out = [np.asarray(hosts.share_to_host(scores), np.float32)[:real] for scores, real in calls]
     return np.concatenate(out) if out else np.zeros(0, np.float32)
 
   def dispatch(self, completions: Sequence[str], examples: Sequence[dict]) -> Dispatched:

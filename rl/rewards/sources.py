@@ -30,6 +30,7 @@ in info["reward_errors"], with the first messages in info["first_errors"].
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping, NamedTuple, Protocol, Sequence
 
 import jax
@@ -39,6 +40,7 @@ from meshrl.rl.rewards.compose import compose, parse_weights
 from meshrl.rl.rewards.judge import Judge, read_rubrics
 from meshrl.rl.rewards.pool import Dispatched, Pending, RewardPool
 from meshrl.rl.rewards.rm_scorer import RewardModelScorer
+from meshrl.sharding import hosts
 from meshrl.sharding.rules import data_parallel_size, rules_from_config
 from meshrl.train import rm_source
 from meshrl.train.init_from import model_config
@@ -148,7 +150,7 @@ class SourcedPending(NamedTuple):
   domains: list  # [N] each sample's domain
   terms: list  # [N] each sample's (source, weight) terms
   rows: dict  # {source: indices of the samples it scores}
-  verifier: Pending  # RewardPool.submit's
+  verifier: Pending | np.ndarray  # RewardPool.submit's, or the scores given to `submit`
   models: dict  # {source: Dispatched}
 
 
@@ -177,31 +179,48 @@ class SourcedRewards:
     of the samples it scored}."""
     return self.collect(self.submit(completions, examples))
 
-  def submit(self, completions: Sequence[str], examples: Sequence[dict]) -> "SourcedPending":
+  def submit(self, completions: Sequence[str], examples: Sequence[dict], *,
+             verified: np.ndarray | None = None) -> "SourcedPending":
     """Starts every source without waiting: the verifier's samples queued on the pool's threads, then
-    each model source's scoring dispatched to the devices (`dispatch`); `collect` waits for both."""
+    each model source's scoring dispatched to the devices (`dispatch`); `collect` waits for both.
+    verified: [N] the verifier's scores already known (a multi-turn episode's environment reward,
+    rl/step/episode_collect.py), used as the `verifier` source instead of the pool's."""
     if len(completions) != len(examples):
       raise ValueError(f"len(completions)={len(completions)} != len(examples)={len(examples)}.")
     domains = [str(e.get("domain", "")) if isinstance(e, Mapping) else "" for e in examples]
     terms = [self.sources.of(d) for d in domains]
     rows = {name: [i for i, t in enumerate(terms) if any(n == name for n, _ in t)] for name in SOURCES}
-    verifier = self.pool.submit([completions[i] for i in rows["verifier"]], [examples[i] for i in rows["verifier"]])
+    if verified is not None:
+      verifier = np.asarray(verified, np.float32)[rows["verifier"]]
+    else:
+      verifier = self.pool.submit([completions[i] for i in rows["verifier"]], [examples[i] for i in rows["verifier"]])
+    # With several host processes a model source's calls span the mesh: every host takes its part,
+    # also with no sample of that source (or none at all) of its own.
     models = {name: scorer.dispatch([completions[i] for i in rows[name]], [examples[i] for i in rows[name]])
-              for name, scorer in self.scorers.items() if rows[name]}
+              for name, scorer in self.scorers.items() if rows[name] or hosts.is_multihost()}
     return SourcedPending(len(completions), domains, terms, rows, verifier, models)
 
-  def collect(self, pending: "SourcedPending") -> tuple[np.ndarray, dict]:
-    """Waits for `submit`'s sources -> (rewards [N] float32, info), as `score` returns them."""
+  def collect(self, pending: "SourcedPending", *, normalize: bool | None = None) -> tuple[np.ndarray, dict]:
+    """Waits for `submit`'s sources -> (rewards [N] float32, info), as `score` returns them.
+    normalize: whiten per domain (None: as built, rl.reward_norm); False for a caller that whitens
+    the rewards of every host together after gathering them."""
     count, domains, terms, rows = pending.count, pending.domains, pending.terms, pending.rows
     per_fn = {name: np.zeros(count, np.float32) for name in SOURCES if rows[name]}
     info = {"reward_errors": 0, "reward_timeouts": 0, "first_errors": []}
     for name, dispatched in pending.models.items():
       scores, own = self.scorers[name].finish(dispatched)
+      if not rows[name]:  # this host's part in another host's calls (several processes)
+        continue
       per_fn[name][rows[name]] = scores
       info["reward_errors"] += own["errors"]
       info["first_errors"] += [f"{name}: {message}" for message in own["first_errors"]]
       info.update({k: v for k, v in own.items() if k not in ("errors", "first_errors", "verdicts")})
-    verified, pool_info = self.pool.collect(pending.verifier)
+    if isinstance(pending.verifier, np.ndarray):  # given to `submit` (an environment's rewards)
+      verified, pool_info = pending.verifier, {
+          "reward_errors": 0, "reward_timeouts": 0, "given_up": np.zeros(len(pending.verifier), bool),
+          "reward_env_retries": 0, "reward_env_given_up": 0, "first_errors": []}
+    else:
+      verified, pool_info = self.pool.collect(pending.verifier)
     if rows["verifier"]:
       per_fn["verifier"][rows["verifier"]] = verified
     info["reward_errors"] += pool_info["reward_errors"]
@@ -212,7 +231,7 @@ class SourcedRewards:
     info["reward_env_given_up"] = pool_info["reward_env_given_up"]
     info["first_errors"] = (pool_info["first_errors"] + info["first_errors"])[:3]
     total = np.asarray([sum(w * per_fn[n][i] for n, w in t) for i, t in enumerate(terms)], np.float32)
-    if self.normalize_domains:
+    if self.normalize_domains if normalize is None else normalize:
       total = normalize_per_domain(total, domains)
     info["per_fn"] = per_fn
     info["sources"] = {name: np.asarray(rows[name], np.int64) for name in per_fn}  # the samples each scored
@@ -259,16 +278,12 @@ def check_reward_sources(cfg) -> DomainSources:
 
 
 def _rows(cfg, mesh) -> int:
-  """Rows per scoring call: a step's samples, rounded up to the mesh's batch shards."""
+  """Rows per scoring call: a step's samples, rounded up to a multiple of the mesh's batch shards and
+  of the host processes (each fills its own equal part of every call)."""
   shards = data_parallel_size(mesh.shape) if mesh is not None else 1
+  multiple = math.lcm(shards, jax.process_count())
   batch = cfg.rl.prompts_per_step * cfg.rl.group_size
-  return -(-batch // shards) * shards
-
-
-def _one_process(cfg) -> None:
-  if jax.process_count() > 1:
-    raise ValueError(f"{FIELD}={cfg.rl.reward_sources!r}: reward-model and judge sources score on one host "
-                     f"process; this run has {jax.process_count()} (not supported yet).")
+  return -(-batch // multiple) * multiple
 
 
 def reward_model_scorer(cfg, mesh, tokenizer, *, checked: bool = False) -> RewardModelScorer:
@@ -277,7 +292,6 @@ def reward_model_scorer(cfg, mesh, tokenizer, *, checked: bool = False) -> Rewar
   `check_reward_sources` already."""
   if not checked:
     check_reward_sources(cfg)
-  _one_process(cfg)
   rl, rules = cfg.rl, rules_from_config(cfg.mesh)
   model, rm_cfg = rm_source.load_reward_model(rl.reward_model_checkpoint, cfg, mesh, rules=rules)
   row_len = min(rm_cfg.model.max_seq_len, rl.max_prompt_len + rl.max_new_tokens + 2)  # + BOS, EOS
@@ -298,8 +312,6 @@ def reward_pool(cfg, mesh, tokenizer, *, on_given_up=None):
   the samples given up on (the run's quarantine)."""
   sources = check_reward_sources(cfg)
   models = any(sources.uses(name) for name in MODEL_SOURCES)
-  if models:
-    _one_process(cfg)
   pool = RewardPool(compose(cfg.rl.rewards), num_workers=cfg.rl.reward_workers, timeout_s=cfg.rl.reward_timeout_s,
                     max_retries=cfg.rl.env_retries, backoff_s=cfg.rl.env_backoff_s, on_given_up=on_given_up)
   normalize = cfg.rl.reward_norm == "domain"

@@ -17,10 +17,12 @@ import jax
 import numpy as np
 
 from meshrl.model.tokenizer import Tokenizer
-from meshrl.rl.step.groups import batch_metrics, enough_groups, per_domain, shared_prompts, staleness, step_groups
+from meshrl.rl.step.groups import (batch_metrics, enough_groups, gather_scoring_info, per_domain, shared_prompts,
+                                   staleness, step_groups)
 from meshrl.rl.batches.handover import ScoredBatch
 from meshrl.rl.envs import file_tasks
 from meshrl.rl.envs.base import DONE
+from meshrl.rl.rewards.sources import SourcedRewards, normalize_per_domain
 from meshrl.rl.step.episodes import (ENDS, EpisodeStats, MultiTurnRollout, default_env,
                                  episode_pools, observation_ids, render_observation)
 from meshrl.rl.step.replay import with_replay
@@ -41,16 +43,32 @@ def episode_metrics(episodes: Sequence[EpisodeStats], prefix: str = "") -> dict[
   return out
 
 
-def scored_batch(out: MultiTurnRollout, examples: Sequence[dict], group_size: int) -> ScoredBatch:
-  """The rollout as a ScoredBatch: rewards from the episodes' ends; env failures are not valid."""
-  rewards = np.asarray([e.reward for e in out.episodes], np.float32)
+def scored_batch(out: MultiTurnRollout, examples: Sequence[dict], group_size: int, pool=None) -> ScoredBatch:
+  """The rollout as a ScoredBatch: rewards from the episodes' ends; env failures are not valid.
+
+  With per-domain reward sources (rl.reward_sources: `pool` a SourcedRewards) an episode's reward is
+  its domain's weighted sources, the environment's reward standing for the `verifier` and a reward
+  model or judge scoring the episode's text after the prompt (every turn and observation); each host
+  scores its `share` of the episodes, and the rewards are gathered (then whitened per domain with
+  rl.reward_norm="domain"). `correct` stays the environment's verdict."""
+  env_rewards = np.asarray([e.reward for e in out.episodes], np.float32)
   valid = np.asarray([e.env_failure is None for e in out.episodes], bool)
   domains = [str(e.get("domain", "")) for e in examples for _ in range(group_size)]
   failures = [e.env_failure for e in out.episodes if e.env_failure]
-  return ScoredBatch(arrays=out.arrays, rewards=rewards, correct=rewards.copy(), sample_valid=valid,
-                     domains=domains, texts=out.texts,
-                     info={"reward_errors": len(failures), "reward_timeouts": 0,
-                           "first_errors": failures[:1]})
+  rewards, info = env_rewards, {"reward_errors": 0, "reward_timeouts": 0, "first_errors": []}
+  if isinstance(pool, SourcedRewards):
+    per_sample = [e for e in examples for _ in range(group_size)]
+    mine = hosts.share(len(per_sample))
+    own, own_info = pool.collect(pool.submit(out.texts[mine], per_sample[mine], verified=env_rewards[mine]),
+                                 normalize=False)
+    rewards = hosts.gather_rows(own)
+    if pool.normalize_domains:
+      rewards = normalize_per_domain(rewards, domains)
+    info = gather_scoring_info(own_info, mine.start, mine.stop - mine.start)
+  info["reward_errors"] += len(failures)
+  info["first_errors"] = (failures[:1] + info["first_errors"])[:3]
+  return ScoredBatch(arrays=out.arrays, rewards=rewards, correct=env_rewards.copy(), sample_valid=valid,
+                     domains=domains, texts=out.texts, info=info)
 
 
 def _draw(run, examples) -> list[dict]:
@@ -141,7 +159,7 @@ def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]
       out = run.multiturn.rollout(run.state.params, run.state.extra, drawn, round_key, run.version)
     rollout_s += time.perf_counter() - t0
     outs.append(out)
-    scored = scored_batch(out, drawn, cfg.group_size)
+    scored = scored_batch(out, drawn, cfg.group_size, run.pool)
     scored.arrays = {**scored.arrays, "env_ok": scored.sample_valid}
     scored_rounds.append(scored)
     if run.bootstrap is not None:  # `drawn` is every host's examples; this host's retries: its own block

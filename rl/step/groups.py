@@ -20,6 +20,7 @@ from meshrl.rl.rewards import overlong_penalty
 from meshrl.rl.batches.rows import PAD_FILL
 from meshrl.rl.batches.rows import DeviceRows
 from meshrl.rl.rewards.pool import RewardPool
+from meshrl.sharding import hosts
 
 
 @dataclasses.dataclass
@@ -242,6 +243,31 @@ def source_metrics(info: dict, domains: list[str]) -> dict[str, float]:
     metrics[f"score/{name}"] = float(scores.mean())
     metrics.update(per_domain(scores, [domains[i] for i in rows], f"score/{name}"))
   return metrics
+
+
+SCORING_COUNTS = ("reward_errors", "reward_timeouts", "reward_env_retries", "reward_env_given_up") + SOURCE_COUNTS
+
+
+def gather_scoring_info(own: dict, offset: int, count: int) -> dict:
+  """Every host's scoring info over its own `count` samples (this host's start at sample `offset` of
+  the batch; hosts in process order) -> the batch's: the counts summed, the first errors joined, and
+  the model sources' per-sample scores and rows (`source_metrics`) concatenated. Collective (one
+  `gather_objects`); with one process the same keys, as they are."""
+  mine = {k: int(own[k]) for k in SCORING_COUNTS if k in own}
+  mine["first_errors"], mine["count"] = list(own.get("first_errors", [])), int(count)
+  if own.get("sources") is not None:
+    mine["per_fn"] = {name: np.asarray(v, np.float32).tolist() for name, v in own["per_fn"].items()}
+    mine["sources"] = {name: (np.asarray(v, np.int64) + offset).tolist() for name, v in own["sources"].items()}
+  infos = hosts.gather_objects([mine])
+  out = {k: sum(i.get(k, 0) for i in infos) for k in SCORING_COUNTS if any(k in i for i in infos)}
+  out["first_errors"] = [e for i in infos for e in i["first_errors"]]
+  names = sorted({n for i in infos for n in i.get("sources", {})})
+  if any("sources" in i for i in infos):
+    out["per_fn"] = {n: np.concatenate([np.asarray(i.get("per_fn", {}).get(n, [0.0] * i["count"]), np.float32)
+                                        for i in infos]) for n in names}
+    out["sources"] = {n: np.concatenate([np.asarray(i.get("sources", {}).get(n, []), np.int64) for i in infos])
+                      for n in names}
+  return out
 
 
 def staleness(arrays: dict, version: int, max_new_tokens: int) -> dict[str, float]:

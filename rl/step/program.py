@@ -36,8 +36,8 @@ from meshrl.rl.algo import advantages as adv_lib
 from meshrl.rl.algo import losses
 from meshrl.rl.batches import packing
 from meshrl.rl.batches import routes
-from meshrl.rl.step.groups import (batch_metrics, empty_scored, enough_groups, next_prompts, response_columns,
-                            shared_prompts, staleness, start_scoring, step_groups)
+from meshrl.rl.step.groups import (batch_metrics, empty_scored, enough_groups, gather_scoring_info, next_prompts,
+                                   response_columns, shared_prompts, staleness, start_scoring, step_groups)
 from meshrl.rl.batches.handover import (ScoredBatch, UpdateBatch, align_for_update, align_on_devices,
                                device_put_batch, zigzag_batch)
 from meshrl.rl.batches.layouts import sample_layout
@@ -318,21 +318,28 @@ def start_own_block(arrays: dict, examples: list[dict], tokenizer: Tokenizer, po
   responses = {**{k: v for k, v in arrays.items() if k in ("lengths", "truncated")},
                **response_columns(arrays, kw["max_new_tokens"])}
   own_arrays = {k: v[rows] for k, v in responses.items()}
-  own_finish = start_scoring(own_arrays, examples, tokenizer, pool, **kw) if examples else (
-      lambda: empty_scored(own_arrays))
+  own_finish = start_scoring(own_arrays, examples, tokenizer, pool, **kw) if examples else _nothing_to_score(
+      own_arrays, pool)
 
   def finish() -> ScoredBatch:
     own = own_finish()
-    infos = hosts.gather_objects([own.info])
-    info = {"reward_errors": sum(i["reward_errors"] for i in infos),
-            "reward_timeouts": sum(i["reward_timeouts"] for i in infos),
-            **{name: sum(i.get(name, 0) for i in infos) for name in ("reward_env_retries", "reward_env_given_up")},
-            "first_errors": [e for i in infos for e in i["first_errors"]]}
+    info = gather_scoring_info(own.info, rows.start, rows.stop - rows.start)
     return ScoredBatch(arrays=arrays, rewards=hosts.gather_rows(own.rewards),
                        correct=hosts.gather_rows(own.correct),
                        sample_valid=hosts.gather_rows(own.sample_valid),
                        domains=hosts.gather_objects(own.domains), texts=hosts.gather_objects(own.texts),
                        info=info)
+  return finish
+
+
+def _nothing_to_score(arrays: dict, pool: RewardPool):
+  """A host with no groups of its own to score (an uneven share): it still submits an empty batch,
+  since a reward model's or judge's calls span every host (rl/rewards/sources.py) -> finish()."""
+  pending = pool.submit([], [])
+
+  def finish() -> ScoredBatch:
+    pool.collect(pending)
+    return empty_scored(arrays)
   return finish
 
 

@@ -317,6 +317,46 @@ def test_update_loss_ignores_observation_tokens(scripted):
   assert value(np.where(aligned["loss_mask"], base - 0.5, base)) != pytest.approx(value(base), abs=1e-4)
 
 
+def test_episodes_take_their_domains_reward_sources(scripted):
+  """rl.reward_sources in a multi-turn run: an episode's reward is its domain's weighted sources, the
+  environment's reward standing for the verifier (the pool's verifier is not called) and the reward
+  model scoring the episode's text, through the step's collect (run.pool); `correct` stays the
+  environment's and the RM's score is reported per domain. Catches the sources ignored (the env
+  reward alone, as before), the pool's verifier scoring episodes, and a weight dropped."""
+  import types  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.rewards.pool import Dispatched, RewardPool  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.rewards.sources import SourcedRewards, parse_sources  # pylint: disable=import-outside-toplevel
+
+  class PlantedRM:  # a BatchScorer: each episode text's length / 10
+    seen = []
+
+    def dispatch(self, completions, examples):
+      self.seen += list(completions)
+      return Dispatched([], list(completions), {})
+
+    def finish(self, dispatched):
+      return np.asarray([len(t) / 10 for t in dispatched.completions], np.float32), {"errors": 0, "first_errors": []}
+
+  _, _, state, _, out = scripted
+  env = [1.0, 0.0, 0.5, 0.25]
+  out = dataclasses.replace(out, episodes=[dataclasses.replace(e, reward=r) for e, r in zip(out.episodes, env)])
+  verifier = RewardPool(lambda completion, example: 99.0, num_workers=1)
+  pool = SourcedRewards(verifier, parse_sources("a=reward_model:0.5,verifier:0.5;*=verifier"),
+                        {"reward_model": PlantedRM()})
+  cfg = configs.load("configs/tiny.py", SMALL + ["rl.dynamic_sampling=false"])
+  run = types.SimpleNamespace(
+      cfg=cfg, bootstrap=None, partial=None, replay=None, state=state, version=3, pool=pool,
+      multiturn=types.SimpleNamespace(rollout=lambda *args: out, env_work=types.SimpleNamespace(metrics=dict)))
+  examples = iter([{"prompt": "do the thing:", "domain": "a"}, {"prompt": "another task!", "domain": "b"}])
+  batch, metrics = mts.collect_multiturn(run, examples, jax.random.key(0))
+  rm = [len(t) / 10 for t in out.texts[:2]]
+  assert PlantedRM.seen == out.texts[:2] and len(set(rm)) == 2  # domain a's episodes, their whole text
+  np.testing.assert_allclose(batch.rewards, [0.5 * rm[0] + 0.5, 0.5 * rm[1], 0.5, 0.25], rtol=1e-6)
+  np.testing.assert_array_equal(batch.correct, env)
+  assert metrics["score/reward_model/a"] == pytest.approx(np.mean(rm))
+  pool.close()
+
+
 def test_config_refuses_only_what_no_engine_could_serve():
   """Every generation option composes with multi-turn episodes (the core serves them all); what is
   refused is a cache too short for an observation's slack and a budget below one turn, by name."""

@@ -446,3 +446,82 @@ def test_held_out_rm_score_is_reported_beside_verifier_accuracy(devices, rm_dir)
   assert metrics["eval/rm_score/b"] == pytest.approx(float(alone[2:].mean()), abs=1e-5)
   assert "eval/accuracy" in metrics and "eval/accuracy/b" in metrics
   evaluator.close()
+
+
+# --- several host processes -----------------------------------------------------------------------
+
+_HOST_WORKER = r"""
+import json, sys
+from meshrl.sharding import hosts
+coordinator, processes, process, payload = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+if processes > 1:
+  hosts.initialize(coordinator, processes, process)
+from meshrl import configs
+from meshrl.model.tokenizer import ByteTokenizer
+from meshrl.rl.rewards.sources import reward_pool
+from meshrl.sharding.mesh import make_mesh
+cfg = configs.load("configs/tiny.py", payload["overrides"])
+pool = reward_pool(cfg, make_mesh(cfg.mesh), ByteTokenizer())
+judge, verdicts = pool.scorers["judge"], []
+finish = judge.finish
+judge.finish = lambda d: (lambda out: (verdicts.extend(out[1]["verdicts"]), out)[1])(finish(d))
+samples = payload["samples"][process]  # this host's own (completion, example) pairs
+rewards, info = pool.score([c for c, _ in samples], [e for _, e in samples])
+pool.close()
+print("RESULT " + json.dumps({"rewards": rewards.tolist(), "verdicts": verdicts,
+                              "per_fn": {k: v.tolist() for k, v in info["per_fn"].items()},
+                              "rows": [pool.scorers["reward_model"].rows, judge.rows]}), flush=True)
+if processes > 1:
+  import jax
+  jax.distributed.shutdown()
+"""
+
+
+def test_model_sources_on_two_host_processes_score_as_on_one(tmp_path, rm_dir, judge_dir, rubric):
+  """Two host processes (2 devices each, one 4-device mesh) each score their own samples, unevenly
+  many and with their own mix of domains (host 0 has four reward-model samples and one for the
+  judge, host 1 three judge samples and none for the reward model: two calls of each, a host with no
+  sample of its own taking its part): every host's rewards, per-source scores and verdicts, in
+  process order, equal one process scoring all the samples on 4 devices. Catches a host that skips a
+  call the other makes (the job hangs), rows read from another host's part of a call, and padding
+  rows kept."""
+  import socket  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  words = ["abc", "dog", "sun", "map", "kiwi", "ox", "pear", "yak", "emu"]
+  domains = [["r", "v", "m", "r", "r"], ["j", "v", "j", "j"]]  # per host: host 1 has no RM sample
+  samples, at = [], 0
+  for host_domains in domains:
+    samples.append([[w[::-1] if i % 2 else w, {"prompt": f"rev {w}", "answer": w[::-1], "domain": d}]
+                    for i, (w, d) in enumerate(zip(words[at:], host_domains))])
+    at += len(host_domains)
+  overrides = SMALL + ["mesh.fsdp=4", "rl.prompts_per_step=1", "rl.group_size=4",
+                       "rl.reward_sources=r=reward_model;j=judge;m=reward_model:0.5,judge:0.5;*=verifier",
+                       f"rl.reward_model_checkpoint={rm_dir}", f"rl.judge_checkpoint={judge_dir}",
+                       f"rl.judge_rubrics=*={rubric}", "rl.judge_prompt_len=24", "rl.judge_max_tokens=5"]
+  script = tmp_path / "worker.py"
+  script.write_text(_HOST_WORKER)
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+  def start(processes, process, payload):
+    devices = 4 // processes
+    return subprocess.Popen([sys.executable, str(script), f"127.0.0.1:{port}", str(processes), str(process),
+                             json.dumps(payload)], env={**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  procs = [start(2, i, {"overrides": overrides, "samples": samples}) for i in range(2)]
+  procs.append(start(1, 0, {"overrides": overrides, "samples": [samples[0] + samples[1]]}))
+  outs = [p.communicate(timeout=300)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), [o[-2000:] for o in outs]
+  host0, host1, one = (json.loads(next(l for l in o.splitlines() if l.startswith("RESULT "))[7:]) for o in outs)
+  assert host0["rows"] == host1["rows"] == one["rows"] == [4, 4]  # 2 rows of each call per host
+  assert len(host0["verdicts"]) == 1 and len(host1["verdicts"]) == 3
+  assert host0["verdicts"] + host1["verdicts"] == one["verdicts"]
+  np.testing.assert_allclose(host0["rewards"] + host1["rewards"], one["rewards"], rtol=1e-5, atol=1e-5)
+  assert "reward_model" not in host1["per_fn"]  # host 1 scored no sample with it (its part of the calls aside)
+  rm_scores = np.asarray(host0["per_fn"]["reward_model"] + [0.0] * len(domains[1]))
+  np.testing.assert_allclose(rm_scores, one["per_fn"]["reward_model"], rtol=1e-5, atol=1e-5)
+  scored = [d in ("r", "m") for host_domains in domains for d in host_domains]
+  assert np.ptp(rm_scores[scored]) > 1e-3 and len(set(one["verdicts"])) > 1  # a row mix-up would show

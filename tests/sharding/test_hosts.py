@@ -228,7 +228,8 @@ def test_two_processes_gather_in_order_and_score_their_own_groups(tmp_path):
     assert got["shares"][str(groups)] == {"rewards": want.rewards[:2 * groups].tolist(),
                                           "texts": want.texts[:2 * groups],
                                           "domains": want.domains[:2 * groups], "valid": [True] * 2 * groups}
-  assert scored_here[0] == [want.texts[0:2]]  # 3 groups: host 0 scored group 0; 1 group: nothing
+  # 3 groups: host 0 scored group 0; 1 group: an empty batch (a reward model's calls span every host)
+  assert scored_here[0] == [want.texts[0:2], []]
   assert scored_here[1] == [want.texts[2:6], want.texts[0:2]]  # groups 1, 2; then group 0
 
   # Rollouts in flight: the saved state has both hosts' examples in order; each gets its own back.
@@ -336,3 +337,39 @@ def test_multi_turn_rl_on_two_processes_matches_one_process(tmp_path):
   evals_one, evals_two = read(tmp_path / "one" / "eval.jsonl"), read(tmp_path / "two" / "eval.jsonl")
   assert evals_two and [{k: v for k, v in r.items() if not _timing(k)} for r in evals_two] == [
       {k: v for k, v in r.items() if not _timing(k)} for r in evals_one]
+
+
+@pytest.mark.slow
+def test_rl_with_a_reward_model_on_two_processes_matches_one_process(tmp_path):
+  """scripts/rl.py with two domains, one scored by a reward model on the mesh and one by its verifier
+  (rl/rewards/sources.py), synchronous and then asynchronous: on two processes (each filling its own
+  rows of the reward model's calls with its own samples) the metrics, the reward model's per-domain
+  scores and eval/rm_score included, equal one process's. ~3 min."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from meshrl import configs  # pylint: disable=import-outside-toplevel
+  from meshrl.model.init import build_model  # pylint: disable=import-outside-toplevel
+  from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
+  from meshrl.train.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from meshrl.train.state import TrainState  # pylint: disable=import-outside-toplevel
+  small = ["model.num_layers=2", "model.embed_dim=32", "model.head_dim=8", "model.mlp_dim=32",
+           "moe.expert_mlp_dim=16", "rl.max_prompt_len=8", "rl.max_new_tokens=4", "model.max_seq_len=16",
+           "rl.prompts_per_step=4", "rl.group_size=2", "rl.sft_steps=0", "log.progress_bar=false",
+           "log.tensorboard=false", "log.plot=false", "eval.every=2", "eval.num_prompts=8",
+           "eval.batch_size=4", "rl.num_steps=3", "checkpoint.enabled=false", "mesh.fsdp=4",
+           "data.tasks=reverse:1.0,arithmetic:1.0"]
+  rm_cfg = configs.load("configs/tiny.py", small + ["model.value_head=true", "model.init_std=0.5"])
+  _, params, extra = nnx.split(build_model(ModelConfig.from_config(rm_cfg), None, seed=1), nnx.Param, ...)
+  with Checkpointer(str(tmp_path / "rm" / "checkpoints"), async_save=False) as ckpt:
+    ckpt.save(1, TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state={}, extra=extra),
+              config=rm_cfg, force=True)
+  sources = ["rl.reward_sources=reverse=reward_model", f"rl.reward_model_checkpoint={tmp_path / 'rm'}"]
+  for name, extra_options in (("sync", []), ("async", ["rl.max_staleness=1", "rl.tis_level=token"])):
+    one, two, read = _one_and_two_processes(tmp_path / name, "configs/tiny.py", small + sources + extra_options,
+                                            devices=4)
+    assert all("score/reward_model/reverse" in r for r in two), two[0].keys()
+    _assert_same_metrics(one, two)
+    evals_one, evals_two = read(tmp_path / name / "one" / "eval.jsonl"), read(tmp_path / name / "two" / "eval.jsonl")
+    assert "eval/rm_score" in evals_two[0]
+    assert [{k: v for k, v in r.items() if not _timing(k)} for r in evals_two] == [
+        {k: v for k, v in r.items() if not _timing(k)} for r in evals_one]
