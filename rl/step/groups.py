@@ -81,17 +81,18 @@ def score_rollout(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool
 
 def start_scoring(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool: RewardPool, *,
                   group_size: int, max_new_tokens: int, overlong_buffer: int,
-                  overlong_penalty_value: float) -> Callable[[], ScoredBatch]:
+                  overlong_penalty_value: float, normalize: bool | None = None) -> Callable[[], ScoredBatch]:
   """`score_rollout` in two halves: decodes the responses and submits them to `pool` (verifiers
   queued on its threads, model sources dispatched to the devices: nothing waits) -> `finish()`, which
-  waits for the scores and returns the ScoredBatch."""
+  waits for the scores and returns the ScoredBatch. normalize: passed to a SourcedRewards pool's
+  `collect` (False: the caller whitens per domain after gathering every host's rewards)."""
   columns = response_columns(arrays, max_new_tokens)
   texts = tokenizer.decode_batch(np.where(columns["response_mask"], columns["tokens"], tokenizer.pad_id))
   per_sample = [ex for ex in examples for _ in range(group_size)]
   pending = pool.submit(texts, per_sample)
 
   def finish() -> ScoredBatch:
-    rewards, info = pool.collect(pending)
+    rewards, info = pool.collect(pending) if normalize is None else pool.collect(pending, normalize=normalize)
     correct = rewards.astype(np.float32)
     shaped = correct + overlong_penalty(arrays["lengths"], max_len=max_new_tokens, buffer=overlong_buffer,
                                         penalty=overlong_penalty_value)

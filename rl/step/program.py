@@ -52,7 +52,7 @@ from meshrl.rl.step.spec import episode_runner, make_generator
 from meshrl.rl.batches.routes import RoutingRows
 from meshrl.rl.batches.rows import DeviceRows
 from meshrl.rl.rewards.pool import RewardPool
-from meshrl.rl.rewards.sources import reward_pool
+from meshrl.rl.rewards.sources import SourcedRewards, normalize_per_domain, reward_pool
 from meshrl.rl.algo.update import make_logprob_fn, make_update
 from meshrl.sharding import hosts
 from meshrl.sharding.rules import logical_to_spec, rules_from_config
@@ -318,17 +318,22 @@ def start_own_block(arrays: dict, examples: list[dict], tokenizer: Tokenizer, po
   responses = {**{k: v for k, v in arrays.items() if k in ("lengths", "truncated")},
                **response_columns(arrays, kw["max_new_tokens"])}
   own_arrays = {k: v[rows] for k, v in responses.items()}
-  own_finish = start_scoring(own_arrays, examples, tokenizer, pool, **kw) if examples else _nothing_to_score(
-      own_arrays, pool)
+  # rl.reward_norm="domain" whitens over the whole batch: after the gather, not within each host's block.
+  whiten = isinstance(pool, SourcedRewards) and pool.normalize_domains
+  own_finish = start_scoring(own_arrays, examples, tokenizer, pool, normalize=False if whiten else None, **kw) if (
+      examples) else _nothing_to_score(own_arrays, pool)
 
   def finish() -> ScoredBatch:
     own = own_finish()
     info = gather_scoring_info(own.info, rows.start, rows.stop - rows.start)
-    return ScoredBatch(arrays=arrays, rewards=hosts.gather_rows(own.rewards),
-                       correct=hosts.gather_rows(own.correct),
-                       sample_valid=hosts.gather_rows(own.sample_valid),
-                       domains=hosts.gather_objects(own.domains), texts=hosts.gather_objects(own.texts),
-                       info=info)
+    rewards, correct = hosts.gather_rows(own.rewards), hosts.gather_rows(own.correct)
+    domains = hosts.gather_objects(own.domains)
+    if whiten:  # the shaping (overlong penalty) kept on top, as with one process
+      whitened = normalize_per_domain(correct, domains)
+      rewards, correct = (rewards - correct + whitened).astype(np.float32), whitened
+    return ScoredBatch(arrays=arrays, rewards=rewards, correct=correct,
+                       sample_valid=hosts.gather_rows(own.sample_valid), domains=domains,
+                       texts=hosts.gather_objects(own.texts), info=info)
   return finish
 
 

@@ -342,9 +342,10 @@ def test_multi_turn_rl_on_two_processes_matches_one_process(tmp_path):
 @pytest.mark.slow
 def test_rl_with_a_reward_model_on_two_processes_matches_one_process(tmp_path):
   """scripts/rl.py with two domains, one scored by a reward model on the mesh and one by its verifier
-  (rl/rewards/sources.py), synchronous and then asynchronous: on two processes (each filling its own
-  rows of the reward model's calls with its own samples) the metrics, the reward model's per-domain
-  scores and eval/rm_score included, equal one process's. ~3 min."""
+  (rl/rewards/sources.py), synchronous and then asynchronous with the rewards whitened per domain
+  (over the whole batch, not each host's block): on two processes (each filling its own rows of the
+  reward model's calls with its own samples) the metrics, the reward model's per-domain scores and
+  eval/rm_score included, equal one process's. ~3 min."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from meshrl import configs  # pylint: disable=import-outside-toplevel
@@ -364,7 +365,8 @@ def test_rl_with_a_reward_model_on_two_processes_matches_one_process(tmp_path):
     ckpt.save(1, TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state={}, extra=extra),
               config=rm_cfg, force=True)
   sources = ["rl.reward_sources=reverse=reward_model", f"rl.reward_model_checkpoint={tmp_path / 'rm'}"]
-  for name, extra_options in (("sync", []), ("async", ["rl.max_staleness=1", "rl.tis_level=token"])):
+  for name, extra_options in (("sync", []), ("async", ["rl.max_staleness=1", "rl.tis_level=token",
+                                                     "rl.reward_norm=domain"])):
     one, two, read = _one_and_two_processes(tmp_path / name, "configs/tiny.py", small + sources + extra_options,
                                             devices=4)
     assert all("score/reward_model/reverse" in r for r in two), two[0].keys()
