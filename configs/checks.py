@@ -312,9 +312,6 @@ def check_rm_pairs(cfg) -> None:
     if cfg.rl.sft_steps < 1:
       raise ValueError(f"rm.pairs_from={cfg.rm.pairs_from!r} samples the warm-started policy, but "
                        f"rl.sft_steps={cfg.rl.sft_steps}: set rl.sft_steps >= 1, or rm.pairs_from=synthetic.")
-    if cfg.rl.get("multi_turn", False):
-      raise ValueError(f"rm.pairs_from={cfg.rm.pairs_from!r} samples single-turn completions, and "
-                       "rl.multi_turn=true: give the episodes' pairs as rm.train_jsonl with rm.pairs_from=synthetic.")
 
 
 SECTIONS: dict[str, Callable] = {

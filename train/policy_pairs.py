@@ -56,10 +56,13 @@ def pairs_from_samples(examples: Sequence[dict], samples: Sequence[Sequence[str]
 
 def training_examples(cfg, count: int, *, seed: int | None = None) -> list[dict]:
   """`count` examples with distinct prompts from the training side of data.tasks' hash split (never
-  a held-out prompt; fewer when the split has fewer)."""
-  from meshrl.rl.envs.mixture import TaskMixture, distinct_examples  # pylint: disable=import-outside-toplevel
+  a held-out prompt; fewer when the split has fewer); the multi-turn families data.tasks names
+  (rl.multi_turn: file tasks, terminal tasks) included."""
+  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.envs.mixture import TaskMixture, distinct_examples
+  from meshrl.rl.step.episodes import episode_pools
   mixture = TaskMixture(cfg.data.tasks, difficulty=cfg.data.difficulty, seed=cfg.seed if seed is None else seed,
-                        split="train", eval_fraction=cfg.data.eval_fraction)
+                        pools=episode_pools(cfg) or None, split="train", eval_fraction=cfg.data.eval_fraction)
   return distinct_examples(mixture, count)
 
 
@@ -92,6 +95,49 @@ def sample_policy(cfg, mesh, model, tokenizer, examples: Sequence[dict], *, samp
   return texts
 
 
+def sample_episodes(cfg, mesh, model, tokenizer, examples: Sequence[dict], *, samples: int, key: jax.Array,
+                    temperature: float | None = None) -> tuple[list[list[str]], list[list[bool]]]:
+  """A multi-turn run's (rl.multi_turn) samples: ([N][K] episodes of `model` for `examples` as text,
+  everything after the prompt (its turns and the observations between them: what a multi-turn run's
+  reward model reads, rl/step/episode_collect.scored_batch), [N][K] whether each was solved (its
+  environment's reward > 0, as eval/accuracy counts)), K = `samples` each at `temperature` (default
+  rl.temperature) through the run's episode runner and environments, eval.batch_size examples at a
+  time (the last padded with its own last example; the padding's episodes dropped)."""
+  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.step.spec import episode_runner
+  from meshrl.train.state import split_model
+  _, params, extra = split_model(model)
+  runner = episode_runner(cfg, mesh, tokenizer, group_size=samples, temperature=temperature, complete=True)
+  processes = jax.process_count()  # each host runs the environments of an equal block of rows
+  batch = -(-min(cfg.eval.batch_size, len(examples)) // processes) * processes
+  texts: list[list[str]] = []
+  solved: list[list[bool]] = []
+  try:
+    for start in range(0, len(examples), batch):
+      chunk = list(examples[start:start + batch])
+      padded = chunk + [chunk[-1]] * (batch - len(chunk))
+      out = runner.rollout(params, extra, padded, jax.random.fold_in(key, start))
+      for i in range(len(chunk)):
+        rows = slice(i * samples, (i + 1) * samples)
+        texts.append(list(out.texts[rows]))
+        solved.append([e.reward > 0 for e in out.episodes[rows]])
+  finally:
+    runner.close()
+  return texts, solved
+
+
+def labelled_samples(cfg, mesh, model, tokenizer, examples: Sequence[dict], *, samples: int, key: jax.Array,
+                     temperature: float | None = None) -> tuple[list[list[str]], list[list[bool]]]:
+  """([N][K] samples, [N][K] verifier-right): single-turn completions (`sample_policy`) graded by the
+  task's verifier (answer_reward >= 1), or with rl.multi_turn whole episodes graded by their
+  environments (`sample_episodes`)."""
+  if cfg.rl.get("multi_turn", False):
+    return sample_episodes(cfg, mesh, model, tokenizer, examples, samples=samples, key=key, temperature=temperature)
+  from meshrl.rl.rewards import answer_reward  # pylint: disable=import-outside-toplevel
+  texts = sample_policy(cfg, mesh, model, tokenizer, examples, samples=samples, key=key, temperature=temperature)
+  return texts, [[answer_reward(t, e) >= 1.0 for t in ts] for e, ts in zip(examples, texts)]
+
+
 def policy_temperatures(cfg) -> list[float]:
   """rm.policy_temperatures as numbers ("" = [rl.temperature])."""
   items = [t.strip() for t in str(cfg.rm.policy_temperatures).split(",") if t.strip()]
@@ -104,22 +150,30 @@ def policy_pairs(cfg, mesh, model, tokenizer, *, report: Callable[[str], None] =
   rm.policy_temperatures) of
   rm.policy_prompts training-split prompts; held out: the prompts i % HELD_OUT_EVERY == 7 (training
   split, not trained on). ValueError naming rm.policy_prompts when a side has no pair."""
-  from meshrl.rl.rewards import answer_reward  # pylint: disable=import-outside-toplevel
   examples = training_examples(cfg, cfg.rm.policy_prompts)
-  texts = [[] for _ in examples]
+  texts, right = [[] for _ in examples], [[] for _ in examples]
   for i, temperature in enumerate(policy_temperatures(cfg)):
-    for mine, more in zip(texts, sample_policy(cfg, mesh, model, tokenizer, examples, samples=cfg.rm.policy_samples,
-                                               key=jax.random.key(cfg.seed + 3571 + i), temperature=temperature)):
+    more_texts, more_right = labelled_samples(cfg, mesh, model, tokenizer, examples, samples=cfg.rm.policy_samples,
+                                              key=jax.random.key(cfg.seed + 3571 + i), temperature=temperature)
+    for mine, mine_right, more, more_r in zip(texts, right, more_texts, more_right):
       mine.extend(more)
-  is_correct = lambda text, example: answer_reward(text, example) >= 1.0  # noqa: E731
+      mine_right.extend(more_r)
+  # A sample's label by (prompt, text); a text sampled twice is right when either copy was.
+  labels = {}
+  for example, ts, rs in zip(examples, texts, right):
+    for text, ok in zip(ts, rs):
+      labels[(example["prompt"], text)] = labels.get((example["prompt"], text), False) or bool(ok)
+  is_correct = lambda text, example: labels[(example["prompt"], text)]  # noqa: E731
   held = [i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 for i in range(len(examples))]
   side = lambda keep: pairs_from_samples(  # noqa: E731
       [e for e, h in zip(examples, held) if h == keep], [t for t, h in zip(texts, held) if h == keep],
       is_correct=is_correct, origin="policy sample (held out)" if keep else "policy sample")
   train, held_out = side(False), side(True)
-  right = np.mean([[is_correct(t, e) for t in ts] for e, ts in zip(examples, texts)])
-  report(f"policy pairs: {len(examples)} training-split prompts x {cfg.rm.policy_samples} samples at "
-         f"T={','.join(map(str, policy_temperatures(cfg)))}, {right:.1%} verifier-right; {len(train)} training pairs, {len(held_out)} held out")
+  share_right = np.mean([ok for rs in right for ok in rs])
+  kind = "episodes" if cfg.rl.get("multi_turn", False) else "samples"
+  report(f"policy pairs: {len(examples)} training-split prompts x {cfg.rm.policy_samples} {kind} at "
+         f"T={','.join(map(str, policy_temperatures(cfg)))}, {share_right:.1%} verifier-right; {len(train)} training "
+         f"pairs, {len(held_out)} held out")
   for pairs, name in ((train, "training"), (held_out, "held-out")):
     if not pairs:
       raise ValueError(f"rm.policy_prompts={cfg.rm.policy_prompts}: the warm-started policy's samples give no "

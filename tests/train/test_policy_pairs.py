@@ -91,6 +91,42 @@ def test_pairs_over_a_models_samples_are_right_over_wrong_of_one_prompt(monkeypa
   assert pp.sample_policy(cfg, mesh, model, tokenizer, examples[:16], samples=4, key=key) == samples[:16]
 
 
+def test_a_multi_turn_runs_pairs_are_whole_episodes_graded_by_their_environments(monkeypatch):
+  """rl.multi_turn: the samples are whole episodes of the run's episode runner (the text after the
+  prompt, what the RL step's reward model reads) on the multi-turn families of data.tasks, each
+  labelled by its own environment's reward. A planted environment rewards an action whose first
+  character's code is even, so every label can be checked against its text: catches labels from the
+  verifier instead of the environment, episodes given to another example, and the padding's kept."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  from meshrl.model.tokenizer import tokenizer_from_config
+  from meshrl.rl.envs.base import StepResult
+  from meshrl.rl.step import episodes
+  from meshrl.sharding import make_mesh
+  from meshrl.train.init_from import initial_model
+
+  class Planted:
+    def reset(self, task):
+      return task["prompt"]
+
+    def step(self, action):
+      return StepResult("", float(action[:1] != "" and ord(action[0]) % 2 == 0), True, {})
+  monkeypatch.setattr(episodes, "default_env", lambda example: Planted())
+  cfg = configs.load(os.path.join(REPO, "configs/tiny_agent.py"), [
+      "model.num_layers=1", "model.embed_dim=32", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
+      "model.mlp_dim=64", "moe.num_experts=0", "model.init_std=0.5", "rl.max_new_tokens=24", "rl.max_turn_tokens=8",
+      "rl.max_obs_tokens=8", "eval.batch_size=4", "rl.temperature=1.0", "rm.pairs_from=policy"])
+  mesh = make_mesh(cfg.mesh)
+  examples = pp.training_examples(cfg, 5)
+  assert len(examples) == 5 and all(e.get("verifier") for e in examples)  # the files family's tasks
+  texts, solved = pp.labelled_samples(cfg, mesh, initial_model(cfg, mesh), tokenizer_from_config(cfg), examples,
+                                      samples=3, key=jax.random.key(0))
+  assert [len(t) for t in texts] == [len(r) for r in solved] == [3] * 5  # the padded batch's extra dropped
+  labels = [ok for rs in solved for ok in rs]
+  assert labels == [t[:1] != "" and ord(t[0]) % 2 == 0 for ts in texts for t in ts]
+  assert 0 < sum(labels) < len(labels) and len({t for ts in texts for t in ts}) > 5
+
+
 def test_no_held_out_prompt_is_paired(monkeypatch):
   """Every sampled prompt gets a right and a wrong sample, so every prompt drawn is paired: none may
   be a held-out one (the eval side of data.eval_fraction, or a prompt the evaluation draws)."""
