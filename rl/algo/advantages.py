@@ -320,8 +320,9 @@ def make_estimator(name: str, *, eps: float = 1e-6, gamma: float = 1.0, lam: flo
   return dataclasses.replace(estimator, **{k: v for k, v in given.items() if k in fields})
 
 
-def make_advantages(cfg):
-  """The jitted advantage stage of the RL step, built from the config:
+def make_advantages(cfg, estimator=None):
+  """The jitted advantage stage of the RL step, built from the config and `estimator` (the run
+  spec's, rl/step/run_spec.RunSpec.estimator; default made from rl.advantage):
 
     advantages_fn(rewards [B], loss_mask [B, S], sample_valid [B], old_logprobs [B, S],
                   ref_logprobs [B, S] or None, values [B, S] or None)
@@ -333,7 +334,8 @@ def make_advantages(cfg):
   the KL is in the reward.
   """
   rl = cfg.rl
-  estimator = make_estimator(rl.advantage, eps=rl.adv_eps, gamma=rl.gamma, lam=rl.gae_lambda)
+  if estimator is None:
+    estimator = make_estimator(rl.advantage, eps=rl.adv_eps, gamma=rl.gamma, lam=rl.gae_lambda)
   group_size = int(rl.group_size)
   kl_in_reward, coef, kind = bool(rl.kl_in_reward), float(rl.kl_coef), rl.kl_estimator
   from meshrl.rl.algo.losses import kl_reward_penalty, masked_mean  # pylint: disable=import-outside-toplevel

@@ -79,7 +79,6 @@ from meshrl.model import pipeline
 from meshrl.model.init import parameter_counts
 from meshrl.model.ring_attention import zigzag_on_mesh
 from meshrl.model.transformer import ModelConfig, Transformer
-from meshrl.rl.algo import advantages as adv_lib
 from meshrl.rl.algo import losses
 from meshrl.rl.batches import routes
 from meshrl.rl.batches.handover import ALIGNED_FROM, UpdateBatch, align_arrays
@@ -88,7 +87,7 @@ from meshrl.rl.generation.state import Counters, Pool, Slots, empty_slots
 from meshrl.rl.generation.tiers import row_bytes
 from meshrl.rl.step.aot_report import (  # noqa: F401  (the report's names, read as aot.X by the scripts)
     ASSUMED_MFU, HBM_FRACTION, StepReport, host_tier_line, largest_arguments, markdown_table, oom_diagnosis)
-from meshrl.rl.step.run_spec import ModelNumbers, model_numbers
+from meshrl.rl.step.run_spec import ModelNumbers, RunSpec, estimator_and_loss, model_numbers
 from meshrl.rl.step.spec import draft_run_config, generation_spec, rollout_model_config
 from meshrl.rl.algo.update import make_update
 from meshrl.sharding import traffic
@@ -244,10 +243,8 @@ def update_program(cfg, mesh: Mesh, numbers: ModelNumbers | None = None) -> Prog
   """rl/algo/update.py `make_update` over the abstract train state and UpdateBatch. numbers: the
   run's model numbers on `mesh` (run_spec.model_numbers, or its RunSpec), default built from cfg;
   every program below takes them."""
-  estimator = adv_lib.make_estimator(cfg.rl.advantage, eps=cfg.rl.adv_eps, gamma=cfg.rl.gamma,
-                                     lam=cfg.rl.gae_lambda)
-  spec = dataclasses.replace(losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic),
-                             zigzag_inputs=zigzag_shards(cfg, mesh) > 1)
+  loss = numbers.loss if isinstance(numbers, RunSpec) else estimator_and_loss(cfg)[1]  # the run spec's
+  spec = dataclasses.replace(loss, zigzag_inputs=zigzag_shards(cfg, mesh) > 1)
   tx = make_optimizer(cfg.optim)
   mc = _numbers(cfg, mesh, numbers).model
   graphdef, state = abstract_train_state(_model(cfg, mc), tx, mesh, rules_from_config(cfg.mesh))

@@ -142,7 +142,7 @@ def build_run(cfg, mesh, model, tokenizer: Tokenizer, *, env_work=None, spec: Ru
       logprob_fn=make_logprob_fn(graphdef, temperature=cfg.rl.temperature,
                                  replay_routing=cfg.rl.replay_routing,
                                  logits_chunk=spec.logits_chunk, zigzag_inputs=spec.zigzag_inputs),
-      advantages_fn=adv_lib.make_advantages(cfg), tokenizer=tokenizer,
+      advantages_fn=adv_lib.make_advantages(cfg, run_spec.estimator), tokenizer=tokenizer,
       pool=reward_pool(cfg, mesh, tokenizer,  # verifiers, and reward models / judges per domain
                        on_given_up=env_work.record if env_work is not None else None),
       env_work=env_work if env_work is not None else getattr(multiturn, "env_work", None),

@@ -121,11 +121,10 @@ def build_spec(cfg, mesh: Mesh | None = None, *, tokenizer: Tokenizer | None = N
   builders `check_config` uses (each checks its own fields) without the run's cross-checks.
   tokenizer: default cfg.model.tokenizer's."""
   numbers = model_numbers(cfg, mesh)
-  estimator = _estimator(cfg)
+  estimator, loss = estimator_and_loss(cfg)
   tokenizer = tokenizer_from_config(cfg) if tokenizer is None else tokenizer
   rows, row_len = update_shape(cfg)
-  return RunSpec(cfg=cfg, model=numbers.model, rollout_model=numbers.rollout_model, estimator=estimator,
-                 loss=losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic),
+  return RunSpec(cfg=cfg, model=numbers.model, rollout_model=numbers.rollout_model, estimator=estimator, loss=loss,
                  generation=_generation(cfg, tokenizer), tokenizer=tokenizer, multi_turn=wants_multi_turn(cfg),
                  update_rows=rows, update_row_len=row_len)
 
@@ -133,6 +132,13 @@ def build_spec(cfg, mesh: Mesh | None = None, *, tokenizer: Tokenizer | None = N
 def _estimator(cfg):
   rl = cfg.rl
   return adv_lib.make_estimator(rl.advantage, eps=rl.adv_eps, gamma=rl.gamma, lam=rl.gae_lambda)
+
+
+def estimator_and_loss(cfg) -> tuple[Any, losses.LossSpec]:
+  """(the advantage estimator, the loss spec) of `cfg`, as the run spec holds them: for a program
+  built without the whole spec (rl/step/aot.update_program)."""
+  estimator = _estimator(cfg)
+  return estimator, losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic)
 
 
 def _generation(cfg, tokenizer: Tokenizer) -> GenerationSpec:
