@@ -94,13 +94,12 @@ def check_config(cfg, num_devices: int | None = None, *, mesh: Mesh | None = Non
   numbers = model_numbers(cfg, mesh)
   _check_optimizer(cfg)
   rl = cfg.rl
-  estimator = _estimator(cfg)
+  estimator, loss = estimator_and_loss(cfg)
   if estimator.needs_groups and rl.group_size < 2:
     raise ValueError(f"rl.advantage={rl.advantage!r} is group-relative and needs rl.group_size >= 2,"
                      f" got {rl.group_size}.")
   if estimator.needs_critic and not cfg.model.value_head:
     raise ValueError("rl.advantage='gae' needs a critic: set model.value_head=true.")
-  loss = losses.LossSpec.from_config(cfg, needs_critic=estimator.needs_critic)
   rows, row_len = _check_shapes(cfg)
   tokenizer = tokenizer_from_config(cfg) if tokenizer is None else tokenizer
   # scheduler, proposer, sampler, int8 and layout options, cache length
