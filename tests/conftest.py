@@ -13,8 +13,16 @@ from meshrl.configs.cli import simulate_cpu_devices  # imports no jax
 # Test programs are tiny and compiled once each, so XLA:CPU's compile time dominates the suite: LLVM
 # at -O1 instead of -O2 cuts backend compile by about a third on the RL update and runs these shapes
 # no slower (tests/rl/test_loop.py's learning run: 58 s against 75 s). Benchmarks and jobs keep -O2.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=1").strip()
+# XLA:CPU's new fusion emitters and its parallel codegen (the module split into LLVM pieces compiled
+# on a thread pool) cost more than they give on programs this small with two cores busy: off, the
+# generation and update tests took 148 s of wall time and 227 CPU-s on two workers against 211 s and
+# 364 CPU-s (2026-12-04, `pytest tests/rl/test_generation.py tests/rl/test_update.py`). Set one of them
+# in XLA_FLAGS yourself to override the test default.
+_TEST_XLA_FLAGS = {"xla_backend_optimization_level": "1", "xla_cpu_use_fusion_emitters": "false",
+                   "xla_cpu_parallel_codegen_split_count": "1"}
+for _flag, _value in _TEST_XLA_FLAGS.items():
+  if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --{_flag}={_value}").strip()
 simulate_cpu_devices(8)
 
 # Tests run on 4 KiB pages: huge pages (configs/hugepages.py) did not make the suite faster (its time
