@@ -53,7 +53,9 @@ from meshrl.rl.sandbox.bwrap import WORK, Runtime, base_env, bwrap_argv, check_b
 from meshrl.rl.sandbox.limits import HOST_GRACE_S, OUTPUT_KILL_FACTOR, Limits
 from meshrl.rl.sandbox.runner import UID_BASE, _UIDS, _kill_sandbox, _wait_or_kill
 
-_SUPERVISOR = (pathlib.Path(__file__).parent / "session_shell.py").read_text()
+# The supervisor's program: its helpers, then the supervisor (`python3 -c` runs one source text).
+_SUPERVISOR = "\n".join((pathlib.Path(__file__).parent / name).read_text()
+                         for name in ("session_support.py", "session_shell.py"))
 START_TIMEOUT_S = 20.0  # bwrap, the supervisor and bash up and answering
 ESCALATION_S = 1.5  # the supervisor's interrupt, kill and restart steps after a command's timeout
 DEFAULT_SESSION_S = 1800.0
