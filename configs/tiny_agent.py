@@ -1,11 +1,13 @@
 """The agent demo: a tiny MoE policy learns a two-step tool episode by GRPO on multi-turn rollouts.
 
 Run it:  python scripts/rl.py --config=configs/tiny_agent.py
-Expect (docs/benchmarks.md "The multi-turn agent demo"; 2 shared cores): held-out greedy multi-turn
-success 10.9% after the warm start -> 25.0% after 80 GRPO steps with this preset (MoE, routing replay,
-continuous engine, asynchronous RL), about 4 minutes in all. The dense, synchronous recipe
-(moe.num_experts=0, rl.engine=static, rl.max_staleness=0, rl.tis_level=none, rl.replay_routing=false)
-measured 6.2% -> 53.1% (the code before the generation engine: 6.2% -> 43.8%).
+Expect (docs/benchmarks.md "The multi-turn agent demo"; 2 cores): held-out greedy multi-turn success
+10.9% after the warm start -> 53-64% after 320 GRPO steps with this preset (MoE, routing replay,
+continuous engine, asynchronous RL; 25% after 80 steps, 53-61% after 240: the MoE asynchronous policy
+learns steadily but more slowly than the dense synchronous one), about 5 minutes in all. The dense,
+synchronous recipe (moe.num_experts=0, rl.engine=static, rl.max_staleness=0, rl.tis_level=none,
+rl.replay_routing=false, rl.num_steps=80) measured 6.2% -> 53.1% (the code before the generation
+engine: 6.2% -> 43.8%).
 Task (rl/envs/file_tasks.py, "files_copy"): "copy q.txt to f.txt:" with one of 16 words in q.txt that
 the prompt does not show; solved by <cmd>cat q.txt</cmd> -> "owl", <cmd>echo owl > f.txt</cmd>, <done>.
 The observation must be read and copied, so the episode is really multi-turn. Held-out prompts are the
@@ -22,9 +24,9 @@ per episode, the example's file written into its work directory, the policy's co
 (observations are the real shell's output and exit status), the target file checked by a command the
 harness runs beside the shell. Its recipe is the dense synchronous one above (the MoE asynchronous
 preset in the sandbox: docs/benchmarks.md), with room for the shell's longer observations
-(rl.max_obs_tokens=24, rl.max_new_tokens=112). Measured: held-out 28.1% after the warm start -> 45.3%
-after 80 steps, 6 min 23 s on the shared machine under load (sessions recycled between episodes;
-docs/benchmarks.md "The multi-turn agent demo" has the variants tried).
+(rl.max_obs_tokens=24, rl.max_new_tokens=112) and 240 RL steps. Measured: held-out 28.1% after the warm
+start -> 70.3% after 240 steps (59.4% in a 200-step run), 6 min 47 s for the whole command on 2 idle
+cores (docs/benchmarks.md "The multi-turn agent demo" has the curves and the variants tried).
 """
 
 from meshrl.configs.loader import load_preset
@@ -56,7 +58,7 @@ def get_config(arg=None):
   config.rl.engine = "continuous"  # episodic: an episode's slot pauses for its environment, the others decode on
   config.rl.max_staleness = 1  # asynchronous: batch k+1's episodes run while batch k is scored and updated
   config.rl.tis_level = "token"  # importance-correct the one-update-old samples
-  config.rl.num_steps = 80
+  config.rl.num_steps = 320  # sampled success rises steadily, 0.10 -> 0.64 (measured; 80 steps: held-out 25%)
   config.rl.prompts_per_step = 8
   config.rl.group_size = 8
   config.rl.num_minibatches = 2
@@ -68,7 +70,7 @@ def get_config(arg=None):
   config.rl.sft_batch_size = 16
   config.data.seq_len = 128
   config.data.tasks = "files_copy:1.0"  # rl/envs/file_tasks.py (presets import nothing but configs)
-  config.eval.every = 10
+  config.eval.every = 20
   config.eval.num_prompts = 64
   config.eval.batch_size = 64
   config.checkpoint.every = 50
@@ -88,6 +90,8 @@ def get_config(arg=None):
     config.rl.max_staleness = 0
     config.rl.tis_level = "none"
     config.rl.replay_routing = False
+    config.rl.num_steps = 240  # held-out 28.1% -> 50.0% at step 80, 59.4% at 200 (measured)
+    config.eval.every = 20
   elif arg:
     raise ValueError(f"configs/tiny_agent.py takes no option {arg!r}; options: quick, sandbox.")
   return config
