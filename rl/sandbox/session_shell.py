@@ -48,7 +48,6 @@ import json
 import marshal
 import os
 import select
-import time
 
 import _signal
 import resource
