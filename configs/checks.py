@@ -76,6 +76,7 @@ def check_rl(cfg) -> None:
   at_least(cfg, "rl.num_steps", 0, " (0 = the warm start alone)")
   at_least(cfg, "rl.sft_steps", 0, " (0 = no warm start)")
   at_least(cfg, "rl.num_minibatches", 1)
+  at_least(cfg, "rl.packed_row_buckets", 1, " (1 = the one static packed shape)")
   at_least(cfg, "rl.sft_batch_size", 1)
   if cfg.rl.sft_steps:
     positive(cfg, "rl.sft_learning_rate", " (a warm start with a rate <= 0 does not descend)")

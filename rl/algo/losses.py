@@ -450,6 +450,8 @@ class LossSpec:
   num_sequences: int = 0  # samples per update batch (the range of sequence_ids)
   minibatch_sequences: int = 0  # samples per minibatch of the padded layout (constant_norm's B)
   logits_chunk: int = 0  # > 0: log-probs and entropy chunk by chunk, no [tokens, vocab] logits
+  proximal_in_update: bool = False  # TIS over one minibatch and one epoch: the proximal log-probs are
+  #                                   the update's own forward (stop-gradient), not a second forward
   zigzag_inputs: bool = False  # update batches are laid out zigzag over `sequence` (set with the mesh:
   #                              rl/step/program.py build_run, rl/step/aot.py), which splash's ring must be told
 
@@ -490,7 +492,12 @@ class LossSpec:
         tis_level=rl.tis_level, tis_cap=float(rl.tis_cap), packed=bool(rl.pack_updates),
         num_sequences=num_sequences,
         minibatch_sequences=num_sequences // max(int(rl.num_minibatches), 1),
-        logits_chunk=int(cfg.attention.logits_chunk))
+        logits_chunk=int(cfg.attention.logits_chunk),
+        # One minibatch of one epoch is updated under the very parameters the proximal policy is
+        # recomputed with, so the update's forward gives those log-probs (exactly, bar fusion order).
+        # A critic needs that forward's values, and a KL penalty in the reward its log-probs, before it.
+        proximal_in_update=(rl.tis_level != "none" and rl.epochs * rl.num_minibatches == 1
+                            and not needs_critic and not rl.kl_in_reward))
 
   @property
   def critic(self) -> bool:
@@ -530,7 +537,8 @@ class LossSpec:
     if self.replay_routing and self.moe:
       terms.append("routing replay")
     if self.tis_level != "none":
-      terms.append(f"{self.tis_level}-level TIS capped at {self.tis_cap}")
+      terms.append(f"{self.tis_level}-level TIS capped at {self.tis_cap}"
+                   + (" (proximal log-probs from the update's forward)" if self.proximal_in_update else ""))
     if self.packed:
       terms.append("packed rows")
     return ", ".join(terms)

@@ -73,20 +73,23 @@ def rl_loss(params, extra, graphdef, batch: UpdateBatch, spec: losses.LossSpec):
   mask = batch.loss_mask
   sequences = spec.sequences(batch.sequence_ids)  # None unless packed rows
   agg = dict(loss_agg=spec.loss_agg, max_len=spec.max_len, sequences=sequences)
+  # The proximal (old) policy: recomputed before the update, or this forward's own log-probs when the
+  # update is one minibatch of one epoch (spec.proximal_in_update: the same parameters).
+  old_logprobs = jax.lax.stop_gradient(logp) if spec.proximal_in_update else batch.old_logprobs
   # Truncated importance weights: proximal (old) vs behaviour (rollout) policy, constants.
   is_weights, metrics = None, {}
   if spec.tis_level != "none":
     is_weights, metrics = losses.truncated_is_weights(
-        batch.old_logprobs, batch.behaviour_logprobs, mask, level=spec.tis_level, cap=spec.tis_cap,
+        old_logprobs, batch.behaviour_logprobs, mask, level=spec.tis_level, cap=spec.tis_cap,
         sequences=sequences)
   # Policy: clipped surrogate (token ratio for PPO/GRPO, sequence ratio for GSPO), TIS-weighted.
   loss, policy_metrics = losses.policy_loss(
-      logp, batch.old_logprobs, batch.advantages, mask, clip_low=spec.clip_low,
+      logp, old_logprobs, batch.advantages, mask, clip_low=spec.clip_low,
       clip_high=spec.clip_high, dual_clip=spec.dual_clip, ratio=spec.ratio, is_weights=is_weights,
       **agg)
   metrics.update(policy_metrics)
   metrics["logprob_diff_max"] = jnp.max(jnp.where(mask, jnp.abs(jax.lax.stop_gradient(logp)
-                                                                - batch.old_logprobs), 0.0))
+                                                                - old_logprobs), 0.0))
   # Entropy: a bonus when entropy_coef > 0, always a metric.
   entropy, entropy_metrics = losses.entropy_term(token_entropy, mask, **agg)
   if spec.entropy_coef:

@@ -67,7 +67,8 @@ class UpdateBatch:
   Optional (None when absent; `check` says which a LossSpec needs): ref_logprobs [B, S] (KL),
   old_values and returns [B, S] (critic), routing [B, L, S, K] int32 (MoE routing replay),
   behaviour_logprobs [B, S] (truncated importance weights: the rollout's log-probs, while
-  old_logprobs are then the proximal policy's, recomputed before the update), sequence_ids [B, S]
+  old_logprobs are then the proximal policy's, recomputed before the update, or the behaviour's
+  again, unread, when the update's own forward is the proximal policy: LossSpec.proximal_in_update), sequence_ids [B, S]
   int32 (packed rows, rl/batches/packing.py: the sample of each token, -1 on padding).
 
   `old_logprobs` is the proximal policy of the clipped ratio: the rollout's log-probs when no

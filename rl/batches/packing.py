@@ -13,7 +13,12 @@ Each trajectory keeps its positions (0.. over its real tokens) and gets its own 
 (model/attention.py masks by segment ids and positions alone). `sequence_ids` (sample index, -1 on
 padding) lets the losses reduce per sample (rl/algo/losses.py `Sequences`).
 
-The packed shape [R, W] is static per run (`rl.packed_rows`, `rl.packed_row_len`): one compile.
+The packed shape [R, W] is static per run (`rl.packed_rows`, `rl.packed_row_len`): one compile. With
+`rl.packed_row_buckets` = n > 1 a step takes the fewest rows of the ladder R, R/2, ..., R/2^(n-1) that
+hold its trajectories (one compile per rung; the ladder stops early at a half that would not split
+into the minibatches over the data-parallel axes): dynamic sampling keeps only the groups whose rewards
+differ, and the update then costs what the kept samples need, not what the rollout made (the groups
+it drops would have been forwarded and backpropagated with a zero mask).
 Rows are filled longest trajectory first into the least-loaded row (LPT), so their token counts
 differ by at most one trajectory: every minibatch (a random subset of rows) and every data-parallel
 shard of it gets about the same number of real tokens. When that spread leaves no row with room for
@@ -47,9 +52,11 @@ from meshrl.sharding import hosts
 @dataclasses.dataclass(frozen=True)
 class PackingSpec:
   """The static packed shape and layout of a run."""
-  rows: int  # R packed rows per update batch
+  rows: int  # R packed rows per update batch (the most, with buckets)
   row_len: int  # W tokens per row
   zigzag_shards: int = 1  # > 1: columns laid out zigzag over this many sequence shards
+  ladder: tuple[int, ...] = ()  # the row counts a step may take, fewest first, ending at rows
+  #                               (rl/step/run_spec.update_row_ladder); () = rows alone
 
   def __post_init__(self):
     if self.rows < 1 or self.row_len < 1:
@@ -58,12 +65,30 @@ class PackingSpec:
     if self.zigzag_shards > 1 and self.row_len % (2 * self.zigzag_shards):
       raise ValueError(f"rl.packed_row_len={self.row_len} is not divisible by {2 * self.zigzag_shards} "
                        f"(2 x mesh.sequence for attention.zigzag).")
+    if self.ladder and (self.ladder[-1] != self.rows or list(self.ladder) != sorted(set(self.ladder))
+                        or self.ladder[0] < 1):
+      raise ValueError(f"the packed row ladder {self.ladder} must rise to rl.packed_rows={self.rows}.")
 
   @classmethod
-  def from_config(cls, cfg, *, zigzag_shards: int = 1) -> "PackingSpec":
-    """rl.packed_rows (0 = one row per sample) x rl.packed_row_len (0 = prompt + response budget)."""
+  def from_config(cls, cfg, *, zigzag_shards: int = 1, ladder: tuple[int, ...] = ()) -> "PackingSpec":
+    """rl.packed_rows (0 = one row per sample) x rl.packed_row_len (0 = prompt + response budget);
+    `ladder`: RunSpec.update_row_ladder (rl.packed_row_buckets)."""
     rows, row_len = update_shape(cfg)
-    return cls(rows=rows, row_len=row_len, zigzag_shards=zigzag_shards)
+    return cls(rows=rows, row_len=row_len, zigzag_shards=zigzag_shards, ladder=tuple(ladder))
+
+  @property
+  def row_ladder(self) -> tuple[int, ...]:
+    """The row counts a step may take, fewest first."""
+    return self.ladder or (self.rows,)
+
+
+def halvings(rows: int, rungs: int, fits) -> tuple[int, ...]:
+  """rows, rows / 2, ... (at most `rungs` counts, each a whole half that `fits(count)`), fewest first:
+  the row ladder of rl.packed_row_buckets."""
+  ladder = [rows]
+  while len(ladder) < rungs and ladder[-1] % 2 == 0 and fits(ladder[-1] // 2):
+    ladder.append(ladder[-1] // 2)
+  return tuple(reversed(ladder))
 
 
 def update_rows(cfg) -> int:
@@ -182,18 +207,28 @@ def assign_rows(lengths: np.ndarray, rows: int, row_len: int) -> np.ndarray:
 
   Raises ValueError naming rl.packed_row_len for a trajectory longer than a row, and rl.packed_rows
   when the trajectories do not fit into the rows at all."""
+  return fit_rows(lengths, (rows,), row_len)[0]
+
+
+def fit_rows(lengths: np.ndarray, ladder: tuple[int, ...], row_len: int) -> tuple[np.ndarray, int]:
+  """(row of each sample [B], rows): `assign_rows` into the fewest rows of `ladder` (fewest first,
+  PackingSpec.row_ladder) that hold the trajectories. Raises as `assign_rows` does, naming the
+  largest rung."""
   lengths = np.asarray(lengths, np.int64)
   if lengths.size and lengths.max() > row_len:
     b = int(np.argmax(lengths))
     raise ValueError(f"sample {b} has {int(lengths[b])} real tokens, more than rl.packed_row_len={row_len}; "
                      "a trajectory must fit in one packed row.")
   order = np.argsort(-lengths, kind="stable")
-  for least_loaded in (True, False):
-    row_of = _fill_rows(lengths, order, rows, row_len, least_loaded=least_loaded)
-    if row_of is not None:
-      return row_of
+  for rows in ladder:
+    if lengths.sum() > rows * row_len:
+      continue  # cannot hold the tokens: no search
+    for least_loaded in (True, False):
+      row_of = _fill_rows(lengths, order, rows, row_len, least_loaded=least_loaded)
+      if row_of is not None:
+        return row_of, rows
   raise ValueError(f"the step's {int((lengths > 0).sum())} trajectories ({int(lengths.sum())} tokens, longest "
-                   f"{int(lengths.max())}) do not fit in rl.packed_rows={rows} rows of rl.packed_row_len="
+                   f"{int(lengths.max())}) do not fit in rl.packed_rows={ladder[-1]} rows of rl.packed_row_len="
                    f"{row_len} tokens; raise rl.packed_rows (a padded batch has one row per sample).")
 
 
@@ -208,10 +243,10 @@ def plan_from_spans(starts: np.ndarray, lengths: np.ndarray, spec: PackingSpec, 
   """`plan_packing` from the samples' spans (`trajectory_spans` or `device_spans`; length 0: left
   out) in a padded layout of `num_columns` columns."""
   num_samples = len(lengths)
-  row_of = assign_rows(lengths, spec.rows, spec.row_len)
-  sample = np.full((spec.rows, spec.row_len), -1, np.int32)
-  column = np.zeros((spec.rows, spec.row_len), np.int32)
-  offset = np.zeros(spec.rows, np.int64)
+  row_of, rows = fit_rows(lengths, spec.row_ladder, spec.row_len)
+  sample = np.full((rows, spec.row_len), -1, np.int32)
+  column = np.zeros((rows, spec.row_len), np.int32)
+  offset = np.zeros(rows, np.int64)
   for b in np.nonzero(row_of >= 0)[0]:  # in sample order within each row
     r, n = row_of[b], lengths[b]
     sample[r, offset[r]:offset[r] + n] = b
@@ -259,5 +294,5 @@ def plan_ids(plan: PackPlan, sharding) -> dict[str, Any]:
 def packing_metrics(plan: PackPlan) -> dict[str, float]:
   """Fill of the packed batch and the spread of its rows' real tokens."""
   tokens = plan.row_tokens()
-  return {"packed_fill": float(tokens.sum() / plan.sample.size),
+  return {"packed_fill": float(tokens.sum() / plan.sample.size), "update_rows": float(plan.sample.shape[0]),
           "packed_row_tokens_max": float(tokens.max()), "packed_row_tokens_min": float(tokens.min())}

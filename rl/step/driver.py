@@ -268,10 +268,15 @@ class PhaseCost:
         return {}
     gen = self.devices * sum(self.rollout_flops.at(n) for n in steps)
     rows, row_len = self.update_shape
-    slots = rows * row_len * self.cfg.rl.epochs
+    # rl.packed_row_buckets: this step's update took metrics["update_rows"] rows; the update's FLOPs
+    # grow with its rows (each row is its own sequence), the first step's program was counted.
+    counted = getattr(self._update_args[1], "tokens", None)  # the batch of the counted call
+    step_rows = int(metrics.get("update_rows", rows))
+    slots = step_rows * row_len * self.cfg.rl.epochs
     rollout_s, update_s = max(metrics["rollout_s"], 1e-9), max(metrics["update_s"], 1e-9)
+    update_flops = self.update_flops * (step_rows / counted.shape[0] if counted is not None else 1.0)
     out = {"gen_flops_per_s": gen / rollout_s, "gen_tokens_per_s": metrics["generated_tokens"] / rollout_s,
-           "update_flops_per_s": self.devices * self.update_flops / update_s,
+           "update_flops_per_s": self.devices * update_flops / update_s,
            "update_tokens_per_s": slots / update_s}
     if self.peak:
       out["gen_mfu"] = out["gen_flops_per_s"] / self.peak

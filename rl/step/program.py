@@ -476,7 +476,9 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
   samples' tokens packed into rl.packed_rows rows (rl/batches/packing.py); advantages are computed per
   sample and packed, reference log-probs and values are computed packed and unpacked for them.
   With rl.tis_level the rollout's log-probs become `behaviour_logprobs` and `old_logprobs` are
-  recomputed under the current params (the proximal policy)."""
+  recomputed under the current params (the proximal policy), unless the update is one minibatch of
+  one epoch: its own forward then gives them (`LossSpec.proximal_in_update`; old_logprobs stays the
+  behaviour's, unread by the loss), and the second forward over the batch is not run."""
   on_devices = isinstance(scored.arrays["tokens"], DeviceRows)
   aligned = align_on_devices(scored, run.samples_sharding) if on_devices else align_for_update(scored)
   routing = aligned.pop("routing", None) if run.spec.replay_routing else None
@@ -485,7 +487,8 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
     routing = RoutingRows.from_host(routing)
   plan, metrics = None, {}
   if run.spec.packed:
-    spec = packing.PackingSpec.from_config(run.cfg, zigzag_shards=run.zigzag_shards)
+    spec = packing.PackingSpec.from_config(run.cfg, zigzag_shards=run.zigzag_shards,
+                                           ladder=run.run_spec.update_row_ladder)
     spans = (packing.device_spans if on_devices else packing.trajectory_spans)(aligned["segment_ids"],
                                                                               scored.sample_valid)
     plan = packing.plan_from_spans(*spans, spec, num_columns=aligned["segment_ids"].shape[1])
@@ -507,10 +510,12 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
   ref_logprobs = values = None
   if run.ref_params is not None:
     ref_logprobs, _ = run.logprob_fn(run.ref_params, run.state.extra, batch)
-  if run.spec.critic or run.spec.tis_level != "none":
+  if run.spec.critic or (run.spec.tis_level != "none" and not run.spec.proximal_in_update):
     proximal, values = run.logprob_fn(run.state.params, run.state.extra, batch)
     if run.spec.tis_level != "none":
       batch = batch.replace(behaviour_logprobs=batch.old_logprobs, old_logprobs=proximal)
+  elif run.spec.proximal_in_update:  # the update's forward is the proximal policy (losses.LossSpec)
+    batch = batch.replace(behaviour_logprobs=batch.old_logprobs)
   # Advantages per sample in contiguous order ([B, S], the estimators' layout: GAE scans columns in
   # order), then in the batch's layout (packed, or zigzag for ring attention).
   # On the devices (rl/batches/layouts.py): nothing of the batch's size goes through the host.

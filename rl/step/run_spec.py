@@ -25,7 +25,7 @@ from meshrl.model.tokenizer import Tokenizer, tokenizer_from_config
 from meshrl.model.transformer import ModelConfig
 from meshrl.rl.algo import advantages as adv_lib
 from meshrl.rl.algo import losses
-from meshrl.rl.batches.packing import update_shape
+from meshrl.rl.batches.packing import halvings, update_shape
 from meshrl.rl.envs import TaskMixture
 from meshrl.rl.envs.file_sandbox import check_backend_runs
 from meshrl.rl.envs.quality import Quarantine
@@ -76,6 +76,7 @@ class RunSpec:
   multi_turn: bool
   update_rows: int
   update_row_len: int
+  update_row_ladder: tuple[int, ...] = ()  # rows an update batch may take, fewest first (update_row_ladder)
 
   @property
   def batch_size(self) -> int:
@@ -112,7 +113,7 @@ def check_config(cfg, num_devices: int | None = None, *, mesh: Mesh | None = Non
     _check_mesh(cfg, num_devices, rows, row_len, generation)
   return RunSpec(cfg=cfg, model=numbers.model, rollout_model=numbers.rollout_model, estimator=estimator, loss=loss,
                  generation=generation, tokenizer=tokenizer, multi_turn=wants_multi_turn(cfg), update_rows=rows,
-                 update_row_len=row_len)
+                 update_row_len=row_len, update_row_ladder=update_row_ladder(cfg, num_devices))
 
 
 def build_spec(cfg, mesh: Mesh | None = None, *, tokenizer: Tokenizer | None = None) -> RunSpec:
@@ -125,7 +126,29 @@ def build_spec(cfg, mesh: Mesh | None = None, *, tokenizer: Tokenizer | None = N
   rows, row_len = update_shape(cfg)
   return RunSpec(cfg=cfg, model=numbers.model, rollout_model=numbers.rollout_model, estimator=estimator, loss=loss,
                  generation=_generation(cfg, tokenizer), tokenizer=tokenizer, multi_turn=wants_multi_turn(cfg),
-                 update_rows=rows, update_row_len=row_len)
+                 update_rows=rows, update_row_len=row_len,
+                 update_row_ladder=update_row_ladder(cfg, mesh.size if mesh is not None else None))
+
+
+def update_row_ladder(cfg, num_devices: int | None) -> tuple[int, ...]:
+  """The row counts a packed update batch may take, fewest first (rl/batches/packing.py): rl.packed_rows
+  halved up to rl.packed_row_buckets - 1 times, while a half still splits into rl.num_minibatches
+  minibatches over the data-parallel axes (and mesh.microbatches); (rows,) for a padded batch."""
+  rows, _ = update_shape(cfg)
+  if not cfg.rl.pack_updates:
+    return (rows,)
+  shards = data_parallel_size(global_mesh_sizes(cfg.mesh, num_devices)) if num_devices else 1
+  minibatches = cfg.rl.num_minibatches
+
+  def fits(count: int) -> bool:
+    if count % minibatches or (count // minibatches) % shards:
+      return False
+    try:
+      pipeline.check_batches(cfg.mesh, [("a rung", count // minibatches)], row_shards=shards)
+    except ValueError:
+      return False
+    return True
+  return halvings(rows, cfg.rl.packed_row_buckets, fits)
 
 
 def _estimator(cfg):
@@ -179,6 +202,9 @@ def _check_shapes(cfg) -> tuple[int, int]:
     if rows % rl.num_minibatches:
       raise ValueError(f"rl.num_minibatches={rl.num_minibatches} must divide the rl.packed_rows={rows} "
                        "packed rows of an update batch.")
+  elif rl.packed_row_buckets != 1:
+    raise ValueError(f"rl.packed_row_buckets={rl.packed_row_buckets} sizes packed update batches: set "
+                     "rl.pack_updates=true (a padded batch has one row per sample).")
   if total > cfg.model.max_seq_len:
     raise ValueError(f"rl.max_prompt_len={rl.max_prompt_len} + rl.max_new_tokens={rl.max_new_tokens} "
                      f"exceeds model.max_seq_len={cfg.model.max_seq_len}.")

@@ -242,6 +242,18 @@ def test_phase_cost_divides_the_compiled_programs_flops_by_each_phase_time():
   assert out["update_mfu"] == out["update_flops_per_s"] / 1e9
   no_rollout = cost({"rollout_s": 1.0, "update_s": 1.0, "generated_tokens": 0})
   assert no_rollout["gen_flops_per_s"] == 0
+  # rl.packed_row_buckets: a step's update takes `update_rows` of a ladder; the counted program's
+  # FLOPs (its batch had 4 rows) scale to the step's rows, and so do the update's token slots.
+  Batch = collections.namedtuple("Batch", "tokens")
+  run = types.SimpleNamespace(cfg=cfg, mesh=None, rollout=rollout, update=jax.jit(lambda w, batch: (w @ w, {})),
+                              run_spec=loop.build_spec(cfg))
+  cost = loop.PhaseCost(run, peak=None)
+  run.rollout(w, jnp.array([1]))
+  run.update(w, Batch(jnp.zeros((4, 3))))
+  full = cost({"rollout_s": 1.0, "update_s": 1.0, "generated_tokens": 1, "update_rows": 4})
+  half = cost({"rollout_s": 1.0, "update_s": 1.0, "generated_tokens": 1, "update_rows": 2})
+  assert full["update_flops_per_s"] == dot and half["update_flops_per_s"] == dot / 2
+  assert half["update_tokens_per_s"] == full["update_tokens_per_s"] / 2
 
 
 def test_a_preempted_warm_start_ends_the_run_before_rl(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ from meshrl.model.transformer import ModelConfig
 from meshrl.rl.batches import packing
 from meshrl.rl.batches.handover import ScoredBatch, UpdateBatch, align_for_update
 from meshrl.rl.step.driver import check_config
+from meshrl.rl.step.run_spec import update_row_ladder
 from meshrl.rl.step.program import _rollout_arrays, build_run, prepare
 from meshrl.sharding import make_mesh
 
@@ -75,6 +76,40 @@ def test_first_fit_when_least_loaded_leaves_no_room():
   assert np.bincount(rows, weights=[5, 5, 4, 4, 2]).tolist() == [10.0, 10.0]
 
 
+def test_row_buckets_take_the_fewest_rows_that_hold_the_kept_trajectories():
+  """rl.packed_row_buckets=4 over 64 rows of 10: ladder 8, 16, 32, 64. Dynamic sampling's dropped
+  samples (length 0) cost no rows; a step takes the fewest rows that hold the rest, every rung
+  tried from the bottom, the largest named when even it is too small. The ladder stops halving where
+  a half would not split into the minibatches over the data-parallel axes."""
+  spec = packing.PackingSpec(rows=64, row_len=10, ladder=(8, 16, 32, 64))
+  for kept, want in ((0, 8), (3, 8), (8, 8), (9, 16), (17, 32), (33, 64), (64, 64)):
+    lengths = np.zeros(64, int)
+    lengths[:kept] = 10  # one trajectory fills a row
+    row_of, rows = packing.fit_rows(lengths, spec.row_ladder, spec.row_len)
+    assert rows == want and (row_of >= 0).sum() == kept and row_of.max(initial=-1) < rows
+  # Short trajectories share rows: 24 of 5 tokens fit in 16 rows (not 24).
+  assert packing.fit_rows(np.full(24, 5), spec.row_ladder, 10)[1] == 16
+  # The plan has the rung's rows, and its cells round-trip the kept samples.
+  seg = _padded_segments([2] * 8, [3] * 8, 4, 6)
+  include = np.zeros(8, bool)
+  include[:3] = True
+  plan = packing.plan_packing(seg, include, packing.PackingSpec(rows=8, row_len=10, ladder=(2, 4, 8)))
+  assert plan.sample.shape == (2, 10) and plan.valid.sum() == 15
+  with pytest.raises(ValueError, match=r"do not fit in rl.packed_rows=2 rows of rl.packed_row_len=10"):
+    packing.plan_packing(seg, np.ones(8, bool), packing.PackingSpec(rows=2, row_len=10, ladder=(1, 2)))
+  with pytest.raises(ValueError, match=r"ladder \(2, 4\) must rise to rl.packed_rows=8"):
+    packing.PackingSpec(rows=8, row_len=10, ladder=(2, 4))
+  # The run's ladder: halvings while each half splits into minibatches over the data-parallel axes.
+  base = ["rl.pack_updates=true", "rl.prompts_per_step=4", "rl.group_size=4", "rl.num_minibatches=2"]
+  for overrides, devices, want in (
+      (["rl.packed_row_buckets=4"], None, (2, 4, 8, 16)),
+      (["rl.packed_row_buckets=9"], None, (2, 4, 8, 16)),  # 1 row does not split into 2 minibatches
+      (["rl.packed_row_buckets=4", "mesh.fsdp=4", "mesh.tensor=2"], 8, (8, 16)),  # 2 rows per minibatch over 4
+      (["rl.packed_row_buckets=4", "rl.packed_rows=12"], None, (6, 12)),  # 3 is odd: no halving
+      (["rl.packed_row_buckets=1"], None, (16,))):
+    assert update_row_ladder(configs.load("configs/tiny.py", base + overrides), devices) == want, overrides
+
+
 def test_bad_packing_input_is_refused_by_name():
   seg = _padded_segments([3, 4], [5, 6], 4, 8)
   with pytest.raises(ValueError, match=r"sample 1 has 10 real tokens, more than rl.packed_row_len=8"):
@@ -94,7 +129,10 @@ def test_bad_packing_input_is_refused_by_name():
       (["rl.packed_rows=-1"], r"rl.packed_rows=-1 must be at least 0"),
       (["rl.tis_level=seq"], r"rl.tis_level='seq'; choose one of"),
       (["rl.tis_cap=0.5"], r"rl.tis_cap=0.5 must be >= 1"),
-      (["attention.logits_chunk=-1"], r"attention.logits_chunk=-1 must be at least 0")):
+      (["attention.logits_chunk=-1"], r"attention.logits_chunk=-1 must be at least 0"),
+      (["rl.packed_row_buckets=0"], r"rl.packed_row_buckets=0 must be at least 1"),
+      (["rl.pack_updates=false", "rl.packed_row_buckets=2"],
+       r"rl.packed_row_buckets=2 sizes packed update batches: set rl.pack_updates=true")):
     with pytest.raises(ValueError, match=match):
       check_config(configs.load("configs/tiny.py", base + overrides))
   with pytest.raises(ValueError, match=r"rl.packed_rows=6 / rl.num_minibatches=2 packed rows per minibatch "
@@ -132,10 +170,10 @@ def _scored(run) -> ScoredBatch:
                      domains=[""] * 16, texts=[""] * 16)
 
 
-def _runs(extra):
+def _runs(extra, packed_options=PACKED):
   out = []
   for packed in (False, True):
-    cfg = configs.load("configs/tiny.py", SMALL + extra + (PACKED if packed else []))
+    cfg = configs.load("configs/tiny.py", SMALL + extra + (packed_options if packed else []))
     check_config(cfg, 8)
     mesh = make_mesh(cfg.mesh)
     out.append(build_run(cfg, mesh, build_model(ModelConfig.from_config(cfg, mesh), mesh, seed=0), TOK))
@@ -150,16 +188,17 @@ CASES = {
 }
 
 
-def _prepared(extra):
+def _prepared(extra, packed_options=PACKED):
   """(padded run, packed run, scored batch, padded batch, packed batch, packing metrics, plan,
-  initial (params, extra)) for the config overrides `extra`."""
-  padded_run, packed_run = _runs(extra)
+  initial (params, extra)) for the config overrides `extra` (the packed run's: `packed_options`)."""
+  padded_run, packed_run = _runs(extra, packed_options)
   scored = _scored(padded_run)
   padded, _ = prepare(padded_run, scored)
   packed, metrics = prepare(packed_run, scored)
   plan = packing.plan_packing(align_for_update(scored)["segment_ids"], scored.sample_valid,
                               packing.PackingSpec.from_config(packed_run.cfg,
-                                                              zigzag_shards=packed_run.zigzag_shards))
+                                                              zigzag_shards=packed_run.zigzag_shards,
+                                                              ladder=packed_run.run_spec.update_row_ladder))
   initial = jax.tree.map(jnp.copy, (padded_run.state.params, padded_run.state.extra))  # survives donation
   return padded_run, packed_run, scored, padded, packed, metrics, plan, initial
 
@@ -206,6 +245,16 @@ def test_packed_update_equals_padded(gspo_case):
   parameter step is -lr x gradient) and so the parameters after one step agree; the packed batch
   holds only the valid samples' real tokens."""
   _check_packed_equals_padded(gspo_case)
+
+
+def test_bucketed_packed_update_equals_padded(devices):  # pylint: disable=unused-argument
+  """rl.packed_row_buckets=3 over 16 rows: the step's 12 kept samples (4 dynamic-sampling drops) take
+  the ladder's fewest rows, 4 of 4, 8, 16, and the update on them equals the padded one on all 16
+  samples (loss, gradient, parameters); the step reports the rows it took."""
+  prepared = _prepared(CASES["gspo_seqmean_kl_tis"], ["rl.pack_updates=true", "rl.packed_rows=16",
+                                                      "rl.packed_row_len=40", "rl.packed_row_buckets=3"])
+  assert prepared[5]["update_rows"] == 4
+  _check_packed_equals_padded(prepared)
 
 
 @pytest.mark.slow

@@ -149,7 +149,8 @@ def test_minibatches_must_divide_batch():
 # --- chunked log-probs and truncated importance weights, on one prepared batch --------------------
 
 TIS_CHUNK = ["rl.tis_level=token", "rl.tis_cap=2.0", "rl.entropy_coef=0.01", "rl.kl_coef=0.2",
-             "rl.temperature=0.7", "moe.aux_loss_coef=0", "moe.z_loss_coef=0"]
+             "rl.temperature=0.7", "moe.aux_loss_coef=0", "moe.z_loss_coef=0",
+             "rl.num_minibatches=2"]  # two minibatches: the proximal log-probs are recomputed in prepare
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +245,48 @@ def test_importance_weights_follow_the_behaviour_policy(tis_case):
   run.state = state
   assert float(metrics["tis_weight_mean"]) == pytest.approx(1.0, abs=1e-3)
   assert float(metrics["tis_truncated_frac"]) == 0.0
+
+
+def test_one_minibatch_takes_the_proximal_policy_from_the_update_forward(devices):  # pylint: disable=unused-argument
+  """Token TIS over one minibatch of one epoch (LossSpec.proximal_in_update): prepare runs no second
+  forward, and the loss, its TIS weights and its gradient equal those with old_logprobs recomputed by
+  that forward, on behaviour log-probs one update old (noise of 0.3). With two minibatches, a critic
+  or the KL in the reward the recomputation stays."""
+  _, run = _run(["rl.tis_level=token", "rl.temperature=0.7", "rl.clip_low=0.1", "rl.clip_high=0.1",
+                 "rl.num_minibatches=1"], mesh_overrides=())
+  assert run.spec.proximal_in_update and run.ref_params is None
+  calls = []
+  logprob_fn = run.logprob_fn
+  run.logprob_fn = lambda *a: calls.append(1) or logprob_fn(*a)
+  scored = _scored(run)
+  stale = np.asarray(scored.arrays["logprobs"]) + np.random.RandomState(1).normal(
+      0, 0.3, np.shape(scored.arrays["logprobs"])).astype(np.float32)
+  scored.arrays["logprobs"] = np.where(np.asarray(scored.arrays["response_mask"]) != 0, stale, 0.0).astype(np.float32)
+  batch, _ = prepare(run, scored)
+  assert not calls  # no proximal forward
+  recomputed = batch.replace(old_logprobs=logprob_fn(run.state.params, run.state.extra, batch)[0])
+  explicit = dataclasses.replace(run.spec, proximal_in_update=False)
+  grad = lambda spec, b: jax.jit(jax.value_and_grad(  # noqa: E731
+      lambda p: rl_loss(p, run.state.extra, run.graphdef, b, spec), has_aux=True))(run.state.params)
+  (loss, metrics), grads = grad(run.spec, batch)
+  (want, want_metrics), want_grads = grad(explicit, recomputed)
+  assert 0.05 < float(want_metrics["tis_truncated_frac"]) or float(want_metrics["tis_weight_mean"]) != 1.0
+  np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+  for name in ("tis_weight_mean", "tis_truncated_frac", "pg_loss", "ratio_mean"):
+    np.testing.assert_allclose(float(metrics[name]), float(want_metrics[name]), rtol=1e-5, atol=1e-6, err_msg=name)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want_grads))
+  for got, exp in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(exp), atol=1e-4 * scale)
+  # The old policy taken as the behaviour one (no recomputation at all) is a different loss.
+  (behaviour_loss, _), _ = grad(explicit, batch)
+  assert abs(float(behaviour_loss) - float(want)) > 1e-4
+  cfg = run.cfg
+  for overrides, want_flag in ((["rl.num_minibatches=2"], False), (["rl.epochs=2"], False),
+                               (["rl.kl_coef=0.1", "rl.kl_in_reward=true"], False), ([], True)):
+    spec = losses.LossSpec.from_config(configs.load(
+        "configs/tiny.py", SMALL + ["rl.tis_level=token", "rl.num_minibatches=1"] + overrides), needs_critic=False)
+    assert spec.proximal_in_update is want_flag, overrides
+  assert not losses.LossSpec.from_config(cfg, needs_critic=True).proximal_in_update
 
 
 def test_update_metrics_average_the_applied_minibatches_only():
