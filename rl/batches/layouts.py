@@ -33,26 +33,31 @@ from meshrl.sharding.mesh import SEQUENCE_AXIS, axis_size
 
 @dataclasses.dataclass(frozen=True)
 class SampleLayout:
-  """to_samples: batch layout -> [B, S] contiguous (None passes through); from_samples: back.
-  Both take and return device arrays."""
+  """to_samples: batch layout -> [B, S] contiguous; from_samples: back. Both take and return device
+  arrays, or pytrees of them (None passes through), in one jitted call."""
   to_samples: Callable[[Any], Any]
   from_samples: Callable[[Any], Any]
 
 
+def _each(fn: Callable) -> Callable:
+  """fn(x, *args) -> the same on every array of a pytree (one program for a whole batch's fields)."""
+  return lambda tree, *args: jax.tree.map(lambda x: fn(x, *args), tree)
+
+
 @functools.cache
 def _unpack_program(shape: tuple[int, int], samples_sharding):
-  return jax.jit(functools.partial(_unpack, num_samples=shape[0], num_columns=shape[1]),
+  return jax.jit(_each(functools.partial(_unpack, num_samples=shape[0], num_columns=shape[1])),
                  out_shardings=samples_sharding)
 
 
 @functools.cache
 def _pack_program(batch_sharding):
-  return jax.jit(_pack, out_shardings=batch_sharding)
+  return jax.jit(_each(_pack), out_shardings=batch_sharding)
 
 
 @functools.cache
 def _zigzag_program(mesh, batch_sharding, undo: bool):
-  return jax.jit(functools.partial(unzigzag_on_mesh if undo else zigzag_on_mesh, mesh=mesh, axis=1),
+  return jax.jit(_each(functools.partial(unzigzag_on_mesh if undo else zigzag_on_mesh, mesh=mesh, axis=1)),
                  out_shardings=batch_sharding)
 
 

@@ -154,29 +154,27 @@ def select_groups(rollouts: list[ScoredBatch], *, num_groups: int, group_size: i
   if dynamic:
     pieces = [p for p in pieces if p[2]] + [p for p in pieces if not p[2]]
   pieces = pieces[:num_groups]
-
-  def rows(r, g):
-    return slice(g * group_size, (g + 1) * group_size)
-
   blank = (num_groups - len(pieces)) * group_size
-
-  def padded(value, fill=0):
-    return np.concatenate([value, np.full((blank,) + value.shape[1:], fill, value.dtype)])
+  # The batch's samples as rows of the rounds joined in order, followed by one blank sample, which
+  # every padding sample repeats: one index for every field, one take per field.
+  starts = np.cumsum([0] + [len(rollout.rewards) for rollout in rollouts])
+  index = np.concatenate([starts[r] + g * group_size + np.arange(group_size) for r, g, _ in pieces]
+                         + [np.full(blank, starts[-1])]).astype(np.int64)
 
   def gather(get, fill=0):
     values = [get(rollout) for rollout in rollouts]
-    on_devices = [isinstance(v, DeviceRows) for v in values]
-    if all(on_devices):  # the samples stay on the devices: rows only (rl/batches/rows.py)
-      return rows_lib.concatenate([values[r][rows(r, g)] for r, g, _ in pieces] or [values[0][:0]], blank)
-    if any(on_devices):  # a round restored from a checkpoint (host arrays) among rounds on the devices
-      values = [v.to_host() if isinstance(v, DeviceRows) else v for v in values]
-    parts = [values[r][rows(r, g)] for r, g, _ in pieces]
-    return padded(np.concatenate(parts) if parts else values[0][:0], fill)
+    if all(isinstance(v, DeviceRows) for v in values):  # the samples stay on the devices: rows only
+      return rows_lib.concatenate(values, blank=1)[index]
+    values = [v.to_host() if isinstance(v, DeviceRows) else np.asarray(v) for v in values]  # a round
+    # restored from a checkpoint (host arrays) may sit among rounds on the devices
+    return np.concatenate(values + [np.full((1,) + values[0].shape[1:], fill, values[0].dtype)])[index]
 
   def gather_list(get):
-    return [item for r, g, _ in pieces for item in get(rollouts[r])[rows(r, g)]] + [""] * blank
+    joined = [item for rollout in rollouts for item in get(rollout)] + [""]
+    return [joined[i] for i in index]
   arrays = {k: gather(lambda ro, k=k: ro.arrays[k], PAD_FILL.get(k, 0)) for k in rollouts[0].arrays}
-  valid = padded(np.repeat(np.array([u or not dynamic for _, _, u in pieces], bool), group_size))
+  valid = gather(lambda ro: np.repeat(informative_groups(ro.rewards, group_size) | (not dynamic), group_size),
+                 False)
   return ScoredBatch(arrays=arrays, rewards=gather(lambda ro: ro.rewards),
                      correct=gather(lambda ro: ro.correct), sample_valid=valid,
                      domains=gather_list(lambda ro: ro.domains), texts=gather_list(lambda ro: ro.texts),

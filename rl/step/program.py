@@ -496,7 +496,7 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
   layout = sample_layout(plan=plan, zigzag_shards=run.zigzag_shards, mesh=run.mesh,
                          batch_sharding=run.batch_sharding, samples_sharding=run.samples_sharding)
   if on_devices:  # the samples' rows never left the devices: laid out there (rl/batches/layouts.py)
-    fields = {name: layout.from_samples(value) for name, value in aligned.items()}
+    fields = layout.from_samples(aligned)
     if plan is not None:
       fields.update(packing.plan_ids(plan, run.batch_sharding))
     batch = UpdateBatch(**fields, advantages=_zeros_like(fields["old_logprobs"]))
@@ -519,12 +519,12 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
   # Advantages per sample in contiguous order ([B, S], the estimators' layout: GAE scans columns in
   # order), then in the batch's layout (packed, or zigzag for ring attention).
   # On the devices (rl/batches/layouts.py): nothing of the batch's size goes through the host.
-  to_samples = layout.to_samples
-  valid = jnp.asarray(scored.sample_valid)
+  loss_mask, old_logprobs, ref_samples, value_samples = layout.to_samples(
+      (batch.loss_mask, batch.old_logprobs, ref_logprobs, values))
   advantages, returns, adv_metrics = run.advantages_fn(
-      jnp.asarray(scored.rewards), to_samples(batch.loss_mask), valid, to_samples(batch.old_logprobs),
-      to_samples(ref_logprobs), to_samples(values))
-  advantages, returns = layout.from_samples(advantages), layout.from_samples(returns)
+      jnp.asarray(scored.rewards), loss_mask, jnp.asarray(scored.sample_valid), old_logprobs, ref_samples,
+      value_samples)
+  advantages, returns = layout.from_samples((advantages, returns))
   batch = batch.replace(advantages=advantages, ref_logprobs=ref_logprobs,
                         old_values=values if run.spec.critic else None,
                         returns=returns if run.spec.critic else None)
