@@ -41,7 +41,7 @@ from meshrl.model import kv_cache as kvc
 from meshrl.model.ring_attention import unzigzag_on_mesh, zigzag
 from meshrl.rl.generation.proposers import ProposerSpec, draft_propose, ngram_propose
 from meshrl.rl.generation.sampling import Sampler, token_keys
-from meshrl.rl.generation.state import Counters, Pool, Slots
+from meshrl.rl.generation.state import Counters, Pool, Slots, empty_slots
 from meshrl.sharding.mesh import SEQUENCE_AXIS, axis_size
 
 
@@ -83,6 +83,50 @@ def bind(target, draft=None, *, unrolled: bool | None = None) -> Models:
 def per_layer(models: Models, cache):
   """`cache` in the form `models` decodes with (kv_cache.unstack when unrolled), None stays None."""
   return cache if cache is None or models.weights is None else kvc.unstack(cache)
+
+
+def as_rows(models: Models, cache):
+  """A prefilled cache (`prefill_models`) as rows slots are copied from: per-row write index, in
+  the form `models` decodes with; None stays None."""
+  return None if cache is None else per_layer(models, kvc.with_row_index(cache))
+
+
+def new_slots(models: Models, num_slots: int, cache_len: int, **options) -> Slots:
+  """`num_slots` empty slots over fresh caches of `cache_len` columns (the draft's too), in the form
+  `models` decodes with; options: state.empty_slots's (num_samples, vocab, ...)."""
+  fresh = lambda model: None if model is None else per_layer(models, model.init_cache(num_slots, cache_len))  # noqa: E731
+  return empty_slots(fresh(models.target), fresh(models.draft), **options)
+
+
+def admit(slots: Slots, pool: Pool, sid: jax.Array, take: jax.Array, prompt_rows) -> Slots:
+  """Slots where take [C] start their samples sid [C] afresh from the samples' prompts' rows
+  prompt_rows = (cache, draft cache or None, logits [P, V]) (per-row index, `as_rows`): the cache
+  row copied whole, the prompt's next-token logits, the sample's position, an empty stop window.
+  The other slots keep everything but their sid (sid [C] is every slot's sample after)."""
+  cache, draft_cache, logits = prompt_rows
+  rows = jnp.clip(sid, 0, pool.num_samples - 1)
+  group = pool.group_of[rows]
+  copy = lambda dst, src: None if dst is None else kvc.copy_rows(dst, src, group, take)  # noqa: E731
+  return slots.replace(sid=sid, cache=copy(slots.cache, cache), draft_cache=copy(slots.draft_cache, draft_cache),
+                       logits=jnp.where(take[:, None], logits[group], slots.logits),
+                       position=jnp.where(take, pool.count[rows] - pool.pad[rows], slots.position),
+                       window=None if slots.window is None else jnp.where(take[:, None], -1, slots.window))
+
+
+def decode_loop(models: Models, config: StepConfig, slots: Slots, pool: Pool, version: jax.Array, *,
+                steps: int = 0, lockstep: bool = False) -> tuple[Slots, Pool, Counters]:
+  """`decode_step` while a slot is live, at most `steps` times (0: no limit), in one
+  lax.while_loop -> (slots, pool, counters of the steps). Pure; jit it."""
+  def keep_going(carry):
+    step, s, p, _ = carry
+    going = jnp.any(live_slots(s, p))
+    return going & (step < steps) if steps else going
+
+  def body(carry):
+    step, s, p, c = carry
+    return (step + 1, *decode_step(models, config, s, p, version, c, lockstep=lockstep))
+  carry = (jnp.zeros((), jnp.int32), slots, pool, Counters.zeros(pool.num_samples))
+  return jax.lax.while_loop(keep_going, body, carry)[1:]
 
 
 # --- the decode step -------------------------------------------------------------------------------
