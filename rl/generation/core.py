@@ -159,6 +159,14 @@ def _write(buffer: jax.Array, sid: jax.Array, columns: jax.Array, values) -> jax
   return buffer.at[jnp.broadcast_to(sid[:, None], columns.shape), columns].set(values, mode="drop")
 
 
+def _write_routes(routing, sid: jax.Array, columns: jax.Array, routes):
+  """routing [L, B, S, K] with routes [L, R, T, K] written at rows sid [R], columns [R, T] (S:
+  dropped), as `_write`; routing or routes None (a dense model): routing as it is."""
+  if routing is None or routes is None:
+    return routing
+  return routing.at[:, jnp.broadcast_to(sid[:, None], columns.shape), columns].set(routes, mode="drop")
+
+
 def live_slots(slots: Slots, pool: Pool) -> jax.Array:
   """[C] bool: the slot holds a sample that is neither done nor paused."""
   num = pool.num_samples
@@ -221,15 +229,12 @@ def decode_step(models: Models, config: StepConfig, slots: Slots, pool: Pool, ve
   committed = offsets < count[:, None]
   columns = jnp.where(committed, fill[:, None] + offsets, width)  # [C, K1] (width: dropped)
   sid = jnp.where(live, slots.sid, num)
-  routing = pool.routing
-  if routing is not None:
-    routes = jnp.where(committed[None, :, :, None], out.aux["routing"], 0)  # [L, C, K1, K]
-    routing = routing.at[:, jnp.broadcast_to(sid[:, None], columns.shape), columns].set(routes, mode="drop")
   end_field = "paused" if config.pause_on_stop else "done"
   pool = pool.replace(
       tokens=_write(pool.tokens, sid, columns, fed), logprobs=_write(pool.logprobs, sid, columns, logprobs),
       versions=_write(pool.versions, sid, columns, jnp.broadcast_to(version, fed.shape)),
-      policy=_write(pool.policy, sid, columns, True), routing=routing,
+      policy=_write(pool.policy, sid, columns, True),
+      routing=_write_routes(pool.routing, sid, columns, out.aux.get("routing")),  # [L, C, K1, K] routes
       count=pool.count.at[sid].add(count, mode="drop"), generated=pool.generated.at[sid].add(count, mode="drop"),
       stopped=pool.stopped.at[sid].set(hit, mode="drop"),
       **{end_field: getattr(pool, end_field).at[sid].set(ended, mode="drop")})
@@ -335,10 +340,8 @@ def append(pool: Pool, sid: jax.Array, tokens: jax.Array, lengths: jax.Array, ro
   fill = pool.count[jnp.clip(sid, 0, num - 1)]
   offsets = jnp.arange(span)[None, :]
   columns = jnp.where(offsets < lengths[:, None], fill[:, None] + offsets, width)  # [R, T]
-  routing = pool.routing
-  if routing is not None and routes is not None:
-    routing = routing.at[:, jnp.broadcast_to(sid[:, None], columns.shape), columns].set(routes, mode="drop")
-  return pool.replace(tokens=_write(pool.tokens, sid, columns, tokens.astype(jnp.int32)), routing=routing,
+  return pool.replace(tokens=_write(pool.tokens, sid, columns, tokens.astype(jnp.int32)),
+                      routing=_write_routes(pool.routing, sid, columns, routes),
                       count=pool.count.at[sid].add(lengths, mode="drop"),
                       turn_start=pool.turn_start.at[sid].set(pool.generated[jnp.clip(sid, 0, num - 1)],
                                                              mode="drop"))
@@ -471,14 +474,10 @@ def fill_chunk(models: Models, fill: PromptFill, chunk: int) -> PromptFill:
   num_prompts, prompt_len = fill.tokens.shape
   rows = jnp.arange(num_prompts, dtype=jnp.int32)
   slots, fed, routes, start = extend_chunk(models, fill.slots, rows, fill.tokens, fill.lengths, fill.fed, chunk)
-  routing = fill.routing
-  if routing is not None and routes is not None:
-    offsets = jnp.arange(chunk)[None, :]
-    token = start[:, None] + offsets  # [P, chunk]: the prompt token at each chunk column
-    new = (fill.fed < fill.lengths)[:, None] & (token >= 0) & (token < fed[:, None])
-    columns = jnp.where(new, prompt_len - fill.lengths[:, None] + token, prompt_len)
-    routing = routing.at[:, jnp.broadcast_to(rows[:, None], columns.shape), columns].set(routes, mode="drop")
-  return fill.replace(slots=slots, fed=fed, routing=routing)
+  token = start[:, None] + jnp.arange(chunk)[None, :]  # [P, chunk]: the prompt token at each chunk column
+  new = (fill.fed < fill.lengths)[:, None] & (token >= 0) & (token < fed[:, None])
+  columns = jnp.where(new, prompt_len - fill.lengths[:, None] + token, prompt_len)
+  return fill.replace(slots=slots, fed=fed, routing=_write_routes(fill.routing, rows, columns, routes))
 
 
 def prefill_in_chunks(models: Models, prompts: jax.Array, prompt_mask: jax.Array, total: int, chunk: int):
@@ -510,8 +509,10 @@ def _laid_out(mc, cache: kvc.KVCache) -> kvc.KVCache:
 
 
 def prefill_models(models: Models, prompts: jax.Array, prompt_mask: jax.Array, total: int, chunk: int = 0):
-  """`prefill_prompts` of the target and of the (speculative) draft, both chunked alike (chunk: as
-  there; one pass otherwise). Caches stacked, as `prefill_prompts` returns them -> (cache, draft
+  """`prefill_prompts` of the target and of the (speculative) draft, both chunked alike (chunk,
+  rl.prefill_chunk: 0 < chunk < Lp prefills in chunks of that many tokens back to back,
+  `prefill_in_chunks`, on any mesh: the chunks attend through the cache, as decode steps do; one
+  pass otherwise). Caches stacked, as `prefill_prompts` returns them -> (cache, draft
   cache or None, logits [P, V], routing or None)."""
   if 0 < chunk < prompts.shape[1]:
     return prefill_in_chunks(Models(models.target, draft=models.draft), prompts, prompt_mask, total, chunk)
@@ -524,11 +525,9 @@ def prefill_models(models: Models, prompts: jax.Array, prompt_mask: jax.Array, t
   return cache, draft_cache, logits, routing
 
 
-def prefill_prompts(model, prompts: jax.Array, prompt_mask: jax.Array, total: int, chunk: int = 0):
-  """Prefills left-padded prompts [P, Lp] into a fresh KV cache of `total` columns.
-
-  chunk (rl.prefill_chunk): 0 < chunk < Lp prefills in chunks of that many tokens back to back
-  (`prefill_in_chunks`), on any mesh (the chunks attend through the cache, as decode steps do).
+def prefill_prompts(model, prompts: jax.Array, prompt_mask: jax.Array, total: int):
+  """Prefills left-padded prompts [P, Lp] into a fresh KV cache of `total` columns in one pass (in
+  chunks: `prefill_models`).
 
   Returns (cache with index Lp, last-token logits [P, V] float32, routing [L, P, Lp, K] or None).
 
@@ -544,9 +543,6 @@ def prefill_prompts(model, prompts: jax.Array, prompt_mask: jax.Array, total: in
   the decode steps are the same in both layouts.
   """
   num_prompts, prompt_len = prompts.shape
-  if 0 < chunk < prompt_len:
-    cache, _, logits, routing = prefill_in_chunks(Models(model), prompts, prompt_mask, total, chunk)
-    return cache, logits, routing
   positions, segment_ids = prompt_layout(prompt_mask)
   mc = model.config
   if not uses_ring_prefill(mc):
