@@ -101,11 +101,7 @@ class EngineSpec:
   @property
   def buckets(self) -> tuple[int, ...]:
     """Prefill lengths: powers of two from 16 below the context length, then the context length."""
-    sizes, b = [], 16
-    while b < self.max_len:
-      sizes.append(b)
-      b *= 2
-    return tuple(sizes) + (self.max_len,)
+    return host.buckets(self.max_len, 16)
 
 
 class Event(NamedTuple):

@@ -198,6 +198,15 @@ def _place_block(cache: kvc.KVCache, slot: jax.Array, block: dict, start: jax.Ar
                        segment_ids=cache.segment_ids.at[slot].set(segments))
 
 
+def buckets(limit: int, smallest: int = 8) -> tuple[int, ...]:
+  """Lengths programs are compiled for: powers of two from `smallest` below `limit`, and `limit`."""
+  sizes, size = [], smallest
+  while size < limit:
+    sizes.append(size)
+    size *= 2
+  return tuple(sizes) + (limit,)
+
+
 def read(slots: Slots, pool: Pool) -> dict[str, np.ndarray]:
   """The host's view of the state: per slot sid [C]; per sample count, generated, turn_start, done,
   paused, stopped [B] (numpy)."""
