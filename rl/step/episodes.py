@@ -53,7 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshrl.model.tokenizer import Tokenizer
 from meshrl.rl.envs import file_tasks
-from meshrl.rl.envs.base import DONE, StepResult, as_text
+from meshrl.rl.envs.base import DONE, as_text
 from meshrl.rl.generation.episodic import EpisodicScheduler, Turn
 from meshrl.rl.generation.output import rollout_batch
 from meshrl.rl.generation.sampling import sample_keys
@@ -296,40 +296,33 @@ class EpisodeRunner:
     if result.done or result.info.get("env_failure"):
       episode.finish(result, "done")
       return None
-    end = None
     if stats.turns >= episode.max_turns:
-      end = "max_turns"
-    elif turn.generated >= self.spec.max_new_tokens:
-      end = "token_budget"
-    else:
-      room = budget.episode_len - (turn.count - budget.prompt_len) - 1  # and one more policy token
-      ids = observation_ids(self.tokenizer, result.observation, min(room, budget.max_obs_tokens))
-      if ids is not None:
-        stats.obs_tokens += len(ids)
-        return ids
-      end = "context"
-    return self._end(episode, end)
+      return self._end(episode, "max_turns")
+    if turn.generated >= self.spec.max_new_tokens:
+      return self._end(episode, "token_budget")
+    room = budget.episode_len - (turn.count - budget.prompt_len) - 1  # and one more policy token
+    ids = observation_ids(self.tokenizer, result.observation, min(room, budget.max_obs_tokens))
+    if ids is None:
+      return self._end(episode, "context")
+    stats.obs_tokens += len(ids)
+    return ids
 
   def _end(self, episode: _Episode, end: str) -> None:
     """Sends `<done>` so the episode is graded, and records how it ended."""
     try:
       result = episode.env.step(DONE)
     except Exception as error:  # pylint: disable=broad-except
-      result = _Failed(f"{type(error).__name__}: {error}")
-    if isinstance(result, _Failed):
-      episode.fail(result.info["env_failure"])
-    else:
-      episode.finish(result, end)
-    return None
+      episode.fail(f"{type(error).__name__}: {error}")
+      return
+    episode.finish(result, end)
 
   def _respond(self, episodes: dict[int, _Episode], turn: Turn) -> concurrent.futures.Future:
     """The answer to a finished turn (a Future), stepping its environment in a worker."""
     episode = episodes[turn.sample]
-    episode.stats.turns += 1
     episode.stats.policy_tokens = turn.generated
     if not len(turn.tokens):  # no room was left for a policy token
-      episode.stats.turns -= 1
       return self.workers.submit(lambda: self._end(episode, "context"))
+    episode.stats.turns += 1
     text, _ = as_text(self.tokenizer.decode(turn.tokens))
     stepped = self.workers.submit(lambda: episode.env.step(text))
     return self.workers.chain(stepped, lambda result: self._answer(episode, turn, result))
@@ -463,18 +456,17 @@ class EpisodeRunner:
     arrays = batch_rows(rollout_batch(pool, self.spec.prompt_len, self.spec.step.pad_id), rows, copy_routes=carried)
     own = hosts.share(pool.num_samples)
     wanted = set(int(b) for b in rows)
-    mine = [[b, dataclasses.asdict(episodes[b].stats)] for b in range(own.start, own.stop) if b in wanted]
-    stats_of = {int(b): EpisodeStats(**s) for b, s in hosts.gather_objects(mine)}
-    chosen = [stats_of[int(b)] for b in rows]
+    tokens, count, lp = hosts.share_to_host(pool.tokens), hosts.to_host(pool.count), self.spec.prompt_len
+    mine = [[b, dataclasses.asdict(episodes[b].stats),
+             self.tokenizer.decode(tokens[b - own.start, lp:count[b]], stop_at_eos=False)]
+            for b in range(own.start, own.stop) if b in wanted]  # gathered from the hosts that ran them
+    gathered = {int(b): (EpisodeStats(**s), text) for b, s, text in hosts.gather_objects(mine)}
+    chosen = [gathered[int(b)][0] for b in rows]
     arrays["truncated"] = np.asarray([s.end != "done" for s in chosen], bool)
-    tokens, count = hosts.share_to_host(pool.tokens), hosts.to_host(pool.count)
-    lp, tok = self.spec.prompt_len, self.tokenizer
-    texts = dict(hosts.gather_objects([[b, tok.decode(tokens[b - own.start, lp:count[b]], stop_at_eos=False)]
-                                       for b in range(own.start, own.stop) if b in wanted]))
     counts = dict(counts, extend_tokens=stats.extend_tokens, extend_slots=stats.extend_slots,
                   extend_calls=stats.extend_calls, decode_calls=stats.decode_calls, host_wait_s=stats.host_wait_s,
                   **{k: float(v) for k, v in jax.device_get(stats.counters.metrics()).items()})
-    return MultiTurnRollout(arrays=arrays, episodes=chosen, texts=[texts[int(b)] for b in rows], counts=counts)
+    return MultiTurnRollout(arrays=arrays, episodes=chosen, texts=[gathered[int(b)][1] for b in rows], counts=counts)
 
 
 class PartialEpisodes(GroupSlots):
