@@ -94,8 +94,8 @@ def as_rows(models: Models, cache):
 def new_slots(models: Models, num_slots: int, cache_len: int, **options) -> Slots:
   """`num_slots` empty slots over fresh caches of `cache_len` columns (the draft's too), in the form
   `models` decodes with; options: state.empty_slots's (num_samples, vocab, ...)."""
-  fresh = lambda model: None if model is None else per_layer(models, model.init_cache(num_slots, cache_len))  # noqa: E731
-  return empty_slots(fresh(models.target), fresh(models.draft), **options)
+  draft = None if models.draft is None else per_layer(models, models.draft.init_cache(num_slots, cache_len))
+  return empty_slots(per_layer(models, models.target.init_cache(num_slots, cache_len)), draft, **options)
 
 
 def admit(slots: Slots, pool: Pool, sid: jax.Array, take: jax.Array, prompt_rows) -> Slots:
@@ -365,32 +365,27 @@ def resume(models: Models, slots: Slots, pool: Pool, rows: jax.Array, sid: jax.A
   """Samples sid [R] (B: none) re-prefilled from their buffers, every token so far, into slots `rows`
   [R] under the current parameters (a partial rollout carried to the next step, a sample moved to
   another slot). Their caches are rebuilt whole; their logits and positions follow."""
-  num = pool.num_samples
-  at = jnp.clip(sid, 0, num - 1)
-  real = pool.real()[at]  # [R, S]
-  positions = jnp.where(real, pool.positions()[at], kvc.EMPTY_POSITION)
+  at = jnp.clip(sid, 0, pool.num_samples - 1)
+  count = pool.count[at]
 
-  def feed(model, weights, cache):
-    fresh = kvc.with_row_index(per_layer_like(model.init_cache(rows.shape[0], cache.max_len), cache))
-    out = model(pool.tokens[at], positions=positions, segment_ids=real.astype(jnp.int32), cache=fresh,
-                layer_weights=weights)
-    return kvc.put_rows(cache, rows, out.cache.replace(index=pool.count[at])), out
-  cache, out = feed(models.target, models.weights, slots.cache)
-  draft_cache = slots.draft_cache
-  if draft_cache is not None:
-    draft_cache, _ = feed(models.draft, models.draft_weights, draft_cache)
-  last = jnp.take_along_axis(out.logits, jnp.maximum(pool.count[at] - 1, 0)[:, None, None], axis=1)[:, 0]
+  def emptied(model, cache):  # the rows' cache rows fresh: every column empty, write index 0
+    if cache is None:
+      return None
+    fresh = per_layer_like(model.init_cache(rows.shape[0], cache.max_len), cache)
+    return kvc.put_rows(cache, rows, kvc.with_row_index(fresh))
+  slots = slots.replace(sid=slots.sid.at[rows].set(sid, mode="drop"), cache=emptied(models.target, slots.cache),
+                        draft_cache=emptied(models.draft, slots.draft_cache),
+                        position=slots.position.at[rows].set(-pool.pad[at], mode="drop"))
+  # The whole buffer row, its left padding written empty: column c at position c - pad, as prefilled.
+  slots, _ = extend(models, slots, rows, pool.tokens[at], count, skip=pool.pad[at])
   window = slots.window
   if window is not None:  # the current turn's last W tokens
     width = window.shape[1]
-    columns = pool.count[at][:, None] - width + jnp.arange(width)[None, :]  # [R, W]
-    turn_begins = pool.count[at] - (pool.generated[at] - pool.turn_start[at])
+    columns = count[:, None] - width + jnp.arange(width)[None, :]  # [R, W]
+    turn_begins = count - (pool.generated[at] - pool.turn_start[at])
     recent = jnp.take_along_axis(pool.tokens[at], jnp.maximum(columns, 0), axis=1)
     window = window.at[rows].set(jnp.where(columns >= turn_begins[:, None], recent, -1), mode="drop")
-  return slots.replace(sid=slots.sid.at[rows].set(sid, mode="drop"), cache=cache, draft_cache=draft_cache,
-                       logits=slots.logits.at[rows].set(last, mode="drop"),
-                       position=slots.position.at[rows].set(pool.count[at] - pool.pad[at], mode="drop"),
-                       window=window)
+  return slots.replace(window=window)
 
 
 def per_layer_like(cache: kvc.KVCache, like: kvc.KVCache) -> kvc.KVCache:
