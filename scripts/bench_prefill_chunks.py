@@ -88,8 +88,9 @@ def main(argv) -> int:
   for name, chunk in (("one_pass", 0), ("chunked", args.chunk)):
     gen = Generator(dataclasses.replace(base.spec, prefill_chunk=chunk), base.mc, mesh=mesh, rules=rules)
     weights = gen.prepare(params)
-    prefill = jax.jit(lambda w, t, m, chunk=chunk, gen=gen: core.prefill_models(
-        core.Models(gen._models(w, extra, None).target), t, m, gen.spec.cache_len, chunk))  # pylint: disable=protected-access
+    prefill = jax.jit(lambda w, t, m, chunk=chunk, gen=gen: core.prefill_models(  # the target's alone
+        core.Models(gen._models(w, extra, None).target), t, m, gen.spec.cache_len,  # pylint: disable=protected-access
+        chunk))
     memory = prefill.lower(weights, tokens, mask).compile().memory_analysis()
     first = Generator(dataclasses.replace(base.spec, prefill_chunk=chunk, scheduler="budgeted", token_budget=num),
                       base.mc, mesh=mesh, rules=rules)
