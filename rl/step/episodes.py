@@ -102,12 +102,6 @@ def default_env(example: dict):
   return env_for(example)
 
 
-def wants_multi_turn(cfg) -> bool:
-  """Whether the run's episodes are multi-turn: rl.multi_turn. (A data.domains registry with terminal
-  task domains, or data.tasks naming a multi-turn family, is refused without it, naming the flag.)"""
-  return bool(cfg.rl.multi_turn)
-
-
 @dataclasses.dataclass(frozen=True)
 class EpisodeBudget:
   """The host's budgets of one episode (the generation core enforces the token limits)."""
