@@ -86,8 +86,8 @@ def per_layer(models: Models, cache):
 
 
 def as_rows(models: Models, cache):
-  """A prefilled cache (`prefill_models`) as rows slots are copied from: per-row write index, in
-  the form `models` decodes with; None stays None."""
+  """A cache of whole rows (prompts prefilled by `prefill_models`, fresh rows) as slot rows: per-row
+  write index, in the form `models` decodes with; None stays None."""
   return None if cache is None else per_layer(models, kvc.with_row_index(cache))
 
 
@@ -371,8 +371,7 @@ def resume(models: Models, slots: Slots, pool: Pool, rows: jax.Array, sid: jax.A
   def emptied(model, cache):  # the rows' cache rows fresh: every column empty, write index 0
     if cache is None:
       return None
-    fresh = per_layer_like(model.init_cache(rows.shape[0], cache.max_len), cache)
-    return kvc.put_rows(cache, rows, kvc.with_row_index(fresh))
+    return kvc.put_rows(cache, rows, as_rows(models, model.init_cache(rows.shape[0], cache.max_len)))
   slots = slots.replace(sid=slots.sid.at[rows].set(sid, mode="drop"), cache=emptied(models.target, slots.cache),
                         draft_cache=emptied(models.draft, slots.draft_cache),
                         position=slots.position.at[rows].set(-pool.pad[at], mode="drop"))
@@ -386,11 +385,6 @@ def resume(models: Models, slots: Slots, pool: Pool, rows: jax.Array, sid: jax.A
     recent = jnp.take_along_axis(pool.tokens[at], jnp.maximum(columns, 0), axis=1)
     window = window.at[rows].set(jnp.where(columns >= turn_begins[:, None], recent, -1), mode="drop")
   return slots.replace(window=window)
-
-
-def per_layer_like(cache: kvc.KVCache, like: kvc.KVCache) -> kvc.KVCache:
-  """`cache` in `like`'s form (kv_cache.unstack'ed when `like` is)."""
-  return kvc.unstack(cache) if kvc.is_unstacked(like) and not kvc.is_unstacked(cache) else cache
 
 
 # --- prompts ---------------------------------------------------------------------------------------
