@@ -310,8 +310,7 @@ class Engine:
         return
 
   def _free(self, slot: int) -> None:
-    self._slots, self._pool = self._slots_engine.finish(self._slots, self._pool, jnp.asarray([slot], jnp.int32),
-                                                        jnp.ones((1,), bool))
+    self._slots, self._pool = self._slots_engine.finish(self._slots, self._pool, jnp.asarray([slot], jnp.int32))
     self._slot_req[slot] = None
     self._prefilling.pop(slot, None)
 

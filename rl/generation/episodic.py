@@ -198,7 +198,7 @@ class EpisodicScheduler:
     if finished:  # padded to B (sample id B: none): one shape compiles
       ids = np.full(pool.num_samples, pool.num_samples, np.int32)
       ids[:len(finished)] = finished
-      slots, pool = engine.finish(slots, pool, jnp.asarray(ids), jnp.ones(len(ids), bool))
+      slots, pool = engine.finish(slots, pool, jnp.asarray(ids))
     observed = [(slot_of[b], answer) for b, answer in answers.items() if answer and b in slot_of]
     if observed:
       rows = self.row_buckets[np.searchsorted(self.row_buckets, len(observed))]

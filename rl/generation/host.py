@@ -15,7 +15,7 @@ programs that all call rl/generation/core.py:
              slot is live
   observe    observation tokens extended into paused slots, which resume (core.observe)
   resume     samples re-prefilled from their buffers into slots (core.resume)
-  finish / free  end samples, free slots
+  finish     end samples and free their slots
   read       the small per-slot and per-sample vectors the host schedules by
 
 Every program takes the generation weights (params, extra, draft params) first, so new parameters
@@ -165,12 +165,12 @@ class SlotEngine:
     return slots, pool.replace(paused=pool.paused.at[slot].set(after[0] < length))
 
 
-def _finish(slots: Slots, pool: Pool, sid, free):
-  """Samples sid [R] (B: none) end (done, unpaused); with free [R] their slots are emptied."""
+def _finish(slots: Slots, pool: Pool, sid):
+  """Samples sid [R] (B: none) end (done, unpaused) and their slots are emptied."""
   num = pool.num_samples
   pool = pool.replace(done=pool.done.at[sid].set(True, mode="drop"),
                       paused=pool.paused.at[sid].set(False, mode="drop"))
-  freed = jnp.isin(slots.sid, jnp.where(free, sid, num)) & (slots.sid < num)
+  freed = jnp.isin(slots.sid, sid) & (slots.sid < num)
   return slots.replace(sid=jnp.where(freed, num, slots.sid)), pool
 
 
