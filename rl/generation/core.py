@@ -498,10 +498,8 @@ def _laid_out(mc, cache: kvc.KVCache) -> kvc.KVCache:
 
 
 def prefill_models(models: Models, prompts: jax.Array, prompt_mask: jax.Array, total: int, chunk: int = 0):
-  """`prefill_prompts` of the target and of the (speculative) draft, both chunked alike (chunk,
-  rl.prefill_chunk: 0 < chunk < Lp prefills in chunks of that many tokens back to back,
-  `prefill_in_chunks`, on any mesh: the chunks attend through the cache, as decode steps do; one
-  pass otherwise). Caches stacked, as `prefill_prompts` returns them -> (cache, draft
+  """`prefill_prompts` of the target and of the (speculative) draft, both chunked alike (chunk: as
+  there; one pass otherwise). Caches stacked, as `prefill_prompts` returns them -> (cache, draft
   cache or None, logits [P, V], routing or None)."""
   if 0 < chunk < prompts.shape[1]:
     return prefill_in_chunks(Models(models.target, draft=models.draft), prompts, prompt_mask, total, chunk)
@@ -514,9 +512,11 @@ def prefill_models(models: Models, prompts: jax.Array, prompt_mask: jax.Array, t
   return cache, draft_cache, logits, routing
 
 
-def prefill_prompts(model, prompts: jax.Array, prompt_mask: jax.Array, total: int):
-  """Prefills left-padded prompts [P, Lp] into a fresh KV cache of `total` columns in one pass (in
-  chunks: `prefill_models`).
+def prefill_prompts(model, prompts: jax.Array, prompt_mask: jax.Array, total: int, chunk: int = 0):
+  """Prefills left-padded prompts [P, Lp] into a fresh KV cache of `total` columns.
+
+  chunk (rl.prefill_chunk): 0 < chunk < Lp prefills in chunks of that many tokens back to back
+  (`prefill_in_chunks`), on any mesh (the chunks attend through the cache, as decode steps do).
 
   Returns (cache with index Lp, last-token logits [P, V] float32, routing [L, P, Lp, K] or None).
 
@@ -532,6 +532,9 @@ def prefill_prompts(model, prompts: jax.Array, prompt_mask: jax.Array, total: in
   the decode steps are the same in both layouts.
   """
   num_prompts, prompt_len = prompts.shape
+  if 0 < chunk < prompt_len:
+    cache, _, logits, routing = prefill_in_chunks(Models(model), prompts, prompt_mask, total, chunk)
+    return cache, logits, routing
   positions, segment_ids = prompt_layout(prompt_mask)
   mc = model.config
   if not uses_ring_prefill(mc):
