@@ -53,7 +53,7 @@ def main(argv):
 
   from meshrl.model.tokenizer import tokenizer_from_config
   from meshrl.rl.step.driver import prompt_stream, train_source
-  from meshrl.rl.algo.distill import DistillConfig, distill, teacher_data
+  from meshrl.rl.algo.distill import DistillConfig, distill
   from meshrl.rl.generation.generator import check_draft
   from meshrl.rl.step.spec import draft_run_config, make_generator
   from meshrl.sharding import make_mesh
@@ -75,7 +75,8 @@ def main(argv):
   prompts, mask = tokenizer.encode_batch(texts, length=cfg.rl.max_prompt_len, padding="left")
   generator = make_generator(cfg, mesh, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
                              group_size=args.group_size, multi_turn=False, complete=True)
-  batch = teacher_data(generator, target, prompts, mask, jax.random.key(cfg.seed))
+  _, target_params, target_extra = split_model(target)
+  batch = generator(target_params, target_extra, prompts, mask, jax.random.key(cfg.seed))  # its completions
   history = distill(target, draft, batch, jax.random.key(cfg.seed + 1), dc)
   for i in sorted({0, len(history) // 2, len(history) - 1}):
     print(f"step {i:>5}  loss {history[i]['loss']:.4f}  greedy agreement {history[i]['greedy_agreement']:.3f}")

@@ -101,11 +101,7 @@ class EngineSpec:
   @property
   def buckets(self) -> tuple[int, ...]:
     """Prefill lengths: powers of two from 16 below the context length, then the context length."""
-    sizes, b = [], 16
-    while b < self.max_len:
-      sizes.append(b)
-      b *= 2
-    return tuple(sizes) + (self.max_len,)
+    return host.buckets(self.max_len, 16)
 
 
 class Event(NamedTuple):
@@ -314,8 +310,7 @@ class Engine:
         return
 
   def _free(self, slot: int) -> None:
-    self._slots, self._pool = self._slots_engine.finish(self._slots, self._pool, jnp.asarray([slot], jnp.int32),
-                                                        jnp.ones((1,), bool))
+    self._slots, self._pool = self._slots_engine.finish(self._slots, self._pool, jnp.asarray([slot], jnp.int32))
     self._slot_req[slot] = None
     self._prefilling.pop(slot, None)
 

@@ -60,18 +60,11 @@ def distill_loss(draft: Transformer, batch: RolloutBatch, target_logits: jax.Arr
   return jnp.sum(per_token * mask) / count, {"greedy_agreement": jnp.sum(agree * mask) / count}
 
 
-def teacher_data(generator, target: Transformer, prompts: jax.Array, prompt_mask: jax.Array,
-                 key: jax.Array) -> RolloutBatch:
-  """The target's completions of prompts [P, Lp] by `generator` (a Generator of the target's model:
-  its group size, length and temperature)."""
-  _, params, extra = nnx.split(target, nnx.Param, ...)
-  return generator(params, extra, prompts, prompt_mask, key)
-
-
 def distill(target: Transformer, draft: Transformer, batch: RolloutBatch, key: jax.Array,
             dc: DistillConfig = DistillConfig()):
-  """Trains `draft` (in place: its params are updated) on the target's completions `batch`
-  (`teacher_data`) -> list of per-step metric dicts (host floats)."""
+  """Trains `draft` (in place: its params are updated) on the target's completions `batch` (by a
+  Generator of the target's model: its group size, length and temperature) -> list of per-step
+  metric dicts (host floats)."""
   check_draft(target.config, draft.config)
   target_logits = jax.jit(lambda b: jax.lax.stop_gradient(
       target(b.tokens, positions=b.positions, segment_ids=b.segment_ids).logits))(batch)

@@ -41,7 +41,7 @@ from meshrl.model import kv_cache as kvc
 from meshrl.model.ring_attention import unzigzag_on_mesh, zigzag
 from meshrl.rl.generation.proposers import ProposerSpec, draft_propose, ngram_propose
 from meshrl.rl.generation.sampling import Sampler, token_keys
-from meshrl.rl.generation.state import Counters, Pool, Slots
+from meshrl.rl.generation.state import Counters, Pool, Slots, empty_slots
 from meshrl.sharding.mesh import SEQUENCE_AXIS, axis_size
 
 
@@ -85,6 +85,50 @@ def per_layer(models: Models, cache):
   return cache if cache is None or models.weights is None else kvc.unstack(cache)
 
 
+def as_rows(models: Models, cache):
+  """A cache of whole rows (prompts prefilled by `prefill_models`, fresh rows) as slot rows: per-row
+  write index, in the form `models` decodes with; None stays None."""
+  return None if cache is None else per_layer(models, kvc.with_row_index(cache))
+
+
+def new_slots(models: Models, num_slots: int, cache_len: int, **options) -> Slots:
+  """`num_slots` empty slots over fresh caches of `cache_len` columns (the draft's too), in the form
+  `models` decodes with; options: state.empty_slots's (num_samples, vocab, ...)."""
+  draft = None if models.draft is None else per_layer(models, models.draft.init_cache(num_slots, cache_len))
+  return empty_slots(per_layer(models, models.target.init_cache(num_slots, cache_len)), draft, **options)
+
+
+def admit(slots: Slots, pool: Pool, sid: jax.Array, take: jax.Array, prompt_rows) -> Slots:
+  """Slots where take [C] start their samples sid [C] afresh from the samples' prompts' rows
+  prompt_rows = (cache, draft cache or None, logits [P, V]) (per-row index, `as_rows`): the cache
+  row copied whole, the prompt's next-token logits, the sample's position, an empty stop window.
+  The other slots keep everything but their sid (sid [C] is every slot's sample after)."""
+  cache, draft_cache, logits = prompt_rows
+  rows = jnp.clip(sid, 0, pool.num_samples - 1)
+  group = pool.group_of[rows]
+  copy = lambda dst, src: None if dst is None else kvc.copy_rows(dst, src, group, take)  # noqa: E731
+  return slots.replace(sid=sid, cache=copy(slots.cache, cache), draft_cache=copy(slots.draft_cache, draft_cache),
+                       logits=jnp.where(take[:, None], logits[group], slots.logits),
+                       position=jnp.where(take, pool.count[rows] - pool.pad[rows], slots.position),
+                       window=None if slots.window is None else jnp.where(take[:, None], -1, slots.window))
+
+
+def decode_loop(models: Models, config: StepConfig, slots: Slots, pool: Pool, version: jax.Array, *,
+                steps: int = 0, lockstep: bool = False) -> tuple[Slots, Pool, Counters]:
+  """`decode_step` while a slot is live, at most `steps` times (0: no limit), in one
+  lax.while_loop -> (slots, pool, counters of the steps). Pure; jit it."""
+  def keep_going(carry):
+    step, s, p, _ = carry
+    going = jnp.any(live_slots(s, p))
+    return going & (step < steps) if steps else going
+
+  def body(carry):
+    step, s, p, c = carry
+    return (step + 1, *decode_step(models, config, s, p, version, c, lockstep=lockstep))
+  carry = (jnp.zeros((), jnp.int32), slots, pool, Counters.zeros(pool.num_samples))
+  return jax.lax.while_loop(keep_going, body, carry)[1:]
+
+
 # --- the decode step -------------------------------------------------------------------------------
 
 
@@ -113,6 +157,14 @@ def _shift_window(window: jax.Array, fed: jax.Array, count: jax.Array) -> jax.Ar
 def _write(buffer: jax.Array, sid: jax.Array, columns: jax.Array, values) -> jax.Array:
   """buffer [B, S] with values [C, K1] written at rows sid [C], columns [C, K1] (S: dropped)."""
   return buffer.at[jnp.broadcast_to(sid[:, None], columns.shape), columns].set(values, mode="drop")
+
+
+def _write_routes(routing, sid: jax.Array, columns: jax.Array, routes):
+  """routing [L, B, S, K] with routes [L, R, T, K] written at rows sid [R], columns [R, T] (S:
+  dropped), as `_write`; routing or routes None (a dense model): routing as it is."""
+  if routing is None or routes is None:
+    return routing
+  return routing.at[:, jnp.broadcast_to(sid[:, None], columns.shape), columns].set(routes, mode="drop")
 
 
 def live_slots(slots: Slots, pool: Pool) -> jax.Array:
@@ -177,15 +229,12 @@ def decode_step(models: Models, config: StepConfig, slots: Slots, pool: Pool, ve
   committed = offsets < count[:, None]
   columns = jnp.where(committed, fill[:, None] + offsets, width)  # [C, K1] (width: dropped)
   sid = jnp.where(live, slots.sid, num)
-  routing = pool.routing
-  if routing is not None:
-    routes = jnp.where(committed[None, :, :, None], out.aux["routing"], 0)  # [L, C, K1, K]
-    routing = routing.at[:, jnp.broadcast_to(sid[:, None], columns.shape), columns].set(routes, mode="drop")
   end_field = "paused" if config.pause_on_stop else "done"
   pool = pool.replace(
       tokens=_write(pool.tokens, sid, columns, fed), logprobs=_write(pool.logprobs, sid, columns, logprobs),
       versions=_write(pool.versions, sid, columns, jnp.broadcast_to(version, fed.shape)),
-      policy=_write(pool.policy, sid, columns, True), routing=routing,
+      policy=_write(pool.policy, sid, columns, True),
+      routing=_write_routes(pool.routing, sid, columns, out.aux.get("routing")),  # [L, C, K1, K] routes
       count=pool.count.at[sid].add(count, mode="drop"), generated=pool.generated.at[sid].add(count, mode="drop"),
       stopped=pool.stopped.at[sid].set(hit, mode="drop"),
       **{end_field: getattr(pool, end_field).at[sid].set(ended, mode="drop")})
@@ -291,10 +340,8 @@ def append(pool: Pool, sid: jax.Array, tokens: jax.Array, lengths: jax.Array, ro
   fill = pool.count[jnp.clip(sid, 0, num - 1)]
   offsets = jnp.arange(span)[None, :]
   columns = jnp.where(offsets < lengths[:, None], fill[:, None] + offsets, width)  # [R, T]
-  routing = pool.routing
-  if routing is not None and routes is not None:
-    routing = routing.at[:, jnp.broadcast_to(sid[:, None], columns.shape), columns].set(routes, mode="drop")
-  return pool.replace(tokens=_write(pool.tokens, sid, columns, tokens.astype(jnp.int32)), routing=routing,
+  return pool.replace(tokens=_write(pool.tokens, sid, columns, tokens.astype(jnp.int32)),
+                      routing=_write_routes(pool.routing, sid, columns, routes),
                       count=pool.count.at[sid].add(lengths, mode="drop"),
                       turn_start=pool.turn_start.at[sid].set(pool.generated[jnp.clip(sid, 0, num - 1)],
                                                              mode="drop"))
@@ -318,37 +365,26 @@ def resume(models: Models, slots: Slots, pool: Pool, rows: jax.Array, sid: jax.A
   """Samples sid [R] (B: none) re-prefilled from their buffers, every token so far, into slots `rows`
   [R] under the current parameters (a partial rollout carried to the next step, a sample moved to
   another slot). Their caches are rebuilt whole; their logits and positions follow."""
-  num = pool.num_samples
-  at = jnp.clip(sid, 0, num - 1)
-  real = pool.real()[at]  # [R, S]
-  positions = jnp.where(real, pool.positions()[at], kvc.EMPTY_POSITION)
+  at = jnp.clip(sid, 0, pool.num_samples - 1)
+  count = pool.count[at]
 
-  def feed(model, weights, cache):
-    fresh = kvc.with_row_index(per_layer_like(model.init_cache(rows.shape[0], cache.max_len), cache))
-    out = model(pool.tokens[at], positions=positions, segment_ids=real.astype(jnp.int32), cache=fresh,
-                layer_weights=weights)
-    return kvc.put_rows(cache, rows, out.cache.replace(index=pool.count[at])), out
-  cache, out = feed(models.target, models.weights, slots.cache)
-  draft_cache = slots.draft_cache
-  if draft_cache is not None:
-    draft_cache, _ = feed(models.draft, models.draft_weights, draft_cache)
-  last = jnp.take_along_axis(out.logits, jnp.maximum(pool.count[at] - 1, 0)[:, None, None], axis=1)[:, 0]
+  def emptied(model, cache):  # the rows' cache rows fresh: every column empty, write index 0
+    if cache is None:
+      return None
+    return kvc.put_rows(cache, rows, as_rows(models, model.init_cache(rows.shape[0], cache.max_len)))
+  slots = slots.replace(sid=slots.sid.at[rows].set(sid, mode="drop"), cache=emptied(models.target, slots.cache),
+                        draft_cache=emptied(models.draft, slots.draft_cache),
+                        position=slots.position.at[rows].set(-pool.pad[at], mode="drop"))
+  # The whole buffer row, its left padding written empty: column c at position c - pad, as prefilled.
+  slots, _ = extend(models, slots, rows, pool.tokens[at], count, skip=pool.pad[at])
   window = slots.window
   if window is not None:  # the current turn's last W tokens
     width = window.shape[1]
-    columns = pool.count[at][:, None] - width + jnp.arange(width)[None, :]  # [R, W]
-    turn_begins = pool.count[at] - (pool.generated[at] - pool.turn_start[at])
+    columns = count[:, None] - width + jnp.arange(width)[None, :]  # [R, W]
+    turn_begins = count - (pool.generated[at] - pool.turn_start[at])
     recent = jnp.take_along_axis(pool.tokens[at], jnp.maximum(columns, 0), axis=1)
     window = window.at[rows].set(jnp.where(columns >= turn_begins[:, None], recent, -1), mode="drop")
-  return slots.replace(sid=slots.sid.at[rows].set(sid, mode="drop"), cache=cache, draft_cache=draft_cache,
-                       logits=slots.logits.at[rows].set(last, mode="drop"),
-                       position=slots.position.at[rows].set(pool.count[at] - pool.pad[at], mode="drop"),
-                       window=window)
-
-
-def per_layer_like(cache: kvc.KVCache, like: kvc.KVCache) -> kvc.KVCache:
-  """`cache` in `like`'s form (kv_cache.unstack'ed when `like` is)."""
-  return kvc.unstack(cache) if kvc.is_unstacked(like) and not kvc.is_unstacked(cache) else cache
+  return slots.replace(window=window)
 
 
 # --- prompts ---------------------------------------------------------------------------------------
@@ -427,14 +463,10 @@ def fill_chunk(models: Models, fill: PromptFill, chunk: int) -> PromptFill:
   num_prompts, prompt_len = fill.tokens.shape
   rows = jnp.arange(num_prompts, dtype=jnp.int32)
   slots, fed, routes, start = extend_chunk(models, fill.slots, rows, fill.tokens, fill.lengths, fill.fed, chunk)
-  routing = fill.routing
-  if routing is not None and routes is not None:
-    offsets = jnp.arange(chunk)[None, :]
-    token = start[:, None] + offsets  # [P, chunk]: the prompt token at each chunk column
-    new = (fill.fed < fill.lengths)[:, None] & (token >= 0) & (token < fed[:, None])
-    columns = jnp.where(new, prompt_len - fill.lengths[:, None] + token, prompt_len)
-    routing = routing.at[:, jnp.broadcast_to(rows[:, None], columns.shape), columns].set(routes, mode="drop")
-  return fill.replace(slots=slots, fed=fed, routing=routing)
+  token = start[:, None] + jnp.arange(chunk)[None, :]  # [P, chunk]: the prompt token at each chunk column
+  new = (fill.fed < fill.lengths)[:, None] & (token >= 0) & (token < fed[:, None])
+  columns = jnp.where(new, prompt_len - fill.lengths[:, None] + token, prompt_len)
+  return fill.replace(slots=slots, fed=fed, routing=_write_routes(fill.routing, rows, columns, routes))
 
 
 def prefill_in_chunks(models: Models, prompts: jax.Array, prompt_mask: jax.Array, total: int, chunk: int):

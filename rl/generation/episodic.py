@@ -60,15 +60,6 @@ class Turn:
 Respond = Callable[[Turn], "concurrent.futures.Future[Optional[list[int]]]"]
 
 
-def _buckets(limit: int) -> tuple[int, ...]:
-  """Lengths programs are compiled for: powers of two from 8 below `limit`, and `limit`."""
-  sizes, size = [], 8
-  while size < limit:
-    sizes.append(size)
-    size *= 2
-  return tuple(sizes) + (limit,)
-
-
 @dataclasses.dataclass
 class Stats:
   """What a call did, for metrics."""
@@ -92,8 +83,8 @@ class EpisodicScheduler:
   def __init__(self, engine: SlotEngine, *, chunk_steps: int, barrier: bool, max_obs_tokens: int,
                turn_width: int, owns: Callable[[int], bool] = lambda sample: True, host_bytes: int = 0):
     self.engine, self.chunk_steps, self.barrier = engine, chunk_steps, barrier
-    self.obs_buckets = _buckets(max_obs_tokens)
-    self.row_buckets = _buckets(engine.num_slots)
+    self.obs_buckets = host.buckets(max_obs_tokens)
+    self.row_buckets = host.buckets(engine.num_slots)
     self.turn_width, self.owns = turn_width, owns
     self.pending: dict[int, concurrent.futures.Future] = {}  # this host's unanswered turns
     self.answers: dict[int, Optional[list[int]]] = {}  # gathered answers not yet fed
@@ -115,7 +106,7 @@ class EpisodicScheduler:
     fresh = view["count"] == np.asarray(prompts).shape[1]
     carried = np.flatnonzero(~view["done"] & ~fresh)
     if carried.size:
-      slots, pool, view = self._place(weights, slots, pool, carried, resume=True)
+      slots, pool, view = self._place(weights, slots, pool, carried)
     steps = 0
     counters = Counters.zeros(num)
     while True:
@@ -207,7 +198,7 @@ class EpisodicScheduler:
     if finished:  # padded to B (sample id B: none): one shape compiles
       ids = np.full(pool.num_samples, pool.num_samples, np.int32)
       ids[:len(finished)] = finished
-      slots, pool = engine.finish(slots, pool, jnp.asarray(ids), jnp.ones(len(ids), bool))
+      slots, pool = engine.finish(slots, pool, jnp.asarray(ids))
     observed = [(slot_of[b], answer) for b, answer in answers.items() if answer and b in slot_of]
     if observed:
       rows = self.row_buckets[np.searchsorted(self.row_buckets, len(observed))]
@@ -225,7 +216,7 @@ class EpisodicScheduler:
       stats.extend_slots += rows * span
     unplaced = [b for b, answer in answers.items() if answer and b not in slot_of]
     if unplaced:  # a carried sample paused when its last call ended: resume it, then feed it
-      slots, pool, view = self._place(weights, slots, pool, np.asarray(unplaced), resume=True)
+      slots, pool, view = self._place(weights, slots, pool, np.asarray(unplaced))
       self.answers.update({b: answers[b] for b in unplaced})
       return slots, pool, view
     return slots, pool, host.read(slots, pool)
@@ -252,7 +243,7 @@ class EpisodicScheduler:
       view = dict(view, sid=np.asarray(jax.device_get(slots.sid)))
     return slots, view
 
-  def _place(self, weights, slots, pool, samples: np.ndarray, *, resume: bool):
+  def _place(self, weights, slots, pool, samples: np.ndarray):
     """Puts `samples` into free slots, as many as fit: rows parked in the host tier moved back, the
     others (carried from an earlier call) re-prefilled from their buffers."""
     view = host.read(slots, pool)

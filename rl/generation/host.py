@@ -15,7 +15,7 @@ programs that all call rl/generation/core.py:
              slot is live
   observe    observation tokens extended into paused slots, which resume (core.observe)
   resume     samples re-prefilled from their buffers into slots (core.resume)
-  finish / free  end samples, free slots
+  finish     end samples and free their slots
   read       the small per-slot and per-sample vectors the host schedules by
 
 Every program takes the generation weights (params, extra, draft params) first, so new parameters
@@ -39,7 +39,7 @@ from flax import nnx
 from meshrl.model import kv_cache as kvc
 from meshrl.rl.generation import core
 from meshrl.rl.generation.core import StepConfig
-from meshrl.rl.generation.state import Counters, Pool, Slots, empty_slots
+from meshrl.rl.generation.state import Pool, Slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,13 +86,9 @@ class SlotEngine:
   @functools.partial(jax.jit, static_argnums=(0, 2, 3))
   def empty(self, weights, num_samples: int, vocab: int) -> Slots:
     """C empty slots over fresh caches, in the models' decode form."""
-    models = self.models(weights)
-    draft = None if models.draft is None else models.draft.init_cache(self.num_slots, self.cache_len)
-    slots = empty_slots(models.target.init_cache(self.num_slots, self.cache_len), draft,
-                        num_samples=num_samples, vocab=vocab, window=self.config.window,
-                        per_row_sampling=self.per_row_sampling, stop_ids=self.stop_ids)
-    return slots.replace(cache=core.per_layer(models, slots.cache),
-                         draft_cache=core.per_layer(models, slots.draft_cache))
+    return core.new_slots(self.models(weights), self.num_slots, self.cache_len, num_samples=num_samples,
+                          vocab=vocab, window=self.config.window, per_row_sampling=self.per_row_sampling,
+                          stop_ids=self.stop_ids)
 
   def _prefill(self, weights, prompts, prompt_mask):
     """prompts [P, Lp] -> (cache rows, draft cache rows or None, logits [P, V], routing or None); the
@@ -100,49 +96,25 @@ class SlotEngine:
     models = self.models(weights)
     cache, draft_cache, logits, routing = core.prefill_models(models, prompts, prompt_mask, self.cache_len,
                                                              self.prefill_chunk)
-    as_rows = lambda c: None if c is None else core.per_layer(models, kvc.with_row_index(c))  # noqa: E731
-    return as_rows(cache), as_rows(draft_cache), logits, routing
+    return core.as_rows(models, cache), core.as_rows(models, draft_cache), logits, routing
 
   def _admit(self, weights, slots: Slots, pool: Pool, prompts, rows, sid):
     """Samples sid [R] into slots rows [R] (C: none) from their prompts' rows of `prompts` (a
     `prefill` result); the samples' prompt columns get the prefill's routes."""
     del weights
-    cache, draft_cache, logits, routing = prompts
     num = pool.num_samples
     take = jnp.zeros((slots.num_slots,), bool).at[rows].set(sid < num, mode="drop")
-    new_sid = slots.sid.at[rows].set(sid, mode="drop")
-    group = pool.group_of[jnp.clip(new_sid, 0, num - 1)]
-    at = jnp.clip(new_sid, 0, num - 1)
-    slots = slots.replace(
-        sid=jnp.where(take, new_sid, slots.sid), cache=kvc.copy_rows(slots.cache, cache, group, take),
-        draft_cache=None if slots.draft_cache is None else kvc.copy_rows(slots.draft_cache, draft_cache, group, take),
-        logits=jnp.where(take[:, None], logits[group], slots.logits),
-        position=jnp.where(take, pool.count[at] - pool.pad[at], slots.position),
-        window=None if slots.window is None else jnp.where(take[:, None], -1, slots.window))
-    if pool.routing is not None and routing is not None:
-      width = routing.shape[2]
-      valid = sid < num
-      rows_routes = routing[:, pool.group_of[jnp.clip(sid, 0, num - 1)]]  # [L, R, Lp, K]
-      current = pool.routing[:, jnp.clip(sid, 0, num - 1), :width]
-      merged = jnp.where(valid[None, :, None, None], rows_routes, current)
-      pool = pool.replace(routing=pool.routing.at[:, jnp.clip(sid, 0, num - 1), :width].set(merged))
+    new_sid = jnp.where(take, slots.sid.at[rows].set(sid, mode="drop"), slots.sid)
+    slots = core.admit(slots, pool, new_sid, take, prompts[:3])
+    routing = prompts[3]
+    if pool.routing is not None and routing is not None:  # [L, R, Lp, K] routes of the samples' prompts
+      routes = routing[:, pool.group_of[jnp.clip(sid, 0, num - 1)]]
+      pool = pool.replace(routing=pool.routing.at[:, sid, :routing.shape[2]].set(routes, mode="drop"))
     return slots, pool
 
   def _decode(self, weights, slots: Slots, pool: Pool, version, *, steps: int):
     """Up to `steps` decode steps (fewer when no slot is live) -> (slots, pool, counters)."""
-    models = self.models(weights)
-
-    def keep_going(carry):
-      step, s, p, _ = carry
-      return (step < steps) & jnp.any(core.live_slots(s, p))
-
-    def body(carry):
-      step, s, p, c = carry
-      s, p, c = core.decode_step(models, self.config, s, p, version, c)
-      return step + 1, s, p, c
-    carry = (jnp.zeros((), jnp.int32), slots, pool, Counters.zeros(pool.num_samples))
-    _, slots, pool, counters = jax.lax.while_loop(keep_going, body, carry)
-    return slots, pool, counters
+    return core.decode_loop(self.models(weights), self.config, slots, pool, version, steps=steps)
 
   def _observe(self, weights, slots, pool, rows, tokens, lengths):
     return core.observe(self.models(weights), slots, pool, rows, tokens, lengths)
@@ -193,12 +165,12 @@ class SlotEngine:
     return slots, pool.replace(paused=pool.paused.at[slot].set(after[0] < length))
 
 
-def _finish(slots: Slots, pool: Pool, sid, free):
-  """Samples sid [R] (B: none) end (done, unpaused); with free [R] their slots are emptied."""
+def _finish(slots: Slots, pool: Pool, sid):
+  """Samples sid [R] (B: none) end (done, unpaused) and their slots are emptied."""
   num = pool.num_samples
   pool = pool.replace(done=pool.done.at[sid].set(True, mode="drop"),
                       paused=pool.paused.at[sid].set(False, mode="drop"))
-  freed = jnp.isin(slots.sid, jnp.where(free, sid, num)) & (slots.sid < num)
+  freed = jnp.isin(slots.sid, sid) & (slots.sid < num)
   return slots.replace(sid=jnp.where(freed, num, slots.sid)), pool
 
 
@@ -224,6 +196,15 @@ def _place_block(cache: kvc.KVCache, slot: jax.Array, block: dict, start: jax.Ar
   segments = jax.lax.dynamic_update_slice_in_dim(cache.segment_ids[slot], jnp.ones((size,), jnp.int32), start, axis=0)
   return cache.replace(layers=jax.tree.map(put, cache.layers, block), positions=cache.positions.at[slot].set(positions),
                        segment_ids=cache.segment_ids.at[slot].set(segments))
+
+
+def buckets(limit: int, smallest: int = 8) -> tuple[int, ...]:
+  """Lengths programs are compiled for: powers of two from `smallest` below `limit`, and `limit`."""
+  sizes, size = [], smallest
+  while size < limit:
+    sizes.append(size)
+    size *= 2
+  return tuple(sizes) + (limit,)
 
 
 def read(slots: Slots, pool: Pool) -> dict[str, np.ndarray]:

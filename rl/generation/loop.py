@@ -30,16 +30,14 @@ import jax.numpy as jnp
 from meshrl.model import kv_cache as kvc
 from meshrl.rl.generation import core
 from meshrl.rl.generation.core import Models, StepConfig
-from meshrl.rl.generation.state import Counters, Pool, Slots, empty_slots
+from meshrl.rl.generation.state import Counters, Pool, Slots
 
 SCHEDULERS = ("static", "continuous", "budgeted", "episodic")
 
 
-def _admission_order(pool: Pool):
-  """Waiting samples (no token yet, not ended) by priority -> (order [B], how many wait [])."""
-  waiting = (pool.generated == 0) & ~pool.done
-  big = jnp.iinfo(jnp.int32).max
-  order = jnp.argsort(jnp.where(waiting, pool.priority, big), stable=True).astype(jnp.int32)
+def _by_priority(waiting: jax.Array, priority: jax.Array):
+  """Samples where waiting [B] by priority, lowest first -> (order [B], how many wait [])."""
+  order = jnp.argsort(jnp.where(waiting, priority, jnp.iinfo(jnp.int32).max), stable=True).astype(jnp.int32)
   return order, jnp.sum(waiting)
 
 
@@ -70,10 +68,9 @@ def run(models: Models, config: StepConfig, pool: Pool, prompts: jax.Array, prom
   prompts are in: a sample is admitted once its prompt is, so a long prompt stalls no other slot."""
   num = pool.num_samples
   prompt_len = prompts.shape[1]
-  counters = Counters.zeros(num)
   lockstep = config.proposer.window == 0 and slots == num and max_steps == 0
   interleave = 0 < prefill_chunk < prompt_len and not lockstep
-  fill = draft_prompt_cache = None
+  fill = None
   if interleave:
     fill = core.fill_chunk(models, core.fill_prompts(models, prompts, prompt_mask, cache_len), prefill_chunk)
   else:
@@ -82,67 +79,44 @@ def run(models: Models, config: StepConfig, pool: Pool, prompts: jax.Array, prom
     if pool.routing is not None and prompt_routing is not None:
       pool = pool.replace(routing=pool.routing.at[:, :, :prompt_len].set(prompt_routing[:, pool.group_of]))
 
-  def keep_going(carry):
-    step, state, p, _ = carry[:4]
-    going = jnp.any(core.live_slots(state, p))
-    if interleave:  # prompts still being prefilled have samples to admit
-      going |= ~jnp.all(carry[-1].ready())
-    return going & (step < max_steps) if max_steps else going
-
   if lockstep:  # static: sample b in slot b from the start, one shared write index
     group = num // prompts.shape[0]
     state = Slots(sid=jnp.arange(num, dtype=jnp.int32),
                   cache=core.per_layer(models, kvc.repeat_rows(prompt_cache, group)), draft_cache=None,
                   logits=jnp.repeat(prompt_logits, group, axis=0), position=pool.count - pool.pad,
                   window=None, sampling=None)
-
-    def body(carry):
-      step, s, p, c = carry
-      s, p, c = core.decode_step(models, config, s, p, version, c, lockstep=True)
-      return step + 1, s, p, c
-    _, _, pool, counters = jax.lax.while_loop(keep_going, body, (jnp.zeros((), jnp.int32), state, pool, counters))
-    return pool, counters
+    return core.decode_loop(models, config, state, pool, version, lockstep=True)[1:]
 
   if not interleave:
-    prompt_cache = core.per_layer(models, kvc.with_row_index(prompt_cache))
-    draft_prompt_cache = None if draft_prompt_cache is None else core.per_layer(
-        models, kvc.with_row_index(draft_prompt_cache))
-  empty = empty_slots(models.target.init_cache(slots, cache_len),
-                      None if models.draft is None else models.draft.init_cache(slots, cache_len),
-                      num_samples=num, vocab=models.target.config.vocab_size, window=config.window)
-  empty = empty.replace(cache=core.per_layer(models, empty.cache),
-                        draft_cache=None if empty.draft_cache is None else core.per_layer(models, empty.draft_cache))
+    prompt_rows = (core.as_rows(models, prompt_cache), core.as_rows(models, draft_prompt_cache), prompt_logits)
+  empty = core.new_slots(models, slots, cache_len, num_samples=num, vocab=models.target.config.vocab_size,
+                         window=config.window)
   resuming = (pool.generated > 0) & ~pool.done
   resume_ids = jnp.nonzero(resuming, size=slots, fill_value=num)[0].astype(jnp.int32)  # [C]
   state = jax.lax.cond(jnp.any(resuming),
                        lambda: core.resume(models, empty, pool, jnp.arange(slots), resume_ids), lambda: empty)
-  order, num_waiting = _admission_order(pool)
   waiting = (pool.generated == 0) & ~pool.done
+  order, num_waiting = _by_priority(waiting, pool.priority)
 
   def refill(s: Slots, p: Pool, next_pos, fill):
     """Frees the slots whose samples ended and gives them (and empty ones) the next waiting samples.
     Chunked (`fill`): next_pos is the admitted samples [B] bool instead, and a waiting sample is
     admitted once its prompt is prefilled, by priority among those."""
-    rows = jnp.clip(s.sid, 0, num - 1)
-    sid = jnp.where((s.sid < num) & p.done[rows], num, s.sid)
+    sid = jnp.where((s.sid < num) & p.done[jnp.clip(s.sid, 0, num - 1)], num, s.sid)
     if fill is None:
-      source, draft_source, logits = prompt_cache, draft_prompt_cache, prompt_logits
       sid, take, next_pos = _admit(sid, next_pos, order, num_waiting, num)
-    else:
-      source, draft_source, logits = fill.slots.cache, fill.slots.draft_cache, fill.slots.logits
-      ready = waiting & ~next_pos & fill.ready()[p.group_of]
-      now = jnp.argsort(jnp.where(ready, p.priority, jnp.iinfo(jnp.int32).max), stable=True).astype(jnp.int32)
-      sid, take, _ = _admit(sid, jnp.zeros((), jnp.int32), now, jnp.sum(ready), num)
-      next_pos = next_pos.at[jnp.where(take, sid, num)].set(True, mode="drop")
-    rows = jnp.clip(sid, 0, num - 1)
-    group = p.group_of[rows]
-    s = s.replace(sid=sid, cache=kvc.copy_rows(s.cache, source, group, take),
-                  draft_cache=None if s.draft_cache is None else kvc.copy_rows(
-                      s.draft_cache, draft_source, group, take),
-                  logits=jnp.where(take[:, None], logits[group], s.logits),
-                  position=jnp.where(take, p.count[rows] - p.pad[rows], s.position),
-                  window=None if s.window is None else jnp.where(take[:, None], -1, s.window))
-    return s, next_pos
+      return core.admit(s, p, sid, take, prompt_rows), next_pos
+    ready = waiting & ~next_pos & fill.ready()[p.group_of]
+    sid, take, _ = _admit(sid, jnp.zeros((), jnp.int32), *_by_priority(ready, p.priority), num)
+    next_pos = next_pos.at[jnp.where(take, sid, num)].set(True, mode="drop")
+    return core.admit(s, p, sid, take, (fill.slots.cache, fill.slots.draft_cache, fill.slots.logits)), next_pos
+
+  def keep_going(carry):
+    step, s, p, _, _, f = carry
+    going = jnp.any(core.live_slots(s, p))
+    if interleave:  # prompts still being prefilled have samples to admit
+      going |= ~jnp.all(f.ready())
+    return going & (step < max_steps) if max_steps else going
 
   refill_in_loop = slots < num or max_steps > 0 or interleave
   state, next_pos = refill(state, pool, jnp.zeros(num, bool) if interleave else jnp.zeros((), jnp.int32), fill)
@@ -155,7 +129,7 @@ def run(models: Models, config: StepConfig, pool: Pool, prompts: jax.Array, prom
     if refill_in_loop:
       s, next_pos = refill(s, p, next_pos, f)
     return step + 1, s, p, c, next_pos, f
-  start = (jnp.zeros((), jnp.int32), state, pool, counters, next_pos, fill)
+  start = (jnp.zeros((), jnp.int32), state, pool, Counters.zeros(num), next_pos, fill)
   _, _, pool, counters, _, fill = jax.lax.while_loop(keep_going, body, start)
   if interleave and pool.routing is not None and fill.routing is not None:
     pool = pool.replace(routing=pool.routing.at[:, :, :prompt_len].set(fill.routing[:, pool.group_of]))

@@ -57,12 +57,9 @@ def draft_propose(draft, weights, cache: kvc.KVCache, current: jax.Array, positi
     out = draft(token[:, None], positions=(position + i)[:, None], segment_ids=jnp.ones_like(token)[:, None],
                 cache=c, layer_weights=weights)
     key = jax.lax.dynamic_index_in_dim(keys, jnp.minimum(i, k - 1), axis=1, keepdims=False)
-    return (out.cache, sampler.draw(out.logits[:, 0], key, rows)), None
-
-  def collect(carry, i):
-    (c, token), _ = step(carry, i)
-    return (c, token), token
-  (cache, _), proposals = jax.lax.scan(collect, (cache, current), jnp.arange(k))
+    drawn = sampler.draw(out.logits[:, 0], key, rows)
+    return (out.cache, drawn), drawn
+  (cache, _), proposals = jax.lax.scan(step, (cache, current), jnp.arange(k))
   (cache, _), _ = step((cache, proposals[-1]), jnp.asarray(k))  # feeds d_{k-1}; its draw is unused
   return proposals.T, cache
 

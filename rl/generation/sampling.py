@@ -57,19 +57,13 @@ class Sampler:
     """Every row takes the argmax (known when the program is built)."""
     return not self.per_row and self.temperature == 0
 
-  def _temperature(self, rows: RowSampling | None, ndim: int):
-    """The temperature broadcast against logits of `ndim` dims ([R, V] or [R, W, V])."""
-    if not self.per_row:
-      return self.temperature
-    return rows.temperature.reshape((-1,) + (1,) * (ndim - 1))
-
   def scaled(self, logits: jax.Array, rows: RowSampling | None = None) -> jax.Array:
     """Logits of the sampling distribution before filtering: logits / temperature (float32; the
     logits themselves where the temperature is 0)."""
     logits = logits.astype(jnp.float32)
-    temperature = self._temperature(rows, logits.ndim)
     if not self.per_row:
-      return logits if temperature == 0 else logits / temperature
+      return logits if self.temperature == 0 else logits / self.temperature
+    temperature = rows.temperature.reshape((-1,) + (1,) * (logits.ndim - 1))  # against [R, V] or [R, W, V]
     return logits / jnp.where(temperature > 0, temperature, 1.0)
 
   def log_probs(self, logits: jax.Array, tokens: jax.Array, rows: RowSampling | None = None) -> jax.Array:
@@ -83,9 +77,9 @@ class Sampler:
 
   def draw(self, logits: jax.Array, keys: jax.Array, rows: RowSampling | None = None) -> jax.Array:
     """logits [R, V] or [R, W, V] and one typed key per token ([R] or [R, W]) -> tokens int32."""
-    if logits.ndim == 3:
-      flat = self.draw(logits.reshape(-1, logits.shape[-1]), keys.reshape(-1), _repeat(rows, logits.shape[1]))
-      return flat.reshape(logits.shape[:2])
+    if logits.ndim == 3:  # each row's parameters repeated for each of its W tokens ([R] -> [R * W])
+      repeated = jax.tree.map(lambda a: jnp.repeat(a, logits.shape[1]), rows)
+      return self.draw(logits.reshape(-1, logits.shape[-1]), keys.reshape(-1), repeated).reshape(logits.shape[:2])
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if self.greedy:
       return greedy
@@ -112,13 +106,6 @@ class Sampler:
   def __call__(self, logits: jax.Array, key: jax.Array) -> jax.Array:
     """logits [R, V] and ONE key for the batch -> tokens [R] int32 (each row its own fold of the key)."""
     return self.draw(logits, jax.random.split(key, logits.shape[0]))
-
-
-def _repeat(rows: RowSampling | None, times: int) -> RowSampling | None:
-  """Each row's parameters for each of its `times` tokens ([R] -> [R * times])."""
-  if rows is None:
-    return None
-  return RowSampling(temperature=jnp.repeat(rows.temperature, times), top_p=jnp.repeat(rows.top_p, times))
 
 
 def sample_keys(key: jax.Array, sample_ids: jax.Array) -> jax.Array:

@@ -80,10 +80,6 @@ def put_row(slots: Slots, slot: jax.Array, sid: jax.Array, row: dict) -> Slots:
                        logits=logits, position=position, window=window, sampling=sampling, stops=stops)
 
 
-def _nbytes(tree) -> int:
-  return int(sum(a.nbytes for a in jax.tree.leaves(tree)))
-
-
 def row_bytes(slots: Slots) -> int:
   """Bytes of one slot's row that the tier moves (target and draft caches, per-slot fields), over
   real arrays or their abstract shapes (jax.ShapeDtypeStruct: rl/step/aot.py reports it for a
@@ -125,15 +121,12 @@ class HostTier:
     self.used = 0
     self.stats = TierStats()
 
-  @staticmethod
-  def row_bytes(slots: Slots) -> int:
-    """Bytes of one slot's row (caches and per-slot fields): `row_bytes`."""
-    return row_bytes(slots)
+  row_bytes = staticmethod(row_bytes)  # bytes of one slot's row (caches and per-slot fields)
 
   @staticmethod
   def device_bytes(slots: Slots) -> int:
     """Bytes of the device tier: every slot's row."""
-    return _nbytes((slots.cache, slots.draft_cache, _row_fields(slots)))
+    return int(sum(a.nbytes for a in jax.tree.leaves((slots.cache, slots.draft_cache, _row_fields(slots)))))
 
   def holds(self, sid: int) -> bool:
     return int(sid) in self.parked

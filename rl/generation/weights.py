@@ -62,5 +62,4 @@ def make_prepare(spec: WeightsSpec, abstract_params: Any, mesh: Mesh | None, rul
     out = params if quantize is None else quantize(params)
     out = to_layout(out) if gathered else out
     return copy(out) if own and out is params else out
-  prepare.quantize = quantize
   return prepare

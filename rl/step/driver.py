@@ -32,7 +32,7 @@ from meshrl.rl.envs.levels import warm_start_source
 from meshrl.rl.envs.quality import Quarantine
 from meshrl.rl.envs.registry import DomainMixture
 from meshrl.rl.step.evaluation import Evaluator, held_out_examples
-from meshrl.rl.step.episodes import EPISODE_FAMILIES, episode_pools, wants_multi_turn
+from meshrl.rl.step.episodes import EPISODE_FAMILIES, episode_pools
 from meshrl.rl.step.episode_collect import Demonstrations, MultiTurnEvaluator
 from meshrl.rl.step.episode_collect import held_out as multiturn_held_out
 from meshrl.rl.envs.prompts import ArrayRecordSource, JsonlSource, PromptStream
@@ -422,7 +422,7 @@ def prepare(cfg, workdir: str, mesh=None, *, overwrite: bool = False) -> _Prepar
     print(skipped_rows(source))
   held_out = []
   if cfg.eval.every:
-    held_out = (multiturn_held_out if wants_multi_turn(cfg) else held_out_examples)(
+    held_out = (multiturn_held_out if cfg.rl.multi_turn else held_out_examples)(
         cfg, train_prompts=train_prompts(source))
     if not held_out:
       raise ValueError("eval.every > 0 but there are no held-out prompts (eval.jsonl, data.eval_fraction).")
@@ -465,7 +465,7 @@ def warm_start(cfg, folder: str, *, mesh, model, source, tokenizer, preemption=N
   reward model's policy pairs (rl/rewards/rm_first.py) run it first, into the same folder."""
   from meshrl.train.sft import run_sft  # pylint: disable=import-outside-toplevel
   sft_source = warm_start_source(cfg, source)  # its generated domains at rl.sft_difficulty
-  if wants_multi_turn(cfg):
+  if cfg.rl.multi_turn:
     sft_source = Demonstrations(sft_source, tokenizer=tokenizer, max_obs_tokens=cfg.rl.max_obs_tokens)
   return run_sft(cfg, folder, mesh=mesh, model=model, source=sft_source, tokenizer=tokenizer,
                  preemption=preemption, numbers=numbers)
@@ -475,7 +475,7 @@ def _train(cfg, workdir: str, ready: _Prepared, checkpointer: Checkpointer | Non
            preemption: Preemption) -> list[dict]:
   """The warm start, then RL steps with their hooks (after `prepare` and the first writes)."""
   mesh, tokenizer, source, model = ready.mesh, ready.spec.tokenizer, ready.source, ready.model
-  multi_turn, primary = wants_multi_turn(cfg), hosts.is_primary()
+  multi_turn, primary = bool(cfg.rl.multi_turn), hosts.is_primary()
   if cfg.rl.sft_steps:
     try:
       warm = warm_start(cfg, os.path.join(workdir, "sft"), mesh=mesh, model=model, source=source,

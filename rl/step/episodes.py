@@ -53,11 +53,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshrl.model.tokenizer import Tokenizer
 from meshrl.rl.envs import file_tasks
-from meshrl.rl.envs.base import DONE, StepResult, as_text
+from meshrl.rl.envs.base import DONE, as_text
 from meshrl.rl.generation.episodic import EpisodicScheduler, Turn
 from meshrl.rl.generation.output import rollout_batch
 from meshrl.rl.generation.sampling import sample_keys
-from meshrl.rl.batches.rows import rollout_rows
+from meshrl.rl.step.partial import GroupSlots, batch_rows, group_rows
 from meshrl.sharding import hosts
 from meshrl.sharding.rules import logical_to_spec
 
@@ -100,12 +100,6 @@ def default_env(example: dict):
     from meshrl.rl.envs.file_sandbox import file_env  # pylint: disable=import-outside-toplevel
     return file_env(example)
   return env_for(example)
-
-
-def wants_multi_turn(cfg) -> bool:
-  """Whether the run's episodes are multi-turn: rl.multi_turn. (A data.domains registry with terminal
-  task domains, or data.tasks naming a multi-turn family, is refused without it, naming the flag.)"""
-  return bool(cfg.rl.multi_turn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,40 +290,33 @@ class EpisodeRunner:
     if result.done or result.info.get("env_failure"):
       episode.finish(result, "done")
       return None
-    end = None
     if stats.turns >= episode.max_turns:
-      end = "max_turns"
-    elif turn.generated >= self.spec.max_new_tokens:
-      end = "token_budget"
-    else:
-      room = budget.episode_len - (turn.count - budget.prompt_len) - 1  # and one more policy token
-      ids = observation_ids(self.tokenizer, result.observation, min(room, budget.max_obs_tokens))
-      if ids is not None:
-        stats.obs_tokens += len(ids)
-        return ids
-      end = "context"
-    return self._end(episode, end)
+      return self._end(episode, "max_turns")
+    if turn.generated >= self.spec.max_new_tokens:
+      return self._end(episode, "token_budget")
+    room = budget.episode_len - (turn.count - budget.prompt_len) - 1  # and one more policy token
+    ids = observation_ids(self.tokenizer, result.observation, min(room, budget.max_obs_tokens))
+    if ids is None:
+      return self._end(episode, "context")
+    stats.obs_tokens += len(ids)
+    return ids
 
   def _end(self, episode: _Episode, end: str) -> None:
     """Sends `<done>` so the episode is graded, and records how it ended."""
     try:
       result = episode.env.step(DONE)
     except Exception as error:  # pylint: disable=broad-except
-      result = _Failed(f"{type(error).__name__}: {error}")
-    if isinstance(result, _Failed):
-      episode.fail(result.info["env_failure"])
-    else:
-      episode.finish(result, end)
-    return None
+      episode.fail(f"{type(error).__name__}: {error}")
+      return
+    episode.finish(result, end)
 
   def _respond(self, episodes: dict[int, _Episode], turn: Turn) -> concurrent.futures.Future:
     """The answer to a finished turn (a Future), stepping its environment in a worker."""
     episode = episodes[turn.sample]
-    episode.stats.turns += 1
     episode.stats.policy_tokens = turn.generated
     if not len(turn.tokens):  # no room was left for a policy token
-      episode.stats.turns -= 1
       return self.workers.submit(lambda: self._end(episode, "context"))
+    episode.stats.turns += 1
     text, _ = as_text(self.tokenizer.decode(turn.tokens))
     stepped = self.workers.submit(lambda: episode.env.step(text))
     return self.workers.chain(stepped, lambda result: self._answer(episode, turn, result))
@@ -460,34 +447,23 @@ class EpisodeRunner:
     possibly in another thread while this step still reads its batch (asynchronous RL): the routes,
     the one field the batch would otherwise share with the pool, are then taken as a copy of the
     ended rows (a shared buffer donated under a running read crashed XLA:CPU with a segfault)."""
-    batch = rollout_batch(pool, self.spec.prompt_len, self.spec.step.pad_id)
-    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-    routing = fields.pop("routing")
-    routing_rows = rows
-    if carried and routing is not None:
-      routing, routing_rows = jnp.take(routing, jnp.asarray(rows, jnp.int32), axis=1), np.arange(len(rows))
-    arrays = rollout_rows(fields, rows)
-    num = pool.num_samples
-    own = hosts.share(num)
+    arrays = batch_rows(rollout_batch(pool, self.spec.prompt_len, self.spec.step.pad_id), rows, copy_routes=carried)
+    own = hosts.share(pool.num_samples)
     wanted = set(int(b) for b in rows)
-    mine = [[b, dataclasses.asdict(episodes[b].stats)] for b in range(own.start, own.stop) if b in wanted]
-    stats_of = {int(b): EpisodeStats(**s) for b, s in hosts.gather_objects(mine)}
-    chosen = [stats_of[int(b)] for b in rows]
+    tokens, count, lp = hosts.share_to_host(pool.tokens), hosts.to_host(pool.count), self.spec.prompt_len
+    mine = [[b, dataclasses.asdict(episodes[b].stats),
+             self.tokenizer.decode(tokens[b - own.start, lp:count[b]], stop_at_eos=False)]
+            for b in range(own.start, own.stop) if b in wanted]  # gathered from the hosts that ran them
+    gathered = {int(b): (EpisodeStats(**s), text) for b, s, text in hosts.gather_objects(mine)}
+    chosen = [gathered[int(b)][0] for b in rows]
     arrays["truncated"] = np.asarray([s.end != "done" for s in chosen], bool)
-    if routing is not None:
-      from meshrl.rl.batches.routes import RoutingRows  # pylint: disable=import-outside-toplevel
-      arrays["routing"] = RoutingRows.of_rollout(routing, routing_rows)
-    tokens, count = hosts.share_to_host(pool.tokens), hosts.to_host(pool.count)
-    lp, tok = self.spec.prompt_len, self.tokenizer
-    texts = dict(hosts.gather_objects([[b, tok.decode(tokens[b - own.start, lp:count[b]], stop_at_eos=False)]
-                                       for b in range(own.start, own.stop) if b in wanted]))
     counts = dict(counts, extend_tokens=stats.extend_tokens, extend_slots=stats.extend_slots,
                   extend_calls=stats.extend_calls, decode_calls=stats.decode_calls, host_wait_s=stats.host_wait_s,
                   **{k: float(v) for k, v in jax.device_get(stats.counters.metrics()).items()})
-    return MultiTurnRollout(arrays=arrays, episodes=chosen, texts=[texts[int(b)] for b in rows], counts=counts)
+    return MultiTurnRollout(arrays=arrays, episodes=chosen, texts=[gathered[int(b)][1] for b in rows], counts=counts)
 
 
-class PartialEpisodes:
+class PartialEpisodes(GroupSlots):
   """Multi-turn episodes carried across RL steps (rl.rollout_token_budget with rl.multi_turn): a pool
   of `num_groups` groups of episodes; each step tops it up with new groups, decodes at most
   budget // slots steps of the episodic scheduler and returns the groups whose episodes have all
@@ -498,23 +474,12 @@ class PartialEpisodes:
   single-turn partial rollouts do (rl/step/partial.py)."""
 
   def __init__(self, runner: EpisodeRunner, num_groups: int):
-    spec = runner.spec
-    if not spec.token_budget:
+    if not runner.spec.token_budget:
       raise ValueError("partial episodes need rl.rollout_token_budget > 0.")
-    num = num_groups * spec.group_size
-    if spec.token_budget < spec.num_slots(num):
-      raise ValueError(f"rl.rollout_token_budget={spec.token_budget} is less than one token per decode slot "
-                       f"(rl.decode_slots resolves to {spec.num_slots(num)}).")
-    self.runner, self.spec, self.num_groups = runner, spec, num_groups
-    self.scheduler = runner.scheduler(num)  # its answers in flight are carried with it
-    self.pool = None
-    self.prompts = np.zeros((num_groups, spec.prompt_len), np.int32)
-    self.prompt_mask = np.zeros((num_groups, spec.prompt_len), bool)
-    self.examples: list = [None] * num_groups
-    self.live = np.zeros(num_groups, bool)
+    super().__init__(runner.generator, num_groups)
+    self.runner = runner
+    self.scheduler = runner.scheduler(num_groups * self.group_size)  # its answers in flight are carried with it
     self.episodes: dict[int, _Episode] = {}
-    self.next_uid = 0
-    self.metrics = None
 
   def _admit(self, draw, key) -> int:
     """Fresh groups from draw(count) -> examples into the free group slots, their environments reset."""
@@ -522,29 +487,11 @@ class PartialEpisodes:
     if not free.size:
       return 0
     examples = draw(int(free.size))
-    group = self.spec.group_size
     episodes, prompts, mask, failed, _ = self.runner._start(examples)  # pylint: disable=protected-access
-    uids = self.next_uid + np.arange(free.size)
-    self.next_uid += int(free.size)
-    sample_ids = (uids[:, None] * group + np.arange(group)).reshape(-1)
-    fresh = self.runner.generator.new_pool(jnp.asarray(prompts), jnp.asarray(mask),
-                                           sample_keys(key, jnp.asarray(sample_ids, jnp.uint32)))
-    fresh = fresh.replace(priority=jnp.asarray(sample_ids, jnp.int32))
-    if failed:
-      fresh = fresh.replace(done=fresh.done.at[jnp.asarray(failed)].set(True))
-    if self.pool is None:
-      self.pool = self.runner.generator.new_pool(jnp.asarray(self.prompts), jnp.asarray(self.prompt_mask),
-                                                 sample_keys(key, jnp.arange(self.num_groups * group)))
-      self.pool = self.pool.replace(done=jnp.ones_like(self.pool.done))
-    from meshrl.rl.step.partial import _place_groups  # pylint: disable=import-outside-toplevel
-    self.pool = self.runner.split_rows(_place_groups(self.pool, fresh, free, group))
-    self.prompts[free], self.prompt_mask[free] = prompts, mask
-    for i, g in enumerate(free):
-      self.examples[g] = examples[i]
-      for j in range(group):
-        if i * group + j in episodes:
-          self.episodes[g * group + j] = episodes[i * group + j]
-    self.live[free] = True
+    self._place(free, examples, prompts, mask, key, failed)
+    self.pool = self.runner.split_rows(self.pool)
+    rows = group_rows(free, self.group_size)
+    self.episodes.update({int(rows[b]): episode for b, episode in episodes.items()})
     return int(free.size)
 
   def step(self, params, extra, draw, key, version, *, weights=None):
@@ -552,24 +499,18 @@ class PartialEpisodes:
     weights: the runner's weights made beforehand (asynchronous RL runs this in a thread on a
     snapshot; then params and extra are not read)."""
     admitted = self._admit(draw, key)
-    num = self.num_groups * self.spec.group_size
     weights = self.runner.weights(params, extra) if weights is None else weights
-    self.pool, stats = self.scheduler.run(weights, self.pool, jnp.asarray(self.prompts), jnp.asarray(self.prompt_mask),
+    self.pool, stats = self.scheduler.run(weights, self.pool, self.prompts, self.prompt_mask,
                                           lambda turn: self.runner._respond(self.episodes, turn),  # pylint: disable=protected-access
-                                          version=version, max_steps=self.spec.max_steps(num))
-    group = self.spec.group_size
-    done = hosts.to_host(self.pool.done).reshape(self.num_groups, group).all(axis=1)
-    ended = np.flatnonzero(done & self.live)
-    rows = (ended[:, None] * group + np.arange(group)).reshape(-1)
+                                          version=version, max_steps=self.spec.max_steps(self.pool.num_samples))
+    ended, rows = self._harvest(self.pool.done)
     out = self.runner.output(self.pool, self.episodes, rows, {"prefill_tokens": 0, "prompts_truncated": 0}, stats,
                              carried=True)
     self.runner.count_failures({int(b): self.episodes[int(b)] for b in rows if int(b) in self.episodes},
-                               lambda b: self.examples[b // group])
+                               lambda b: self.examples[b // self.group_size])
     for b in rows:
       episode = self.episodes.pop(int(b), None)
       if episode is not None:
         episode.close()
-    self.live[ended] = False
     self.metrics = out.counts
-    return out, [self.examples[g] for g in ended], {"groups_admitted": admitted, "groups_ended": int(ended.size),
-                                                    "groups_carried": int(self.live.sum())}
+    return out, [self.examples[g] for g in ended], self._info(admitted, ended)

@@ -37,27 +37,35 @@ from meshrl.train.checkpoint import array_from_json, array_to_json
 _PER_GROUP = ("prompts", "prompt_mask")
 
 
-class PartialRollouts:
-  """Partial rollouts across RL steps: a pool of `num_groups` groups in flight on the devices.
+def group_rows(groups: np.ndarray, size: int) -> np.ndarray:
+  """The pool rows [F * G] of group slots `groups` [F] (group g: rows g*G .. g*G+G-1)."""
+  return (np.asarray(groups)[:, None] * size + np.arange(size)).reshape(-1)
 
-  Each `step` tops the pool up with new groups (drawn from `draw(count)`), decodes one budgeted call,
-  and returns the groups that have ended (all G samples) in the RolloutBatch layout; the rest are
-  carried, their tokens, log-probs and versions kept, and resume at the next step under the
-  parameters passed then. The generator's proposer (rl.speculative) and options apply as in any call;
-  its last call's metrics are in `.metrics`.
 
-  Several host processes: `draw` gives every host the same prompts, so every host holds the same
-  pool bookkeeping and every group's example; the ended groups' per-token fields stay on the devices
-  (rl/rows.rollout_rows: rows of the pool's batch), and rl/step/program.py scores each host's share of them.
-  """
+def batch_rows(batch, rows: np.ndarray, *, copy_routes: bool = False) -> dict:
+  """Rows `rows` of a RolloutBatch as the step takes them: the per-token fields kept on the devices
+  (rl/batches/rows.py), the routes as RoutingRows (rl/batches/routes.py). copy_routes: the routes of
+  those rows are taken as a copy, so the batch shares no buffer with a pool that lives on
+  (episodes.EpisodeRunner.output)."""
+  arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+  routing = arrays.pop("routing")
+  arrays = rollout_rows(arrays, rows)
+  if routing is not None:
+    if copy_routes:
+      routing, rows = jnp.take(routing, jnp.asarray(rows, jnp.int32), axis=1), np.arange(len(rows))
+    arrays["routing"] = RoutingRows.of_rollout(routing, rows)
+  return arrays
+
+
+class GroupSlots:
+  """The group slots of a pool carried across RL steps (`PartialRollouts`; multi-turn:
+  rl/step/episodes.PartialEpisodes): `num_groups` slots of G samples, which of them hold a live
+  group, each one's prompt (on the devices) and example, and the admission counter that orders and
+  keys new groups."""
 
   def __init__(self, generator, num_groups: int):
     spec = generator.spec
-    if spec.scheduler != "budgeted":
-      raise ValueError(f"partial rollouts need the budgeted scheduler (rl.rollout_token_budget > 0), not "
-                       f"{spec.scheduler!r}.")
-    num = num_groups * spec.group_size
-    slots = spec.num_slots(num)
+    slots = spec.num_slots(num_groups * spec.group_size)
     if spec.token_budget < slots:
       raise ValueError(f"rl.rollout_token_budget={spec.token_budget} is less than one token per decode slot "
                        f"(rl.decode_slots resolves to {slots}).")
@@ -80,28 +88,63 @@ class PartialRollouts:
     pool = self.generator.new_pool(self.prompts, self.prompt_mask, sample_keys(jax.random.key(0), jnp.arange(num)))
     return pool.replace(done=jnp.ones_like(pool.done))
 
-  def _admit(self, draw: Callable[[int], tuple[list, np.ndarray, np.ndarray]], key) -> int:
-    """Fills the free group slots with new groups from `draw(count) -> (examples, tokens, mask)`."""
-    free = np.flatnonzero(~self.live)
-    if free.size == 0:
-      return 0
-    examples, tokens, mask = draw(int(free.size))
+  def _place(self, free: np.ndarray, examples: list, tokens, mask, key, failed=()) -> None:
+    """New groups into the free group slots `free` [F]: their examples, prompts tokens [F, Lp] and
+    mask; their samples keyed by (key, admission order); the samples `failed` (rows of the F
+    groups) start ended."""
     group = self.group_size
-    uids = self.next_uid + np.arange(free.size)
+    sample_ids = group_rows(self.next_uid + np.arange(free.size), group)
     self.next_uid += int(free.size)
-    sample_ids = (uids[:, None] * group + np.arange(group)).reshape(-1)
     fresh = self.generator.new_pool(jnp.asarray(tokens), jnp.asarray(mask),
                                     sample_keys(key, jnp.asarray(sample_ids, jnp.uint32)))
     fresh = fresh.replace(priority=jnp.asarray(sample_ids, jnp.int32))
-    if self.pool is None:
-      self.pool = self._blank()
-    self.pool = _place_groups(self.pool, fresh, free, group)
+    if len(failed):  # an environment that failed at reset: its episode never decodes
+      fresh = fresh.replace(done=fresh.done.at[jnp.asarray(failed)].set(True))
+    self.pool = _place_groups(self._blank() if self.pool is None else self.pool, fresh, free, group)
     where = jnp.asarray(free)
     self.prompts = self.prompts.at[where].set(jnp.asarray(tokens, jnp.int32))
     self.prompt_mask = self.prompt_mask.at[where].set(jnp.asarray(mask, bool))
     for i, g in enumerate(free):
       self.examples[g] = examples[i]
     self.live[free] = True
+
+  def _harvest(self, done) -> tuple[np.ndarray, np.ndarray]:
+    """The live groups whose samples have all ended (done [B]) -> (their group slots [E], their pool
+    rows [E * G]); their group slots are free again."""
+    done = hosts.to_host(done).reshape(self.num_groups, self.group_size).all(axis=1)
+    ended = np.flatnonzero(done & self.live)
+    self.live[ended] = False
+    return ended, group_rows(ended, self.group_size)
+
+  def _info(self, admitted: int, ended: np.ndarray) -> dict:
+    return {"groups_admitted": admitted, "groups_ended": int(ended.size), "groups_carried": int(self.live.sum())}
+
+
+class PartialRollouts(GroupSlots):
+  """Partial rollouts across RL steps: a pool of `num_groups` groups in flight on the devices.
+
+  Each `step` tops the pool up with new groups (drawn from `draw(count)`), decodes one budgeted call,
+  and returns the groups that have ended (all G samples) in the RolloutBatch layout; the rest are
+  carried, their tokens, log-probs and versions kept, and resume at the next step under the
+  parameters passed then. The generator's proposer (rl.speculative) and options apply as in any call;
+  its last call's metrics are in `.metrics`.
+
+  Several host processes: `draw` gives every host the same prompts, so every host holds the same
+  pool bookkeeping and every group's example; the ended groups' per-token fields stay on the devices
+  (rl/rows.rollout_rows: rows of the pool's batch), and rl/step/program.py scores each host's share of them.
+  """
+
+  def __init__(self, generator, num_groups: int):
+    if generator.spec.scheduler != "budgeted":
+      raise ValueError(f"partial rollouts need the budgeted scheduler (rl.rollout_token_budget > 0), not "
+                       f"{generator.spec.scheduler!r}.")
+    super().__init__(generator, num_groups)
+
+  def _admit(self, draw: Callable[[int], tuple[list, np.ndarray, np.ndarray]], key) -> int:
+    """Fills the free group slots with new groups from `draw(count) -> (examples, tokens, mask)`."""
+    free = np.flatnonzero(~self.live)
+    if free.size:
+      self._place(free, *draw(int(free.size)), key)
     return int(free.size)
 
   def _decode(self, params, extra, pool: Pool, version):
@@ -126,19 +169,8 @@ class PartialRollouts:
     done_after = self.pool.done
 
     def harvest() -> tuple[dict, list, dict]:
-      group = self.group_size
-      done = hosts.to_host(done_after).reshape(self.num_groups, group).all(axis=1)
-      ended = np.flatnonzero(done & self.live)
-      rows = (ended[:, None] * group + np.arange(group)).reshape(-1)
-      arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-      routing = arrays.pop("routing")
-      arrays = rollout_rows(arrays, rows)  # the ended rows, kept on the devices (rl/batches/rows.py)
-      if routing is not None:  # stays on the devices (rl/batches/routes.py)
-        arrays["routing"] = RoutingRows.of_rollout(routing, rows)
-      examples = [self.examples[g] for g in ended]
-      self.live[ended] = False
-      return arrays, examples, {"groups_admitted": admitted, "groups_ended": int(ended.size),
-                                "groups_carried": int(self.live.sum())}
+      ended, rows = self._harvest(done_after)
+      return batch_rows(batch, rows), [self.examples[g] for g in ended], self._info(admitted, ended)
     return harvest
 
   def get_state(self) -> dict:
@@ -179,7 +211,7 @@ class PartialRollouts:
 
 def _place_groups(pool: Pool, fresh: Pool, where: np.ndarray, group_size: int) -> Pool:
   """pool with its group slots `where` [F] replaced by fresh's F groups (in order)."""
-  rows = jnp.asarray((where[:, None] * group_size + np.arange(group_size)).reshape(-1))
+  rows = jnp.asarray(group_rows(where, group_size))
 
   def put(name, old, new):
     if old is None:

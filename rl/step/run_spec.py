@@ -33,7 +33,7 @@ from meshrl.rl.envs.registry import check_single_turn, load_domains
 from meshrl.rl.generation.spec import GenerationSpec
 from meshrl.rl.rewards import compose
 from meshrl.rl.rewards.sources import check_reward_sources
-from meshrl.rl.step.episodes import episode_pools, wants_multi_turn
+from meshrl.rl.step.episodes import episode_pools
 from meshrl.rl.step.spec import check_generation, episode_stops, generation_spec, rollout_model_config
 from meshrl.sharding.mesh import SEQUENCE_AXIS, global_mesh_sizes
 from meshrl.sharding.rules import data_parallel_size
@@ -112,7 +112,7 @@ def check_config(cfg, num_devices: int | None = None, *, mesh: Mesh | None = Non
   if num_devices is not None:
     _check_mesh(cfg, num_devices, rows, row_len, generation)
   return RunSpec(cfg=cfg, model=numbers.model, rollout_model=numbers.rollout_model, estimator=estimator, loss=loss,
-                 generation=generation, tokenizer=tokenizer, multi_turn=wants_multi_turn(cfg), update_rows=rows,
+                 generation=generation, tokenizer=tokenizer, multi_turn=bool(cfg.rl.multi_turn), update_rows=rows,
                  update_row_len=row_len, update_row_ladder=update_row_ladder(cfg, num_devices))
 
 
@@ -125,7 +125,7 @@ def build_spec(cfg, mesh: Mesh | None = None, *, tokenizer: Tokenizer | None = N
   tokenizer = tokenizer_from_config(cfg) if tokenizer is None else tokenizer
   rows, row_len = update_shape(cfg)
   return RunSpec(cfg=cfg, model=numbers.model, rollout_model=numbers.rollout_model, estimator=estimator, loss=loss,
-                 generation=_generation(cfg, tokenizer), tokenizer=tokenizer, multi_turn=wants_multi_turn(cfg),
+                 generation=_generation(cfg, tokenizer), tokenizer=tokenizer, multi_turn=bool(cfg.rl.multi_turn),
                  update_rows=rows, update_row_len=row_len,
                  update_row_ladder=update_row_ladder(cfg, mesh.size if mesh is not None else None))
 
@@ -165,7 +165,7 @@ def estimator_and_loss(cfg) -> tuple[Any, losses.LossSpec]:
 
 def _generation(cfg, tokenizer: Tokenizer) -> GenerationSpec:
   """The rollout's generation spec with the tokenizer's stop ids (and stop strings when multi-turn)."""
-  multi_turn = wants_multi_turn(cfg)
+  multi_turn = bool(cfg.rl.multi_turn)
   return generation_spec(cfg, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, multi_turn=multi_turn,
                          stop_sequences=episode_stops(tokenizer) if multi_turn else ())
 
@@ -234,7 +234,7 @@ def _check_rl_options(cfg) -> None:
 
 def _check_data(cfg) -> None:
   """data.*: the task families, domains, files, quarantine list and the held-out split."""
-  if not wants_multi_turn(cfg) and episode_pools(cfg):
+  if not cfg.rl.multi_turn and episode_pools(cfg):
     raise ValueError(f"data.tasks={cfg.data.tasks!r} names multi-turn families {sorted(episode_pools(cfg))}: "
                      "set rl.multi_turn=true.")
   if episode_pools(cfg):
@@ -290,7 +290,7 @@ def _check_mesh(cfg, num_devices: int, rows: int, row_len: int, generation: Gene
 def domain_specs(cfg):
   """data.domains' specs; terminal (multi-turn) domains only when the run is multi-turn."""
   specs = load_domains(cfg.data.domains)
-  if wants_multi_turn(cfg):
+  if cfg.rl.multi_turn:
     return specs
   try:
     return check_single_turn(specs)
