@@ -480,13 +480,17 @@ class PartialEpisodes(GroupSlots):
     self.runner = runner
     self.scheduler = runner.scheduler(num_groups * self.group_size)  # its answers in flight are carried with it
     self.episodes: dict[int, _Episode] = {}
+    self.restart: list = []  # examples of groups a checkpoint held unfinished: admitted first
 
   def _admit(self, draw, key) -> int:
-    """Fresh groups from draw(count) -> examples into the free group slots, their environments reset."""
+    """Fresh groups into the free group slots, their environments reset: the groups to restart
+    (`set_state`) first, then draw(count) -> examples."""
     free = np.flatnonzero(~self.live)
     if not free.size:
       return 0
-    examples = draw(int(free.size))
+    examples, self.restart = self.restart[:free.size], self.restart[free.size:]
+    if len(examples) < free.size:
+      examples = examples + draw(int(free.size) - len(examples))
     episodes, prompts, mask, failed, _ = self.runner._start(examples)  # pylint: disable=protected-access
     self._place(free, examples, prompts, mask, key, failed)
     self.pool = self.runner.split_rows(self.pool)
@@ -514,3 +518,15 @@ class PartialEpisodes(GroupSlots):
         episode.close()
     self.metrics = out.counts
     return out, [self.examples[g] for g in ended], self._info(admitted, ended)
+
+  def get_state(self) -> dict:
+    """The examples of the groups still running (JSON, for the checkpoint's extra state); {} when
+    none is. Their episodes are not saved: an environment (a sandbox session, a command still
+    running) cannot be, so a resumed run starts these groups again from their prompts, ahead of new
+    ones, and no task the stream handed out is lost."""
+    running = [self.examples[g] for g in np.flatnonzero(self.live)] + self.restart
+    return {"restart": running} if running else {}
+
+  def set_state(self, state: dict) -> None:
+    """Continues from `get_state()`'s output: its groups are the next ones admitted."""
+    self.restart = list(state.get("restart", []))

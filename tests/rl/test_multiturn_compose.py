@@ -132,6 +132,38 @@ def test_partial_episodes_hand_over_routes_the_carried_pool_does_not_hold(device
   run.close()
 
 
+def test_partial_episodes_in_a_checkpoint_restart_from_their_prompts(devices):
+  """A checkpoint taken while partial episodes are still running holds their examples (JSON: an
+  environment cannot be saved), and the resumed run admits exactly those groups first, drawing new
+  tasks only for the slots left. Fails if the carried state raises (PartialEpisodes had no
+  get_state), drops the running groups, or restarts them after new draws."""
+  import json  # pylint: disable=import-outside-toplevel
+  del devices
+  cfg = configs.load("configs/tiny.py", SMALL + ["rl.engine=continuous", "rl.decode_slots=8",
+                                                 "rl.rollout_token_budget=96"])
+  run, _ = loop.setup(cfg)
+  examples = _examples()
+  draw = lambda count: [next(examples) for _ in range(count)]  # noqa: E731
+  run.partial.step(run.state.params, run.state.extra, draw, jax.random.key(0), 0)
+  running = [run.partial.examples[g] for g in np.flatnonzero(run.partial.live)]
+  assert running, "the budget should leave some group running after one step"
+  state = json.loads(json.dumps(loop.carried_state(run)))
+  run.close()
+  assert state["partial"]["restart"] == running
+
+  resumed, _ = loop.setup(cfg)
+  loop.restore_carried_state(resumed, state)
+  fresh = _examples(seed=1)
+  drawn = []
+  def draw_fresh(count):
+    drawn.append(count)
+    return [next(fresh) for _ in range(count)]
+  resumed.partial.step(resumed.state.params, resumed.state.extra, draw_fresh, jax.random.key(1), 1)
+  resumed.close()
+  assert sum(drawn) == cfg.rl.prompts_per_step - len(running)
+  assert resumed.partial.examples[:len(running)] == running
+
+
 @pytest.mark.parametrize("extra,check", [
     # async and partial alone run with the slow tests (74 s together): async_partial below turns both on
     # and asserts each one's effect (a step in flight after every step; groups carried, staleness >= 1).
