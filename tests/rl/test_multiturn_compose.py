@@ -103,17 +103,23 @@ def test_generation_options_reach_episodes():
   assert sum(e.policy_tokens for e in out.episodes) > 0
 
 
+def _partial_episodes_run():
+  """(cfg, run, draw) of partial episodes (a 96-token budget per step over 8 decode slots);
+  draw(count) -> the next `count` examples."""
+  cfg = configs.load("configs/tiny.py", SMALL + ["rl.engine=continuous", "rl.decode_slots=8",
+                                                 "rl.rollout_token_budget=96"])
+  run, _ = loop.setup(cfg)
+  examples = _examples()
+  return cfg, run, lambda count: [next(examples) for _ in range(count)]
+
+
 def test_partial_episodes_hand_over_routes_the_carried_pool_does_not_hold(devices):
   """Partial episodes with routing replay: the routes of a step's ended episodes are a copy of their
   rows, not the carried pool's routing buffer, which the next step's programs donate (under
   asynchronous RL in the episodes' thread while the update still reads the routes: a segfault in CI).
   Fails if the harvest hands the pool's own buffer over (the routes then read as deleted, or change)."""
   del devices
-  cfg = configs.load("configs/tiny.py", SMALL + ["rl.engine=continuous", "rl.decode_slots=8",
-                                                 "rl.rollout_token_budget=96"])
-  run, _ = loop.setup(cfg)
-  examples = _examples()
-  draw = lambda count: [next(examples) for _ in range(count)]  # noqa: E731
+  cfg, run, draw = _partial_episodes_run()
   for version in range(6):  # until a step ends some group
     out, _, info = run.partial.step(run.state.params, run.state.extra, draw, jax.random.key(version), version)
     if info["groups_ended"]:
@@ -139,11 +145,7 @@ def test_partial_episodes_in_a_checkpoint_restart_from_their_prompts(devices):
   get_state), drops the running groups, or restarts them after new draws."""
   import json  # pylint: disable=import-outside-toplevel
   del devices
-  cfg = configs.load("configs/tiny.py", SMALL + ["rl.engine=continuous", "rl.decode_slots=8",
-                                                 "rl.rollout_token_budget=96"])
-  run, _ = loop.setup(cfg)
-  examples = _examples()
-  draw = lambda count: [next(examples) for _ in range(count)]  # noqa: E731
+  cfg, run, draw = _partial_episodes_run()
   run.partial.step(run.state.params, run.state.extra, draw, jax.random.key(0), 0)
   running = [run.partial.examples[g] for g in np.flatnonzero(run.partial.live)]
   assert running, "the budget should leave some group running after one step"
