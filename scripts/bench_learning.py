@@ -2,7 +2,7 @@
 each named experiment the training job itself (scripts/rl.py) within a fixed CPU-time budget.
 
 Run:  JAX_PLATFORMS=cpu python scripts/bench_learning.py --json runs/bench_learning.json
-      (--experiments demo,hard,joint; --budget_s 1200 CPU-seconds each; --keep_runs to keep the runs' folders)
+      (--experiments demo,hard,hard_reverse,hard_copy,hard_sort,joint; --budget_s 1200 CPU-seconds each; --keep_runs to keep the runs' folders)
 
 Experiments (issue 33):
   demo  configs/tiny.py: the CPU demo (reversal of three letters from a warm start right ~40% of the time).
@@ -10,6 +10,9 @@ Experiments (issue 33):
         under 5% held-out greedy there, with the preset's bootstrapping options on (retries of unsolved
         prompts, the replay of successes, rejection-sampling fine-tuning; the level curriculum with
         --config.data.level_curriculum=all).
+  hard_reverse, hard_copy, hard_sort  configs/tiny_hard.py:<family>: one family alone, from its own warm
+        start under 5% held-out greedy at level 2, with the same options. Target (b): each of the three
+        from under 5% to >= 50% held-out (the JSON's target_b; the last evaluation within the budget).
   joint configs/tiny_multi.py: joint training over its n = 8 registry domains (budget --budget_s), then
         each domain alone for the same total compute: the same preset with data.domains a file holding
         that domain's row only, --budget_s / n CPU-seconds, rl.sft_steps and rl.num_steps (--max_steps)
@@ -47,13 +50,16 @@ import time
 
 from meshrl.configs import cli
 
+FAMILIES = ("reverse", "copy", "sort")  # configs/tiny_hard.py:<family>
 EXPERIMENTS = {
     "demo": ("configs/tiny.py", []),
     "hard": ("configs/tiny_hard.py", []),
+    **{f"hard_{family}": (f"configs/tiny_hard.py:{family}", []) for family in FAMILIES},
     "joint": ("configs/tiny_multi.py", []),
 }
 JOINT = ("joint",)  # experiments compared with each of their domains trained alone (issue 33 (c))
 TARGET_SHARE = 0.9  # (c): joint reaches this share of each domain's alone accuracy
+TARGET_B = (0.05, 0.5)  # (b): a hard family's warm start under 5% held-out, its run at >= 50% at the end
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -303,6 +309,24 @@ def _result(config: str, workdir: str, outcome: dict, *, allow_empty: bool = Fal
           **{k: v for k, v in outcome.items() if k != "log_tail"}}
 
 
+def target_b(results: dict) -> dict | None:
+  """Issue 33 (b) over the hard_<family> experiments among `results`: {"families": {family: {"first",
+  "last", "met"}}, "met": every family of FAMILIES ran, started under TARGET_B[0] and ended at or above
+  TARGET_B[1]}; None when none of them ran."""
+  low, high = TARGET_B
+  families = {}
+  for family in FAMILIES:
+    result = results.get(f"hard_{family}")
+    if result is None:
+      continue
+    first, last = result["first_accuracy"], result["last_accuracy"]
+    families[family] = {"first": first, "last": last,
+                        "met": first is not None and last is not None and first < low and last >= high}
+  if not families:
+    return None
+  return {"families": families, "met": len(families) == len(FAMILIES) and all(f["met"] for f in families.values())}
+
+
 def plot(results: dict, path: str) -> bool:
   """Accuracy against training FLOPs, one line per experiment; False when matplotlib is missing."""
   try:
@@ -374,20 +398,25 @@ def main(argv) -> int:
     if not args.keep_runs:
       shutil.rmtree(base, ignore_errors=True)
   report = {"budget_cpu_s": args.budget_s, "eval_every": args.eval_every, "overrides": args.set,
-            "experiments": results}
+            "experiments": results, "target_b": target_b(results)}
   with open(args.json, "w", encoding="utf-8") as f:
     json.dump(report, f, indent=1)
   png = os.path.splitext(args.json)[0] + ".png"
   drew = plot(results, png)
-  print(f"{'experiment':<10} {'steps':>6} {'cpu_s':>7} {'wall_s':>7} {'first':>7} {'best':>7} {'last':>7} "
+  print(f"{'experiment':<12} {'steps':>6} {'cpu_s':>7} {'wall_s':>7} {'first':>7} {'best':>7} {'last':>7} "
         f"{'train FLOPs':>12}")
   for name, r in results.items():
     flops = r["points"][-1]["train_flops"] if r["points"] else 0.0
-    print(f"{name:<10} {r['rl_steps']:>6} {r['cpu_s']:>7.0f} {r['wall_s']:>7.0f} {r['first_accuracy']:>7.3f} "
+    print(f"{name:<12} {r['rl_steps']:>6} {r['cpu_s']:>7.0f} {r['wall_s']:>7.0f} {r['first_accuracy']:>7.3f} "
           f"{r['best_accuracy']:>7.3f} {r['last_accuracy']:>7.3f} {flops:>12.3g}")
   for name, r in results.items():
     if "deltas" in r:
       print(deltas_table(r))
+  if report["target_b"]:
+    held = ", ".join(f"{family} {100 * f['first']:.1f}% -> {100 * f['last']:.1f}%"
+                     for family, f in report["target_b"]["families"].items())
+    print(f"target (b), each family from a warm start under {100 * TARGET_B[0]:.0f}% to >= "
+          f"{100 * TARGET_B[1]:.0f}%: {'met' if report['target_b']['met'] else 'not met'} ({held})")
   print(f"wrote {args.json}" + (f" and {png}" if drew else " (no matplotlib: no PNG)"))
   return 0
 

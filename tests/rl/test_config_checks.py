@@ -174,7 +174,7 @@ def test_every_numeric_field_refuses_a_negative_value_by_name(field):
   assert field in str(raised.value), str(raised.value)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny:peer", "tiny:dense", "tiny_agent", "tiny_agent:sandbox", "tiny_hard", "base", "v5e_8",
+@pytest.mark.parametrize("preset", ["tiny", "tiny:peer", "tiny:dense", "tiny_agent", "tiny_agent:sandbox", "tiny_hard", "tiny_hard:reverse", "base", "v5e_8",
                                     "paper_3t", "deepseek_v3", "qwen3_moe_30b"])
 def test_every_preset_passes_the_checks(preset):
   """The checks refuse nonsense, not the presets' own settings (no device count: pod presets)."""

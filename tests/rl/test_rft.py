@@ -157,6 +157,28 @@ def test_warm_start_levels_per_domain_keep_the_other_domains_draws():
   assert {only_copy[i]["difficulty"] for i in range(60) if source[i]["domain"] == "copy"} == {1}
 
 
+@pytest.mark.parametrize("family", ["reverse", "copy", "sort"])
+def test_tiny_hard_one_family_trains_and_evaluates_that_family_alone(family):
+  """configs/tiny_hard.py:<family>: RL rows and held-out prompts of that family at level 2 only, its
+  warm start at level 1 with its own trace of level 2 (FAMILY_LEVEL2_WEIGHT), the options unchanged."""
+  from meshrl.configs import tiny_hard  # pylint: disable=import-outside-toplevel
+  cfg = configs.load(f"configs/tiny_hard.py:{family}")
+  three = configs.load("configs/tiny_hard.py")
+  for key in ("retry_unsolved", "replay_groups", "rft_every", "rft_steps", "sft_steps", "num_steps"):
+    assert cfg.rl[key] == three.rl[key]
+  source = loop.train_source(cfg)
+  assert {(source[i]["domain"], source[i]["difficulty"]) for i in range(60)} == {(family, 2)}
+  warm = warm_start_source(cfg, source)
+  levels = np.array([warm[i]["difficulty"] for i in range(2000)])
+  weight = tiny_hard.FAMILY_LEVEL2_WEIGHT[family]
+  share = (levels == 2).mean()
+  assert {warm[i]["domain"] for i in range(200)} == {family} and set(levels) == {1, 2}
+  assert 0.7 * weight / (1 + weight) < share < 1.3 * weight / (1 + weight)  # the three-family mix gives reverse 3%
+  assert not any(in_eval_split(warm[i]["prompt"], cfg.data.eval_fraction) for i in range(400))
+  with pytest.raises(ValueError, match=r"configs/tiny_hard.py:nope: choose one family of \['copy', 'reverse', 'sort'\]"):
+    configs.load("configs/tiny_hard.py:nope")
+
+
 def test_warm_start_leaves_file_rows_as_they_are():
   mixture = TaskMixture("reverse:1.0,jsonl:1.0", pools={"jsonl": [{"prompt": "hi=", "answer": "yo"}]})
   warm = AtLevel(mixture, {"reverse": "reverse"}, 3)

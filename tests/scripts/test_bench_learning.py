@@ -120,3 +120,21 @@ def test_joint_runs_each_domain_alone_on_its_share_of_the_budget_and_reports_del
     calls.clear()
     (tmp_path / name).mkdir()
     assert not bench.run_joint("joint", str(tmp_path / name), args, runner=runner)["target_c"]
+
+
+def test_target_b_needs_each_family_from_under_5_percent_to_at_least_50():
+  """(b) over the hard_<family> experiments: met only when all three ran, each first evaluation under
+  5% and each last at or above 50%; the best evaluation does not count, nor do other experiments."""
+  bench = _module()
+  assert {bench.EXPERIMENTS[f"hard_{f}"][0] for f in bench.FAMILIES} == {
+      "configs/tiny_hard.py:reverse", "configs/tiny_hard.py:copy", "configs/tiny_hard.py:sort"}
+  run = lambda first, last, best=None: {"first_accuracy": first, "last_accuracy": last,  # noqa: E731
+                                        "best_accuracy": best if best is not None else last}
+  met = {"demo": run(0.4, 0.2), "hard_reverse": run(0.035, 1.0), "hard_copy": run(0.01, 0.5),
+         "hard_sort": run(0.0, 0.9)}
+  assert bench.target_b(met)["met"] and bench.target_b(met)["families"]["copy"] == {"first": 0.01, "last": 0.5,
+                                                                                     "met": True}
+  for name, bad in (("hard_copy", run(0.05, 1.0)), ("hard_sort", run(0.0, 0.49, best=0.9)), ("hard_reverse", None)):
+    results = {k: v for k, v in {**met, name: bad}.items() if v is not None}
+    assert not bench.target_b(results)["met"], name
+  assert bench.target_b({"demo": run(0.0, 1.0)}) is None
