@@ -2,7 +2,8 @@
 each named experiment the training job itself (scripts/rl.py) within a fixed CPU-time budget.
 
 Run:  JAX_PLATFORMS=cpu python scripts/bench_learning.py --json runs/bench_learning.json
-      (--experiments demo,hard,hard_reverse,hard_copy,hard_sort,joint; --budget_s 1200 CPU-seconds each; --keep_runs to keep the runs' folders)
+      (--experiments demo,hard,hard_reverse,hard_copy,hard_sort,joint; --budget_s 1200 CPU-seconds each;
+      --keep_runs to keep the runs' folders)
 
 Experiments (issue 33):
   demo  configs/tiny.py: the CPU demo (reversal of three letters from a warm start right ~40% of the time).
@@ -413,7 +414,8 @@ def main(argv) -> int:
     if "deltas" in r:
       print(deltas_table(r))
   if report["target_b"]:
-    held = ", ".join(f"{family} {100 * f['first']:.1f}% -> {100 * f['last']:.1f}%"
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    held = ", ".join(f"{family} {pct(f['first'])} -> {pct(f['last'])}"
                      for family, f in report["target_b"]["families"].items())
     print(f"target (b), each family from a warm start under {100 * TARGET_B[0]:.0f}% to >= "
           f"{100 * TARGET_B[1]:.0f}%: {'met' if report['target_b']['met'] else 'not met'} ({held})")
