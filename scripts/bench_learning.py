@@ -50,8 +50,9 @@ import tempfile
 import time
 
 from meshrl.configs import cli
+from meshrl.configs.tiny_hard import FAMILY_LEVEL2_WEIGHT
 
-FAMILIES = ("reverse", "copy", "sort")  # configs/tiny_hard.py:<family>
+FAMILIES = tuple(FAMILY_LEVEL2_WEIGHT)  # the families configs/tiny_hard.py:<family> takes
 EXPERIMENTS = {
     "demo": ("configs/tiny.py", []),
     "hard": ("configs/tiny_hard.py", []),
