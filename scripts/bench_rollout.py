@@ -224,7 +224,7 @@ def section_update(args, cfg) -> dict:
   import numpy as np
 
   from meshrl.model.init import build_model
-  from meshrl.rl.step.program import build_run, prepare
+  from meshrl.rl.step.program import build_run, fetch_metrics, prepare
   from meshrl.rl.step.run_spec import check_config
   from meshrl.sharding import make_mesh
   from meshrl.sharding.rules import data_parallel_size
@@ -253,6 +253,7 @@ def section_update(args, cfg) -> dict:
     run = build_run(run_cfg, mesh, build_model(spec.model, mesh, seed=cfg.seed), spec.tokenizer, spec=spec)
     t0 = time.perf_counter()
     update_batch, prepare_metrics = prepare(run, scored)
+    prepare_metrics = fetch_metrics(prepare_metrics)
     jax.block_until_ready(update_batch)
     prepare_s = time.perf_counter() - t0
     first = {}

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshrl.model.ring_attention import zigzag
 from meshrl.rl.batches.routes import routes_sharding
+from meshrl.rl.batches.rows import gather_many
 
 
 @dataclasses.dataclass
@@ -146,7 +147,7 @@ def align_on_devices(scored: ScoredBatch, sharding) -> dict[str, Any]:
   (rl/rows.DeviceRows): the same arrays [B, S] in contiguous sample order, built on the devices in
   `sharding` (None: one device); only the [B] valid flags come from the host."""
   arrays = scored.arrays
-  fields = {name: arrays[name].gather(sharding) for name in ALIGNED_FROM}
+  fields = gather_many({name: arrays[name] for name in ALIGNED_FROM}, sharding)
   if sharding is None:
     valid = jax.numpy.asarray(scored.sample_valid, bool)
   else:  # every host process passes the same flags

@@ -186,7 +186,7 @@ def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]
       "rollout_s": rollout_s, "reward_s": 0.0,
       "generated_tokens": int(sum(sum(e.policy_tokens for e in o.episodes) for o in outs)),
       "extend_tokens": sum(o.counts.get("extend_tokens", 0) for o in outs),
-      **staleness(batch.arrays, run.version, cfg.max_new_tokens), **partial_info,
+      **staleness(batch.arrays, run.version, run.samples_sharding), **partial_info,
       **episode_metrics(first_out.episodes), **run.multiturn.env_work.metrics(),
   }
   if cfg.speculative != "none" and "tokens_per_forward" in first_out.counts:

@@ -1,6 +1,7 @@
 """Host-side glue between rollout and update: prompts in, scored and filtered update batches out.
 
-Pure numpy over one step's arrays; no jax here, so it runs beside the accelerator's work.
+Numpy over one step's host arrays, so it runs beside the accelerator's work; per-token fields kept on
+the devices (rl/batches/rows.DeviceRows) are moved by row, and reduced there when a metric needs them.
 
 Axis legend: P prompts, G group size, B = P * G sequences, S tokens.
 """
@@ -269,12 +270,24 @@ def gather_scoring_info(own: dict, offset: int, count: int) -> dict:
   return out
 
 
-def staleness(arrays: dict, version: int, max_new_tokens: int) -> dict[str, float]:
-  """Policy versions behind the current one, over the batch's generated tokens (in the response
-  columns: the prompt's have version -1 and no response mask)."""
-  columns = response_columns(arrays, max_new_tokens, ("policy_version", "response_mask"))
-  versions = columns["policy_version"][columns["response_mask"]]
-  if versions.size == 0:
-    return {"staleness_mean": 0.0, "staleness_max": 0.0}
-  behind = version - versions
-  return {"staleness_mean": float(behind.mean()), "staleness_max": float(behind.max())}
+def staleness(arrays: dict, version: int, sharding=None) -> dict:
+  """Policy versions behind the current one, mean and max over the batch's generated tokens (the
+  response mask's; prompts and observations have none). Fields kept on the devices are reduced there
+  (gathered in `sharding`): the two values are then jax scalars that rl/step/program.rl_step fetches
+  with the update's metrics, and no [B, S] field comes to the host."""
+  versions, mask = arrays["policy_version"], arrays["response_mask"]
+  if isinstance(versions, DeviceRows) and isinstance(mask, DeviceRows):
+    fields = rows_lib.gather_many({"versions": versions, "mask": mask}, sharding)
+    return _staleness_program(fields["versions"], fields["mask"], version)
+  return {k: float(v) for k, v in _behind(np.asarray(versions), np.asarray(mask, bool), version, np).items()}
+
+
+def _behind(versions, mask, version, xp) -> dict:
+  """staleness's arithmetic in numpy or jax.numpy (`xp`); 0 for a batch without generated tokens."""
+  count = mask.sum()
+  behind = (version - versions).astype(xp.float32)
+  return {"staleness_mean": xp.where(count > 0, xp.where(mask, behind, 0).sum() / xp.maximum(count, 1), 0.0),
+          "staleness_max": xp.where(count > 0, xp.where(mask, behind, -xp.inf).max(), 0.0)}
+
+
+_staleness_program = jax.jit(lambda versions, mask, version: _behind(versions, mask, version, jax.numpy))

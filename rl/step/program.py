@@ -446,7 +446,7 @@ def collect(run: RLRun, examples: Iterator[dict], key: jax.Array) -> tuple[Score
                                 dynamic=cfg.dynamic_sampling)
     partial_info.update(run.replay.metrics())
   batch = step_groups(scored_rounds, cfg)
-  partial_info.update(staleness(batch.arrays, run.version, cfg.max_new_tokens))
+  partial_info.update(staleness(batch.arrays, run.version, run.samples_sharding))
   generator = run.partial if run.partial is not None else run.rollout
   if run.cfg.rl.speculative != "none" and generator.metrics is not None:  # the last rollout's
     spec = jax.device_get(generator.metrics)
@@ -528,11 +528,19 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
   batch = batch.replace(advantages=advantages, ref_logprobs=ref_logprobs,
                         old_values=values if run.spec.critic else None,
                         returns=returns if run.spec.critic else None)
-  metrics.update({k: float(v) for k, v in jax.device_get(adv_metrics).items()})
+  metrics.update(adv_metrics)  # jax scalars: rl_step fetches them with the update's metrics
   return batch.check(run.spec), metrics
 
 
 _zeros_like = jax.jit(jnp.zeros_like)  # in the argument's sharding
+
+
+def fetch_metrics(tree):
+  """`tree` (dicts of metrics) with every jax array among the values fetched in one transfer and made a
+  Python float; other values as they are."""
+  on_devices = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+  fetched = iter(jax.device_get(on_devices))
+  return jax.tree.map(lambda x: float(next(fetched)) if isinstance(x, jax.Array) else x, tree)
 
 
 def rl_step(run: RLRun, examples: Iterator[dict], key: jax.Array) -> dict:
@@ -546,13 +554,15 @@ def rl_step(run: RLRun, examples: Iterator[dict], key: jax.Array) -> dict:
   metrics["prepare_s"] = t_update - t_prepare
   run.state, update_metrics = run.update(run.state, batch, jax.random.fold_in(key, 1))
   run.version += 1
-  update_metrics = jax.device_get(update_metrics)
+  update_metrics.pop("expert_load", None)
+  # Metrics computed on the devices (staleness, advantages) come to the host here, in one transfer with
+  # the update's, after the update is dispatched: none of them holds up the step's programs.
+  update_metrics, metrics = fetch_metrics((update_metrics, metrics))
   # The metrics are read from one device; the others may still be finishing their shards of the new
   # state (on 2 simulated CPU devices up to 0.1 s), which the next rollout would otherwise be timed for.
   jax.block_until_ready(run.state)
   metrics["update_s"] = time.perf_counter() - t_update
-  update_metrics.pop("expert_load", None)
-  metrics.update({k: float(v) for k, v in update_metrics.items()})
+  metrics.update(update_metrics)
   metrics.setdefault("kl", 0.0)
   metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
   metrics["time_s"] = time.perf_counter() - t0

@@ -345,7 +345,7 @@ def test_episodes_take_their_domains_reward_sources(scripted):
                         {"reward_model": PlantedRM()})
   cfg = configs.load("configs/tiny.py", SMALL + ["rl.dynamic_sampling=false"])
   run = types.SimpleNamespace(
-      cfg=cfg, bootstrap=None, partial=None, replay=None, state=state, version=3, pool=pool,
+      cfg=cfg, bootstrap=None, partial=None, replay=None, state=state, version=3, pool=pool, samples_sharding=None,
       multiturn=types.SimpleNamespace(rollout=lambda *args: out, env_work=types.SimpleNamespace(metrics=dict)))
   examples = iter([{"prompt": "do the thing:", "domain": "a"}, {"prompt": "another task!", "domain": "b"}])
   batch, metrics = mts.collect_multiturn(run, examples, jax.random.key(0))

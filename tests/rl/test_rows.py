@@ -44,6 +44,58 @@ def test_device_rows_move_samples_like_a_host_array(devices):
     DeviceRows((host_a,), np.array([4]))
 
 
+def test_fields_that_share_rows_are_gathered_in_one_call_per_source(devices, monkeypatch):
+  """gather_many: the per-field gathers' arrays, with one take program call per source for fields
+  whose samples lie alike (a batch's per-token fields), and a field of other rows gathered apart."""
+  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "sequence"))
+  split = NamedSharding(mesh, PartitionSpec("fsdp", "sequence"))
+  rng = np.random.default_rng(1)
+  rounds = [{"tokens": rng.integers(0, 99, (n, 8)).astype(np.int32),
+             "logprobs": rng.normal(size=(n, 8)).astype(np.float32),
+             "mask": rng.random((n, 8)) > 0.5} for n in (4, 8)]
+  fills = {"tokens": -1, "logprobs": 0.0, "mask": False}
+  picked = np.array([5, 0, 2, 11, 7, 1])
+  fields = {name: rows.concatenate([DeviceRows.of(jax.device_put(r[name], split), fill=fill) for r in rounds],
+                                   blank=2)[np.r_[picked, 12, 13]] for name, fill in fills.items()}
+  fields["other"] = fields["tokens"][::-1]  # the same sources, other rows
+  calls = []
+  take = rows._take_program  # pylint: disable=protected-access
+
+  def counted(*args):
+    program = take(*args)
+    return lambda outs, sources, local: (calls.append(len(outs)), program(outs, sources, local))[1]
+  monkeypatch.setattr(rows, "_take_program", counted)
+  gathered = rows.gather_many(fields, split)
+  assert sorted(calls) == [1, 1, 3, 3]  # 3 alike fields: one call per source; `other`: its own
+  for name, field in fields.items():
+    want = np.concatenate([r[name if name != "other" else "tokens"] for r in rounds])
+    want = np.concatenate([want, np.full((1, 8), fills.get(name, -1), want.dtype)])
+    rows_of = np.where(np.asarray(field.rows) < 0, len(want) - 1, np.asarray(field.rows))
+    np.testing.assert_array_equal(np.asarray(gathered[name]), want[rows_of])
+    assert gathered[name].sharding.is_equivalent_to(split, 2)
+
+
+def test_staleness_of_rows_on_the_devices_is_reduced_there(devices, monkeypatch):
+  """groups.staleness of DeviceRows: the host arithmetic's mean and max of versions behind, as jax
+  scalars computed on the devices (nothing [B, S] pulled to the host); 0 without generated tokens."""
+  from meshrl.rl.step import groups  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(2)
+  versions = rng.integers(0, 5, (6, 8)).astype(np.int32)
+  mask = rng.random((6, 8)) > 0.6
+  host = groups.staleness({"policy_version": versions, "response_mask": mask}, 7)
+  behind = 7 - versions[mask]
+  assert host == {"staleness_mean": pytest.approx(behind.mean()), "staleness_max": float(behind.max())}
+  on_devices = {"policy_version": DeviceRows.of(jax.numpy.asarray(versions), fill=-1),
+                "response_mask": DeviceRows.of(jax.numpy.asarray(mask))}
+  monkeypatch.setattr(hosts, "to_host", lambda x: pytest.fail("a [B, S] field went to the host"))
+  device = groups.staleness(on_devices, 7)
+  assert all(isinstance(v, jax.Array) for v in device.values())
+  assert {k: float(v) for k, v in device.items()} == pytest.approx(host)
+  none = {"policy_version": DeviceRows.of(jax.numpy.asarray(versions[:2])),
+          "response_mask": DeviceRows.of(jax.numpy.zeros((2, 8), bool))}
+  assert {k: float(v) for k, v in groups.staleness(none, 7).items()} == {"staleness_mean": 0.0, "staleness_max": 0.0}
+
+
 SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
          "moe.expert_mlp_dim=32", "moe.first_k_dense=0", "rl.max_prompt_len=8", "rl.max_new_tokens=8",
          "model.max_seq_len=32", "rl.prompts_per_step=4", "rl.group_size=2", "rl.dynamic_sampling=true",
