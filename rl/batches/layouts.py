@@ -34,9 +34,19 @@ from meshrl.sharding.mesh import SEQUENCE_AXIS, axis_size
 @dataclasses.dataclass(frozen=True)
 class SampleLayout:
   """to_samples: batch layout -> [B, S] contiguous; from_samples: back. Both take and return device
-  arrays, or pytrees of them (None passes through), in one jitted call."""
-  to_samples: Callable[[Any], Any]
-  from_samples: Callable[[Any], Any]
+  arrays, or pytrees of them (None passes through), in one jitted call: `to_program(tree, *cells)`
+  and `from_program(tree, *cells)`, pure, with the step's device arrays they read (`cells`: a packed
+  batch's sample and column of each cell) passed apart, so a program of a caller can call them inside
+  its own (rl/step/program.py: the advantages between the two directions, one program)."""
+  to_program: Callable[..., Any]
+  from_program: Callable[..., Any]
+  cells: tuple = ()
+
+  def to_samples(self, tree):
+    return self.to_program(tree, *self.cells)
+
+  def from_samples(self, tree):
+    return self.from_program(tree, *self.cells)
 
 
 def _each(fn: Callable) -> Callable:
@@ -85,20 +95,20 @@ def sample_layout(*, plan=None, zigzag_shards: int = 1, mesh=None, batch_shardin
     batch_sharding: NamedSharding of the update batch's [B, S] (or packed [R, W]) arrays.
     samples_sharding: NamedSharding of [B, S] contiguous arrays (the packed case; else the batch's).
   """
-  identity = lambda x: x  # noqa: E731
-  maybe = lambda fn: (lambda x: None if x is None else fn(x))  # noqa: E731
   if plan is not None:
     cells = (plan.sample.astype(np.int32), plan.column.astype(np.int32))  # [R, W] each
-    sample, column = jax.tree.map(jnp.asarray, cells) if batch_sharding is None else \
+    cells = jax.tree.map(jnp.asarray, cells) if batch_sharding is None else \
         jax.device_put(cells, batch_sharding)  # from numpy: every host process passes the same plan
     shape = (plan.num_samples, plan.num_columns)
-    unpack, pack = _unpack_program(shape, samples_sharding), _pack_program(batch_sharding)
-    return SampleLayout(maybe(lambda y: unpack(y, sample, column)),
-                        maybe(lambda x: pack(x, sample, column)))
+    return SampleLayout(_unpack_program(shape, samples_sharding), _pack_program(batch_sharding), tuple(cells))
   if zigzag_shards > 1:
     if axis_size(mesh, SEQUENCE_AXIS) != zigzag_shards:
       raise ValueError(f"a zigzag over {zigzag_shards} shards needs the mesh's 'sequence' axis of that "
                        f"size; mesh={None if mesh is None else dict(mesh.shape)}.")
-    unzig, zig = _zigzag_program(mesh, batch_sharding, True), _zigzag_program(mesh, batch_sharding, False)
-    return SampleLayout(maybe(unzig), maybe(zig))
-  return SampleLayout(identity, identity)
+    return SampleLayout(_zigzag_program(mesh, batch_sharding, True), _zigzag_program(mesh, batch_sharding, False))
+  return SampleLayout(_same, _same)
+
+
+def _same(tree):
+  """The padded layout is the samples' own."""
+  return tree

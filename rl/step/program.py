@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import time
 from typing import Any, Iterator
 
@@ -516,15 +517,9 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
       batch = batch.replace(behaviour_logprobs=batch.old_logprobs, old_logprobs=proximal)
   elif run.spec.proximal_in_update:  # the update's forward is the proximal policy (losses.LossSpec)
     batch = batch.replace(behaviour_logprobs=batch.old_logprobs)
-  # Advantages per sample in contiguous order ([B, S], the estimators' layout: GAE scans columns in
-  # order), then in the batch's layout (packed, or zigzag for ring attention).
-  # On the devices (rl/batches/layouts.py): nothing of the batch's size goes through the host.
-  loss_mask, old_logprobs, ref_samples, value_samples = layout.to_samples(
+  advantages, returns, adv_metrics = _advantages_program(layout.to_program, layout.from_program, run.advantages_fn)(
+      layout.cells, jnp.asarray(scored.rewards), jnp.asarray(scored.sample_valid),
       (batch.loss_mask, batch.old_logprobs, ref_logprobs, values))
-  advantages, returns, adv_metrics = run.advantages_fn(
-      jnp.asarray(scored.rewards), loss_mask, jnp.asarray(scored.sample_valid), old_logprobs, ref_samples,
-      value_samples)
-  advantages, returns = layout.from_samples((advantages, returns))
   batch = batch.replace(advantages=advantages, ref_logprobs=ref_logprobs,
                         old_values=values if run.spec.critic else None,
                         returns=returns if run.spec.critic else None)
@@ -533,6 +528,21 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
 
 
 _zeros_like = jax.jit(jnp.zeros_like)  # in the argument's sharding
+
+
+@functools.lru_cache(maxsize=16)
+def _advantages_program(to_samples, from_samples, advantages_fn):
+  """One jitted program: the batch's (loss_mask, old_logprobs, ref_logprobs, values) to each sample in
+  contiguous order ([B, S], the estimators' layout: GAE scans columns in order), the advantages and
+  returns there, and back in the batch's layout (packed, or zigzag for ring attention); to_samples /
+  from_samples: a SampleLayout's programs (rl/batches/layouts.py), advantages_fn: run.advantages_fn.
+  (cells, rewards [B], valid [B], per-token fields) -> (advantages, returns, metrics), all on the
+  devices: nothing of the batch's size goes through the host."""
+  def program(cells, rewards, valid, fields):
+    loss_mask, old_logprobs, ref_logprobs, values = to_samples(fields, *cells)
+    advantages, returns, metrics = advantages_fn(rewards, loss_mask, valid, old_logprobs, ref_logprobs, values)
+    return (*from_samples((advantages, returns), *cells), metrics)
+  return jax.jit(program)
 
 
 def fetch_metrics(tree):
