@@ -103,14 +103,13 @@ def start_scoring(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool
   return finish
 
 
-def response_columns(arrays: dict, max_new_tokens: int, names: tuple[str, ...] = ("tokens", "response_mask")
-                     ) -> dict[str, np.ndarray]:
-  """The response columns [B, N] (the last N = max_new_tokens) of the per-token fields `names` as host
-  numpy. A field kept on the devices (rl/rows.DeviceRows) is sliced there and all-gathered, so with
-  several processes every host calls this with the same rows."""
+def response_columns(arrays: dict, max_new_tokens: int) -> dict[str, np.ndarray]:
+  """The response columns [B, N] (the last N = max_new_tokens) of tokens and response_mask as host
+  numpy (what scoring reads). A field kept on the devices (rl/rows.DeviceRows) is sliced there and
+  all-gathered, so with several processes every host calls this with the same rows."""
   columns = slice(-max_new_tokens, None)
   return {name: arrays[name].to_host(columns) if isinstance(arrays[name], DeviceRows)
-          else np.asarray(arrays[name])[:, columns] for name in names}
+          else np.asarray(arrays[name])[:, columns] for name in ("tokens", "response_mask")}
 
 
 def informative_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:

@@ -16,7 +16,7 @@ from meshrl.rl.batches import rows
 from meshrl.rl.step.groups import select_groups
 from meshrl.rl.batches.handover import ScoredBatch
 from meshrl.rl.batches.rows import DeviceRows
-from meshrl.rl.step.program import _rollout_arrays, build_run, prepare
+from meshrl.rl.step.program import _rollout_arrays, build_run, fetch_metrics, prepare
 from meshrl.sharding import hosts, make_mesh
 
 TOK = ByteTokenizer()
@@ -122,7 +122,7 @@ def test_prepare_builds_the_same_update_batch_from_rows_on_the_devices(devices, 
   gets no gradient), and a batch of two groups padded with two blank ones (partial rollouts): the
   update batch `prepare` builds from the rows on the devices equals, field by field, the one it builds
   from the same samples on the host; on the device path no array of more than one axis goes through
-  `hosts.to_host`."""
+  `hosts.to_host`, and no metric is fetched (rl_step fetches them after dispatching the update)."""
   cfg = configs.load("configs/tiny.py", SMALL + LAYOUTS[layout])
   mesh = make_mesh(cfg.mesh)
   run = build_run(cfg, mesh, build_model(ModelConfig.from_config(cfg, mesh), mesh, seed=0), TOK)
@@ -150,10 +150,13 @@ def test_prepare_builds_the_same_update_batch_from_rows_on_the_devices(devices, 
       return to_host(x)
     want, want_metrics = prepare(run, batches["host"])
     monkeypatch.setattr(hosts, "to_host", recording)
+    fetched, device_get = [], jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: (fetched.append(x), device_get(x))[1])
     got, got_metrics = prepare(run, batches["devices"])
     monkeypatch.undo()
     assert all(len(shape) <= 1 for shape in pulled), pulled
-    assert got_metrics == want_metrics, selection
+    assert not fetched, "prepare waited for metrics rl_step fetches after the update is dispatched"
+    assert fetch_metrics(got_metrics) == fetch_metrics(want_metrics), selection
     if layout == "packed":
       assert got.sequence_ids is not None and got.tokens.shape == (4, 32)
     for name in ("tokens", "positions", "segment_ids", "targets", "loss_mask", "old_logprobs", "advantages",
