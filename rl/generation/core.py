@@ -113,10 +113,12 @@ def admit(slots: Slots, pool: Pool, sid: jax.Array, take: jax.Array, prompt_rows
                        window=None if slots.window is None else jnp.where(take[:, None], -1, slots.window))
 
 
-def decode_loop(models: Models, config: StepConfig, slots: Slots, pool: Pool, version: jax.Array, *,
-                steps: int = 0, lockstep: bool = False) -> tuple[Slots, Pool, Counters]:
+def decode_loop(models: Models, config: StepConfig, slots: Slots, pool: Pool, version: jax.Array,
+                counters: Counters | None = None, *, steps: int = 0,
+                lockstep: bool = False) -> tuple[Slots, Pool, Counters]:
   """`decode_step` while a slot is live, at most `steps` times (0: no limit), in one
-  lax.while_loop -> (slots, pool, counters of the steps). Pure; jit it."""
+  lax.while_loop -> (slots, pool, counters): the steps' counts added to `counters` (None: zeros), so
+  a host loop of calls keeps its running totals on the devices. Pure; jit it."""
   def keep_going(carry):
     step, s, p, _ = carry
     going = jnp.any(live_slots(s, p))
@@ -125,7 +127,7 @@ def decode_loop(models: Models, config: StepConfig, slots: Slots, pool: Pool, ve
   def body(carry):
     step, s, p, c = carry
     return (step + 1, *decode_step(models, config, s, p, version, c, lockstep=lockstep))
-  carry = (jnp.zeros((), jnp.int32), slots, pool, Counters.zeros(pool.num_samples))
+  carry = (jnp.zeros((), jnp.int32), slots, pool, Counters.zeros(pool.num_samples) if counters is None else counters)
   return jax.lax.while_loop(keep_going, body, carry)[1:]
 
 

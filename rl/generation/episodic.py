@@ -114,11 +114,10 @@ class EpisodicScheduler:
       live = self._live(view)
       if live.any() and (not max_steps or steps < max_steps):
         chunk = self.chunk_steps if not max_steps else min(self.chunk_steps, max_steps - steps)
-        slots, pool, chunk_counters = engine.decode(weights, slots, pool, version, steps=chunk)
-        counters = jax.tree.map(jnp.add, counters, chunk_counters)
+        slots, pool, counters = engine.decode(weights, slots, pool, version, counters, steps=chunk)
         stats.decode_calls += 1
-        view = host.read(slots, pool)
-        steps += int(chunk_counters.steps)
+        view = host.read(slots, pool, steps=counters.steps)  # the totals stay on the devices
+        steps = int(view["steps"])
       self._ask(pool, view, respond)
       slots, view = self._park(slots, view)
       decoding = self._live(view).any() and (not max_steps or steps < max_steps)
@@ -160,9 +159,12 @@ class EpisodicScheduler:
     asked = [b for b in np.flatnonzero(view["paused"]) if int(b) not in self.pending and int(b) not in self.answers]
     if not asked:
       return
-    ids = np.asarray(asked, np.int32)
-    turns = np.asarray(host.read_tokens(pool.tokens, jnp.asarray(ids), jnp.asarray(view["count"][ids]),
-                                        self.turn_width))
+    # Padded to a bucket of rows (sample 0, ending at column 0: read and ignored): one compile per
+    # bucket, not one per count of newly paused samples.
+    rows = host.buckets(pool.num_samples)
+    ids, ends = np.zeros((2, rows[np.searchsorted(rows, len(asked))]), np.int32)
+    ids[:len(asked)], ends[:len(asked)] = asked, view["count"][asked]
+    turns = np.asarray(host.read_tokens(pool.tokens, ids, ends, self.turn_width))
     for i, b in enumerate(asked):
       b = int(b)
       length = int(view["generated"][b] - view["turn_start"][b])
@@ -198,7 +200,7 @@ class EpisodicScheduler:
     if finished:  # padded to B (sample id B: none): one shape compiles
       ids = np.full(pool.num_samples, pool.num_samples, np.int32)
       ids[:len(finished)] = finished
-      slots, pool = engine.finish(slots, pool, jnp.asarray(ids))
+      slots, pool = engine.finish(slots, pool, ids)
     observed = [(slot_of[b], answer) for b, answer in answers.items() if answer and b in slot_of]
     if observed:
       rows = self.row_buckets[np.searchsorted(self.row_buckets, len(observed))]
@@ -209,8 +211,7 @@ class EpisodicScheduler:
       for i, (slot, answer) in enumerate(observed):
         slot_rows[i], lengths[i] = slot, len(answer)
         tokens[i, :len(answer)] = answer
-      slots, pool = engine.observe(weights, slots, pool, jnp.asarray(slot_rows), jnp.asarray(tokens),
-                                   jnp.asarray(lengths))
+      slots, pool = engine.observe(weights, slots, pool, slot_rows, tokens, lengths)
       stats.extend_calls += 1
       stats.extend_tokens += int(lengths.sum())
       stats.extend_slots += rows * span
@@ -264,7 +265,7 @@ class EpisodicScheduler:
       rows = np.full(self.engine.num_slots, self.engine.num_slots, np.int32)
       sid = np.full(self.engine.num_slots, view["done"].shape[0], np.int32)
       rows[:free.size], sid[:free.size] = free, samples[:free.size]
-      slots = self.engine.resume(weights, slots, pool, jnp.asarray(rows), jnp.asarray(sid))
+      slots = self.engine.resume(weights, slots, pool, rows, sid)
       view = host.read(slots, pool)
     return slots, pool, view
 
@@ -279,5 +280,5 @@ class EpisodicScheduler:
     rows = np.full(self.engine.num_slots, self.engine.num_slots, np.int32)
     sid = np.full(self.engine.num_slots, num, np.int32)
     rows[:take], sid[:take] = free[:take], waiting[:take]
-    slots, pool = self.engine.admit(weights, slots, pool, prompt_rows, jnp.asarray(rows), jnp.asarray(sid))
+    slots, pool = self.engine.admit(weights, slots, pool, prompt_rows, rows, sid)
     return slots, pool, host.read(slots, pool)

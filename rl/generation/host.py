@@ -112,9 +112,10 @@ class SlotEngine:
       pool = pool.replace(routing=pool.routing.at[:, sid, :routing.shape[2]].set(routes, mode="drop"))
     return slots, pool
 
-  def _decode(self, weights, slots: Slots, pool: Pool, version, *, steps: int):
-    """Up to `steps` decode steps (fewer when no slot is live) -> (slots, pool, counters)."""
-    return core.decode_loop(self.models(weights), self.config, slots, pool, version, steps=steps)
+  def _decode(self, weights, slots: Slots, pool: Pool, version, counters=None, *, steps: int):
+    """Up to `steps` decode steps (fewer when no slot is live) -> (slots, pool, counters): the steps'
+    counts added to `counters` (None: from zero)."""
+    return core.decode_loop(self.models(weights), self.config, slots, pool, version, counters, steps=steps)
 
   def _observe(self, weights, slots, pool, rows, tokens, lengths):
     return core.observe(self.models(weights), slots, pool, rows, tokens, lengths)
@@ -207,11 +208,12 @@ def buckets(limit: int, smallest: int = 8) -> tuple[int, ...]:
   return tuple(sizes) + (limit,)
 
 
-def read(slots: Slots, pool: Pool) -> dict[str, np.ndarray]:
+def read(slots: Slots, pool: Pool, **extra: jax.Array) -> dict[str, np.ndarray]:
   """The host's view of the state: per slot sid [C]; per sample count, generated, turn_start, done,
-  paused, stopped [B] (numpy)."""
+  paused, stopped [B] (numpy); and the `extra` arrays by their names, in the same transfer."""
   fields = {"sid": slots.sid, "count": pool.count, "generated": pool.generated,
-            "turn_start": pool.turn_start, "done": pool.done, "paused": pool.paused, "stopped": pool.stopped}
+            "turn_start": pool.turn_start, "done": pool.done, "paused": pool.paused, "stopped": pool.stopped,
+            **extra}
   return {name: np.asarray(value) for name, value in jax.device_get(fields).items()}
 
 

@@ -16,6 +16,7 @@ from meshrl.rl.step import driver as loop
 from meshrl.rl.step import program as step_lib
 from meshrl.rl.envs.file_tasks import copy_task
 from meshrl.rl.batches.rows import DeviceRows
+from meshrl.rl.generation import host
 from meshrl.rl.step.spec import episode_runner
 
 TOK = ByteTokenizer()
@@ -70,10 +71,16 @@ def test_routes_of_every_token_are_replayed_exactly(devices):
   run.close()
 
 
-def test_generation_options_reach_episodes():
+def test_generation_options_reach_episodes(monkeypatch):
   """The episodic scheduler (4 slots for 8 episodes) and n-gram speculation give the turn-synchronous
   rollout's episodes token for token; the int8 KV cache decodes them on int8 cache rows; int8
-  weights are made for the episodes' generator."""
+  weights are made for the episodes' generator. The episodic scheduler reads paused turns in row
+  buckets (one compile per bucket, not per count of paused samples: a compile in mid-run each step
+  otherwise) and counts the decode steps of all its calls."""
+  asked_rows = []
+  read_tokens = host.read_tokens
+  monkeypatch.setattr(host, "read_tokens",
+                      lambda tokens, sid, end, width: asked_rows.append(len(sid)) or read_tokens(tokens, sid, end, width))
   base = configs.load("configs/tiny.py", SMALL + ["rl.temperature=0.7"])
   from meshrl.model.init import build_model  # pylint: disable=import-outside-toplevel
   from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
@@ -93,6 +100,9 @@ def test_generation_options_reach_episodes():
     np.testing.assert_allclose(got_arrays["logprobs"], want_arrays["logprobs"], atol=1e-4)
     if "rl.speculative=ngram" in extra:
       assert got.counts["tokens_per_forward"] >= 1.0
+    else:  # plain decoding: a sample's tokens took a target forward each, over several decode calls
+      assert got.counts["target_forwards"] >= max(e.policy_tokens for e in got.episodes) > 8  # 8: one call's steps
+      assert asked_rows and set(asked_rows) <= set(host.buckets(8)), asked_rows
   int8 = configs.load("configs/tiny.py", SMALL + ["rl.kv_cache_dtype=int8", "rl.generation_weights=int8",
                                                   "rl.tis_level=token"])
   runner, out = _rollout(int8, state)
