@@ -152,7 +152,7 @@ def trajectory_spans(segment_ids: np.ndarray, include: np.ndarray) -> tuple[np.n
 def device_spans(segment_ids: jax.Array, include: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """`trajectory_spans` of [B, S] segment ids on the devices (kept there, rl/batches/rows.py): only the
   three [B] vectors come to the host."""
-  starts, lengths, broken = _spans_program()(segment_ids, jnp.asarray(np.asarray(include, bool)))
+  starts, lengths, broken = _spans_program()(segment_ids, np.asarray(include, bool))
   return _checked(*(hosts.to_host(x) for x in (starts, lengths, broken)))
 
 

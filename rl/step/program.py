@@ -518,7 +518,7 @@ def prepare(run: RLRun, scored: ScoredBatch) -> tuple[UpdateBatch, dict]:
   elif run.spec.proximal_in_update:  # the update's forward is the proximal policy (losses.LossSpec)
     batch = batch.replace(behaviour_logprobs=batch.old_logprobs)
   advantages, returns, adv_metrics = _advantages_program(layout.to_program, layout.from_program, run.advantages_fn)(
-      layout.cells, jnp.asarray(scored.rewards), jnp.asarray(scored.sample_valid),
+      layout.cells, np.asarray(scored.rewards), np.asarray(scored.sample_valid),  # host vectors: jit's arguments
       (batch.loss_mask, batch.old_logprobs, ref_logprobs, values))
   batch = batch.replace(advantages=advantages, ref_logprobs=ref_logprobs,
                         old_values=values if run.spec.critic else None,
