@@ -20,6 +20,7 @@ Axis legend: P group slots, G group size, B = P * G samples, Lp prompt length.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -77,6 +78,7 @@ class GroupSlots:
     self.live = np.zeros(num_groups, bool)  # group slot holds a group
     self.next_uid = 0  # groups admitted so far (their admission order)
     self.metrics = None
+    self._placed = jax.jit(functools.partial(_placed, new_pool=generator.new_pool, group_size=spec.group_size))
 
   @property
   def group_size(self) -> int:
@@ -91,19 +93,19 @@ class GroupSlots:
   def _place(self, free: np.ndarray, examples: list, tokens, mask, key, failed=()) -> None:
     """New groups into the free group slots `free` [F]: their examples, prompts tokens [F, Lp] and
     mask; their samples keyed by (key, admission order); the samples `failed` (rows of the F
-    groups) start ended."""
-    group = self.group_size
-    sample_ids = group_rows(self.next_uid + np.arange(free.size), group)
-    self.next_uid += int(free.size)
-    fresh = self.generator.new_pool(jnp.asarray(tokens), jnp.asarray(mask),
-                                    sample_keys(key, jnp.asarray(sample_ids, jnp.uint32)))
-    fresh = fresh.replace(priority=jnp.asarray(sample_ids, jnp.int32))
-    if len(failed):  # an environment that failed at reset: its episode never decodes
-      fresh = fresh.replace(done=fresh.done.at[jnp.asarray(failed)].set(True))
-    self.pool = _place_groups(self._blank() if self.pool is None else self.pool, fresh, free, group)
-    where = jnp.asarray(free)
-    self.prompts = self.prompts.at[where].set(jnp.asarray(tokens, jnp.int32))
-    self.prompt_mask = self.prompt_mask.at[where].set(jnp.asarray(mask, bool))
+    groups) start ended. One jitted program, its F padded to every group slot (the padding dropped),
+    so no count of free slots compiles anew in mid-run."""
+    count, size = free.size, self.num_groups
+    slots = np.full(size, size, np.int32)  # group slot P: none
+    padded_tokens = np.zeros((size, self.spec.prompt_len), np.int32)
+    padded_mask = np.zeros((size, self.spec.prompt_len), bool)
+    failed_rows = np.zeros(size * self.group_size, bool)
+    slots[:count], padded_tokens[:count], padded_mask[:count] = free, np.asarray(tokens), np.asarray(mask)
+    failed_rows[np.asarray(failed, np.int64)] = True
+    self.pool, self.prompts, self.prompt_mask = self._placed(
+        self._blank() if self.pool is None else self.pool, self.prompts, self.prompt_mask, slots, padded_tokens,
+        padded_mask, key, np.int32(self.next_uid), failed_rows)
+    self.next_uid += int(count)
     for i, g in enumerate(free):
       self.examples[g] = examples[i]
     self.live[free] = True
@@ -209,17 +211,27 @@ class PartialRollouts(GroupSlots):
     self.next_uid = int(state["next_uid"])
 
 
-def _place_groups(pool: Pool, fresh: Pool, where: np.ndarray, group_size: int) -> Pool:
-  """pool with its group slots `where` [F] replaced by fresh's F groups (in order)."""
-  rows = jnp.asarray(group_rows(where, group_size))
+def _placed(pool: Pool, prompts, prompt_mask, slots, tokens, mask, key, first_uid, failed, *, new_pool,
+            group_size: int):
+  """(pool, prompts, prompt_mask) with F new groups in group slots slots [F] (P: none, dropped): their
+  prompts tokens, mask [F, Lp]; group i's samples have ids (first_uid + i) * G + j, keyed by
+  fold_in(key, id) and ordered by id; failed [F * G] samples start ended. Pure; jit it."""
+  num = slots.shape[0]
+  sample_ids = ((first_uid + jnp.arange(num, dtype=jnp.int32))[:, None] * group_size
+                + jnp.arange(group_size, dtype=jnp.int32)).reshape(-1)
+  fresh = new_pool(tokens, mask, sample_keys(key, sample_ids.astype(jnp.uint32)))
+  fresh = fresh.replace(priority=sample_ids, done=fresh.done | failed)
+  rows = (slots[:, None] * group_size + jnp.arange(group_size, dtype=jnp.int32)).reshape(-1)
 
   def put(name, old, new):
     if old is None:
       return None
     if name == "group_of":
-      return old.at[rows].set(rows // group_size)
+      return old.at[rows].set(rows // group_size, mode="drop")
     if name == "routing":
-      return old.at[:, rows].set(new)
-    return old.at[rows].set(new)
-  return pool.replace(**{f.name: put(f.name, getattr(pool, f.name), getattr(fresh, f.name))
+      return old.at[:, rows].set(new, mode="drop")
+    return old.at[rows].set(new, mode="drop")
+  pool = pool.replace(**{f.name: put(f.name, getattr(pool, f.name), getattr(fresh, f.name))
                          for f in dataclasses.fields(pool)})
+  return (pool, prompts.at[slots].set(tokens.astype(prompts.dtype), mode="drop"),
+          prompt_mask.at[slots].set(mask.astype(prompt_mask.dtype), mode="drop"))

@@ -30,6 +30,7 @@ from meshrl.rl.step.partial import PartialRollouts
 from meshrl.rl.step.spec import check_generation, make_generator, rollout_model_config
 from meshrl.rl.step.program import rl_step
 from meshrl.sharding import make_mesh
+from meshrl.train.metrics import CompileCounter
 from meshrl.train.optim import make_optimizer
 from meshrl.train.state import create_train_state
 
@@ -294,19 +295,23 @@ def test_partial_rollouts_carry_masks_positions_logprobs_and_versions():
   """3 groups of 2 on 4 slots, 2 decode steps per RL step, params changed after every step: each
   ended sample's masks and positions are those of one rollout, each token's log-prob equals a fresh
   forward of the finished sequence under the params of the version recorded for it, and samples
-  that ran across steps carry several versions."""
+  that ran across steps carry several versions. New groups are placed by one program whatever their
+  count (a compile per count of free group slots in mid-run otherwise)."""
   cfg, _, graphdef, state = _setup(*PARTIAL, "rl.decode_slots=4", "rl.rollout_token_budget=8")
   partial = PartialRollouts(_generator(cfg), cfg.rl.prompts_per_step)
   draw, key = _draw_from(TEXTS), jax.random.key(3)
-  ended = []
-  for version in range(5):
-    arrays, examples, info = partial.step(_perturbed(state.params, version), state.extra, draw,
-                                          jax.random.fold_in(key, version), version)
-    assert info["groups_ended"] == len(examples) and arrays["tokens"].shape[0] == 2 * len(examples)
-    assert info["groups_ended"] + info["groups_carried"] == 3
-    host = {k: v.to_host() if hasattr(v, "to_host") else v for k, v in arrays.items()}
-    ended += [{k: v[i] for k, v in host.items()} for i in range(arrays["tokens"].shape[0])]
+  ended, admitted = [], set()
+  with CompileCounter() as compiles:
+    for version in range(5):
+      arrays, examples, info = partial.step(_perturbed(state.params, version), state.extra, draw,
+                                            jax.random.fold_in(key, version), version)
+      assert info["groups_ended"] == len(examples) and arrays["tokens"].shape[0] == 2 * len(examples)
+      assert info["groups_ended"] + info["groups_carried"] == 3
+      admitted.add(info["groups_admitted"])
+      host = {k: v.to_host() if hasattr(v, "to_host") else v for k, v in arrays.items()}
+      ended += [{k: v[i] for k, v in host.items()} for i in range(arrays["tokens"].shape[0])]
   assert len(ended) >= 4
+  assert len(admitted - {0}) >= 2 and compiles.count("_placed") == 1, (admitted, dict(compiles.by_function))
   sampler = Sampler(cfg.rl.temperature)
   forward = jax.jit(lambda params, t, p, s: nnx.merge(graphdef, params, state.extra)(
       t[None], positions=p[None], segment_ids=s[None]).logits[0])

@@ -77,10 +77,12 @@ def test_generation_options_reach_episodes(monkeypatch):
   weights are made for the episodes' generator. The episodic scheduler reads paused turns in row
   buckets (one compile per bucket, not per count of paused samples: a compile in mid-run each step
   otherwise) and counts the decode steps of all its calls."""
-  asked_rows = []
-  read_tokens = host.read_tokens
-  monkeypatch.setattr(host, "read_tokens",
-                      lambda tokens, sid, end, width: asked_rows.append(len(sid)) or read_tokens(tokens, sid, end, width))
+  asked_rows, read_tokens = [], host.read_tokens
+
+  def counted(tokens, sid, end, width):
+    asked_rows.append(len(sid))
+    return read_tokens(tokens, sid, end, width)
+  monkeypatch.setattr(host, "read_tokens", counted)
   base = configs.load("configs/tiny.py", SMALL + ["rl.temperature=0.7"])
   from meshrl.model.init import build_model  # pylint: disable=import-outside-toplevel
   from meshrl.model.transformer import ModelConfig  # pylint: disable=import-outside-toplevel
