@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from meshrl.rl.generation.host import buckets
 from meshrl.rl.generation.output import rollout_batch
 from meshrl.rl.generation.sampling import sample_keys
 from meshrl.rl.generation.state import Pool
@@ -52,8 +53,11 @@ def batch_rows(batch, rows: np.ndarray, *, copy_routes: bool = False) -> dict:
   routing = arrays.pop("routing")
   arrays = rollout_rows(arrays, rows)
   if routing is not None:
-    if copy_routes:
-      routing, rows = jnp.take(routing, jnp.asarray(rows, jnp.int32), axis=1), np.arange(len(rows))
+    if copy_routes:  # padded to a bucket of rows (row 0 again): a bounded number of shapes to compile
+      sizes = buckets(routing.shape[1])
+      taken = np.zeros(sizes[np.searchsorted(sizes, len(rows))], np.int32)
+      taken[:len(rows)] = rows
+      routing, rows = _take_rows(routing, taken), np.arange(len(rows))
     arrays["routing"] = RoutingRows.of_rollout(routing, rows)
   return arrays
 
@@ -209,6 +213,12 @@ class PartialRollouts(GroupSlots):
     self.examples = list(state["examples"])
     self.live = np.asarray(state["live"], bool)
     self.next_uid = int(state["next_uid"])
+
+
+@jax.jit
+def _take_rows(routing: jax.Array, rows: jax.Array) -> jax.Array:
+  """routing [L, N, S, K] -> its rows `rows` [R] (a copy) [L, R, S, K]."""
+  return jnp.take(routing, rows, axis=1)
 
 
 def _placed(pool: Pool, prompts, prompt_mask, slots, tokens, mask, key, first_uid, failed, *, new_pool,
