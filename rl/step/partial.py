@@ -98,17 +98,19 @@ class GroupSlots:
     """New groups into the free group slots `free` [F]: their examples, prompts tokens [F, Lp] and
     mask; their samples keyed by (key, admission order); the samples `failed` (rows of the F
     groups) start ended. One jitted program, its F padded to every group slot (the padding dropped),
-    so no count of free slots compiles anew in mid-run."""
-    count, size = free.size, self.num_groups
-    slots = np.full(size, size, np.int32)  # group slot P: none
-    padded_tokens = np.zeros((size, self.spec.prompt_len), np.int32)
-    padded_mask = np.zeros((size, self.spec.prompt_len), bool)
+    so no count of free slots compiles anew in mid-run. Prompts that are a global jax array already
+    (several hosts, each encoding its own groups) are placed as they are, at their own count."""
+    count = free.size
+    size = count if isinstance(tokens, jax.Array) else self.num_groups
+    slots = np.full(size, self.num_groups, np.int32)  # group slot P: none
     failed_rows = np.zeros(size * self.group_size, bool)
-    slots[:count], padded_tokens[:count], padded_mask[:count] = free, np.asarray(tokens), np.asarray(mask)
+    slots[:count] = free
     failed_rows[np.asarray(failed, np.int64)] = True
+    if size != count:
+      tokens, mask = _padded(tokens, size, np.int32), _padded(mask, size, bool)
     self.pool, self.prompts, self.prompt_mask = self._placed(
-        self._blank() if self.pool is None else self.pool, self.prompts, self.prompt_mask, slots, padded_tokens,
-        padded_mask, key, np.int32(self.next_uid), failed_rows)
+        self._blank() if self.pool is None else self.pool, self.prompts, self.prompt_mask, slots, tokens, mask,
+        key, np.int32(self.next_uid), failed_rows)
     self.next_uid += int(count)
     for i, g in enumerate(free):
       self.examples[g] = examples[i]
@@ -213,6 +215,14 @@ class PartialRollouts(GroupSlots):
     self.examples = list(state["examples"])
     self.live = np.asarray(state["live"], bool)
     self.next_uid = int(state["next_uid"])
+
+
+def _padded(rows, size: int, dtype) -> np.ndarray:
+  """Host rows [F, ...] followed by zero rows up to [size, ...]."""
+  rows = np.asarray(rows, dtype)
+  out = np.zeros((size,) + rows.shape[1:], dtype)
+  out[:len(rows)] = rows
+  return out
 
 
 @jax.jit

@@ -334,6 +334,23 @@ def test_partial_rollouts_carry_masks_positions_logprobs_and_versions():
   assert multi >= 2  # segments under different params really happened
 
 
+def test_partial_groups_from_device_prompts_are_placed_as_host_ones():
+  """Prompts already on the devices (several hosts' global array, placed at their own count) give the
+  pool of host prompts (padded to every group slot): same rows, keys and prompts; the failed sample
+  of the first new group starts ended, and the untouched group slot stays blank."""
+  cfg, _, _, _ = _setup(*PARTIAL, "rl.decode_slots=4", "rl.rollout_token_budget=8")
+  tokens, mask = _prompts(TEXTS[:2])
+  placed = []
+  for as_array in (np.asarray, jnp.asarray):
+    partial = PartialRollouts(_generator(cfg), cfg.rl.prompts_per_step)
+    partial._place(np.array([2, 0]), ["a", "b"], as_array(tokens), as_array(mask), jax.random.key(5), failed=[1])  # pylint: disable=protected-access
+    placed.append(jax.device_get((partial.pool, partial.prompts, partial.prompt_mask)))
+  jax.tree.map(np.testing.assert_array_equal, *placed)
+  pool, prompts, _ = placed[0]
+  np.testing.assert_array_equal(pool.done, [False, False, True, True, False, True])  # slot 2: rows 4, 5
+  np.testing.assert_array_equal(prompts[[2, 0]], tokens)
+
+
 # The n-gram proposer under the budgeted scheduler: the golden test drives it greedy; here at T > 0 in the slow run.
 @pytest.mark.parametrize("proposer", [[], pytest.param(["rl.speculative=ngram", "rl.ngram_n=1"], marks=pytest.mark.slow)])
 def test_partial_rollouts_with_unchanged_params_give_the_static_samples(proposer):
