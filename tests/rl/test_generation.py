@@ -343,7 +343,8 @@ def test_partial_groups_from_device_prompts_are_placed_as_host_ones():
   placed = []
   for as_array in (np.asarray, jnp.asarray):
     partial = PartialRollouts(_generator(cfg), cfg.rl.prompts_per_step)
-    partial._place(np.array([2, 0]), ["a", "b"], as_array(tokens), as_array(mask), jax.random.key(5), failed=[1])  # pylint: disable=protected-access
+    place = partial._place  # pylint: disable=protected-access
+    place(np.array([2, 0]), ["a", "b"], as_array(tokens), as_array(mask), jax.random.key(5), failed=[1])
     placed.append(jax.device_get((partial.pool, partial.prompts, partial.prompt_mask)))
   jax.tree.map(np.testing.assert_array_equal, *placed)
   pool, prompts, _ = placed[0]
