@@ -2,6 +2,12 @@
 log-probs on stage=2 equal the unpipelined ones, and a two-slice mesh with one stage per slice runs
 a whole RL step (rollout, scoring, update)."""
 
+import os
+import signal
+import subprocess
+import sys
+import warnings
+
 import jax
 import numpy as np
 import pytest
@@ -58,11 +64,35 @@ def test_update_and_logprobs_through_the_pipeline_equal_unpipelined(devices):
   piped.close()
 
 
-@pytest.mark.optimized  # aborted in XLA:CPU once at the tests' level-0 compiles (CI run of 8250c5a); level 1 as before
+INNER = "MESHRL_TEST_TWO_SLICE_INNER"
+
+
 def test_two_slice_mesh_runs_an_rl_step(devices):
   """mesh.num_slices=2 with mesh.stage=2 on 8 simulated devices: one stage per slice (devices 0-3 and
   4-7), fsdp=4 inside each. A whole RL step runs: the rollout generates from the stage-split weights,
-  the update trains through the pipeline, and every parameter keeps its stage-split layout."""
+  the update trains through the pipeline, and every parameter keeps its stage-split layout.
+
+  It runs in a fresh process. In three clean-clone CI runs (69ee4f0, 15fd1d1, 34a818b) XLA:CPU aborted
+  the pytest worker here, each time at 99% of the run, after the worker had run many other files;
+  alone it has not aborted. A worker that dies ends the whole run. So an abort (SIGABRT, not a failed
+  assertion) is retried once in a new process, with a warning that keeps its output."""
+  if os.environ.get(INNER) == "1":
+    _two_slice_step(devices)
+    return
+  command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+             f"{__file__}::test_two_slice_mesh_runs_an_rl_step"]
+  for attempt in range(2):
+    proc = subprocess.run(command, env={**os.environ, INNER: "1"}, capture_output=True, text=True, timeout=900,
+                          check=False)
+    if proc.returncode != -signal.SIGABRT or attempt:
+      break
+    warnings.warn(f"XLA:CPU aborted the two-slice RL step; running it again. Its output:\n{proc.stdout[-3000:]}"
+                  f"{proc.stderr[-3000:]}")
+  assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def _two_slice_step(devices):
+  del devices
   cfg = configs.load("configs/tiny.py", SMALL + ["mesh.num_slices=2", "mesh.stage=2", "mesh.fsdp=-1",
                                                  "model.init_std=0.3"])
   run, prompts = loop.setup(cfg)
