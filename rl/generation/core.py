@@ -95,7 +95,22 @@ def new_slots(models: Models, num_slots: int, cache_len: int, **options) -> Slot
   """`num_slots` empty slots over fresh caches of `cache_len` columns (the draft's too), in the form
   `models` decodes with; options: state.empty_slots's (num_samples, vocab, ...)."""
   draft = None if models.draft is None else per_layer(models, models.draft.init_cache(num_slots, cache_len))
-  return empty_slots(per_layer(models, models.target.init_cache(num_slots, cache_len)), draft, **options)
+  return laid_out_slots(models, empty_slots(per_layer(models, models.target.init_cache(num_slots, cache_len)),
+                                            draft, **options))
+
+
+def laid_out_slots(models: Models, slots: Slots) -> Slots:
+  """`slots` constrained to the layout the decode step leaves them in: the caches by
+  kv_cache.CACHE_AXES, every per-slot array split over the batch axes. Fresh slots left to the
+  partitioner came out replicated, so a host loop's first decode call compiled (and ran) for
+  replicated caches and its next calls compiled again for split ones."""
+  lay = models.target.config.kernel.constrain
+  rows = lambda a: None if a is None else lay(a, ("batch",) + (None,) * (a.ndim - 1))  # noqa: E731
+  draft = None if slots.draft_cache is None else _laid_out(models.draft.config, slots.draft_cache)
+  return slots.replace(sid=rows(slots.sid), cache=_laid_out(models.target.config, slots.cache), draft_cache=draft,
+                       logits=lay(slots.logits, ("batch", "vocab")), position=rows(slots.position),
+                       window=rows(slots.window), sampling=jax.tree.map(rows, slots.sampling),
+                       stops=rows(slots.stops))
 
 
 def admit(slots: Slots, pool: Pool, sid: jax.Array, take: jax.Array, prompt_rows) -> Slots:
@@ -114,21 +129,30 @@ def admit(slots: Slots, pool: Pool, sid: jax.Array, take: jax.Array, prompt_rows
 
 
 def decode_loop(models: Models, config: StepConfig, slots: Slots, pool: Pool, version: jax.Array,
-                counters: Counters | None = None, *, steps: int = 0,
+                counters: Counters | None = None, *, steps: int | jax.Array = 0,
                 lockstep: bool = False) -> tuple[Slots, Pool, Counters]:
-  """`decode_step` while a slot is live, at most `steps` times (0: no limit), in one
+  """`decode_step` while a slot is live, at most `steps` times (0: no limit; a traced [] int32 may
+  be passed, so a host loop's calls of different lengths share one program), in one
   lax.while_loop -> (slots, pool, counters): the steps' counts added to `counters` (None: zeros), so
   a host loop of calls keeps its running totals on the devices. Pure; jit it."""
   def keep_going(carry):
     step, s, p, _ = carry
     going = jnp.any(live_slots(s, p))
-    return going & (step < steps) if steps else going
+    return going if isinstance(steps, int) and not steps else going & ((steps == 0) | (step < steps))
 
   def body(carry):
     step, s, p, c = carry
     return (step + 1, *decode_step(models, config, s, p, version, c, lockstep=lockstep))
   carry = (jnp.zeros((), jnp.int32), slots, pool, Counters.zeros(pool.num_samples) if counters is None else counters)
-  return jax.lax.while_loop(keep_going, body, carry)[1:]
+  slots, pool, counters = jax.lax.while_loop(keep_going, body, carry)[1:]
+  return slots, pool, laid_out_counters(models, counters)
+
+
+def laid_out_counters(models: Models, counters: Counters) -> Counters:
+  """`counters` replicated on the models' mesh, as `decode_loop` returns them, so the running totals
+  a host loop passes back meet the layout its decode call was compiled for."""
+  lay = models.target.config.kernel.constrain
+  return jax.tree.map(lambda a: lay(a, (None,) * a.ndim), counters)
 
 
 # --- the decode step -------------------------------------------------------------------------------
@@ -487,16 +511,22 @@ def prefill_in_chunks(models: Models, prompts: jax.Array, prompt_mask: jax.Array
 
 
 def _laid_out(mc, cache: kvc.KVCache) -> kvc.KVCache:
-  """A stacked cache constrained to its layout (kv_cache.CACHE_AXES; positions and segments by
-  batch and cache_length). The chunks' row gathers (`extend`) otherwise leave the layout to the
-  partitioner, which replicated the cache over the batch axes (AOT prefill, v5e:2x2, fsdp x expert)."""
-  if kvc.is_unstacked(cache):
-    return cache
+  """A cache (stacked, or per layer: kv_cache.unstack) constrained to its layout
+  (kv_cache.CACHE_AXES; positions and segments by batch and cache_length; a per-row write index by
+  batch). The chunks' row gathers (`extend`) otherwise leave the layout to the partitioner, which
+  replicated the cache over the batch axes (AOT prefill, v5e:2x2, fsdp x expert)."""
   lay = mc.kernel.constrain
-  layers = {stack: {name: lay(a, kvc.CACHE_AXES[name]) for name, a in entries.items()}
-            for stack, entries in cache.layers.items()}
+  if kvc.is_unstacked(cache):
+    layers = {stack: tuple({name: lay(a, kvc.entry_axes(name, per_layer=True)) for name, a in layer.items()}
+                           for layer in per_layer_entries)
+              for stack, per_layer_entries in cache.layers.items()}
+  else:
+    layers = {stack: {name: lay(a, kvc.CACHE_AXES[name]) for name, a in entries.items()}
+              for stack, entries in cache.layers.items()}
   ids = ("batch", "cache_length")
-  return cache.replace(layers=layers, positions=lay(cache.positions, ids), segment_ids=lay(cache.segment_ids, ids))
+  index = cache.index if cache.index.ndim == 0 else lay(cache.index, ("batch",))
+  return cache.replace(layers=layers, positions=lay(cache.positions, ids), segment_ids=lay(cache.segment_ids, ids),
+                       index=index)
 
 
 def prefill_models(models: Models, prompts: jax.Array, prompt_mask: jax.Array, total: int, chunk: int = 0):

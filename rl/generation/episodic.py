@@ -108,7 +108,7 @@ class EpisodicScheduler:
     if carried.size:
       slots, pool, view = self._place(weights, slots, pool, carried)
     steps = 0
-    counters = Counters.zeros(num)
+    counters = engine.counters(weights, num)
     while True:
       slots, pool, view = self._admit(weights, slots, pool, prompt_rows, view)
       live = self._live(view)

@@ -69,7 +69,7 @@ class Generator:
       raise ValueError(f"rl.max_prompt_len={spec.prompt_len} + rl.max_new_tokens={spec.columns}"
                        + (f" + {what}={slack} (the cache's slack past a sample's end)" if slack else "")
                        + f" = {spec.cache_len} exceeds model.max_seq_len={mc.max_seq_len}.")
-    self.spec, self.mc, self.own_weights = spec, mc, own_weights
+    self.spec, self.mc, self.own_weights, self.mesh = spec, mc, own_weights, mesh
     self.graphdef, abstract, self.rest = model_graph(mc)
     self.routing_shape = routing_shape(mc)
     self.draft_graph = self.draft_rest = self.draft_params = None

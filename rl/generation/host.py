@@ -39,7 +39,7 @@ from flax import nnx
 from meshrl.model import kv_cache as kvc
 from meshrl.rl.generation import core
 from meshrl.rl.generation.core import StepConfig
-from meshrl.rl.generation.state import Pool, Slots
+from meshrl.rl.generation.state import Counters, Pool, Slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +64,7 @@ class SlotEngine:
     self.prefill_chunk = prefill_chunk
     self.num_slots, self.cache_len = slots, cache_len
     self.per_row_sampling, self.stop_ids, self.unrolled = per_row_sampling, stop_ids, unrolled
-    self.decode = jax.jit(self._decode, static_argnames=("steps",), donate_argnums=(1, 2))
+    self.decode = jax.jit(self._decode, donate_argnums=(1, 2))
     self.observe = jax.jit(self._observe, donate_argnums=(1, 2))
     self.admit = jax.jit(self._admit, donate_argnums=(1,))
     self.start = jax.jit(self._start, donate_argnums=(1, 2))
@@ -90,6 +90,11 @@ class SlotEngine:
                           vocab=vocab, window=self.config.window, per_row_sampling=self.per_row_sampling,
                           stop_ids=self.stop_ids)
 
+  @functools.partial(jax.jit, static_argnums=(0, 2))
+  def counters(self, weights, num_samples: int) -> Counters:
+    """Zero running counters for a host loop of `decode` calls, laid out as `decode` returns them."""
+    return core.laid_out_counters(self.models(weights), Counters.zeros(num_samples))
+
   def _prefill(self, weights, prompts, prompt_mask):
     """prompts [P, Lp] -> (cache rows, draft cache rows or None, logits [P, V], routing or None); the
     target and the draft prefilled in chunks of rl.prefill_chunk alike (core.prefill_models)."""
@@ -112,9 +117,10 @@ class SlotEngine:
       pool = pool.replace(routing=pool.routing.at[:, sid, :routing.shape[2]].set(routes, mode="drop"))
     return slots, pool
 
-  def _decode(self, weights, slots: Slots, pool: Pool, version, counters=None, *, steps: int):
-    """Up to `steps` decode steps (fewer when no slot is live) -> (slots, pool, counters): the steps'
-    counts added to `counters` (None: from zero)."""
+  def _decode(self, weights, slots: Slots, pool: Pool, version, counters=None, *, steps):
+    """Up to `steps` decode steps (fewer when no slot is live; traced, so a budget's shorter last
+    chunk runs the same program) -> (slots, pool, counters): the steps' counts added to `counters`
+    (None: from zero)."""
     return core.decode_loop(self.models(weights), self.config, slots, pool, version, counters, steps=steps)
 
   def _observe(self, weights, slots, pool, rows, tokens, lengths):

@@ -26,6 +26,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from meshrl.rl.generation.host import buckets
 from meshrl.rl.generation.output import rollout_batch
@@ -75,9 +76,14 @@ class GroupSlots:
       raise ValueError(f"rl.rollout_token_budget={spec.token_budget} is less than one token per decode slot "
                        f"(rl.decode_slots resolves to {slots}).")
     self.generator, self.spec, self.num_groups = generator, spec, num_groups
+    # Everything carried lives replicated on the mesh from the start, as the generator's programs
+    # return it: a first call on arrays of another layout compiles those programs once more.
+    replicated = None if generator.mesh is None else NamedSharding(generator.mesh, PartitionSpec())
+    self._on_mesh = jax.jit(lambda tree: tree, out_shardings=replicated)
+    self._blank_pool = jax.jit(self._blank_fn, out_shardings=replicated)
     self.pool: Pool | None = None
-    self.prompts = jnp.zeros((num_groups, spec.prompt_len), jnp.int32)  # each group slot's prompt (on the devices)
-    self.prompt_mask = jnp.zeros((num_groups, spec.prompt_len), bool)
+    self.prompts = self._on_mesh(np.zeros((num_groups, spec.prompt_len), np.int32))  # each group slot's prompt
+    self.prompt_mask = self._on_mesh(np.zeros((num_groups, spec.prompt_len), bool))
     self.examples: list = [None] * num_groups  # the task example of each group in the pool
     self.live = np.zeros(num_groups, bool)  # group slot holds a group
     self.next_uid = 0  # groups admitted so far (their admission order)
@@ -88,11 +94,14 @@ class GroupSlots:
   def group_size(self) -> int:
     return self.spec.group_size
 
+  def _blank_fn(self, prompts, prompt_mask) -> Pool:
+    num = self.num_groups * self.group_size
+    pool = self.generator.new_pool(prompts, prompt_mask, sample_keys(jax.random.key(0), jnp.arange(num)))
+    return pool.replace(done=jnp.ones_like(pool.done))
+
   def _blank(self) -> Pool:
     """A pool of ended blank groups (every group slot free)."""
-    num = self.num_groups * self.group_size
-    pool = self.generator.new_pool(self.prompts, self.prompt_mask, sample_keys(jax.random.key(0), jnp.arange(num)))
-    return pool.replace(done=jnp.ones_like(pool.done))
+    return self._blank_pool(self.prompts, self.prompt_mask)
 
   def _place(self, free: np.ndarray, examples: list, tokens, mask, key, failed=()) -> None:
     """New groups into the free group slots `free` [F]: their examples, prompts tokens [F, Lp] and
@@ -203,7 +212,7 @@ class PartialRollouts(GroupSlots):
       if arrays[name].shape != want.shape:
         raise ValueError(f"carried rollouts: saved {name} has shape {arrays[name].shape}, this run expects "
                          f"{want.shape} (rl.prompts_per_step and rl.max_prompt_len must match the saved run).")
-      setattr(self, name, jnp.asarray(arrays.pop(name), want.dtype))
+      setattr(self, name, self._on_mesh(np.asarray(arrays.pop(name), want.dtype)))
     blank = self._blank()
     for name, value in arrays.items():
       want = getattr(blank, name, None)
@@ -211,7 +220,8 @@ class PartialRollouts(GroupSlots):
         raise ValueError(f"carried rollouts: saved {name} has shape {value.shape}, this run expects "
                          f"{None if want is None else want.shape} (rl.prompts_per_step, rl.group_size, "
                          "rl.max_prompt_len, rl.max_new_tokens and the model must match the saved run).")
-    self.pool = blank.replace(**{name: jnp.asarray(value, getattr(blank, name).dtype) for name, value in arrays.items()})
+    self.pool = self._on_mesh(blank.replace(**{name: np.asarray(value, getattr(blank, name).dtype)
+                                               for name, value in arrays.items()}))
     self.examples = list(state["examples"])
     self.live = np.asarray(state["live"], bool)
     self.next_uid = int(state["next_uid"])
