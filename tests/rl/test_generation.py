@@ -24,7 +24,7 @@ from meshrl.rl.generation import core
 from meshrl.rl.generation.core import StepConfig
 from meshrl.rl.generation.generator import Generator
 from meshrl.rl.generation.proposers import ProposerSpec, ngram_propose
-from meshrl.rl.generation.sampling import Sampler, sample_keys
+from meshrl.rl.generation.sampling import Sampler
 from meshrl.rl.generation.spec import GenerationSpec
 from meshrl.rl.step.partial import PartialRollouts
 from meshrl.rl.step.spec import check_generation, make_generator, rollout_model_config
@@ -352,44 +352,25 @@ def test_partial_groups_from_device_prompts_are_placed_as_host_ones():
   np.testing.assert_array_equal(prompts[[2, 0]], tokens)
 
 
-def test_carried_and_fresh_state_meet_the_layout_the_programs_were_compiled_for(devices):
-  """On a split mesh, state made outside the decode programs has the layout those programs return,
-  so a host loop compiles each once: partial rollouts' blank pool and prompts (and the pool restored
-  from a checkpoint) are replicated as the budgeted program returns them, and the slot engine's fresh
-  slots and counters are split as its decode call leaves them (fresh slots came out replicated: the
-  first decode call compiled, and ran, for replicated caches, the next ones again for split ones)."""
+def test_carried_pool_meets_the_layout_the_budgeted_program_was_compiled_for(devices):
+  """On a split mesh, partial rollouts' blank pool and prompts, and the pool restored from a
+  checkpoint, are replicated as the budgeted program returns them, so it compiles once over the
+  steps (three times before: uncommitted arrays on the first call, replicated pool next, replicated
+  prompts after). The slot engine's fresh slots and counters: tests/rl/test_multiturn_compose.py."""
   cfg, mesh, _, state = _setup(*PARTIAL, "rl.decode_slots=4", "rl.rollout_token_budget=8", "mesh.fsdp=4",
                                "mesh.tensor=2", on_mesh=True)
   draw, key = _draw_from(TEXTS), jax.random.key(3)
+  partial = PartialRollouts(_generator(cfg, mesh), cfg.rl.prompts_per_step)
   with CompileCounter() as compiles:
-    partial = PartialRollouts(_generator(cfg, mesh), cfg.rl.prompts_per_step)
-    for version in range(4):
-      if version == 2:  # through the checkpoint's JSON into a new instance of the same generator
-        saved = json.loads(json.dumps(partial.get_state()))
-        generator = partial.generator
-        partial = PartialRollouts(generator, cfg.rl.prompts_per_step)
-        partial.set_state(saved)
+    for version in range(3):
       partial.step(state.params, state.extra, draw, jax.random.fold_in(key, version), version)
-  assert compiles.count("_run_pool") == 1, dict(compiles.by_function)
-
-  gen = _generator(cfg, mesh)
-  engine = gen.slot_engine(num_slots=4)
-  weights = (gen.prepare(state.params), state.extra, None)
-  tokens, mask = _prompts(TEXTS[:2])
-  pool = gen.new_pool(tokens, mask, sample_keys(jax.random.key(1), jnp.arange(4)))
-  rows = engine.prefill(weights, tokens, mask)
-  fresh = engine.empty(weights, 4, rows[2].shape[-1])
-  counters = engine.counters(weights, 4)
-  layouts = [x.sharding for x in jax.tree.leaves((fresh, counters))]
-  assert not all(s.is_fully_replicated for s in layouts)  # the caches are split over the batch axes
-  slots, pool = engine.admit(weights, fresh, pool, rows, np.array([0, 1, 2, 3], np.int32),
-                             np.array([0, 1, 2, 3], np.int32))
+  assert compiles.count("_run_pool") == 1 and compiles.count("_placed") == 1, dict(compiles.by_function)
+  saved = json.loads(json.dumps(partial.get_state()))  # through the checkpoint's JSON into a new instance
+  partial = PartialRollouts(partial.generator, cfg.rl.prompts_per_step)
+  partial.set_state(saved)
   with CompileCounter() as compiles:
-    for _ in range(2):
-      slots, pool, counters = engine.decode(weights, slots, pool, jnp.int32(0), counters, steps=1)
-  assert compiles.count("_decode") == 1, dict(compiles.by_function)
-  for want, got in zip(layouts, jax.tree.leaves((slots, counters))):
-    assert got.sharding.is_equivalent_to(want, len(got.shape))
+    partial.step(state.params, state.extra, draw, jax.random.fold_in(key, 3), 3)
+  assert compiles.count("_run_pool") == 0, dict(compiles.by_function)  # the generator's program, as it was
 
 
 # The n-gram proposer under the budgeted scheduler: the golden test drives it greedy; here at T > 0 in the slow run.
