@@ -102,7 +102,9 @@ def to_host(x: Any) -> np.ndarray | None:
   (or is replicated) is read directly."""
   if x is None or isinstance(x, np.ndarray):
     return x
-  if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    if x.is_fully_replicated:  # every process holds all of it (np.asarray refuses a global array)
+      return np.asarray(x.addressable_data(0))
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return np.asarray(x)

@@ -101,9 +101,10 @@ def new_slots(models: Models, num_slots: int, cache_len: int, **options) -> Slot
 
 def laid_out_slots(models: Models, slots: Slots) -> Slots:
   """`slots` constrained to the layout the decode step leaves them in: the caches by
-  kv_cache.CACHE_AXES, every per-slot array split over the batch axes. Fresh slots left to the
-  partitioner came out replicated, so a host loop's first decode call compiled (and ran) for
-  replicated caches and its next calls compiled again for split ones."""
+  kv_cache.CACHE_AXES, every per-slot array split over the batch axes (host.read gathers `sid` on
+  several hosts). Fresh slots left to the partitioner came out replicated, so a host loop's first
+  decode call compiled (and ran) for replicated caches and its next calls compiled again for split
+  ones."""
   lay = models.target.config.kernel.constrain
   rows = lambda a: None if a is None else lay(a, ("batch",) + (None,) * (a.ndim - 1))  # noqa: E731
   draft = None if slots.draft_cache is None else _laid_out(models.draft.config, slots.draft_cache)

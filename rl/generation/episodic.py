@@ -103,7 +103,7 @@ class EpisodicScheduler:
     if self.tier is not None:
       self.tier.clear()  # carried samples resume under this call's parameters
     view = host.read(slots, pool)
-    fresh = view["count"] == np.asarray(prompts).shape[1]
+    fresh = view["count"] == prompts.shape[1]
     carried = np.flatnonzero(~view["done"] & ~fresh)
     if carried.size:
       slots, pool, view = self._place(weights, slots, pool, carried)

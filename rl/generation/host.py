@@ -40,6 +40,7 @@ from meshrl.model import kv_cache as kvc
 from meshrl.rl.generation import core
 from meshrl.rl.generation.core import StepConfig
 from meshrl.rl.generation.state import Counters, Pool, Slots
+from meshrl.sharding import hosts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +221,9 @@ def read(slots: Slots, pool: Pool, **extra: jax.Array) -> dict[str, np.ndarray]:
   fields = {"sid": slots.sid, "count": pool.count, "generated": pool.generated,
             "turn_start": pool.turn_start, "done": pool.done, "paused": pool.paused, "stopped": pool.stopped,
             **extra}
-  return {name: np.asarray(value) for name, value in jax.device_get(fields).items()}
+  if all(value.is_fully_addressable for value in fields.values()):
+    return {name: np.asarray(value) for name, value in jax.device_get(fields).items()}
+  return {name: hosts.to_host(value) for name, value in fields.items()}  # several hosts: each field whole
 
 
 @functools.partial(jax.jit, static_argnums=(3,))
