@@ -384,9 +384,9 @@ def test_partial_rollouts_with_unchanged_params_give_the_static_samples(proposer
   draw, key = _draw_from(TEXTS[:3]), jax.random.key(5)
   rows = {}
   for step in range(14):
-    if step == 2:
+    if step == 2:  # a new instance (on the same generator: its compiled program kept)
       saved = json.loads(json.dumps(partial.get_state()))
-      partial = PartialRollouts(_generator(cfg), 3)
+      partial = PartialRollouts(partial.generator, 3)
       partial.set_state(saved)
     arrays, examples, _ = partial.step(state.params, state.extra, draw, jax.random.fold_in(key, step), step)
     host = {k: v.to_host() if hasattr(v, "to_host") else v for k, v in arrays.items() if k != "routing"}

@@ -266,10 +266,11 @@ def test_one_minibatch_takes_the_proximal_policy_from_the_update_forward(devices
   assert not calls  # no proximal forward
   recomputed = batch.replace(old_logprobs=logprob_fn(run.state.params, run.state.extra, batch)[0])
   explicit = dataclasses.replace(run.spec, proximal_in_update=False)
-  grad = lambda spec, b: jax.jit(jax.value_and_grad(  # noqa: E731
-      lambda p: rl_loss(p, run.state.extra, run.graphdef, b, spec), has_aux=True))(run.state.params)
-  (loss, metrics), grads = grad(run.spec, batch)
-  (want, want_metrics), want_grads = grad(explicit, recomputed)
+  grad_of = lambda spec: jax.jit(jax.value_and_grad(  # noqa: E731  (one program per spec, any batch)
+      lambda p, b: rl_loss(p, run.state.extra, run.graphdef, b, spec), has_aux=True))
+  (loss, metrics), grads = grad_of(run.spec)(run.state.params, batch)
+  explicit_grad = grad_of(explicit)
+  (want, want_metrics), want_grads = explicit_grad(run.state.params, recomputed)
   assert 0.05 < float(want_metrics["tis_truncated_frac"]) or float(want_metrics["tis_weight_mean"]) != 1.0
   np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
   for name in ("tis_weight_mean", "tis_truncated_frac", "pg_loss", "ratio_mean"):
@@ -278,7 +279,7 @@ def test_one_minibatch_takes_the_proximal_policy_from_the_update_forward(devices
   for got, exp in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(exp), atol=1e-4 * scale)
   # The old policy taken as the behaviour one (no recomputation at all) is a different loss.
-  (behaviour_loss, _), _ = grad(explicit, batch)
+  (behaviour_loss, _), _ = explicit_grad(run.state.params, batch)
   assert abs(float(behaviour_loss) - float(want)) > 1e-4
   cfg = run.cfg
   for overrides, want_flag in ((["rl.num_minibatches=2"], False), (["rl.epochs=2"], False),
