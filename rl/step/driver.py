@@ -17,6 +17,7 @@ import errno
 import json
 import math
 import os
+import time
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -163,9 +164,12 @@ def checkpoint_hook(checkpointer: Checkpointer, prompts: PromptStream,
   `extra_state()` (e.g. carried rollouts, a quarantine list; JSON values); the step's PRNG key is
   derived from (seed, step), so nothing else is needed to continue exactly."""
   def hook(step: int, run: RLRun, metrics: dict) -> None:
+    force = bool(metrics.get("stopping"))
+    if not (force or checkpointer.should_save(step)):
+      return  # the carried state waits for the rollouts in flight and copies them to the host: only to save
     carried = extra_state() if extra_state else None  # first: it waits for rollouts in flight, which may draw prompts
     checkpointer.save(step, run.state, data_state={"step": step, **prompts.get_state()},
-                      config=run.cfg, extra_state=carried, force=bool(metrics.get("stopping")))
+                      config=run.cfg, extra_state=carried, force=force)
   return hook
 
 
@@ -305,12 +309,16 @@ def train_steps(run: RLRun, prompts: PromptStream, *, start_step: int = 0, num_s
 
   With `preemption` (train/preemption.py), a SIGTERM during a step ends the loop after that step:
   the step is checkpointed at once (metrics["stopping"]) and the records so far are returned. With
-  `phase_cost`, each record gets generation and update throughput and MFU (`PhaseCost`)."""
+  `phase_cost`, each record gets generation and update throughput and MFU (`PhaseCost`).
+
+  Each record's `step_wall_s` is the loop's wall time since the previous record: the step, its hooks
+  (evaluation) and the previous step's checkpoint; `time_s` counts `rl_step` alone."""
   num_steps = run.cfg.rl.num_steps if num_steps is None else num_steps
   streak = NonFiniteStreak(run.cfg.rl.max_nonfinite_steps, what="RL", field="rl.max_nonfinite_steps")
   key = jax.random.key(run.cfg.seed + 1)
   records, counter = [], CompileCounter()
   run.version = start_step  # one policy update per RL step
+  since = time.perf_counter()
   try:
     for step in range(start_step + 1, num_steps + 1):
       metrics = without_unmeasured(rl_step(run, prompts, jax.random.fold_in(key, step)))
@@ -324,6 +332,8 @@ def train_steps(run: RLRun, prompts: PromptStream, *, start_step: int = 0, num_s
       for hook in hooks:
         hook(step, run, metrics)
       stopping = metrics.pop("stopping")
+      now = time.perf_counter()
+      metrics["step_wall_s"], since = now - since, now
       records.append(writer.write(step, metrics) if writer is not None else {"step": step, **metrics})
       if checkpoint is not None:
         checkpoint(step, run, {**metrics, "stopping": stopping or step == num_steps})

@@ -168,6 +168,36 @@ def test_sigterm_checkpoints_the_current_step_and_stops(monkeypatch):
   assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is removed after
 
 
+def test_the_carried_state_is_built_only_for_the_steps_that_are_saved(tmp_path, monkeypatch):
+  """The carried state waits for the rollouts in flight and copies them to the host: an asynchronous
+  run that built it after every step (not only every checkpoint.every) ran each step's rollout to
+  the end outside the step, and spent the host's time on JSON copies of it."""
+  import time  # pylint: disable=import-outside-toplevel
+  from meshrl.train.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(loop, "rl_step", lambda run, prompts, key: {"nonfinite_minibatches": 0.0})
+  built = []
+
+  class Prompts:
+    def get_state(self):
+      return {"position": 0}
+
+  cfg = configs.load("configs/tiny.py", ["rl.num_steps=7"])
+  run = _FakeRun(cfg)
+  run.state = {"w": np.zeros(2, np.float32)}
+  with Checkpointer(str(tmp_path / "ckpt"), every=3, max_to_keep=None) as checkpointer:
+    save = loop.checkpoint_hook(checkpointer, Prompts(),
+                                extra_state=lambda: built.append(len(built)) or {"carried": len(built)})
+    def save_slowly(step, run, metrics):
+      time.sleep(0.2 if step == 1 else 0.0)
+      save(step, run, metrics)
+
+    records = loop.train_steps(run, Prompts(), checkpoint=save_slowly)
+    checkpointer.wait()
+    assert checkpointer.all_steps() == [1, 3, 6, 7]  # orbax's first save, every 3 steps, the last one
+  assert len(built) == 4
+  assert records[1]["step_wall_s"] >= 0.2 > records[2]["step_wall_s"]  # the wall counts the checkpoint before it
+
+
 @pytest.mark.slow
 def test_sigterm_to_the_script_saves_and_exits_zero(tmp_path):
   """scripts/rl.py in a subprocess gets SIGTERM mid-run: it exits 0 with a message, and its last
