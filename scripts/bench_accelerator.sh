@@ -9,7 +9,7 @@
 # episodic.json (scripts/bench_rollout.py --sections episodic), rl_peer.json (scripts/bench_rl.py at
 # configs/tiny.py:peer: the rollout phase against the bare sampler), and agent_new.jsonl, with
 # OLD_PARENT also agent_old.jsonl: 40 steps of the agent demo (configs/tiny_agent.py, evaluation off),
-# whose step times steps.txt tabulates (mean and median `time_s` over steps 11-40, side by side, and the
+# whose step times steps.txt tabulates (mean and median `step_wall_s` over steps 11-40, side by side, and the
 # programs compiled in those steps where the run counts them). OLD_PARENT is
 # a folder holding `meshrl`, an earlier checkout laid out as the package (e.g. `git archive 33e505b`
 # unpacked into OLD_PARENT/meshrl); its own tiny_agent preset runs.
@@ -54,13 +54,16 @@ for name in ("new", "old"):
   if not os.path.exists(path):
     continue
   rows = [json.loads(line) for line in open(path)]
-  times = sorted(r["time_s"] for r in rows if 11 <= r.get("step", 0) <= 40)
+  # step_wall_s: the loop's wall time per step, checkpoint and hooks included (since 982b859); a
+  # checkout without it is read by time_s, which is the loop's time only for a synchronous step.
+  field = "step_wall_s" if all("step_wall_s" in r for r in rows if "time_s" in r) else "time_s"
+  times = sorted(r[field] for r in rows if 11 <= r.get("step", 0) <= 40)
   compiles = {r["step"]: r["compiles"] for r in rows if r.get("step") in (10, 40) and "compiles" in r}
   if times:
     median = (times[(len(times) - 1) // 2] + times[len(times) // 2]) / 2
     grew = f", {compiles[40] - compiles[10]} compiles" if len(compiles) == 2 else ""
     print(f"agent {name}: mean step {sum(times) / len(times):.4f} s, median {median:.4f} s over steps 11-40 "
-          f"({len(times)} steps{grew})")
+          f"({field}, {len(times)} steps{grew})")
 PY
 
 export PYTHONPATH=$scratch/new${PYTHONPATH:+:$PYTHONPATH}
