@@ -17,7 +17,8 @@ cache rows, and `logits` are the distribution of the next one. A decode step the
      stop token, a stop sequence or the sample's limit; their behaviour log-probs, policy version and
      MoE routes go to the sample's buffer;
   5. keeps the logits after the last committed token and rolls the caches back past it (the rejected
-     proposals' columns become empty again).
+     proposals' columns become empty again; without proposals an idle row has written an empty
+     column in step 3, so there is nothing to roll back).
 With k = 0 this is plain decoding. Rows move by different counts, so the caches have per-row write
 indices; a static batch without proposals keeps one shared index (`lockstep`: every row writes at
 the same column, a finished row's writes land in its own dead row), which lets XLA update the cache
@@ -225,10 +226,21 @@ def decode_step(models: Models, config: StepConfig, slots: Slots, pool: Pool, ve
     proposals = ngram_propose(history, fill + 1, config.proposer.ngram_n, k)
   fed = first[:, None] if k == 0 else jnp.concatenate([first[:, None], proposals], axis=1)  # [C, K1]
 
-  # 3. One forward of the window at each slot's own index.
+  # 3. One forward of the window at each slot's own index. Without proposals a slot commits its one
+  # token or nothing, so a row with no room (idle) writes an empty column (the position and segment
+  # of an empty one, masked for every query) and its index stays: nothing to roll back after.
+  room = jnp.minimum(pool.max_lengths[rows] - generated, width - fill)  # [C] tokens the sample may add
+  if config.turn_tokens:
+    room = jnp.minimum(room, config.turn_tokens - (generated - pool.turn_start[rows]))
   start = slots.cache.index
-  out = models.target(fed, positions=slots.position[:, None] + offsets, segment_ids=jnp.ones_like(fed),
-                      cache=slots.cache, layer_weights=models.weights)
+  positions, segments = slots.position[:, None] + offsets, jnp.ones_like(fed)
+  empty_idle = k == 0 and not lockstep
+  if empty_idle:
+    writes = (live & (room > 0))[:, None]
+    positions = jnp.where(writes, positions, kvc.EMPTY_POSITION)
+    segments = jnp.where(writes, segments, kvc.EMPTY_SEGMENT)
+  out = models.target(fed, positions=positions, segment_ids=segments, cache=slots.cache,
+                      layer_weights=models.weights)
 
   # 4. Accept proposals equal to the target's draws; commit up to a stop or the sample's limit.
   if k:
@@ -236,9 +248,6 @@ def decode_step(models: Models, config: StepConfig, slots: Slots, pool: Pool, ve
     accepted = jnp.sum(jnp.cumprod(proposals == target_draws, axis=1), axis=1).astype(jnp.int32)
   else:
     accepted = jnp.zeros_like(generated)
-  room = jnp.minimum(pool.max_lengths[rows] - generated, width - fill)  # [C] tokens the sample may add
-  if config.turn_tokens:
-    room = jnp.minimum(room, config.turn_tokens - (generated - pool.turn_start[rows]))
   in_run = (offsets <= accepted[:, None]) & (offsets < room[:, None])
   is_stop = jnp.isin(fed, jnp.asarray(config.stop_tokens, jnp.int32))
   if config.stop_sequences:
@@ -271,6 +280,8 @@ def decode_step(models: Models, config: StepConfig, slots: Slots, pool: Pool, ve
   logits = jnp.where((count > 0)[:, None], after, slots.logits)
   if lockstep:
     cache = out.cache
+  elif empty_idle:  # count is 1 where the row wrote its token, else 0
+    cache = out.cache.replace(index=(start + count).astype(jnp.int32))
   else:
     cache = rollback(out.cache, start + count)
     draft_cache = None if draft_cache is None else rollback(draft_cache, start + count)

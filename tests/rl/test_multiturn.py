@@ -208,6 +208,8 @@ def test_stop_strings_and_limits_end_a_turn():
   assert np.asarray(pool.stopped).tolist() == [True, True, True, False, False]
   assert TOK.decode(np.asarray(pool.tokens[0, 1:9])) == "ab</cmd>"
   assert np.asarray(slots.position).tolist() == [9, 7, 5, 13, 6]
+  # A paused row decodes no more (an empty column at its index, which stays) while the others go on.
+  assert np.asarray(slots.cache.index).tolist() == [8, 6, 4, 12, 5]
 
 
 def test_file_task_episodes_malformed_calls_budgets_and_env_failures():
