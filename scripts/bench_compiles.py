@@ -54,7 +54,6 @@ def _child(case: str, steps: int) -> dict:
   with tempfile.TemporaryDirectory() as workdir:
     records = driver.run(cfg, workdir)
   return {"events": events, "wall_s": time.perf_counter() - start,
-          "step_s": [r["time_s"] for r in records],
           "compiles_after_step_1": records[-1]["compiles"] - records[0]["compiles"]}
 
 
