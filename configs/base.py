@@ -248,7 +248,7 @@ def get_config(arg=None):
   config.rm.eval_jsonl = ""  # Held-out pairs, same format; "" = the pairs whose prompt hashes into data.eval_fraction.
   config.rm.synthetic_pairs = 4096  # Synthetic training pairs (rm.train_jsonl=""): chosen = the task's answer, rejected = a wrong one.
   config.rm.negatives = "near_misses"  # Synthetic pairs' rejected sides: "near_misses" (an edit of the answer, or another prompt's answer) or "policy_errors" (the answer's symbols in another order, one symbol throughout, one dropped/doubled/foreign; train/synthetic_pairs.py).
-  config.rm.pairs_from = "synthetic"  # Pairs when rm.train_jsonl="": "synthetic" (train/synthetic_pairs.py), "policy" (the warm-started policy's own samples, chosen verifier-right, rejected verifier-wrong, same prompt; with rl.multi_turn whole episodes graded by their environments; train/policy_pairs.py) or "policy+synthetic" (both).
+  config.rm.pairs_from = "synthetic"  # Pairs when rm.train_jsonl="": "synthetic" (train/synthetic_pairs.py), "policy" (the warm-started policy's own samples, chosen verifier-right, rejected verifier-wrong, same prompt; with rl.multi_turn whole episodes graded by their environments; rl/rewards/policy_pairs.py) or "policy+synthetic" (both).
   config.rm.init = "model"  # The reward model's first weights: "model" (model.*: random, or model.init_from) or "policy" (the warm-started policy, rl.sft_steps, with a zero score head: InstructGPT's RM from the SFT model).
   config.rm.policy_prompts = 1024  # rm.pairs_from="policy": training-split prompts sampled (one in 8 gives the held-out pairs).
   config.rm.policy_samples = 8  # rm.pairs_from="policy": completions per prompt at each of rm.policy_temperatures.

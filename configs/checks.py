@@ -292,7 +292,7 @@ def check_rm(cfg) -> None:
 
 
 def check_rm_pairs(cfg) -> None:
-  """rm.pairs_from and its sample counts (train/policy_pairs.py; one in 8 prompts is held out)."""
+  """rm.pairs_from and its sample counts (rl/rewards/policy_pairs.py; one in 8 prompts is held out)."""
   one_of(cfg, "rm.pairs_from", ("synthetic", "policy", "policy+synthetic"))
   one_of(cfg, "rm.init", ("model", "policy"))
   at_least(cfg, "rm.policy_prompts", 8, " (one in 8 gives the held-out pairs)")

@@ -12,13 +12,13 @@ and a response ends at <|im_end|> or <|endoftext|>. Every model.* / moe.* archit
 from the folder's config.json, so the import checks pass by construction.
 
 The argument (the folder) is required. Loading this preset reads config.json with
-model/convert.py, which imports jax: pick simulated CPU devices with XLA_FLAGS rather than
---cpu_devices.
+configs/hf_config.py (no jax is imported, so --cpu_devices works as with any preset).
 """
 
 import json
 import os
 
+from meshrl.configs.hf_config import load_hf_config
 from meshrl.configs.loader import ConfigError, load_preset
 
 
@@ -40,7 +40,6 @@ def get_config(arg=None):
                       "--config=configs/hf_qwen3_moe.py:/path/to/Qwen3-MoE-folder")
   folder = os.path.abspath(os.path.expanduser(arg))
   _check_folder(folder)
-  from meshrl.model.convert import load_hf_config  # pylint: disable=import-outside-toplevel  (imports jax)
   try:
     config = load_hf_config(folder, base=load_preset("base"))  # every model.* / moe.* field of the folder
   except ValueError as e:

@@ -5,7 +5,7 @@ One command, two jobs (rm.train_before_rl, rl/rewards/rm_first.py). First the ti
 (configs/tiny.py: 52 SFT steps on the reverse task, "rev abc=" -> "cba", into the run's sft/, which
 the RL job then resumes), 8 samples of it per training-split prompt at T=0.3 and 0.7, labelled by the
 task's verifier into preference pairs (chosen right, rejected wrong, same prompt; rm.pairs_from=
-policy, train/policy_pairs.py), and a reward model that starts from the warm-started policy with a
+policy, rl/rewards/policy_pairs.py), and a reward model that starts from the warm-started policy with a
 score head (rm.init=policy) trained by Bradley-Terry on them into rl.reward_model_checkpoint
 (runs/tiny_rm/reward_model; a later run reuses it, and refuses a folder holding a reward model of
 other settings). Then GRPO with every reward from that model (rl.reward_sources="*=reward_model": the
@@ -38,7 +38,7 @@ def get_config(arg=None):
   config.rm.train_before_rl = True
   config.rl.reward_sources = "*=reward_model"
   config.rl.reward_model_checkpoint = f"runs/{config.name}/reward_model"
-  # The reward model: pairs over the warm-started policy's own samples (train/policy_pairs.py),
+  # The reward model: pairs over the warm-started policy's own samples (rl/rewards/policy_pairs.py),
   # starting from that policy's weights, trained to 0.96 held-out pairwise accuracy.
   config.rm.pairs_from = "policy"
   config.rm.init = "policy"

@@ -57,7 +57,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from meshrl.model.hf_config import (  # noqa: F401  (load_hf_config, hf_fields, ARCHITECTURES: read as convert.X)
+from meshrl.configs.hf_config import (  # noqa: F401  (load_hf_config, hf_fields, ARCHITECTURES: read as convert.X)
     ARCHITECTURES, architecture_of, check_config_matches, hf_architecture, hf_fields, load_hf_config, read_json)
 from meshrl.model.params import state_shardings
 from meshrl.model.transformer import ModelConfig, Transformer

@@ -7,12 +7,12 @@
 The reward model is the config's model (model.*, from model.init_from when set: a policy checkpoint
 or a Hugging Face folder, Qwen3MoeForSequenceClassification included) with a value head as its score
 (model.value_head is set for it), read at each row's last token (train/reward_model.py); the job is
-train/rm_job.py's, which scripts/rl.py also runs first under rm.train_before_rl. Pairs come from rm.train_jsonl
+rl/rewards/rm_job.py's, which scripts/rl.py also runs first under rm.train_before_rl. Pairs come from rm.train_jsonl
 ({"prompt", "chosen", "rejected", "margin"?} per line) or, when it is "", are made from the data.tasks
 mixture: chosen = the task's answer, rejected = a near miss the task's verifier calls wrong. Held-out
 pairs: rm.eval_jsonl, else the pairs whose prompts fall in the held-out data.eval_fraction. With
 rm.pairs_from=policy (configs/tiny_rm.py's default) the pairs are the warm-started policy's own samples
-labelled by the verifier (train/policy_pairs.py; the warm start runs in a temporary folder first), and
+labelled by the verifier (rl/rewards/policy_pairs.py; the warm start runs in a temporary folder first), and
 with rm.init=policy the reward model starts from that policy. The job also writes calibration.json,
 the threshold that rl.rm_binarize reads.
 
@@ -43,7 +43,7 @@ def main(argv):
   args, cfg = cli.parse(argv, description=__doc__, add_flags=_flags)
   cli.join_job(args)
   # pylint: disable-next=import-outside-toplevel  (jax only now, after --cpu_devices)
-  from meshrl.train.rm_job import prepare_reward_model, reward_model_config, train_reward_model
+  from meshrl.rl.rewards.rm_job import prepare_reward_model, reward_model_config, train_reward_model
   workdir = args.workdir or cfg.rl.reward_model_checkpoint or cfg.workdir.format(name=cfg.name)
   from meshrl.rl.rewards.rm_first import temporary_warm_start  # pylint: disable=import-outside-toplevel
   # rm.pairs_from="policy": the pairs are the warm-started policy's samples; its warm start runs in a

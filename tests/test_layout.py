@@ -10,6 +10,7 @@ run, and everything downstream takes the numbers (or the run spec) as an argumen
 
 import ast
 import os
+import re
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,3 +57,156 @@ def test_model_numbers_are_built_only_by_the_builders():
   outside = [f"{rel}:{line}" for rel, lines in found.items() if rel not in BUILDERS for line in lines]
   assert not outside, ("ModelConfig.from_config outside the builders (take the numbers as an argument, or build "
                        f"them with train/init_from.model_config / rl/step/run_spec.model_numbers): {outside}")
+
+
+# --- imports: the layering of docs/architecture.md "Dependencies" ---------------------------------
+
+def _module_name(rel: str) -> str:
+  """'rl/step/spec.py' -> 'rl.step.spec'; 'rl/step/__init__.py' -> 'rl.step'."""
+  parts = rel[:-3].split("/")
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node) -> bool:
+  """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`)."""
+  if not isinstance(node, ast.If):
+    return False
+  return getattr(node.test, "id", None) == "TYPE_CHECKING" or getattr(node.test, "attr", None) == "TYPE_CHECKING"
+
+
+def imported_modules(source: str, modules: set, *, top_level_only: bool) -> set:
+  """The meshrl modules (names without 'meshrl.', as in `modules`) a source imports when it runs: every
+  import but those under `if TYPE_CHECKING:` (annotations only), or with `top_level_only` those that run
+  when the module is imported (not inside a function or class). `from meshrl.a import b` names a.b
+  when that is a module, else a."""
+  found = set()
+
+  def add(name: str):
+    if name.startswith("meshrl."):
+      name = name[len("meshrl."):]
+      while name and name not in modules:
+        name = name.rpartition(".")[0]
+      if name:
+        found.add(name)
+
+  def visit(node, nested: bool):
+    for child in ast.iter_child_nodes(node):
+      if isinstance(child, ast.Import) and not (nested and top_level_only):
+        for alias in child.names:
+          add(alias.name)
+      elif isinstance(child, ast.ImportFrom) and child.module and not (nested and top_level_only):
+        for alias in child.names:
+          add(f"{child.module}.{alias.name}")
+      elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+        visit(child, True)
+      elif _is_type_checking(child):
+        continue  # type annotations only: never runs
+      else:
+        visit(child, nested)
+
+  visit(ast.parse(source), False)
+  return found
+
+
+def _import_graph(top_level_only: bool) -> dict:
+  """{module: modules it imports} over the package (scripts apart: they are the edge)."""
+  files = {_module_name(rel): path for rel, path in _sources() if not rel.startswith("scripts/")}
+  modules = set(files)
+  return {name: imported_modules(open(path, encoding="utf-8").read(), modules, top_level_only=top_level_only) - {name}
+          for name, path in files.items()}
+
+
+def test_the_import_scan_resolves_modules_and_skips_deferred_imports():
+  """A test of the scanner: submodules, packages, deferred and TYPE_CHECKING imports."""
+  modules = {"rl", "rl.envs", "rl.envs.levels", "model.transformer", "configs"}
+  source = ("from meshrl.rl.envs import levels\nimport meshrl.configs\nfrom typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n  from meshrl.model.transformer import ModelConfig\n"
+            "def f():\n  from meshrl.rl import envs\n")
+  assert imported_modules(source, modules, top_level_only=True) == {"rl.envs.levels", "configs"}
+  assert imported_modules(source, modules, top_level_only=False) == {"rl.envs.levels", "configs", "rl.envs"}
+
+
+# Which top-level folders each one may import (any import, deferred ones too). configs/ sits below the
+# rest, except where its edge functions reach up, each named here with its reason.
+MAY_IMPORT = {
+    "configs": {"configs"},
+    "sharding": {"configs", "sharding"},
+    "model": {"configs", "sharding", "model"},
+    "train": {"configs", "sharding", "model", "train"},
+    "rl": {"configs", "sharding", "model", "train", "rl"},
+    "serve": {"configs", "sharding", "model", "train", "rl", "serve"},
+}
+UPWARD_EXCEPTIONS = {
+    ("configs.cli", "sharding.hosts"): "the command line joins a multi-host job before it reads flags",
+    ("configs.checks", "rl.envs.levels"): "rl.sft_difficulty is checked against the task families",
+}
+
+
+def test_each_folder_imports_only_the_layers_below_it():
+  """docs/architecture.md: configs <- sharding <- model <- train <- rl <- serve; `train/` never
+  imports `rl/` (a module that generates, like draft distillation or the reward model's policy pairs,
+  lives in rl/). Fails naming each importing module and what it imports."""
+  graph = _import_graph(top_level_only=False)
+  assert "train.sft" in graph and "rl.step.spec" in graph, "the scan read no modules: the layout changed"
+  wrong = sorted(f"{name} -> {target}" for name, targets in graph.items() for target in targets
+                 if target.split(".")[0] not in MAY_IMPORT[name.split(".")[0]]
+                 and (name, target) not in UPWARD_EXCEPTIONS)
+  assert not wrong, f"imports against the layering: {wrong}"
+
+
+def test_generation_imports_only_model_and_sharding():
+  """rl/generation/ imports only model/ and sharding/ (and itself), so serve/ decodes through it."""
+  graph = _import_graph(top_level_only=False)
+  wrong = sorted(f"{name} -> {target}" for name, targets in graph.items() if name.startswith("rl.generation")
+                 for target in targets
+                 if not target.startswith(("model", "sharding", "rl.generation")) and target != "rl")
+  assert not wrong, f"rl/generation imports outside model/ and sharding/: {wrong}"
+
+
+def test_presets_import_nothing_but_configs():
+  """A preset (configs/*.py with get_config) imports only meshrl.configs modules."""
+  graph = _import_graph(top_level_only=False)
+  presets = [name for rel, path in _sources() if rel.startswith("configs/")
+             and re.search(r"^def get_config", open(path, encoding="utf-8").read(), re.M)
+             for name in [_module_name(rel)]]
+  assert "configs.tiny_agent" in presets and "configs.hf_qwen3_moe" in presets
+  wrong = sorted(f"{name} -> {target}" for name in presets for target in graph[name]
+                 if not target.startswith("configs"))
+  assert not wrong, f"presets importing beyond configs/: {wrong}"
+
+
+def _cycle(graph: dict) -> list:
+  """One import circle of `graph` as [a, b, ..., a], or [] when there is none."""
+  state, stack = {}, []
+
+  def visit(node):
+    state[node] = "open"
+    stack.append(node)
+    for nxt in sorted(graph.get(node, ())):
+      if state.get(nxt) == "open":
+        return stack[stack.index(nxt):] + [nxt]
+      if nxt not in state:
+        found = visit(nxt)
+        if found:
+          return found
+    state[node] = "done"
+    stack.pop()
+    return []
+
+  for node in sorted(graph):
+    if node not in state:
+      found = visit(node)
+      if found:
+        return found
+  return []
+
+
+def test_the_cycle_finder_finds_one():
+  assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert _cycle({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles():
+  """No circle among the imports that run when a module is imported (deferred ones are the way out)."""
+  found = _cycle(_import_graph(top_level_only=True))
+  assert not found, f"an import circle: {' -> '.join(found)}"

@@ -6,7 +6,7 @@ rl.reward_model_checkpoint and then runs RL against it (configs/tiny_rm.py).
   policy_cfg, mesh, model, tokenizer = warm_start(cfg, folder)  # the driver's warm start, run before it
 
 What the folder rl.reward_model_checkpoint holds decides:
-  nothing of a run                        the reward model is trained there (train/rm_job.py: the
+  nothing of a run                        the reward model is trained there (rl/rewards/rm_job.py: the
                                           policy's model.* with a score head, rm.*, its pairs)
   a reward model of the same settings     reused as it is, when its checkpoint reached rm.steps;
                                           resumed from its checkpoint when it stopped earlier
@@ -15,13 +15,13 @@ What the folder rl.reward_model_checkpoint holds decides:
                                           data.* or seed), or what it holds instead (another kind
                                           of run, a Hugging Face folder); nothing is written or
                                           removed: the run never deletes what it did not create.
-"The same settings" is train/rm_job.SETTINGS (rm.train_jsonl by its path: a preference file edited
+"The same settings" is rl/rewards/rm_job.SETTINGS (rm.train_jsonl by its path: a preference file edited
 in place is not noticed; give the new reward model another folder). Before anything is written, the
 RL run's own checks run too (its config with the reward model set aside, its work directory), so a
 bad RL setting is not found only after the reward model has trained.
 
 With rm.pairs_from="policy" the reward model is trained on the warm-started policy's own samples
-(train/policy_pairs.py), so the warm start (rl.sft_steps) runs first, here: into the RL run's own
+(rl/rewards/policy_pairs.py), so the warm start (rl.sft_steps) runs first, here: into the RL run's own
 <workdir>/sft when checkpoints are on (the driver then resumes it at its last step: it is trained
 once; with --overwrite the earlier run's outputs are removed first, as the driver would, and the
 status is WARM_STARTED so the driver is not told to remove them again), else in a temporary folder
@@ -37,8 +37,8 @@ import ml_collections
 
 from meshrl.rl.rewards.sources import FIELD as SOURCES_FIELD, DomainSources, domain_sources, parse_sources
 from meshrl.train.checkpoint import committed_steps
-from meshrl.train.rm_job import (needs_policy, prepare_reward_model, reward_model_config, saved_run_config, settings_diff,
-                                 train_reward_model)
+from meshrl.rl.rewards.rm_job import (needs_policy, prepare_reward_model, reward_model_config, saved_run_config,
+                                      settings_diff, train_reward_model)
 from meshrl.train.workdir import check_workdir, clear_outputs, run_outputs
 
 FIELD = "rl.reward_model_checkpoint"

@@ -19,7 +19,7 @@ import pytest
 from meshrl import configs
 from meshrl.train.checkpoint import Checkpointer
 from meshrl.train.rm_calibration import FILE, best_threshold, read_threshold, write_calibration
-from meshrl.train.rm_job import reward_model_config
+from meshrl.rl.rewards.rm_job import reward_model_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",

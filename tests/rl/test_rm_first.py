@@ -26,7 +26,7 @@ from meshrl import configs
 from meshrl.configs import cli
 from meshrl.rl.rewards.rm_first import ensure_reward_model, folder_state
 from meshrl.train.checkpoint import Checkpointer
-from meshrl.train.rm_job import reward_model_config
+from meshrl.rl.rewards.rm_job import reward_model_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model.mlp_dim=64",
@@ -116,7 +116,7 @@ def test_train_rm_runs_the_same_job_into_the_folder_the_run_reads(tmp_path, monk
   def capture(job):
     jobs.append(job)
     raise Done()
-  monkeypatch.setattr("meshrl.train.rm_job.train_reward_model", capture)
+  monkeypatch.setattr("meshrl.rl.rewards.rm_job.train_reward_model", capture)
   monkeypatch.chdir(REPO)
   rm_dir = str(tmp_path / "rm")
   with pytest.raises(Done):

@@ -154,10 +154,10 @@ def test_policy_errors_use_every_symbol_the_answer_lacks():
 
 
 def test_the_reward_model_job_makes_the_negatives_rm_negatives_names():
-  """train/rm_job draws both sides' synthetic pairs with rm.negatives (an option dropped on the way
+  """rl/rewards/rm_job draws both sides' synthetic pairs with rm.negatives (an option dropped on the way
   from the config leaves the near misses: the order shares below fall to theirs)."""
   from meshrl import configs  # pylint: disable=import-outside-toplevel
-  from meshrl.train import rm_job  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.rewards import rm_job  # pylint: disable=import-outside-toplevel
   sizes = ["rm.synthetic_pairs=300", "rm.eval_pairs=300"]
   near = rm_job._synthetic_pairs(configs.load("configs/tiny_rm.py", sizes))  # pylint: disable=protected-access
   errors = rm_job._synthetic_pairs(configs.load("configs/tiny_rm.py", sizes + ["rm.negatives=policy_errors"]))  # pylint: disable=protected-access

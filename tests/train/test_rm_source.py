@@ -27,7 +27,7 @@ def _save_rm(folder, **model) -> str:
   these checks read the config and tokenizer only)."""
   cfg = configs.load("configs/tiny_rm.py")
   with cfg.unlocked():
-    cfg.model.update({"value_head": True, **model})  # the reward model's config (train/rm_job.reward_model_config)
+    cfg.model.update({"value_head": True, **model})  # the reward model's config (rl/rewards/rm_job.reward_model_config)
   with Checkpointer(os.path.join(folder, "checkpoints"), async_save=False) as ckpt:
     ckpt.save(1, {"params": {"x": jnp.zeros(2)}}, config=cfg, force=True)
   return str(folder)

@@ -1,4 +1,4 @@
-"""Reward-model pairs over a policy's own samples (train/policy_pairs.py, rm.pairs_from="policy") and a
+"""Reward-model pairs over a policy's own samples (rl/rewards/policy_pairs.py, rm.pairs_from="policy") and a
 reward model that starts from the warm-started policy (rm.init="policy").
 
 Claims and the bugs they catch:
@@ -21,8 +21,8 @@ import pytest
 
 from meshrl import configs
 from meshrl.rl.envs.mixture import in_eval_split
-from meshrl.train import policy_pairs as pp
-from meshrl.train import rm_job
+from meshrl.rl.rewards import policy_pairs as pp
+from meshrl.rl.rewards import rm_job
 from meshrl.train.preferences import Pair
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,6 +1,8 @@
 """Hugging Face config.json <-> meshrl's model.* / moe.* fields, per supported architecture
 (Qwen3-MoE causal LM and reward model, DeepSeek-V3): what a checkpoint's config decides and the
-config.json an export writes. model/convert.py moves the weights.
+config.json an export writes; model/convert.py moves the weights. It lives in configs/ because a
+preset (configs/hf_qwen3_moe.py) reads a folder through it, and presets import nothing but configs
+(no jax either: the write direction's ModelConfig is a type annotation only).
 
   cfg = load_hf_config(hf_dir)          # configs/base.py with the checkpoint's architecture fields
   hf_fields(hf_dir)                     # {"model.vocab_size": 151936, ...}
@@ -12,12 +14,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import ml_collections
 
 from meshrl.configs import load_preset
-from meshrl.model.transformer import ModelConfig
+
+if TYPE_CHECKING:  # the write direction reads model numbers; configs/ imports no model code at run time
+  from meshrl.model.transformer import ModelConfig
 
 
 def read_json(path: str) -> dict:

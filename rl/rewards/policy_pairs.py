@@ -3,7 +3,7 @@
   examples = training_examples(cfg, count)                 # distinct prompts of the training split only
   texts = sample_policy(cfg, mesh, model, tokenizer, examples, samples=K, key=key)   # [N][K] completions
   pairs = pairs_from_samples(examples, texts, is_correct=..., origin="policy sample")
-  train, held_out = policy_pairs(cfg, mesh, model, tokenizer)   # all of it, for train/rm_job.py
+  train, held_out = policy_pairs(cfg, mesh, model, tokenizer)   # all of it, for rl/rewards/rm_job.py
 
 Why: a reward model trained on hand-made negatives (train/synthetic_pairs.py) ranks those well and is
 gamed by the first strings RL finds that it never saw (docs/benchmarks.md, "RL against a learned

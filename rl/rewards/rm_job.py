@@ -17,7 +17,7 @@ task's verifier calls wrong. Held-out pairs: rm.eval_jsonl, else
 the pairs whose prompts fall in the held-out data.eval_fraction. With rm.pairs_from="policy" (or
 "policy+synthetic", added to the file's or the synthetic pairs) the pairs are the warm-started
 policy's own samples of training-split prompts, chosen verifier-right and rejected verifier-wrong
-(train/policy_pairs.py); the caller supplies that policy (`warm_policy`), and the warm start's
+(rl/rewards/policy_pairs.py); the caller supplies that policy (`warm_policy`), and the warm start's
 settings (rl.sft_*, rl.temperature, the rollout lengths) then make the reward model too (SETTINGS).
 """
 
@@ -210,7 +210,7 @@ def prepare_reward_model(rm_cfg, workdir: str, *, overwrite: bool = False, warm_
                        "policy, and none was given: scripts/rl.py and scripts/train_rm.py run its warm start first.")
     policy = warm_policy()
   if "policy" in rm_cfg.rm.pairs_from:  # the policy's pairs first (rm.eval_pairs keeps its held-out ones)
-    from meshrl.train.policy_pairs import policy_pairs  # pylint: disable=import-outside-toplevel
+    from meshrl.rl.rewards.policy_pairs import policy_pairs  # pylint: disable=import-outside-toplevel
     policy_train, policy_held_out = policy_pairs(*policy)
     train, held_out = policy_train + train, policy_held_out + held_out
   train_arrays, held_out_arrays = encode(train), encode(held_out[:rm_cfg.rm.eval_pairs])
