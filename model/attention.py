@@ -7,7 +7,7 @@ call (no cache) runs the Pallas splash kernel instead where `cfg.attention.local
 ("auto": on TPU; model/splash.py); with impl="ring" splash computes the ring's block pairs of a
 self-attention call and of the ring prefill (model/splash_ring.py). With a KV cache the new keys/values are
 written into it first and the queries attend to the whole cache; with impl="ring" a call whose
-queries fill the whole cache (the ring prefill of rl/generation/core.py `prefill_prompts`) runs ring
+queries fill the whole cache (the ring prefill of rl/generation/prefill.py `prefill_prompts`) runs ring
 attention over the sequence-split prompt. Every cache write is pinned to kv_cache.CACHE_AXES.
 
 Axis legend: B batch, T query length, S key length (cache), D embed, N heads, K kv heads,
@@ -42,10 +42,10 @@ class KernelConfig:
 
   `zigzag` (attention.zigzag) asks ring attention to run causal sequences in the zigzag layout
   (ring_attention.zigzag) for load balance: training batches are laid out so by their callers
-  (rl/step/program.py, train/sft.py), the ring prefill by rl/generation/core.py. `inputs_zigzag` says that this copy
+  (rl/step/program.py, train/sft.py), the ring prefill by rl/generation/prefill.py. `inputs_zigzag` says that this copy
   of the model gets its tokens in the zigzag layout over `sequence` (`Transformer.with_kernel`): set
   by the callers that lay them out so (the RL update and log-probs, rl/algo/update.py; SFT; the ring
-  prefill, rl/generation/core.py `prefill_prompts`, whose cache is written in token order: positions, segment
+  prefill, rl/generation/prefill.py `prefill_prompts`, whose cache is written in token order: positions, segment
   ids and each layer's keys/values put back by ring_attention.unzigzag_on_mesh, no gather). Splash's
   ring (`_ring_splash`) masks by index, so it reads the layout from this flag; a model called
   without it gets token order, as every caller that does not zigzag (distillation, benchmarks) uses.
@@ -87,7 +87,7 @@ class KernelConfig:
 
     With impl="ring" a cached call uses the sequence-sharded decode (each shard attends to its
     slice of the cache, merged by log-sum-exp): the cache never travels around the ring. A cached
-    call whose queries fill the whole cache (T == S: the ring prefill of rl/generation/core.py, which pads
+    call whose queries fill the whole cache (T == S: the ring prefill of rl/generation/prefill.py, which pads
     the prompt to the cache length) is ordinary ring attention instead: queries, keys and values
     all split over `sequence` exactly as the cache is, so nothing is gathered.
     """

@@ -7,7 +7,7 @@ Run:  JAX_PLATFORMS=cpu python scripts/bench_prefill_chunks.py --cpu_devices=2 -
 One batch of `--prompts` prompts: the first `--prompt_len` tokens long, the others `--short` tokens,
 on one decode slot per prompt (rl.engine=continuous), greedy. Rows, each one-pass vs chunked:
   prefill_temp_bytes   the compiled prefill's temporary (activation) bytes, from XLA's memory
-                       analysis of the program (core.prefill_prompts; deterministic)
+                       analysis of the program (prefill.prefill_prompts; deterministic)
   first_token_s        a budgeted call of one decode iteration: the time until the short prompts'
                        samples have their first token (one pass: after the whole batch's prefill;
                        chunked: after one chunk), and how many of them have it
@@ -54,8 +54,8 @@ def main(argv) -> int:
 
   from meshrl.model.init import build_model
   from meshrl.model.tokenizer import ByteTokenizer
-  from meshrl.rl.generation import core
   from meshrl.rl.generation.generator import Generator
+  from meshrl.rl.generation.prefill import prefill_prompts
   from meshrl.rl.generation.sampling import sample_keys
   from meshrl.rl.step.run_spec import model_numbers
   from meshrl.rl.step.spec import make_generator
@@ -88,7 +88,7 @@ def main(argv) -> int:
   for name, chunk in (("one_pass", 0), ("chunked", args.chunk)):
     gen = Generator(dataclasses.replace(base.spec, prefill_chunk=chunk), base.mc, mesh=mesh, rules=rules)
     weights = gen.prepare(params)
-    prefill = jax.jit(lambda w, t, m, chunk=chunk, gen=gen: core.prefill_prompts(
+    prefill = jax.jit(lambda w, t, m, chunk=chunk, gen=gen: prefill_prompts(
         gen._models(w, extra, None).target, t, m, gen.spec.cache_len, chunk))  # pylint: disable=protected-access
     memory = prefill.lower(weights, tokens, mask).compile().memory_analysis()
     first = Generator(dataclasses.replace(base.spec, prefill_chunk=chunk, scheduler="budgeted", token_budget=num),

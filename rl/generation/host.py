@@ -39,6 +39,7 @@ from flax import nnx
 from meshrl.model import kv_cache as kvc
 from meshrl.rl.generation import core
 from meshrl.rl.generation.core import StepConfig
+from meshrl.rl.generation.prefill import prefill_models
 from meshrl.rl.generation.state import Counters, Pool, Slots
 from meshrl.sharding import hosts
 
@@ -98,9 +99,9 @@ class SlotEngine:
 
   def _prefill(self, weights, prompts, prompt_mask):
     """prompts [P, Lp] -> (cache rows, draft cache rows or None, logits [P, V], routing or None); the
-    target and the draft prefilled in chunks of rl.prefill_chunk alike (core.prefill_models)."""
+    target and the draft prefilled in chunks of rl.prefill_chunk alike (prefill.prefill_models)."""
     models = self.models(weights)
-    cache, draft_cache, logits, routing = core.prefill_models(models, prompts, prompt_mask, self.cache_len,
+    cache, draft_cache, logits, routing = prefill_models(models, prompts, prompt_mask, self.cache_len,
                                                              self.prefill_chunk)
     return core.as_rows(models, cache), core.as_rows(models, draft_cache), logits, routing
 

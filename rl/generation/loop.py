@@ -17,7 +17,7 @@ conditional on each iteration (128 prompts, 32 slots, CPU).
 
 Each prompt is prefilled once and its cache row shared by its group (prefix sharing); with
 attention.impl = "ring" on a sequence-split mesh the prefill is ring attention into a sequence-sharded
-cache (core.prefill_prompts).
+cache (prefill.prefill_prompts).
 
 Axis legend: P prompts, G group size, B samples, C slots, Lp prompt columns, V vocab.
 """
@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from meshrl.model import kv_cache as kvc
 from meshrl.rl.generation import core
 from meshrl.rl.generation.core import Models, StepConfig
+from meshrl.rl.generation.prefill import fill_chunk, fill_prompts, prefill_models
 from meshrl.rl.generation.state import Counters, Pool, Slots
 
 SCHEDULERS = ("static", "continuous", "budgeted", "episodic")
@@ -63,7 +64,7 @@ def run(models: Models, config: StepConfig, pool: Pool, prompts: jax.Array, prom
   Every prompt column's MoE routes come from this call's prefill.
 
   prefill_chunk (rl.prefill_chunk, 0 < it < Lp): the prompts are prefilled in chunks of that many
-  tokens (core.fill_chunk). Static (lockstep): back to back before the first decode step. Otherwise
+  tokens (prefill.fill_chunk). Static (lockstep): back to back before the first decode step. Otherwise
   one chunk of every unfinished prompt per iteration, between the decode steps of the slots whose
   prompts are in: a sample is admitted once its prompt is, so a long prompt stalls no other slot."""
   num = pool.num_samples
@@ -72,9 +73,9 @@ def run(models: Models, config: StepConfig, pool: Pool, prompts: jax.Array, prom
   interleave = 0 < prefill_chunk < prompt_len and not lockstep
   fill = None
   if interleave:
-    fill = core.fill_chunk(models, core.fill_prompts(models, prompts, prompt_mask, cache_len), prefill_chunk)
+    fill = fill_chunk(models, fill_prompts(models, prompts, prompt_mask, cache_len), prefill_chunk)
   else:
-    prompt_cache, draft_prompt_cache, prompt_logits, prompt_routing = core.prefill_models(
+    prompt_cache, draft_prompt_cache, prompt_logits, prompt_routing = prefill_models(
         models, prompts, prompt_mask, cache_len, prefill_chunk)
     if pool.routing is not None and prompt_routing is not None:
       pool = pool.replace(routing=pool.routing.at[:, :, :prompt_len].set(prompt_routing[:, pool.group_of]))
@@ -125,7 +126,7 @@ def run(models: Models, config: StepConfig, pool: Pool, prompts: jax.Array, prom
     step, s, p, c, next_pos, f = carry
     s, p, c = core.decode_step(models, config, s, p, version, c)
     if interleave:  # the next chunk of the prompts not yet in
-      f = jax.lax.cond(jnp.all(f.ready()), lambda x: x, lambda x: core.fill_chunk(models, x, prefill_chunk), f)
+      f = jax.lax.cond(jnp.all(f.ready()), lambda x: x, lambda x: fill_chunk(models, x, prefill_chunk), f)
     if refill_in_loop:
       s, next_pos = refill(s, p, next_pos, f)
     return step + 1, s, p, c, next_pos, f

@@ -7,7 +7,7 @@ and XLA compiles the same jitted programs a run executes:
   update   rl/algo/update.py `make_update`: epochs x minibatches of the RL loss, its gradient and the
            optimizer step, on an UpdateBatch of rl.prompts_per_step * rl.group_size rows of
            rl.max_prompt_len + rl.max_new_tokens tokens (TRAIN rules).
-  prefill  the prefill of generation engine (rl/generation/core.py `prefill_prompts`): rl.prompts_per_step prompts of rl.max_prompt_len
+  prefill  the prefill of generation engine (rl/generation/prefill.py `prefill_prompts`): rl.prompts_per_step prompts of rl.max_prompt_len
            tokens written into an empty KV cache of the full length, last logits kept, and the
            prompt's MoE routes with routing replay (ROLLOUT rules;
            with attention.impl="ring" and mesh.sequence > 1 the ring prefill, `length` split over
@@ -83,6 +83,7 @@ from meshrl.rl.algo import losses
 from meshrl.rl.batches import routes
 from meshrl.rl.batches.handover import ALIGNED_FROM, UpdateBatch, align_arrays
 from meshrl.rl.generation import core
+from meshrl.rl.generation.prefill import prefill_prompts
 from meshrl.rl.generation.state import Counters, Pool, Slots, empty_slots
 from meshrl.rl.generation.tiers import row_bytes
 from meshrl.rl.step.aot_report import (  # noqa: F401  (the report's names, read as aot.X by the scripts)
@@ -299,12 +300,12 @@ def reshard_program(cfg, mesh: Mesh, numbers: ModelNumbers | None = None) -> Pro
 
 
 def prefill_program(cfg, mesh: Mesh, numbers: ModelNumbers | None = None) -> Program:
-  """The prompt prefill of the generation core (rl/generation/core.prefill_prompts): P prompts of Lp
+  """The prompt prefill of the generation core (rl/generation/prefill.prefill_prompts): P prompts of Lp
   tokens into an empty full-length cache; with attention.impl="ring" and mesh.sequence > 1 the ring
   prefill into the sequence-sharded cache. With rl.prefill_chunk = T (0 < T < Lp): the chunked
-  prefill, T tokens of every prompt at a time back to back (core.prefill_in_chunks, what the static
+  prefill, T tokens of every prompt at a time back to back (prefill.prefill_in_chunks, what the static
   and episodic schedulers run), whose peak is one chunk's activations over the full cache, as is
-  the continuous scheduler's chunk per loop iteration (core.fill_chunk)."""
+  the continuous scheduler's chunk per loop iteration (prefill.fill_chunk)."""
   mc, graphdef, params, extra = _rollout_state(cfg, mesh, numbers)
   rules = rules_from_config(cfg.mesh, "rollout")
   prompts_n, prompt_len = cfg.rl.prompts_per_step, cfg.rl.max_prompt_len
@@ -312,7 +313,7 @@ def prefill_program(cfg, mesh: Mesh, numbers: ModelNumbers | None = None) -> Pro
 
   def prefill(params, extra, prompts, prompt_mask):
     model = nnx.merge(graphdef, params, extra)
-    cache, logits, routing = core.prefill_prompts(model, prompts, prompt_mask, total, cfg.rl.prefill_chunk)
+    cache, logits, routing = prefill_prompts(model, prompts, prompt_mask, total, cfg.rl.prefill_chunk)
     return cache, logits, routing if cfg.rl.replay_routing else None  # the prompt's routes, kept
 
   prompts = _struct(mesh, rules, (prompts_n, prompt_len), jnp.int32, ("batch", "length"))

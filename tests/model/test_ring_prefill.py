@@ -1,4 +1,4 @@
-"""Ring-attention prefill into a sequence-sharded KV cache (rl/generation/core.py `prefill_prompts`, issue 14
+"""Ring-attention prefill into a sequence-sharded KV cache (rl/generation/prefill.py `prefill_prompts`, issue 14
 part 5): on 8 simulated devices (data=2 x sequence=4) it equals the unsharded prefill and greedy
 rollout in both layouts (zigzag, the default, and contiguous), the zigzag layout gives every device
 the same causal work, its cache is split over `sequence`, and its compiled program gathers no
@@ -18,7 +18,7 @@ from meshrl.model.attention import KernelConfig
 from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig, Transformer
-from meshrl.rl.generation.core import prefill_prompts, uses_ring_prefill
+from meshrl.rl.generation.prefill import prefill_prompts, uses_ring_prefill
 from meshrl.rl.step.spec import make_generator
 from meshrl.sharding import make_mesh
 

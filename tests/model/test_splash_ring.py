@@ -156,7 +156,7 @@ def test_ring_prefill_with_splash_equals_the_jnp_ring_prefill(attention_cases, r
   token-order cache and put in the queries' layout) and every layer's cache entries and the next-token
   logits equal the jnp ring prefill's (what the decode steps, the same code for both, start from)."""
   from meshrl.model.tokenizer import ByteTokenizer  # pylint: disable=import-outside-toplevel
-  from meshrl.rl.generation.core import prefill_prompts  # pylint: disable=import-outside-toplevel
+  from meshrl.rl.generation.prefill import prefill_prompts  # pylint: disable=import-outside-toplevel
   tok, prompt_len, new = ByteTokenizer(), 500, 12
   base = SMALL + [f"rl.max_prompt_len={prompt_len}", f"rl.max_new_tokens={new}",
                   "mesh.data=2", "mesh.sequence=2", "mesh.tensor=2"]

@@ -12,7 +12,6 @@ import ml_collections
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from meshrl import configs
 from meshrl.configs import checks
@@ -20,8 +19,8 @@ from meshrl.model import kv_cache as kvc
 from meshrl.model.init import build_model
 from meshrl.model.tokenizer import ByteTokenizer
 from meshrl.model.transformer import ModelConfig, Transformer
-from meshrl.rl.generation import core
 from meshrl.rl.generation.generator import Generator
+from meshrl.rl.generation.prefill import prefill_prompts
 from meshrl.rl.generation.sampling import sample_keys
 from meshrl.rl.step.spec import make_generator, rollout_model_config
 from meshrl.sharding import make_mesh
@@ -64,7 +63,7 @@ def _prefill_program(cfg, mesh, state):
   def prefill(weights, chunk):
     model = gen._models(weights, state.extra, None).target  # pylint: disable=protected-access
     tokens, mask = _prompts()
-    return core.prefill_prompts(model, tokens, mask, gen.spec.cache_len, chunk)
+    return prefill_prompts(model, tokens, mask, gen.spec.cache_len, chunk)
   return functools.partial(prefill, gen.prepare(state.params))
 
 

@@ -292,7 +292,7 @@ def test_prefill_compiles_the_chunked_prefill_and_keeps_its_cache_split(aot):
   4 over 16-token prompts compile another program (other temp bytes) whose output, the prompt cache,
   is split like the one-pass prefill's (output bytes per chip at most 1.25x its). Catches a report that
   ignores the chunk, and the chunked cache left replicated over the batch axes (4x the bytes, as
-  before core._laid_out)."""
+  before core.laid_out_cache)."""
   small = ["mesh.fsdp=2", "mesh.expert=2", "rl.max_prompt_len=16", "model.max_seq_len=24"]
   whole = aot.compile_steps(_small(*small), "v5e:2x2", ["prefill"])[0]
   chunked = aot.compile_steps(_small(*small, "rl.prefill_chunk=4"), "v5e:2x2", ["prefill"])[0]
