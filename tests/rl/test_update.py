@@ -208,7 +208,10 @@ def test_chunked_logprobs_entropy_kl_equal_dense_with_gradients(tis_case):
                         ref_logprobs=batch.ref_logprobs + 0.5)
   (dense, dense_metrics), dense_grads = loss_and_grad(run.spec, batch)
   (chunked, chunked_metrics), chunked_grads = loss_and_grad(dataclasses.replace(run.spec, logits_chunk=5), batch)
-  np.testing.assert_allclose(float(chunked), float(dense), rtol=1e-5)
+  # The loss is a sum of terms that nearly cancel (1.7e-4 here, from much larger parts): its float32 rounding
+  # is relative to the parts, not to the sum, so the tolerance is too (each part is held to 1e-5 below).
+  parts = max(abs(float(dense_metrics[name])) for name in ("pg_loss", "entropy", "kl"))
+  np.testing.assert_allclose(float(chunked), float(dense), rtol=1e-5, atol=1e-5 * parts)
   for name in ("pg_loss", "entropy", "kl", "ratio_mean", "tis_weight_mean"):
     np.testing.assert_allclose(float(chunked_metrics[name]), float(dense_metrics[name]), rtol=1e-5, err_msg=name)
   scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(dense_grads))
