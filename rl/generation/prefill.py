@@ -116,7 +116,8 @@ def prefill_in_chunks(models: Models, prompts: jax.Array, prompt_mask: jax.Array
   (when it has one) is fed the same chunks. Returns (cache, draft cache or None, logits, routing)."""
   def laid_out(f: PromptFill) -> PromptFill:  # the caches kept split like the one-pass prefill's
     draft = None if models.draft is None else laid_out_cache(models.draft.config, f.slots.draft_cache)
-    return f.replace(slots=f.slots.replace(cache=laid_out_cache(models.target.config, f.slots.cache), draft_cache=draft))
+    cache = laid_out_cache(models.target.config, f.slots.cache)
+    return f.replace(slots=f.slots.replace(cache=cache, draft_cache=draft))
   fill = laid_out(fill_prompts(models, prompts, prompt_mask, total))
   steps = -(-prompts.shape[1] // chunk)
   fill = jax.lax.fori_loop(0, steps, lambda _, f: laid_out(fill_chunk(models, f, chunk)), fill)

@@ -7,10 +7,10 @@ and XLA compiles the same jitted programs a run executes:
   update   rl/algo/update.py `make_update`: epochs x minibatches of the RL loss, its gradient and the
            optimizer step, on an UpdateBatch of rl.prompts_per_step * rl.group_size rows of
            rl.max_prompt_len + rl.max_new_tokens tokens (TRAIN rules).
-  prefill  the prefill of generation engine (rl/generation/prefill.py `prefill_prompts`): rl.prompts_per_step prompts of rl.max_prompt_len
-           tokens written into an empty KV cache of the full length, last logits kept, and the
-           prompt's MoE routes with routing replay (ROLLOUT rules;
-           with attention.impl="ring" and mesh.sequence > 1 the ring prefill, `length` split over
+  prefill  the prefill of generation engine (rl/generation/prefill.py `prefill_prompts`):
+           rl.prompts_per_step prompts of rl.max_prompt_len tokens written into an empty KV cache
+           of the full length, last logits kept, and the prompt's MoE routes with routing replay
+           (ROLLOUT rules; with attention.impl="ring" and mesh.sequence > 1 the ring prefill, `length` split over
            `sequence` like the cache). With rl.prefill_chunk = T (0 < T < rl.max_prompt_len) the
            chunked prefill the engine runs instead: the chunks back to back, activations of P x T
            tokens at a time over the full cache.

@@ -378,14 +378,14 @@ def test_config_refuses_only_what_no_engine_could_serve():
 @pytest.mark.slow
 def test_agent_demo_runs_rl_steps_end_to_end(tmp_path):
   """configs/tiny_agent.py shrunk: warm start on demonstrations, two GRPO steps on multi-turn episodes
-  through rl/step/program.py (collect -> prepare -> update), multi-turn evaluation (about a minute). Dynamic sampling is off: after 4 warm-start steps
-  every episode may fail, and it would then drop every group, so no step would update (the record
-  then has no loss: nothing was measured)."""
+  through rl/step/program.py (collect -> prepare -> update), multi-turn evaluation (about a minute).
+  Dynamic sampling is off: after 4 warm-start steps every episode may fail, and it would then drop
+  every group, so no step would update (the record then has no loss: nothing was measured)."""
   from meshrl.rl.step import driver as loop  # pylint: disable=import-outside-toplevel
   cfg = configs.load("configs/tiny_agent.py", [
       "rl.sft_steps=4", "rl.num_steps=2", "rl.dynamic_sampling=false", "eval.every=1", "eval.num_prompts=8",
-      "eval.batch_size=8", "rl.prompts_per_step=2", "rl.group_size=4", "log.progress_bar=false", "log.tensorboard=false",
-      "log.plot=false", "checkpoint.enabled=false"])
+      "eval.batch_size=8", "rl.prompts_per_step=2", "rl.group_size=4", "log.progress_bar=false",
+      "log.tensorboard=false", "log.plot=false", "checkpoint.enabled=false"])
   records = loop.run(cfg, str(tmp_path))
   assert [r["step"] for r in records] == [1, 2]
   for record in records:
