@@ -9,6 +9,7 @@ run, and everything downstream takes the numbers (or the run spec) as an argumen
 """
 
 import ast
+import functools
 import os
 import re
 
@@ -108,6 +109,7 @@ def imported_modules(source: str, modules: set, *, top_level_only: bool) -> set:
   return found
 
 
+@functools.lru_cache(maxsize=None)  # three tests read the same graph: parse the package once
 def _import_graph(top_level_only: bool) -> dict:
   """{module: modules it imports} over the package (scripts apart: they are the edge)."""
   files = {_module_name(rel): path for rel, path in _sources() if not rel.startswith("scripts/")}
