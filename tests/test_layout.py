@@ -212,3 +212,88 @@ def test_no_import_circles():
   """No circle among the imports that run when a module is imported (deferred ones are the way out)."""
   found = _cycle(_import_graph(top_level_only=True))
   assert not found, f"an import circle: {' -> '.join(found)}"
+
+
+# --- mesh axis names: spelled only in sharding/ ----------------------------------------------------
+
+# Words that name a mesh axis and nothing else in this code: anywhere outside sharding/ they are a
+# hard-coded axis, but for a read of the mesh config's own key (cfg.mesh.get("stage", 1)).
+AXIS_ONLY_WORDS = {"stage", "fsdp", "expert", "tensor"}
+# Words that are also ordinary keys ("data" of a checkpoint, "sequence" of a TIS level): an axis only
+# where the code places something on the mesh.
+MESH_CALLS = {"PartitionSpec", "P", "Mesh", "NamedSharding", "psum", "pmean", "pmax", "pmin", "all_gather",
+              "all_to_all", "ppermute", "psum_scatter", "axis_index", "axis_size"}
+AXIS_KEYWORDS = {"axis_name", "axis_names", "spmd_axis_name", "in_axes_names", "manual_axes"}
+
+
+def _docstrings(tree) -> set:
+  return {id(node.body[0].value) for node in ast.walk(tree)
+          if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body
+          and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+
+
+def _call_name(call) -> str:
+  func = call.func
+  return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+
+def _reads_mesh_config(call) -> bool:
+  """`cfg.mesh.get(KEY, ...)` / `mesh_cfg.get(KEY, ...)`: the config's key, not the axis."""
+  func = call.func
+  if not (isinstance(func, ast.Attribute) and func.attr == "get"):
+    return False
+  owner = func.value
+  return "mesh" in (owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", ""))
+
+
+def axis_literals(source: str, axes: tuple) -> list[int]:
+  """Lines where `source` spells a mesh axis name (one of `axes`) in code, docstrings apart: a word of
+  AXIS_ONLY_WORDS anywhere but as the key of a mesh-config read; any axis name inside a sharding or
+  collective call (MESH_CALLS), an axis keyword (AXIS_KEYWORDS) or a `.shape[...]` subscript."""
+  tree = ast.parse(source)
+  skip, lines = _docstrings(tree), set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call) and _reads_mesh_config(node) and node.args:
+      skip.add(id(node.args[0]))
+
+  def literals(node):
+    return [n for n in ast.walk(node) if isinstance(n, ast.Constant) and n.value in axes]
+
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Constant) and node.value in AXIS_ONLY_WORDS and node.value in axes \
+        and id(node) not in skip:
+      lines.add(node.lineno)
+    elif isinstance(node, ast.Call) and _call_name(node) in MESH_CALLS:
+      lines.update(n.lineno for arg in node.args for n in literals(arg))
+    if isinstance(node, ast.Call):
+      lines.update(n.lineno for kw in node.keywords if kw.arg in AXIS_KEYWORDS for n in literals(kw.value))
+    elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+      lines.update(n.lineno for n in literals(node.slice))
+  return sorted(lines)
+
+
+def test_the_axis_scan_finds_spelled_axes():
+  """A test of the scanner: each spelling it must catch, and the ordinary uses of the shared words."""
+  axes = ("data", "stage", "fsdp", "expert", "sequence", "tensor")
+  source = ('"""Sharded over \'expert\'."""\n'               # 1: a docstring
+            'n = mesh.shape["expert"]\n'                     # 2
+            'spec = P(("data", "fsdp"), None)\n'             # 3
+            'x = jax.lax.psum(x, "sequence")\n'              # 4
+            'y = shard_map(f, axis_names={"data"})\n'        # 5
+            'stages = cfg.mesh.get("stage", 1)\n'            # 6: the config's key
+            'items = ("state", "data", "config")\n'          # 7: an ordinary key
+            'level = "sequence"\n'                           # 8: an ordinary word
+            'if axis == "tensor": pass\n')                   # 9
+  assert axis_literals(source, axes) == [2, 3, 4, 5, 9]
+
+
+def test_mesh_axis_names_are_spelled_only_in_sharding():
+  """Issue 30: the mesh's axis names live in sharding/ (sharding/mesh.py's *_AXIS constants); every
+  other module imports them, so renaming or adding an axis is one change. Fails naming file and line."""
+  from meshrl.sharding.mesh import MESH_AXES
+  assert set(AXIS_ONLY_WORDS) <= set(MESH_AXES), "the axis words changed: update AXIS_ONLY_WORDS"
+  found = {rel: axis_literals(open(path, encoding="utf-8").read(), MESH_AXES) for rel, path in _sources()
+           if not rel.startswith("sharding/")}
+  assert "model/moe.py" in found, "the scan read no modules: the layout changed"
+  spelled = [f"{rel}:{line}" for rel, lines in found.items() for line in lines]
+  assert not spelled, f"mesh axis names spelled outside sharding/ (import the *_AXIS constants): {spelled}"
