@@ -161,6 +161,7 @@ class Engine:
                                     cache_len=spec.max_len + k, per_row_sampling=True, stop_ids=MAX_STOP_IDS,
                                     unrolled=False, prefill_chunk=spec.prefill_chunk)
     self._chunk_width = spec.chunk * (k + 1)  # tokens one chunk may add to a slot
+    self._slot_ids = jnp.arange(spec.slots, dtype=jnp.int32)  # every slot, for the per-step token read
     self._decode = functools.partial(self._slots_engine.decode, steps=spec.chunk)
     self._reset()
     self.prefix = PrefixCache(spec.prefix_block, spec.prefix_cache_bytes)
@@ -310,7 +311,7 @@ class Engine:
         return
 
   def _free(self, slot: int) -> None:
-    self._slots, self._pool = self._slots_engine.finish(self._slots, self._pool, jnp.asarray([slot], jnp.int32))
+    self._slots, self._pool = self._slots_engine.finish(self._slots, self._pool, np.asarray([slot], np.int32))
     self._slot_req[slot] = None
     self._prefilling.pop(slot, None)
 
@@ -346,7 +347,7 @@ class Engine:
       fed = size
     engine, cache = self._slots_engine, self._slots.cache
     for b, entry in enumerate(saved[:-(-start // block)]):  # blocks holding columns < start
-      cache = engine.place(cache, jnp.int32(slot), entry, jnp.int32(b * block))
+      cache = engine.place(cache, np.int32(slot), entry, np.int32(b * block))
     self._slots = self._slots.replace(cache=cache)
     row = np.full(self.spec.max_len, self.pad_id, np.int32)
     row[:size] = prompt
@@ -354,11 +355,11 @@ class Engine:
     rest[0, :fed - start] = prompt[start:fed]
     seed = request.seed if request.seed is not None else int(self._rng.integers(0, 2**31 - 1))
     stops = list(dict.fromkeys(tuple(request.stop_ids)))
-    details = (jnp.int32(request.max_tokens), jax.random.key_data(jax.random.key(seed)),
-               jnp.float32(request.temperature), jnp.float32(request.top_p),
-               jnp.asarray(stops + [-1] * (MAX_STOP_IDS - len(stops)), jnp.int32))
-    self._slots, self._pool = engine.start(self._weights, self._slots, self._pool, jnp.int32(slot), jnp.asarray(row),
-                                           jnp.int32(size), jnp.int32(start), jnp.asarray(rest), jnp.int32(fed),
+    details = (np.int32(request.max_tokens), jax.random.key_data(jax.random.key(seed)),
+               np.float32(request.temperature), np.float32(request.top_p),
+               np.asarray(stops + [-1] * (MAX_STOP_IDS - len(stops)), np.int32))
+    self._slots, self._pool = engine.start(self._weights, self._slots, self._pool, np.int32(slot), row,
+                                           np.int32(size), np.int32(start), rest, np.int32(fed),
                                            details)
     if chunked:
       self._prefilling[slot] = (fed, names)
@@ -381,8 +382,8 @@ class Engine:
       request = self._slot_req[slot]
       size = len(request.prompt)
       try:
-        self._slots, self._pool = self._slots_engine.feed(self._weights, self._slots, self._pool, jnp.int32(slot),
-                                                          jnp.int32(fed))
+        self._slots, self._pool = self._slots_engine.feed(self._weights, self._slots, self._pool, np.int32(slot),
+                                                          np.int32(fed))
       except Exception as e:  # pylint: disable=broad-except  (fail this request, keep serving)
         self._finish(request, Event(finish_reason="error", error=f"prefill failed: {type(e).__name__}: {e}"))
         try:
@@ -405,18 +406,19 @@ class Engine:
     if not self.prefix.enabled:
       return
     block, read = self.spec.prefix_block, self._slots_engine.read_block
-    self.prefix.insert_chain([(names[b], read(self._slots.cache, jnp.int32(slot), jnp.int32(b * block), block))
+    self.prefix.insert_chain([(names[b], read(self._slots.cache, np.int32(slot), np.int32(b * block), block))
                               for b in range(len(names)) if not self.prefix.contains(names[b])])
 
   def _step(self) -> None:
-    self._slots, self._pool, counters = self._decode(self._weights, self._slots, self._pool, jnp.int32(0))
-    slots = jnp.arange(self.spec.slots, dtype=jnp.int32)
-    width = self._chunk_width
-    view = host.read(self._slots, self._pool)
-    tokens, logprobs = jax.device_get((host.read_tokens(self._pool.tokens, slots, self._pool.count, width),
-                                       host.read_tokens(self._pool.logprobs, slots, self._pool.count, width)))
+    self._slots, self._pool, counters = self._decode(self._weights, self._slots, self._pool, np.int32(0))
+    width, pool = self._chunk_width, self._pool
+    # One transfer: the slots' state, each slot's last `width` tokens and log-probs, the forwards run.
+    view = host.read(self._slots, pool, steps=counters.steps,
+                     tokens=host.read_tokens(pool.tokens, self._slot_ids, pool.count, width),
+                     logprobs=host.read_tokens(pool.logprobs, self._slot_ids, pool.count, width))
+    tokens, logprobs = view["tokens"], view["logprobs"]
     self._stats["decode_chunks"] += 1
-    self._stats["target_forwards"] += int(counters.steps)
+    self._stats["target_forwards"] += int(view["steps"])
     for slot, request in enumerate(self._slot_req):
       if request is None or slot in self._prefilling:
         continue
