@@ -279,6 +279,8 @@ def get_config(arg=None):
   config.log.tensorboard = True  # Write TensorBoard event files.
   config.log.progress_bar = True  # Show a progress bar on the console.
   config.log.plot = True  # Write reward_curve.png and eval_curve.png (held-out accuracy, one line per domain) at the end.
+  config.log.profile_start = 0  # Trace steps profile_start.. of each loop (SFT, RM, RL) with jax.profiler into <workdir>/profile, with summary.json: time per compiled program (train/profile.py). 0 = off.
+  config.log.profile_steps = 3  # Steps traced from log.profile_start.
 
   # --- serve: the OpenAI-compatible server (serve/, scripts/serve.py).
   config.serve = ml_collections.ConfigDict()

@@ -259,6 +259,8 @@ def check_checkpoint(cfg) -> None:
 
 def check_log(cfg) -> None:
   at_least(cfg, "log.every", 1)
+  at_least(cfg, "log.profile_start", 0, " (0 = no profile)")
+  at_least(cfg, "log.profile_steps", 1)
 
 
 def check_serve(cfg) -> None:

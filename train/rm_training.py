@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 
 from meshrl.sharding.rules import data_parallel_size, rules_from_config
 from meshrl.train.checkpoint import Checkpointer
+from meshrl.train.profile import StepProfiler
 from meshrl.train.metrics import CompileCounter, MetricsWriter, plot_curve
 from meshrl.train.optim import make_optimizer, make_schedule
 from meshrl.train.preferences import PairArrays
@@ -126,6 +127,7 @@ def run_reward_model(cfg, workdir: str, mesh: Mesh | None, model: nnx.Module, *,
   writer = MetricsWriter(workdir, tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar,
                          total_steps=num_steps, resume_step=start, bar_keys=("loss", "accuracy"))
   history, counter = [], CompileCounter()
+  profiler = StepProfiler.from_config(cfg, workdir, name="rm")
   streak = NonFiniteStreak(cfg.rl.max_nonfinite_steps, what="reward-model training",
                            field="rl.max_nonfinite_steps")
   try:
@@ -134,9 +136,10 @@ def run_reward_model(cfg, workdir: str, mesh: Mesh | None, model: nnx.Module, *,
     last_time = time.perf_counter()
     for step in range(start + 1, num_steps + 1):
       batch = put_pairs(train.take(batch_indices(len(train), cfg.rm.batch_size, step, cfg.seed)), mesh, rules)
-      with jax.transfer_guard("disallow"):
-        state, metrics = step_fn(state, batch)
-      nonfinite = bool(jax.device_get(metrics["nonfinite"]))
+      with profiler.step(step):
+        with jax.transfer_guard("disallow"):
+          state, metrics = step_fn(state, batch)
+        nonfinite = bool(jax.device_get(metrics["nonfinite"]))
       stop = streak.update(nonfinite)
       last = stop or step == num_steps
       record = {}
@@ -155,6 +158,7 @@ def run_reward_model(cfg, workdir: str, mesh: Mesh | None, model: nnx.Module, *,
         raise streak.error(step, saved=ckpt is not None)
   finally:
     counter.close()
+    profiler.close()
     writer.close()
     if ckpt is not None:
       ckpt.close()

@@ -41,6 +41,7 @@ from meshrl.train.checkpoint import Checkpointer
 from meshrl.model.ring_attention import zigzag
 from meshrl.train.data import make_sft_data
 from meshrl.train.init_from import model_config
+from meshrl.train.profile import StepProfiler
 from meshrl.train.metrics import (CompileCounter, MetricsWriter, mfu, model_flops_per_token, peak_flops,
                                   plot_curve)
 from meshrl.train.optim import make_optimizer, make_schedule
@@ -273,6 +274,7 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
   writer = MetricsWriter(workdir, tensorboard=cfg.log.tensorboard, progress_bar=cfg.log.progress_bar,
                          total_steps=num_steps, resume_step=start)
   history, counter = [], CompileCounter()
+  profiler = StepProfiler.from_config(cfg, workdir, name="sft")
   streak = NonFiniteStreak(cfg.rl.max_nonfinite_steps, what="SFT", field="rl.max_nonfinite_steps")
   tokens, last_time, skipped, preempted = 0, time.perf_counter(), 0, False
   try:
@@ -282,10 +284,11 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
       # The batch's own (explicit) transfer stays outside the guard: with several processes
       # make_array_from_process_local_data counts as an implicit one and would be refused.
       batch = put_batch(host_batch, row_sharding, zigzag_over)
-      with jax.transfer_guard("disallow"):
-        state, metrics = step_fn(state, batch)
-      # One scalar read per step: the streak must be known before the next step is dispatched.
-      nonfinite = bool(jax.device_get(metrics["nonfinite"]))
+      with profiler.step(step):
+        with jax.transfer_guard("disallow"):
+          state, metrics = step_fn(state, batch)
+        # One scalar read per step: the streak must be known before the next step is dispatched.
+        nonfinite = bool(jax.device_get(metrics["nonfinite"]))
       skipped += nonfinite
       stop_nonfinite = streak.update(nonfinite)
       preempted = preemption is not None and preemption.requested() and step < num_steps
@@ -308,6 +311,7 @@ def run_sft(cfg, workdir: str, mesh: Mesh | None = None, model: nnx.Module | Non
         break
   finally:
     counter.close()
+    profiler.close()
     writer.close()
     if ckpt is not None:
       ckpt.close()

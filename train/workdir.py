@@ -20,7 +20,7 @@ import shutil
 from meshrl.configs.cli import disk_full  # noqa: F401 (part of this module's API)
 
 # What a run (scripts/rl.py, scripts/sft.py) writes into its work directory.
-RUN_OUTPUTS = ("config.json", "metrics.jsonl", "eval.jsonl", "checkpoints", "sft", "tb", "reward_curve.png",
+RUN_OUTPUTS = ("config.json", "metrics.jsonl", "eval.jsonl", "checkpoints", "sft", "tb", "reward_curve.png", "profile",
                "loss_curve.png")
 
 

@@ -13,6 +13,7 @@ live here and in the hooks.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -44,6 +45,7 @@ from meshrl.sharding.mesh import EXPERT_AXIS, axis_size, platform
 from meshrl.train.checkpoint import Checkpointer, check_readable, check_saved_config, committed_steps
 from meshrl.train.init_from import initial_model
 from meshrl.model.transformer import ModelConfig
+from meshrl.train.profile import StepProfiler
 from meshrl.train.metrics import CompileCounter, MetricsWriter, peak_flops, plot_curve, read_jsonl, truncate_jsonl
 from meshrl.sharding import hosts
 from meshrl.train.preemption import Preemption
@@ -300,7 +302,7 @@ def without_unmeasured(metrics: dict) -> dict:
 def train_steps(run: RLRun, prompts: PromptStream, *, start_step: int = 0, num_steps: int | None = None,
                 hooks: tuple[Hook, ...] = (), writer: MetricsWriter | None = None,
                 checkpoint: Hook | None = None, preemption: Preemption | None = None,
-                phase_cost: PhaseCost | None = None) -> list[dict]:
+                phase_cost: PhaseCost | None = None, profiler: StepProfiler | None = None) -> list[dict]:
   """RL steps start_step + 1 .. num_steps; returns their metric records. After each step the hooks
   run in order (evaluation adds to the record), then the record is written, then `checkpoint` runs
   (so a checkpoint never runs ahead of metrics.jsonl: a kill between the two redoes the step; the
@@ -309,7 +311,8 @@ def train_steps(run: RLRun, prompts: PromptStream, *, start_step: int = 0, num_s
 
   With `preemption` (train/preemption.py), a SIGTERM during a step ends the loop after that step:
   the step is checkpointed at once (metrics["stopping"]) and the records so far are returned. With
-  `phase_cost`, each record gets generation and update throughput and MFU (`PhaseCost`).
+  `phase_cost`, each record gets generation and update throughput and MFU (`PhaseCost`). With
+  `profiler` (train/profile.py, log.profile_start), its steps' `rl_step` calls are traced.
 
   Each record's `step_wall_s` is the loop's wall time since the previous record: the step, its hooks
   (evaluation) and the previous step's checkpoint; `time_s` counts `rl_step` alone."""
@@ -321,7 +324,8 @@ def train_steps(run: RLRun, prompts: PromptStream, *, start_step: int = 0, num_s
   since = time.perf_counter()
   try:
     for step in range(start_step + 1, num_steps + 1):
-      metrics = without_unmeasured(rl_step(run, prompts, jax.random.fold_in(key, step)))
+      with profiler.step(step) if profiler is not None else contextlib.nullcontext():
+        metrics = without_unmeasured(rl_step(run, prompts, jax.random.fold_in(key, step)))
       if phase_cost is not None:
         metrics.update(phase_cost(metrics))
       metrics["compiles"] = counter.count()
@@ -344,6 +348,8 @@ def train_steps(run: RLRun, prompts: PromptStream, *, start_step: int = 0, num_s
         break
   finally:
     counter.close()
+    if profiler is not None:
+      profiler.close()
   return records
 
 
@@ -537,7 +543,8 @@ def _train(cfg, workdir: str, ready: _Prepared, checkpointer: Checkpointer | Non
         if initial is not None:  # the evaluation before RL: every domain's step 0 in TensorBoard too
           writer.scalars(0, initial)
         records = train_steps(rl_run, prompts, start_step=start_step, hooks=tuple(hooks), writer=writer,
-                              checkpoint=save, preemption=preemption, phase_cost=phase_cost)
+                              checkpoint=save, preemption=preemption, phase_cost=phase_cost,
+                              profiler=StepProfiler.from_config(cfg, workdir, name="rl"))
   finally:
     if checkpointer is not None:
       checkpointer.wait()

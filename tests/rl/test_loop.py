@@ -108,7 +108,8 @@ def test_short_run_raises_reward_and_held_out_accuracy(tmp_path):
   """The demo's recipe cut short (warm start + 30 GRPO steps): the sampled reward and the held-out
   greedy accuracy both rise, nothing recompiles, and the outputs are written."""
   cfg = configs.load("configs/tiny.py", ["rl.num_steps=30", "log.progress_bar=false", "eval.every=30",
-                                         "eval.num_prompts=64", "checkpoint.every=30"])
+                                         "eval.num_prompts=64", "checkpoint.every=30", "log.profile_start=30",
+                                         "log.profile_steps=1"])
   records = loop.run(cfg, str(tmp_path))
   rewards = np.asarray([r["reward_mean"] for r in records])
   first, last = rewards[:10].mean(), rewards[-10:].mean()
@@ -125,6 +126,11 @@ def test_short_run_raises_reward_and_held_out_accuracy(tmp_path):
                                "tokens_per_s", "time_s", "reward_mean/reverse",
                                "response_len/reverse"} <= set(json.loads(lines[0]))
   assert os.path.exists(tmp_path / "reward_curve.png") and os.path.exists(tmp_path / "config.json")
+  profile = json.loads((tmp_path / "profile" / "summary.json").read_text())  # log.profile_start: step 30
+  calls = {p["program"]: p["calls"] for p in profile["programs"]}
+  assert profile["steps"] == [30, 30] and calls["jit_update"] == 1, calls
+  warm = json.loads((tmp_path / "sft" / "profile" / "summary.json").read_text())  # the warm start's step 30
+  assert warm["steps"] == [30, 30] and {p["program"]: p["calls"] for p in warm["programs"]}["jit_sft_step"] == 1
 
 
 # --- preemption and the order of record and checkpoint ----------------------------------------------

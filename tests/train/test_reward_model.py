@@ -2,6 +2,8 @@
 each row's last token, scoring on the 8-device mesh equal to one device, training that raises
 held-out pairwise accuracy, and the saved checkpoint loaded back as a policy's reward model."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,7 +136,7 @@ def test_training_raises_held_out_pairwise_accuracy(tmp_path, devices):
   del devices
   cfg = _cfg(**{"mesh.fsdp": 2, "rm.steps": 120, "rm.eval_every": 60, "rm.learning_rate": 1e-3,
                 "log.progress_bar": False, "log.tensorboard": False, "log.plot": False,
-                "checkpoint.async_save": False})
+                "checkpoint.async_save": False, "log.profile_start": 120, "log.profile_steps": 1})
   mesh = make_mesh(cfg.mesh, devices=jax.devices()[:2])
   tokenizer = load_tokenizer()
   train = encode_pairs(_synthetic("train", 0, 1024), tokenizer, max_len=cfg.rm.max_len)
@@ -145,6 +147,9 @@ def test_training_raises_held_out_pairwise_accuracy(tmp_path, devices):
   print(f"held-out pairwise accuracy: {accuracy}")
   assert abs(accuracy[0] - 0.5) < 0.1  # an untrained head ranks at chance
   assert accuracy[-1] >= 0.65 and accuracy[-1] > accuracy[0] + 0.15
+  profile = json.loads((tmp_path / "profile" / "summary.json").read_text())  # the last step, not its evaluation
+  assert profile["steps"] == [120, 120] and [p["program"] for p in profile["programs"]][:1] == ["jit_rm_step"]
+  assert {p["program"]: p["calls"] for p in profile["programs"]}["jit_rm_step"] == 1
 
   loaded, rm_cfg = load_reward_model(str(tmp_path), cfg, mesh)
   assert rm_cfg.model.value_head

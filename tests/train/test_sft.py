@@ -1,6 +1,7 @@
 """SFT: target/weight alignment on a packed row, memorising a fixed batch, and the full loop with
 metrics, checkpoints and an exact resume."""
 
+import json
 import os
 
 import jax
@@ -91,10 +92,13 @@ def _mesh_cfg(workdir, **overrides):
 @pytest.mark.usefixtures("compile_cache")
 def test_run_sft_writes_outputs_and_resumes(tmp_path):
   workdir = tmp_path / "run"
-  cfg = _mesh_cfg(workdir)
+  cfg = _mesh_cfg(workdir, **{"log.profile_start": 3, "log.profile_steps": 1})
   mesh = make_mesh(cfg.mesh)
   first = run_sft(cfg, str(workdir), mesh, source=_source(cfg))
   assert [r["step"] for r in first.history] == [1, 2, 3, 4]
+  profile = json.loads((workdir / "profile" / "summary.json").read_text())  # log.profile_start: step 3 traced
+  assert profile["steps"] == [3, 3]
+  assert {p["program"]: p["calls"] for p in profile["programs"]}["jit_sft_step"] == 1
   assert all(r["compiles"] == 1 for r in first.history)  # no step compiles after the first
   assert first.history[-1]["loss"] < first.history[0]["loss"]
   bias = np.asarray(first.state.extra["moe_stack"]["mlp"]["router_bias"].get_value())
@@ -110,6 +114,7 @@ def test_run_sft_writes_outputs_and_resumes(tmp_path):
 
   resumed = run_sft(cfg, str(workdir), mesh, num_steps=6, source=_source(cfg))
   assert [r["step"] for r in resumed.history] == [5, 6]
+  assert json.loads((workdir / "profile" / "summary.json").read_text()) == profile  # past the window
   assert int(resumed.state.step) == 6
   steps = [r["step"] for r in read_jsonl(str(workdir / "metrics.jsonl"))]
   assert steps == [1, 2, 3, 4, 5, 6]

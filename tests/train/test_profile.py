@@ -1,0 +1,89 @@
+"""train/profile.py: the traced steps' window, the time per compiled program, and bad settings.
+
+The loops' own use (SFT, reward model, RL) is checked in their run tests: tests/train/test_sft.py,
+tests/train/test_reward_model.py, tests/rl/test_loop.py."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from meshrl.configs import load
+from meshrl.configs.checks import check_log
+from meshrl.train.profile import StepProfiler
+
+
+@jax.jit
+def heavy(x):
+  for _ in range(4):
+    x = jnp.tanh(x @ x)
+  return x
+
+
+@jax.jit
+def light(x):
+  return x + 1.0
+
+
+@jax.jit
+def outside(x):
+  return x * 2.0
+
+
+def test_the_window_is_traced_and_each_program_timed(tmp_path):
+  """Steps 2 and 3 of 1..4 are traced: the programs they ran are in the summary with their calls,
+  the longer one first; what steps 1 and 4 ran is not."""
+  x = jnp.ones((384, 384)) / 384
+  profiler = StepProfiler(str(tmp_path / "profile"), start=2, steps=2, name="test")
+  for step in range(1, 5):
+    with profiler.step(step):
+      if step in (2, 3):
+        jax.block_until_ready(heavy(x))
+      if step == 2:
+        jax.block_until_ready(light(x))
+      if step in (1, 4):
+        jax.block_until_ready(outside(x))
+    assert profiler.active == (step == 2)
+  profiler.close()
+  summary = profiler.summary
+  assert summary["steps"] == [2, 3]
+  assert json.loads((tmp_path / "profile" / "summary.json").read_text()) == summary
+  by_name = {p["program"]: p for p in summary["programs"]}
+  assert "jit_outside" not in by_name
+  assert by_name["jit_heavy"]["calls"] == 2 and by_name["jit_light"]["calls"] == 1
+  assert summary["programs"][0]["program"] == "jit_heavy"
+  assert by_name["jit_heavy"]["ms"] > 5 * by_name["jit_light"]["ms"] > 0
+  assert sum(p["share"] for p in summary["programs"]) == pytest.approx(1.0)
+  assert by_name["jit_heavy"]["top_ops"] and all(ms > 0 for _, ms, _ in by_name["jit_heavy"]["top_ops"])
+
+
+def test_a_step_that_raises_ends_the_trace_and_a_loop_cut_short_is_summarized(tmp_path):
+  """An error inside a traced step stops the trace (the next one can start) and is what the caller
+  sees; a loop that stops inside the window is summarized by close()."""
+  profiler = StepProfiler(str(tmp_path / "a"), start=1, steps=3)
+  with pytest.raises(RuntimeError, match="boom"):
+    with profiler.step(1):
+      raise RuntimeError("boom")
+  assert not profiler.active and profiler.summary is None
+  cut, x = StepProfiler(str(tmp_path / "b"), start=1, steps=3), jnp.ones((384, 384))
+  with cut.step(1):
+    jax.block_until_ready(light(x))
+  cut.close()  # the loop ended after step 1 (a preemption)
+  assert cut.summary["steps"] == [1, None]
+  assert [p["program"] for p in cut.summary["programs"]] == ["jit_light"]
+
+
+def test_bad_profile_settings_are_refused_in_one_line(tmp_path):
+  for overrides, message in ((["log.profile_start=-1"], "log.profile_start=-1 must be at least 0"),
+                             (["log.profile_start=2", "log.profile_steps=0"],
+                              "log.profile_steps=0 must be at least 1")):
+    with pytest.raises(ValueError, match=message):
+      check_log(load("configs/tiny.py", overrides))
+  with pytest.raises(ValueError, match="log.profile_steps=0 >= 1"):
+    StepProfiler(str(tmp_path), start=3, steps=0)
+  off = StepProfiler(str(tmp_path / "off"), start=0, steps=3)
+  with off.step(1):
+    pass
+  off.close()
+  assert off.summary is None and not (tmp_path / "off").exists()
