@@ -8,7 +8,8 @@
 # against draft and n-gram speculation at batch 1, in an RL generator and in the server),
 # episodic.json (scripts/bench_rollout.py --sections episodic), rl_peer.json (scripts/bench_rl.py at
 # configs/tiny.py:peer: the rollout phase against the bare sampler), and agent_new.jsonl, with
-# OLD_PARENT also agent_old.jsonl: 40 steps of the agent demo (configs/tiny_agent.py, evaluation off),
+# OLD_PARENT also agent_old.jsonl: 40 steps of the agent demo (configs/tiny_agent.py, evaluation off;
+# profile_summary.json: the new code's steps 41-43 traced, each compiled program's time),
 # whose step times steps.txt tabulates (mean and median `step_wall_s` over steps 11-40, side by side, and the
 # programs compiled in those steps where the run counts them). OLD_PARENT is
 # a folder holding `meshrl`, an earlier checkout laid out as the package (e.g. `git archive 33e505b`
@@ -33,11 +34,11 @@ part() {  # part NAME SECONDS COMMAND...: runs COMMAND under a limit, its output
   echo "$name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$out/parts.txt"
 }
 
-agent_steps() {  # agent_steps PARENT NAME: 40 steps of the demo of the meshrl under PARENT
-  local parent=$1 name=$2
+agent_steps() {  # agent_steps PARENT NAME [FLAGS...]: 40 steps of the demo of the meshrl under PARENT
+  local parent=$1 name=$2; shift 2
   PYTHONPATH=$parent${PYTHONPATH:+:$PYTHONPATH} part "agent_$name" 170 "$python" "$parent/meshrl/scripts/rl.py" \
     --config="$parent/meshrl/configs/tiny_agent.py" --config.rl.num_steps=40 --config.eval.every=0 \
-    --workdir="$scratch/agent_$name"
+    --workdir="$scratch/agent_$name" "$@"
   cp "$scratch/agent_$name/metrics.jsonl" "$out/agent_$name.jsonl" 2>/dev/null
 }
 
@@ -45,7 +46,10 @@ agent_steps() {  # agent_steps PARENT NAME: 40 steps of the demo of the meshrl u
 mkdir -p "$scratch/new" && ln -s "$here" "$scratch/new/meshrl"
 "$python" -c "import jax; print(jax.__version__, jax.devices())" | tee "$out/devices.txt"
 
-agent_steps "$scratch/new" new
+# Steps 41-43 of the new code are traced (train/profile.py) after the 40 that steps.txt times: the
+# time of each compiled program, for where the accelerator's step goes (profile_summary.json).
+agent_steps "$scratch/new" new --config.rl.num_steps=43 --config.log.profile_start=41
+cp "$scratch/agent_new/profile/summary.json" "$out/profile_summary.json" 2>/dev/null
 [ -n "$old_parent" ] && agent_steps "$old_parent" old
 "$python" - "$out" <<'PY' | tee "$out/steps.txt"
 import json, os, sys
