@@ -42,7 +42,7 @@ class StepProfiler:
     if start < 0 or (start and steps < 1):
       raise ValueError(f"log.profile_start={start} must be >= 0 and log.profile_steps={steps} >= 1.")
     self.folder, self.start, self.steps, self.name = folder, start, steps, name
-    self.active, self.summary = False, None
+    self.active, self.summary, self.first = False, None, None
 
   @classmethod
   def from_config(cls, cfg, workdir: str, *, name: str) -> "StepProfiler":
@@ -64,7 +64,7 @@ class StepProfiler:
     if not self.active:  # the first traced step (or the first after a resume inside the window)
       os.makedirs(self.folder, exist_ok=True)
       jax.profiler.start_trace(self.folder)
-      self.active = True
+      self.active, self.first = True, step
     try:
       with jax.profiler.StepTraceAnnotation(self.name, step_num=step):
         yield
@@ -72,18 +72,22 @@ class StepProfiler:
       self._stop(summarize=False)  # the trace is kept; the step's error is what the user sees
       raise
     if step == self.last:
-      self._stop(summarize=True, steps=(self.start, step))
+      self._stop(summarize=True, steps=(self.first, step))
 
   def close(self) -> None:
     if self.active:
-      self._stop(summarize=True, steps=(self.start, None))
+      self._stop(summarize=True, steps=(self.first, None))
 
   def _stop(self, *, summarize: bool, steps=None) -> None:
     jax.profiler.stop_trace()
     self.active = False
     if not summarize:
       return
-    self.summary = {"steps": list(steps), **program_times(self.folder)}
+    try:
+      self.summary = {"steps": list(steps), **program_times(self.folder)}
+    except (OSError, ValueError, RuntimeError) as error:  # the trace stays; the run goes on
+      print(f"profile of {self.name}: the trace in {self.folder} could not be summarized: {error}", flush=True)
+      return
     with open(os.path.join(self.folder, "summary.json"), "w", encoding="utf-8") as f:
       json.dump(self.summary, f, indent=1)
     print(format_summary(self.summary, self.name), flush=True)

@@ -60,7 +60,8 @@ def test_the_window_is_traced_and_each_program_timed(tmp_path):
 
 def test_a_step_that_raises_ends_the_trace_and_a_loop_cut_short_is_summarized(tmp_path):
   """An error inside a traced step stops the trace (the next one can start) and is what the caller
-  sees; a loop that stops inside the window is summarized by close()."""
+  sees; a loop that stops inside the window is summarized by close(); a run resumed inside the
+  window traces from the step it resumed at."""
   profiler = StepProfiler(str(tmp_path / "a"), start=1, steps=3)
   with pytest.raises(RuntimeError, match="boom"):
     with profiler.step(1):
@@ -72,6 +73,12 @@ def test_a_step_that_raises_ends_the_trace_and_a_loop_cut_short_is_summarized(tm
   cut.close()  # the loop ended after step 1 (a preemption)
   assert cut.summary["steps"] == [1, None]
   assert [p["program"] for p in cut.summary["programs"]] == ["jit_light"]
+  resumed = StepProfiler(str(tmp_path / "c"), start=1, steps=3)  # a run resumed at step 2
+  for step in (2, 3):
+    with resumed.step(step):
+      jax.block_until_ready(light(x))
+  assert resumed.summary["steps"] == [2, 3]
+  assert {p["program"]: p["calls"] for p in resumed.summary["programs"]} == {"jit_light": 2}
 
 
 def test_bad_profile_settings_are_refused_in_one_line(tmp_path):
@@ -87,3 +94,19 @@ def test_bad_profile_settings_are_refused_in_one_line(tmp_path):
     pass
   off.close()
   assert off.summary is None and not (tmp_path / "off").exists()
+
+
+def test_a_trace_that_cannot_be_summarized_leaves_the_loop_running(tmp_path, monkeypatch, capsys):
+  """The summary is read from the trace jax wrote; when that fails the run goes on, says so in one
+  line, and keeps the trace folder."""
+  from meshrl.train import profile  # pylint: disable=import-outside-toplevel
+
+  def unreadable(folder):
+    raise OSError(f"no .xplane.pb trace under {folder}/plugins/profile")
+  monkeypatch.setattr(profile, "program_times", unreadable)
+  profiler = StepProfiler(str(tmp_path / "p"), start=1, steps=1, name="rl")
+  with profiler.step(1):
+    jax.block_until_ready(light(jnp.ones((384, 384))))
+  assert profiler.summary is None and not profiler.active
+  assert "profile of rl: the trace in" in capsys.readouterr().out
+  assert (tmp_path / "p" / "plugins").is_dir() and not (tmp_path / "p" / "summary.json").exists()
