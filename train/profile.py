@@ -10,8 +10,8 @@ operations. It answers "where does the step go" without TensorBoard, e.g. on a p
 
 Program time is read where the trace records it: on TPU and GPU the device planes' "XLA Modules"
 line (the programs' run time on the chips; operations from the "XLA Ops" line, attributed to the
-program they ran inside); on the CPU the operations of every thread that ran them, summed over threads (so two threads
-busy for 1 ms count 2 ms: the CPU time of the program).
+program they ran inside); on the CPU the operations of every thread that ran them, summed over the
+threads (two threads busy for 1 ms count 2 ms: the CPU time of the program).
 
 Like MaxText's `profiler=xplane` with `skip_first_n_steps_for_profiler` and `profiler_steps`: start
 after the compiles (a step that compiles is traced with its compile), and trace few steps (the trace
@@ -146,9 +146,9 @@ def _device_events(devices):
 
 def _cpu_events(planes):
   """On the CPU each thread that runs XLA operations records them with the program (`hlo_module`)
-  they belong to; an operation that contains others (a loop, a conditional) is counted once, the contained ones
-  only in the operation list. Yields (program, None, ns, calls) for the program's time and
-  (program, op, ns, 0) per top-level operation."""
+  they belong to; an operation that contains others (a loop, a conditional) is counted once, and the
+  ones it contains are not counted again. Yields (program, None, ns, calls) for the program's time
+  and (program, op, ns, 0) per top-level operation."""
   for plane in planes:
     if plane.name != "/host:CPU":
       continue
