@@ -67,6 +67,7 @@ def test_update_and_logprobs_through_the_pipeline_equal_unpipelined(devices):
 INNER = "MESHRL_TEST_TWO_SLICE_INNER"
 
 
+@pytest.mark.slow  # 37 s (a fresh process); by default tests/model/test_pipeline.py checks the stage layout
 def test_two_slice_mesh_runs_an_rl_step(devices):
   """mesh.num_slices=2 with mesh.stage=2 on 8 simulated devices: one stage per slice (devices 0-3 and
   4-7), fsdp=4 inside each. A whole RL step runs: the rollout generates from the stage-split weights,
@@ -79,7 +80,7 @@ def test_two_slice_mesh_runs_an_rl_step(devices):
   if os.environ.get(INNER) == "1":
     _two_slice_step(devices)
     return
-  command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+  command = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-m", "slow",
              f"{__file__}::test_two_slice_mesh_runs_an_rl_step"]
   for attempt in range(2):
     proc = subprocess.run(command, env={**os.environ, INNER: "1"}, capture_output=True, text=True, timeout=900,

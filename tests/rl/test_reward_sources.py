@@ -477,6 +477,7 @@ if processes > 1:
 """
 
 
+@pytest.mark.slow  # 30 s (two processes); by default tests/sharding/test_hosts.py runs two hosts' scoring
 def test_model_sources_on_two_host_processes_score_as_on_one(tmp_path, rm_dir, judge_dir, rubric):
   """Two host processes (2 devices each, one 4-device mesh) each score their own samples, unevenly
   many and with their own mix of domains (host 0 has four reward-model samples and one for the
