@@ -11,6 +11,7 @@ import pytest
 
 from meshrl.configs import load
 from meshrl.configs.checks import check_log
+from meshrl.train import workdir
 from meshrl.train.profile import StepProfiler
 
 
@@ -56,6 +57,10 @@ def test_the_window_is_traced_and_each_program_timed(tmp_path):
   assert by_name["jit_heavy"]["ms"] > 5 * by_name["jit_light"]["ms"] > 0
   assert sum(p["share"] for p in summary["programs"]) == pytest.approx(1.0)
   assert by_name["jit_heavy"]["top_ops"] and all(ms > 0 for _, ms, _ in by_name["jit_heavy"]["top_ops"])
+  # A run's output: a folder holding it holds a run, and --overwrite clears it (train/workdir.py).
+  assert workdir.run_outputs(str(tmp_path)) == ["profile"]
+  workdir.clear_outputs(str(tmp_path), ["profile"])
+  assert not (tmp_path / "profile").exists()
 
 
 def test_a_step_that_raises_ends_the_trace_and_a_loop_cut_short_is_summarized(tmp_path):
