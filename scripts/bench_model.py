@@ -17,7 +17,8 @@ and after the models, taking the higher. MFU = tokens_per_s * flops_per_token / 
 flops_per_token from train/metrics.py `model_flops_per_token(training=True)` (6 N_active + 3 A).
 
 JSON: {"peak_flops", "rows": [{name, dispatch, implementation, params_total, params_active, batch,
-seq_len, step_s, tokens_per_s, mfu, flops_per_token, compile_s}]}; `implementation` is what the
+seq_len, step_s, tokens_per_s, mfu, flops_per_token, compile_s}, or {name, dispatch, error} for a
+dispatch that ran out of memory at that size]}; `implementation` is what the
 dispatch runs at that size (what "auto" picked). MFU counts the routed experts' useful FLOPs only, so
 "capacity" (which also drops overflow) and "dense" (E / K times the work) show what they cost.
 """
@@ -122,7 +123,9 @@ def dispatches(text: str) -> list[str]:
 
 
 def run(args) -> dict:
-  """Peak, every size in SIZES, peak again -> the JSON report."""
+  """Peak, every size in SIZES, peak again -> the JSON report. A dispatch that runs out of memory at a
+  size ("gather" copies every token's experts) gets a row with its one-line "error" and no timing."""
+  import jax  # pylint: disable=import-outside-toplevel
   peak_before = matmul_peak()
   print(f"matmul peak (fp32 {MATMUL_N}^2): {peak_before / 1e9:.1f} GFLOP/s", flush=True)
   rows = []
@@ -130,7 +133,15 @@ def run(args) -> dict:
     for dispatch in dispatches(args.dispatches):
       # The size's overrides first, so the command line's --config.* win.
       cfg = load(args.config, overrides + [f"moe.dispatch={dispatch}"] + list(args.overrides))
-      row = bench_size(cfg, batch=batch, seq_len=seq_len, steps=args.steps)
+      try:
+        row = bench_size(cfg, batch=batch, seq_len=seq_len, steps=args.steps)
+      except jax.errors.JaxRuntimeError as e:  # "gather" at a training size: every token's experts copied
+        if "RESOURCE_EXHAUSTED" not in str(e):
+          raise
+        reason = str(e).splitlines()[0]
+        rows.append({"name": name, "dispatch": cfg.moe.dispatch, "error": reason})
+        print(f"  {name} {cfg.moe.dispatch}: not measured ({reason})", flush=True)
+        continue
       rows.append({"name": name, "dispatch": cfg.moe.dispatch, **row})
       print(f"  {name} {cfg.moe.dispatch} ({row['implementation']}): {row['step_s']:.3f} s/step, "
             f"{row['tokens_per_s']:.0f} tokens/s (compile+first {row['compile_s']:.1f} s)", flush=True)
@@ -138,6 +149,8 @@ def run(args) -> dict:
   print(f"matmul peak again: {peak_after / 1e9:.1f} GFLOP/s", flush=True)
   peak = max(peak_before, peak_after)
   for row in rows:
+    if "error" in row:
+      continue
     row["mfu"] = row["tokens_per_s"] * row["flops_per_token"] / peak
   return {"peak_flops": peak, "peak_flops_runs": [peak_before, peak_after], "rows": rows}
 
@@ -148,6 +161,9 @@ def print_table(report: dict) -> None:
   print(f"{'name':<12} {'dispatch':<20} {'params':>9} {'active':>9} {'batch':>5} {'seq':>5} "
         f"{'step s':>8} {'tokens/s':>9} {'GFLOP/tok':>9} {'MFU':>6}")
   for r in report["rows"]:
+    if "error" in r:
+      print(f"{r['name']:<12} {r['dispatch']:<20} not measured: {r['error']}")
+      continue
     dispatch = r["dispatch"] if r["dispatch"] == r["implementation"] else (
         f"{r['dispatch']}={r['implementation']}")
     print(f"{r['name']:<12} {dispatch:<20} {r['params_total'] / 1e6:8.2f}M "
