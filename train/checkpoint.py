@@ -39,11 +39,13 @@ import contextlib
 import json
 import logging
 import os
+import sys
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 from jax.sharding import SingleDeviceSharding
 
 from meshrl.train.state import abstract_state
@@ -78,6 +80,86 @@ def one_line(error: Exception, limit: int = 200) -> str:
   text = str(error).strip().splitlines()
   first = text[0] if text else ""
   return f"{type(error).__name__}: {first[:limit]}{'...' if len(first) > limit else ''}"
+
+
+def _root_cause(error: BaseException) -> BaseException:
+  """The innermost exception `error` was raised from: orbax wraps TensorStore's error (which names
+  the file and what is wrong with it) in one that prints a bound method's repr instead."""
+  seen = {id(error)}
+  while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+    seen.add(id(inner))
+    error = inner
+  return error
+
+
+def _orphaned_read_error(error: BaseException | None) -> bool:
+  """An error orbax's other reads raise after one failed: their loop closed, or their own failure."""
+  if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+    return True
+  return error is not None and any(word in str(error) for word in ("tensorstore_spec", "TensorStore", "OCDBT"))
+
+
+class _OrphanedReadReports(logging.Filter):
+  """Drops asyncio's "Task exception was never retrieved" for orbax's failed reads (`unreadable`)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return not (record.getMessage().startswith("Task exception was never retrieved") and _orphaned_read_error(error))
+
+
+_ORPHANED_READ_REPORTS = _OrphanedReadReports()
+
+
+def _quiet_orphaned_reads() -> None:
+  """Orbax reads a checkpoint's arrays as concurrent TensorStore reads on an event loop of its own.
+  When one read fails, orbax closes that loop while TensorStore finishes the others; each of those
+  then reports "RuntimeError: Event loop is closed" on stderr (about 60 tracebacks for a small
+  model), each failed read "Task exception was never retrieved" or "Exception ignored in: <coroutine
+  ...>" with its TensorStore spec (80 lines each), after the one-line error. They say nothing that
+  line does not, so from the first failed read on, this process drops them (every other unraisable
+  exception and log record still goes where it went)."""
+  asyncio_log = logging.getLogger("asyncio")
+  if _ORPHANED_READ_REPORTS not in asyncio_log.filters:
+    asyncio_log.addFilter(_ORPHANED_READ_REPORTS)
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_orphaned_reads", False):
+    return
+
+  def hook(unraisable):
+    if not _orphaned_read_error(unraisable.exc_value):
+      previous(unraisable)
+  hook.drops_orphaned_reads = True
+  sys.unraisablehook = hook
+
+
+def _within(step_dir: str, text: str) -> str:
+  """TensorStore's message with the step folder's path (which the error names already) cut off the
+  paths of the files in it: 'local file "state/manifest.ocdbt"'."""
+  return text.replace(os.path.abspath(step_dir) + os.sep, "")
+
+
+def unreadable(step_dir: str, error: Exception) -> CheckpointError:
+  """The one-line error for a checkpoint whose arrays orbax failed to read (`damaged`), naming the
+  innermost cause; orbax's reports of its other reads are dropped (`_quiet_orphaned_reads`)."""
+  _quiet_orphaned_reads()
+  return damaged(step_dir, f"its arrays cannot be read: {_within(step_dir, one_line(_root_cause(error), 300))}")
+
+
+def _check_index(state_dir: str) -> None:
+  """Reads the OCDBT manifest of `state_dir` and the root of its key index (not its arrays) in one
+  synchronous TensorStore call: a damaged index raises here, once, before orbax's concurrent reads
+  would each fail on it (`_quiet_orphaned_reads`). A state/ folder without a manifest (not OCDBT) is
+  left to orbax."""
+  local = "://" not in state_dir
+  if local and not os.path.exists(os.path.join(state_dir, "manifest.ocdbt")):
+    return
+  base = "file://" + os.path.abspath(state_dir) if local else state_dir
+  try:
+    store = ts.KvStore.open({"driver": "ocdbt", "base": base}).result()
+    store.list(ts.KvStore.KeyRange(inclusive_min=b"", exclusive_max=b"\x01")).result()  # manifest, index root
+  except Exception as e:  # pylint: disable=broad-except  (TensorStore raises ValueError and others)
+    step_dir = os.path.dirname(os.path.normpath(state_dir)) if local else state_dir
+    raise CheckpointError(f"its OCDBT index cannot be read: {_within(step_dir, one_line(e, 300))}") from None
 
 
 def _previous_intact(step_dir: str) -> int | None:
@@ -153,6 +235,7 @@ def _quiet_absl():
 def _read_shapes(state_dir: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
   if "://" not in state_dir:  # orbax reads no item metadata under a relative path (runs/x/checkpoints/3/state)
     state_dir = os.path.abspath(state_dir)
+  _check_index(state_dir)
   try:
     with _quiet_absl():
       meta = ocp.PyTreeCheckpointer().metadata(state_dir)
@@ -392,7 +475,7 @@ class Checkpointer:
     try:
       out = self._manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # pylint: disable=broad-except  (orbax/tensorstore raise many kinds)
-      raise damaged(step_dir, f"its arrays cannot be read: {one_line(e)}") from e
+      raise unreadable(step_dir, e) from e
     return Restored(step=step, state=from_nested_dict(out["state"], target),
                     data_state=dict(out["data"] or {}), config=dict(out["config"] or {}),
                     extra_state=dict((out["extra"] if has_extra else None) or {}))
@@ -468,4 +551,4 @@ def load_params(path: str, *, step: int | None = None, device: jax.Device | None
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True))
   except Exception as e:  # pylint: disable=broad-except
-    raise damaged(step_dir, f"its arrays cannot be read: {one_line(e)}") from e
+    raise unreadable(step_dir, e) from e

@@ -36,7 +36,7 @@ from meshrl.model.params import state_shardings
 from meshrl.model.tokenizer import tokenizer_from_config
 from meshrl.model.transformer import ModelConfig, Transformer
 from meshrl.sharding.rules import TRAIN_RULES, Rules
-from meshrl.train.checkpoint import check_readable, damaged, from_nested_dict, one_line, to_nested_dict
+from meshrl.train.checkpoint import check_readable, from_nested_dict, to_nested_dict, unreadable
 
 SAMPLE_PROMPT = "What is 12+7?"  # rendered by the chat template to check that it renders
 # Fields a checkpoint may differ in from the run: how the model computes or is trained, not what
@@ -192,7 +192,7 @@ def restore_params(folder: str, mc: ModelConfig, mesh: Mesh | None, *, step: int
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True))
   except Exception as e:  # pylint: disable=broad-except  (orbax/tensorstore raise many kinds)
-    raise damaged(step_dir, f"its arrays cannot be read: {one_line(e)}") from e
+    raise unreadable(step_dir, e) from e
   if head is not None:
     restored["params"]["value_head"] = jax.tree.map(
         lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding), head)
