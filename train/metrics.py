@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import math
 import numbers
 import os
@@ -91,6 +92,9 @@ class MetricsWriter:
     if tensorboard:
       from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
       self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+      # A NaN metric (e.g. ratio_mean_first when it has nothing to average) is written as NaN
+      # (metrics.jsonl: "nan"); tensorboardX would also print "NaN or Inf found" on stderr for each.
+      logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
     if progress_bar:
       from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
       self._bar = tqdm(total=total_steps, initial=resume_step or 0, dynamic_ncols=True)

@@ -55,15 +55,13 @@ def pairs_from_samples(examples: Sequence[dict], samples: Sequence[Sequence[str]
 
 
 def training_examples(cfg, count: int, *, seed: int | None = None) -> list[dict]:
-  """`count` examples with distinct prompts from the training side of data.tasks' hash split (never
-  a held-out prompt; fewer when the split has fewer); the multi-turn families data.tasks names
-  (rl.multi_turn: file tasks, terminal tasks) included."""
+  """`count` examples with distinct prompts from the training side of the training mixture's hash
+  split (never a held-out prompt; fewer when the split has fewer): data.tasks, the data.jsonl /
+  data.array_record rows and the multi-turn families data.tasks names (rl/step/sources.task_mixture)."""
   # pylint: disable=import-outside-toplevel
-  from meshrl.rl.envs.mixture import TaskMixture, distinct_examples
-  from meshrl.rl.step.episodes import episode_pools
-  mixture = TaskMixture(cfg.data.tasks, difficulty=cfg.data.difficulty, seed=cfg.seed if seed is None else seed,
-                        pools=episode_pools(cfg) or None, split="train", eval_fraction=cfg.data.eval_fraction)
-  return distinct_examples(mixture, count)
+  from meshrl.rl.envs.mixture import distinct_examples
+  from meshrl.rl.step.sources import task_mixture
+  return distinct_examples(task_mixture(cfg, split="train", seed=cfg.seed if seed is None else seed), count)
 
 
 def sample_policy(cfg, mesh, model, tokenizer, examples: Sequence[dict], *, samples: int,

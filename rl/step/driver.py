@@ -34,12 +34,13 @@ from meshrl.rl.envs.levels import warm_start_source
 from meshrl.rl.envs.quality import Quarantine
 from meshrl.rl.envs.registry import DomainMixture
 from meshrl.rl.step.evaluation import Evaluator, held_out_examples
-from meshrl.rl.step.episodes import EPISODE_FAMILIES, episode_pools
+from meshrl.rl.step.episodes import EPISODE_FAMILIES
 from meshrl.rl.step.episode_collect import Demonstrations, MultiTurnEvaluator
 from meshrl.rl.step.episode_collect import held_out as multiturn_held_out
-from meshrl.rl.envs.prompts import ArrayRecordSource, JsonlSource, PromptStream
+from meshrl.rl.envs.prompts import PromptStream
 from meshrl.rl.step.program import RLRun, build_run, in_flight_state, restore_in_flight, rl_step
 from meshrl.rl.step.run_spec import RunSpec, build_spec, check_config, domain_specs  # noqa: F401 (build_spec: API)
+from meshrl.rl.step.sources import file_sources, task_mixture  # noqa: F401 (file_sources: API)
 from meshrl.sharding import make_mesh
 from meshrl.sharding.mesh import EXPERT_AXIS, axis_size, platform
 from meshrl.train.checkpoint import Checkpointer, check_readable, check_saved_config, committed_steps
@@ -59,18 +60,6 @@ Hook = Callable[[int, RLRun, dict], None]
 # --- prompts ------------------------------------------------------------------------------------
 
 
-def file_sources(cfg) -> dict:
-  """The pools of file rows (grain random-access sources, rl/envs/prompts.py): data.jsonl as "jsonl",
-  data.array_record as "array_record"; malformed rows are skipped and listed in each `.bad`."""
-  pools = {}
-  if cfg.data.jsonl:
-    pools["jsonl"] = JsonlSource(cfg.data.jsonl, skip_bad=cfg.data.skip_bad_rows)
-  if cfg.data.array_record:
-    pools["array_record"] = ArrayRecordSource(cfg.data.array_record.split(","),
-                                              skip_bad=cfg.data.skip_bad_rows)
-  return pools
-
-
 def train_source(cfg) -> TaskMixture | DomainMixture:
   """The training prompts: the domains of data.domains (batches composed by their quotas, the
   quarantine list data.quarantine honoured), else data.tasks (and the file pools, weight 1 each), on
@@ -82,13 +71,8 @@ def train_source(cfg) -> TaskMixture | DomainMixture:
     split = "train" if cfg.data.eval_fraction > 0 and not cfg.eval.jsonl else "all"
     return DomainMixture(domain_specs(cfg), seed=cfg.seed, split=split, eval_fraction=cfg.data.eval_fraction,
                          batch_size=cfg.rl.prompts_per_step, **mixture_options(cfg, run_quarantine(cfg)))
-  pools, spec = file_sources(cfg) or None, cfg.data.tasks
-  for name in pools or ():
-    spec = f"{name}:1.0" if not spec else f"{spec},{name}:1.0"
-  pools = {**(pools or {}), **episode_pools(cfg)} or None  # multi-turn families named in data.tasks
   split = "train" if cfg.data.eval_fraction > 0 and not cfg.eval.jsonl else "all"
-  return TaskMixture(spec, difficulty=cfg.data.difficulty, seed=cfg.seed, pools=pools, split=split,
-                     eval_fraction=cfg.data.eval_fraction)
+  return task_mixture(cfg, split=split, seed=cfg.seed)
 
 
 def env_work_for(cfg, source) -> EnvWork:

@@ -23,8 +23,8 @@ from meshrl.rl.batches.handover import ScoredBatch
 from meshrl.rl.envs import file_tasks
 from meshrl.rl.envs.base import DONE
 from meshrl.rl.rewards.sources import SourcedRewards, normalize_per_domain
-from meshrl.rl.step.episodes import (ENDS, EpisodeStats, MultiTurnRollout, default_env,
-                                 episode_pools, observation_ids, render_observation)
+from meshrl.rl.step.episodes import (ENDS, EpisodeStats, MultiTurnRollout, default_env, observation_ids,
+                                 render_observation)
 from meshrl.rl.step.replay import with_replay
 from meshrl.sharding import hosts
 
@@ -296,8 +296,8 @@ class Demonstrations:
 
 def held_out(cfg, *, train_prompts: Sequence[str] = ()) -> list[dict]:
   """Held-out examples for a multi-turn run: a data.domains registry's held-out side (terminal
-  domains included, quarantine honoured), the eval side of data.tasks with its multi-turn families
-  (`episode_pools`), else rl/evaluation.held_out_examples."""
+  domains included, quarantine honoured), else rl/step/evaluation.held_out_examples (eval.jsonl, or
+  the eval side of the training mixture with its multi-turn families)."""
   from meshrl.rl.step.evaluation import held_out_examples  # pylint: disable=import-outside-toplevel
   if cfg.data.domains and not cfg.eval.jsonl:
     from meshrl.rl.envs.quality import Quarantine  # pylint: disable=import-outside-toplevel
@@ -305,11 +305,4 @@ def held_out(cfg, *, train_prompts: Sequence[str] = ()) -> list[dict]:
     mixture = DomainMixture(load_domains(cfg.data.domains), seed=cfg.seed + 7919, split="eval",
                             eval_fraction=cfg.data.eval_fraction, quarantine=Quarantine(cfg.data.quarantine))
     return mixture.held_out(max(1, cfg.eval.num_prompts // len(mixture.names)))
-  pools = episode_pools(cfg)
-  if pools and not cfg.eval.jsonl:
-    from meshrl.rl.envs.mixture import (TaskMixture,  # pylint: disable=import-outside-toplevel
-                                        distinct_examples)
-    return distinct_examples(TaskMixture(cfg.data.tasks, difficulty=cfg.data.difficulty, seed=cfg.seed + 7919,
-                                         pools=pools, split="eval", eval_fraction=cfg.data.eval_fraction),
-                             cfg.eval.num_prompts)
   return held_out_examples(cfg, train_prompts=train_prompts)

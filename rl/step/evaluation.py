@@ -1,8 +1,9 @@
 """Held-out evaluation of a policy: greedy accuracy, pass@k and response length, per domain.
 
-The held-out prompts come from the other side of the task mixture's hash split
-(`TaskMixture(split="eval")`, disjoint from every training prompt by construction) or from a JSONL
-file (eval.jsonl), which is refused when it shares a prompt with the training data.
+The held-out prompts come from the other side of the training mixture's hash split (data.tasks and
+the data.jsonl / data.array_record rows: rl/step/sources.task_mixture(split="eval"), disjoint from
+every training prompt by construction) or from a JSONL file (eval.jsonl), which is refused when it
+shares a prompt with the training data.
 
   evaluator = Evaluator(cfg, mesh, tokenizer, examples)
   metrics = evaluator(params, extra)   # {"eval/accuracy": ..., "eval/accuracy/<domain>": ..., ...}
@@ -21,12 +22,13 @@ import numpy as np
 
 from meshrl.model.tokenizer import Tokenizer
 from meshrl.rl.step.groups import next_prompts, response_columns
-from meshrl.rl.envs import TaskMixture, distinct_examples
+from meshrl.rl.envs import distinct_examples
 from meshrl.rl.envs.prompts import JsonlSource
 from meshrl.rl.rewards import answer_reward
 from meshrl.rl.batches.rows import rollout_rows
 from meshrl.rl.rewards.pool import RewardPool
 from meshrl.rl.rewards.sources import domain_sources, reward_model_scorer
+from meshrl.rl.step.sources import task_mixture
 from meshrl.rl.step.spec import make_generator
 from meshrl.sharding import hosts
 from meshrl.sharding.rules import data_parallel_size
@@ -35,7 +37,9 @@ from meshrl.sharding.rules import data_parallel_size
 def held_out_examples(cfg, *, train_prompts: Sequence[str] = (),
                       report: Callable[[str], None] = print) -> list[dict]:
   """eval.num_prompts held-out examples with distinct prompts: from eval.jsonl, else from the
-  held-out side of the data.domains registry (every domain), else of the data.tasks mixture (fewer when the domain has fewer distinct prompts).
+  held-out side of the data.domains registry (every domain), else of the training mixture (data.tasks
+  with data.jsonl / data.array_record and the multi-turn families: rl/step/sources.task_mixture;
+  fewer when it has fewer distinct prompts there).
 
   eval.jsonl's rows are read as training data's are (rl/prompts.JsonlSource): malformed rows are
   skipped and `report`ed in one line naming file and line (data.skip_bad_rows=false: refused), and a
@@ -62,9 +66,7 @@ def held_out_examples(cfg, *, train_prompts: Sequence[str] = (),
     return held_out_from_file(cfg.data.domains, count=cfg.eval.num_prompts, seed=cfg.seed + 7919,
                               eval_fraction=cfg.data.eval_fraction,
                               quarantine=Quarantine(cfg.data.quarantine))
-  mixture = TaskMixture(cfg.data.tasks, difficulty=cfg.data.difficulty, seed=cfg.seed + 7919,
-                        split="eval", eval_fraction=cfg.data.eval_fraction)
-  return distinct_examples(mixture, cfg.eval.num_prompts)
+  return distinct_examples(task_mixture(cfg, split="eval", seed=cfg.seed + 7919), cfg.eval.num_prompts)
 
 
 class Evaluator:

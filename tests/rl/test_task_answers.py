@@ -3,6 +3,7 @@ a brute-force countdown search), not against their own verifiers; and the held-o
 
 import ast
 import itertools
+import json
 import operator
 import re
 from fractions import Fraction
@@ -99,3 +100,26 @@ def test_eval_jsonl_overlapping_training_is_refused(tmp_path):
   source = loop.train_source(cfg)
   with pytest.raises(ValueError, match=r"eval.jsonl=.*shares 1 prompt\(s\) with the training data, e.g. '2\+2='"):
     held_out_examples(cfg, train_prompts=[e["prompt"] for e in source.pools["jsonl"]])
+
+
+@pytest.mark.parametrize("tasks", ["", "reverse:1.0"])
+def test_a_files_held_out_rows_are_the_ones_evaluated(tmp_path, tasks):
+  """Without eval.jsonl, evaluation drew only data.tasks' held-out side: a run on data.jsonl alone
+  (data.tasks empty, as docs/rl-on-your-data.md shows) stopped with "tasks='' names nothing", and one
+  beside a task family never evaluated a row of its file. Now the held-out examples are the eval side
+  of the training mixture: every file row on that side of the split (and the family's), none that
+  training draws."""
+  from meshrl.rl.envs.mixture import in_eval_split  # pylint: disable=import-outside-toplevel
+  rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "domain": "add"} for a in range(20) for b in range(10)]
+  (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  cfg = configs.load("configs/tiny.py", [f"data.jsonl={tmp_path / 'train.jsonl'}", f"data.tasks={tasks}",
+                                         "eval.num_prompts=400"])
+  held_out = held_out_examples(cfg)
+  held_file = {e["prompt"] for e in held_out if e.get("domain") == "add"}
+  expected = {r["prompt"] for r in rows if in_eval_split(r["prompt"], cfg.data.eval_fraction)}
+  assert 10 <= len(expected) <= 80 and held_file == expected  # the file's whole held-out side
+  assert {e["domain"] for e in held_out} == ({"add"} if not tasks else {"add", "reverse"})
+  source = loop.train_source(cfg)
+  trained = {source[i]["prompt"] for i in range(2000)}
+  assert not {e["prompt"] for e in held_out} & trained
+  assert len(trained & {r["prompt"] for r in rows}) > 100

@@ -15,7 +15,9 @@ from meshrl.train.metrics import (CompileCounter, MetricsWriter, mfu, model_flop
                                   plot_curve, read_jsonl)
 
 
-def test_writer_files_and_curve(tmp_path):
+def test_writer_files_and_curve(tmp_path, caplog):
+  """... and a NaN metric prints nothing: tensorboardX logged "NaN or Inf found in input tensor" on
+  stderr for each one."""
   workdir = str(tmp_path)
   with MetricsWriter(workdir, total_steps=5, progress_bar=True) as writer:
     for step in range(1, 6):
@@ -27,6 +29,7 @@ def test_writer_files_and_curve(tmp_path):
   assert records[-1]["reward"] == pytest.approx(1.0) and records[0]["n"] == 3
   assert records[0]["load"] == [0.0, 1.0] and records[0]["bad"] == "nan"
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(workdir, "tb")))
+  assert "NaN or Inf" not in caplog.text
   jsonl = os.path.join(workdir, "metrics.jsonl")
   png = plot_curve(jsonl, "reward", os.path.join(workdir, "reward_curve.png"), smooth=2)
   assert os.path.getsize(png) > 1000
