@@ -266,7 +266,7 @@ def test_a_damaged_latest_checkpoint_names_the_intact_step_before_it(tmp_path, d
   intact step 1 to resume from; not a byte changes; step 1 still restores. Nothing else is printed:
   orbax's concurrent reads, once one failed, reported ~60 "Event loop is closed" tracebacks and
   "Task exception was never retrieved" after the line (an emptied manifest, through orbax's
-  metadata read) or each read's TensorStore spec (zeroed arrays, through load_params)."""
+  metadata read) or each read's TensorStore spec (truncated arrays, through load_params)."""
   import gc  # pylint: disable=import-outside-toplevel
   import shutil  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
