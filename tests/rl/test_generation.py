@@ -24,7 +24,7 @@ from meshrl.rl.generation import core
 from meshrl.rl.generation.core import StepConfig
 from meshrl.rl.generation.generator import Generator
 from meshrl.rl.generation.proposers import ProposerSpec, ngram_propose
-from meshrl.rl.generation.sampling import Sampler
+from meshrl.rl.generation.sampling import RowSampling, Sampler, first_max_index
 from meshrl.rl.generation.spec import GenerationSpec
 from meshrl.rl.step.partial import PartialRollouts
 from meshrl.rl.step.spec import check_generation, make_generator, rollout_model_config
@@ -190,6 +190,34 @@ def test_top_k_and_top_p_filter():
   assert set(np.asarray(Sampler(1.0)(logits, key)).tolist()) == {0, 1, 2, 3}
   with pytest.raises(ValueError, match="top_p"):
     Sampler(1.0, top_p=0.0)
+
+
+def test_the_draw_is_jax_categoricals_and_its_first_maximum_is_argmax():
+  """Sampler.draw takes the maximum of the perturbed logits by `first_max_index` (two plain
+  reductions, where XLA's CPU argmax runs element by element): the token is jax.random.categorical's
+  with the same key at every setting, and `first_max_index` is jnp.argmax on ties, -inf and NaN."""
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((12, 37)).astype(np.float32)
+  x[0] = 1.0  # all tied: the first
+  x[1, [4, 30]] = 50.0  # two maxima: the first
+  x[2] = -np.inf
+  x[3, [9, 21]] = np.nan  # argmax takes the first NaN
+  x[4] = np.nan
+  x[5, :3] = -np.inf
+  x[5, 36] = 9.0
+  for rows in (x, x.reshape(3, 4, 37)):  # [R, V] and [R, W, V]
+    np.testing.assert_array_equal(first_max_index(jnp.asarray(rows)), jnp.argmax(jnp.asarray(rows), axis=-1))
+  logits = jnp.asarray(rng.standard_normal((64, 259)).astype(np.float32) * 3)
+  keys = jax.random.split(jax.random.key(3), 64)
+  row_sampling = RowSampling(temperature=jnp.asarray(rng.uniform(0.2, 1.5, 64), jnp.float32),
+                             top_p=jnp.asarray(rng.uniform(0.3, 1.0, 64), jnp.float32))
+  for sampler, rows in ((Sampler(0.7), None), (Sampler(1.0, top_k=5), None), (Sampler(1.3, top_p=0.8), None),
+                        (Sampler(per_row=True), row_sampling)):
+    perturbed = sampler._filtered(sampler.scaled(logits, rows), rows)  # pylint: disable=protected-access
+    expected = jax.vmap(jax.random.categorical)(keys, perturbed)
+    drawn = sampler.draw(logits, keys, rows)
+    np.testing.assert_array_equal(drawn, expected)
+    assert len(set(np.asarray(drawn).tolist())) > 8  # drawn, not the argmax of every row
 
 
 def test_unrolled_decode_gives_the_scanned_samples_and_scans_less():
