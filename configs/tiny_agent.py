@@ -2,10 +2,10 @@
 
 Run it:  python scripts/rl.py --config=configs/tiny_agent.py
 Expect (docs/benchmarks.md "The multi-turn agent demo"; 2 cores): held-out greedy multi-turn success
-10.9% after the warm start -> 59-63% after 320 GRPO steps with this preset (MoE, routing replay,
-continuous engine, asynchronous RL, an update sized to the groups dynamic sampling keeps; 28-30% after
-80 steps, 47% after 240: the MoE asynchronous policy learns steadily but more slowly than the dense
-synchronous one), about 4 minutes in all (4 min 04 s alone). The dense,
+10.9% after the warm start -> 59-69% after 320 GRPO steps with this preset (MoE, routing replay,
+continuous engine, asynchronous RL, an update sized to the groups dynamic sampling keeps; 16-30% after
+80 steps, 47-59% after 240: the MoE asynchronous policy learns steadily but more slowly than the dense
+synchronous one), 3-4 minutes in all (2 min 54 s alone on 2 cores, 2026-12-05). The dense,
 synchronous recipe (moe.num_experts=0, rl.engine=static, rl.max_staleness=0, rl.tis_level=none,
 rl.replay_routing=false, rl.num_steps=80) measured 6.2% -> 53.1% (the code before the generation
 engine: 6.2% -> 43.8%).
@@ -43,6 +43,9 @@ def get_config(arg=None):
   config.model.head_dim = 32
   config.model.mlp_dim = 256
   config.model.max_seq_len = 136  # prompt 24 + episode 96 + observation slack 16
+  # Two blocks, unrolled: a scan over two layers zero-fills its stacked residuals, and the unrolled
+  # update's step was 0.93x the scanned one (docs/benchmarks.md "The multi-turn agent demo").
+  config.model.scan_layers = False
   config.moe.num_experts = 4  # an MoE policy: 4 experts, top-2, each half the dense width (the same active MLP)
   config.moe.num_experts_per_tok = 2
   config.moe.expert_mlp_dim = 128
