@@ -27,7 +27,8 @@ harness runs beside the shell. Its recipe is the dense synchronous one above (th
 preset in the sandbox: docs/benchmarks.md), with room for the shell's longer observations
 (rl.max_obs_tokens=24, rl.max_new_tokens=112) and 240 RL steps. Measured: held-out 28.1% after the warm
 start -> 70.3% after 240 steps (59.4% in a 200-step run), 6 min 47 s for the whole command on 2 idle
-cores (docs/benchmarks.md "The multi-turn agent demo" has the curves and the variants tried).
+cores; with the blocks unrolled (2026-12-05) 29.7% -> 64.1% in 4 min 22 s (docs/benchmarks.md "The
+multi-turn agent demo" has the curves and the variants tried).
 """
 
 from meshrl.configs.loader import load_preset
@@ -43,8 +44,8 @@ def get_config(arg=None):
   config.model.head_dim = 32
   config.model.mlp_dim = 256
   config.model.max_seq_len = 136  # prompt 24 + episode 96 + observation slack 16
-  # Two blocks, unrolled: a scan over two layers zero-fills its stacked residuals, and the unrolled
-  # update's step was 0.93x the scanned one (docs/benchmarks.md "The multi-turn agent demo").
+  # Two blocks, unrolled: a scan over two layers zero-fills its stacked residuals; the unrolled step
+  # took 0.94x the scanned one's time (docs/benchmarks.md "The multi-turn agent demo").
   config.model.scan_layers = False
   config.moe.num_experts = 4  # an MoE policy: 4 experts, top-2, each half the dense width (the same active MLP)
   config.moe.num_experts_per_tok = 2
@@ -101,7 +102,7 @@ def get_config(arg=None):
     config.rl.num_minibatches = 2  # as measured (2026-12-04): two updates a step on a padded batch
     config.rl.pack_updates = False
     config.rl.packed_row_buckets = 1
-    config.rl.num_steps = 240  # held-out 28.1% -> 42-50% at step 80, 70.3% at 240 (measured)
+    config.rl.num_steps = 240  # held-out 28-30% -> 42-50% at step 80, 64-70% at 240 (measured)
     config.eval.every = 20
   elif arg:
     raise ValueError(f"configs/tiny_agent.py takes no option {arg!r}; options: quick, sandbox.")
