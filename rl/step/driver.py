@@ -40,7 +40,7 @@ from meshrl.rl.step.episode_collect import held_out as multiturn_held_out
 from meshrl.rl.envs.prompts import PromptStream
 from meshrl.rl.step.program import RLRun, build_run, in_flight_state, restore_in_flight, rl_step
 from meshrl.rl.step.run_spec import RunSpec, build_spec, check_config, domain_specs  # noqa: F401 (build_spec: API)
-from meshrl.rl.step.sources import file_sources, task_mixture  # noqa: F401 (file_sources: API)
+from meshrl.rl.step.sources import task_mixture
 from meshrl.sharding import make_mesh
 from meshrl.sharding.mesh import EXPERT_AXIS, axis_size, platform
 from meshrl.train.checkpoint import Checkpointer, check_readable, check_saved_config, committed_steps
@@ -64,14 +64,13 @@ def train_source(cfg) -> TaskMixture | DomainMixture:
   """The training prompts: the domains of data.domains (batches composed by their quotas, the
   quarantine list data.quarantine honoured), else data.tasks (and the file pools, weight 1 each), on
   the train side of the held-out split (data.eval_fraction; every prompt when 0)."""
+  split = "train" if cfg.data.eval_fraction > 0 and not cfg.eval.jsonl else "all"
   if cfg.data.domains:
     if cfg.data.jsonl or cfg.data.get("array_record"):
       raise ValueError("data.domains and data.jsonl/data.array_record are both set: declare the file "
                        "as a domain (source jsonl:<path>) in data.domains.")
-    split = "train" if cfg.data.eval_fraction > 0 and not cfg.eval.jsonl else "all"
     return DomainMixture(domain_specs(cfg), seed=cfg.seed, split=split, eval_fraction=cfg.data.eval_fraction,
                          batch_size=cfg.rl.prompts_per_step, **mixture_options(cfg, run_quarantine(cfg)))
-  split = "train" if cfg.data.eval_fraction > 0 and not cfg.eval.jsonl else "all"
   return task_mixture(cfg, split=split, seed=cfg.seed)
 
 
