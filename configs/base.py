@@ -120,7 +120,7 @@ def get_config(arg=None):
   config.optim.weight_decay = 0.0  # Decoupled weight decay.
   config.optim.grad_clip = 1.0  # Global-norm gradient clipping (0 = off).
   config.optim.grad_accum_steps = 1  # Micro-batches accumulated per optimiser step.
-  config.optim.grad_collective_dtype = "float32"  # Gradients' reduce-scatter / all-reduce over the batch axes: "float32" (as computed), "bfloat16", or "int8" (per-block scales, error feedback) (train/compress.py).
+  config.optim.grad_collective_dtype = "float32"  # Gradients' reduce-scatter / all-reduce over the batch axes: "float32" (as computed), "bfloat16", or "int8" (per-block scales, error feedback) (sharding/compress.py).
 
   # --- rl: the GRPO / PPO loop (rl/).
   config.rl = ml_collections.ConfigDict()

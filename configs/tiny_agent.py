@@ -15,7 +15,7 @@ The observation must be read and copied, so the episode is really multi-turn. He
 file-name pairs training never sees (data.eval_fraction of the 650, by hash).
 
 Recipe: a short warm start (SFT, rl.sft_steps) on oracle episodes cut at each policy turn
-(rl/multiturn_step.Demonstrations) leaves the greedy policy solving part of the held-out episodes; GRPO on
+(rl/step/episode_collect.Demonstrations) leaves the greedy policy solving part of the held-out episodes; GRPO on
 multi-turn episodes (rl/step/episodes.py: turn, environment step, observation into the KV cache; loss on the
 policy's own tokens) then raises held-out success.
 Options: `configs/tiny_agent.py:quick` runs 10 RL steps (a smoke run); `configs/tiny_agent.py:sandbox`

@@ -16,9 +16,9 @@ the jitted steps span all devices of all processes. How meshrl's RL loop splits 
             on the same global batch and the update's inputs are equal everywhere; a reward model's
             or judge's calls span the mesh, each host filling its own rows of every call with its own
             samples (`calls_over_hosts`, `global_rows`) and reading back only those (`share_to_host`);
-  shared    partial rollouts (rl/partial.PartialRollouts: the groups that end in a step are not one
+  shared    partial rollouts (rl/step/partial.PartialRollouts: the groups that end in a step are not one
             block per host), and prompts that do not split evenly over the hosts (more hosts than
-            prompts; rl/batch.shared_prompts): every host draws the same prompts (the whole stream,
+            prompts; rl/step/groups.shared_prompts): every host draws the same prompts (the whole stream,
             not a shard) and holds every group's example; each scores its `share` of the groups (as
             even as their count allows), and the uneven shares are gathered (`gather_rows`);
   episodes  multi-turn (rl/step/episodes.py): each host resets and steps the environments of its own

@@ -297,3 +297,52 @@ def test_mesh_axis_names_are_spelled_only_in_sharding():
   assert "model/moe.py" in found, "the scan read no modules: the layout changed"
   spelled = [f"{rel}:{line}" for rel, lines in found.items() for line in lines]
   assert not spelled, f"mesh axis names spelled outside sharding/ (import the *_AXIS constants): {spelled}"
+
+
+# Paths the text names on purpose although they do not exist: the missing preset of the bad-input tests.
+MISSING_ON_PURPOSE = {"configs/nope.py"}
+TOPS = PACKAGE_DIRS + ("scripts", "tests", "docs", "notebooks", "tasks")
+# "rl/batches/rows.DeviceRows", "docs/pods-and-aot.md", "scripts/bench_accelerator.sh"; a path followed by
+# "*" or "{" is a pattern ("tests/rl/test_sandbox_attacks_{processes,files}.py") and is not checked.
+PATH_REFERENCE = re.compile(r"(?<![\w/.$-])((?:%s)/[\w/-]*\w(?:\.\w+)*)([*{]?)" % "|".join(TOPS))
+
+
+def stale_path_references(text: str, exists) -> list[str]:
+  """The repo paths `text` names (a file, a folder, or a module with a dotted attribute after it) for
+  which `exists(candidate)` holds for no reading: the whole reference, or its module part with ".py"
+  or ".sh" added."""
+  stale = []
+  for match in PATH_REFERENCE.finditer(text):
+    reference, pattern = match.groups()
+    if pattern or reference in MISSING_ON_PURPOSE:
+      continue
+    parts = reference.split(".")
+    bases = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+    if not any(exists(base + suffix) for base in bases for suffix in ("", ".py", ".sh")):
+      stale.append(reference)
+  return stale
+
+
+def test_the_path_scan_finds_a_moved_module():
+  exists = {"rl/batches/rows.py", "docs/pods-and-aot.md", "scripts/bench_accelerator.sh"}.__contains__
+  moved = "rl/" + "rows.DeviceRows"  # spelled in two parts so that this file does not name it
+  text = (f"rows (rl/batches/rows.DeviceRows, {moved}) `docs/pods-and-aot.md` "
+          "scripts/bench_accelerator.sh tests/rl/test_attacks_{a,b}.py configs/nope.py /tmp/rl/x.py")
+  assert stale_path_references(text, exists) == [moved]
+
+
+def test_every_path_the_code_and_docs_name_exists():
+  """Docstrings, comments and pages name modules by path ("rl/step/episodes.EpisodeRunner"): after a
+  module moves, every such name must follow it (the layout split of issue 30 left 40 behind)."""
+  exists = lambda relative: os.path.exists(os.path.join(REPO, relative))
+  texts = [os.path.join(REPO, "README.md")]
+  for top in TOPS:
+    for root, dirs, files in os.walk(os.path.join(REPO, top)):
+      dirs[:] = [d for d in dirs if d != "__pycache__" and not d.startswith(".")]
+      texts += [os.path.join(root, name) for name in files if name.endswith((".py", ".md", ".sh", ".ipynb"))]
+  stale = []
+  for path in texts:
+    with open(path, encoding="utf-8") as f:
+      for number, line in enumerate(f, 1):
+        stale += [f"{os.path.relpath(path, REPO)}:{number}: {ref}" for ref in stale_path_references(line, exists)]
+  assert not stale, "paths that do not exist:\n" + "\n".join(stale)

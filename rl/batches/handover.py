@@ -2,7 +2,7 @@
 
   rollout (jit)  -> RolloutBatch   tokens and behaviour log-probs, per generated token (rl/generation)
   score (host)   -> ScoredBatch    + rewards, per-sample domains and texts, valid samples; the
-                                   per-token fields stay on the devices (rl/rows.DeviceRows)
+                                   per-token fields stay on the devices (rl/batches/rows.DeviceRows)
   prepare        -> UpdateBatch    prediction-aligned arrays, + advantages and the optional parts,
                                    built on the devices (`align_on_devices`; host arrays of
                                    restored rollouts: `align_for_update`)
@@ -38,9 +38,9 @@ class ScoredBatch:
   """One step's samples, scored (every array [B, ...], groups contiguous).
 
   `arrays` holds the RolloutBatch fields: tokens, positions, segment_ids, prompt_mask, response_mask,
-  logprobs, policy_version [B, S] (rl/rows.DeviceRows on the devices, or numpy from a checkpoint's
+  logprobs, policy_version [B, S] (rl/batches/rows.DeviceRows on the devices, or numpy from a checkpoint's
   rollouts in flight); lengths, truncated [B] (numpy); routing,
-  a rl/routes.RoutingRows of [B, L, S, K] on the devices, or absent for a dense model.
+  a rl/batches/routes.RoutingRows of [B, L, S, K] on the devices, or absent for a dense model.
   """
   arrays: dict[str, Any]
   rewards: np.ndarray  # [B] float32: the reward the advantages see (task reward + shaping)
@@ -144,7 +144,7 @@ ALIGNED_FROM = ("tokens", "positions", "segment_ids", "response_mask", "logprobs
 
 def align_on_devices(scored: ScoredBatch, sharding) -> dict[str, Any]:
   """`align_for_update` of a ScoredBatch whose per-token fields are kept on the devices
-  (rl/rows.DeviceRows): the same arrays [B, S] in contiguous sample order, built on the devices in
+  (rl/batches/rows.DeviceRows): the same arrays [B, S] in contiguous sample order, built on the devices in
   `sharding` (None: one device); only the [B] valid flags come from the host."""
   arrays = scored.arrays
   fields = gather_many({name: arrays[name] for name in ALIGNED_FROM}, sharding)

@@ -89,7 +89,7 @@ def sample_layout(*, plan=None, zigzag_shards: int = 1, mesh=None, batch_shardin
   """The two directions for this step's batch.
 
   Args:
-    plan: the step's rl/packing.PackPlan when updates are packed (else None).
+    plan: the step's rl/batches/packing.PackPlan when updates are packed (else None).
     zigzag_shards: > 1 when the padded batch is zigzag over the mesh's `sequence` axis.
     mesh: the run's mesh (None: one device).
     batch_sharding: NamedSharding of the update batch's [B, S] (or packed [R, W]) arrays.

@@ -10,7 +10,7 @@ batch's routing [B, L, S', K] on the devices in one jitted program, in the updat
 
   padded    a gather of rows (blank samples get expert 0 everywhere; their loss mask is False), then
             the zigzag chunk order of ring attention on the S axis;
-  packed    each packed cell (r, w) gathers its sample's routes at its column (rl/packing.PackPlan).
+  packed    each packed cell (r, w) gathers its sample's routes at its column (rl/batches/packing.PackPlan).
 
 Compiled for v5p:16x16x16 at paper_3t (routes split over expert x sequence like the update batch),
 the padded assembly needs 3.6 GiB of temporaries per chip (the rows are all-gathered over the batch
@@ -61,7 +61,7 @@ class RoutingRows(DeviceRows):
 def assemble(routing: RoutingRows, sharding: NamedSharding | None, *, zigzag_shards: int = 1,
              plan=None) -> jax.Array:
   """The update batch's routing [B, L, S, K] int32 (padded; zigzag over `zigzag_shards`) or
-  [R, L, W, K] (packed by `plan`, a rl/packing.PackPlan, already zigzag), built on the devices.
+  [R, L, W, K] (packed by `plan`, a rl/batches/packing.PackPlan, already zigzag), built on the devices.
 
   sharding: the NamedSharding of the update's [B, S] arrays (batch axes x `sequence`); the routes
     get it on their B and S axes. None: no mesh (one device).

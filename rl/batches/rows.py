@@ -200,7 +200,7 @@ PAD_FILL = {"policy_version": -1}
 
 def rollout_rows(fields: dict, rows: np.ndarray | None = None) -> dict:
   """A RolloutBatch's fields {name: device array} (routing left out) as the host side of an RL step
-  holds them: the per-token fields [B, S] stay on the devices as rl/rows.DeviceRows (the host moves
+  holds them: the per-token fields [B, S] stay on the devices as rl/batches/rows.DeviceRows (the host moves
   samples by row, pulls the response columns it scores, and the update batch is built on the
   devices), the per-sample fields (lengths, truncated [B]) come to every host (`hosts.to_host`).
   rows: the samples to keep (default all, in order)."""

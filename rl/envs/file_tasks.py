@@ -13,7 +13,7 @@ through TerminalEnv, as terminal task directories run).
 
 `data.tasks="files_copy:1.0"` draws it through `TaskPool` (rl/step/episodes.py `episode_pools`), with the
 held-out hash split of every family; `oracle_turns(example)` is the reference episode, which
-rl/multiturn_step.Demonstrations renders as warm-start rows.
+rl/step/episode_collect.Demonstrations renders as warm-start rows.
 """
 
 from __future__ import annotations

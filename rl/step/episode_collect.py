@@ -72,7 +72,7 @@ def scored_batch(out: MultiTurnRollout, examples: Sequence[dict], group_size: in
 
 
 def _draw(run, examples) -> list[dict]:
-  """This host's block of a step's examples, gathered in process order (rl/loop.prompt_stream); with
+  """This host's block of a step's examples, gathered in process order (rl/step/driver.prompt_stream); with
   shared_prompts every host's stream is the whole stream and draws them all."""
   count = run.cfg.rl.prompts_per_step
   if shared_prompts(run.cfg):
@@ -140,7 +140,7 @@ def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]
   rl.max_resample_rounds more with dynamic sampling (DAPO) until prompts_per_step groups differ.
   With rl.max_staleness > 0 the first round is the oldest episode rollout in flight
   (`next_episodes_in_flight`); with rl.rollout_token_budget the batch is the groups whose episodes
-  finished in this step's budget (rl/multiturn.PartialEpisodes), padded with blank groups."""
+  finished in this step's budget (rl/step/episodes.PartialEpisodes), padded with blank groups."""
   cfg = run.cfg.rl
   if run.bootstrap is not None:  # prompts at their curriculum levels, unsolved ones again (issue 33)
     examples = run.bootstrap.stream(examples)
@@ -204,7 +204,7 @@ def collect_multiturn(run, examples, key: jax.Array) -> tuple[ScoredBatch, dict]
 class MultiTurnEvaluator:
   """Greedy multi-turn evaluation of held-out examples: eval/accuracy is the share of episodes solved
   (reward > 0), also per domain, plus eval/turns_mean and the end reasons. Same interface as
-  rl/evaluation.Evaluator."""
+  rl/step/evaluation.Evaluator."""
 
   def __init__(self, cfg, mesh, tokenizer: Tokenizer, examples: list[dict], *,
                make_env: Callable[[dict], Any] = default_env):

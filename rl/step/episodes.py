@@ -129,8 +129,8 @@ class EpisodeStats:
 
 @dataclasses.dataclass
 class MultiTurnRollout:
-  arrays: dict  # the RolloutBatch fields: per-token [B, S] as rl/rows.DeviceRows (on the devices),
-  #               lengths and truncated [B] numpy on every host, routing as rl/routes.RoutingRows
+  arrays: dict  # the RolloutBatch fields: per-token [B, S] as rl/batches/rows.DeviceRows (on the devices),
+  #               lengths and truncated [B] numpy on every host, routing as rl/batches/routes.RoutingRows
   episodes: list[EpisodeStats]  # [B]
   texts: list[str]  # [B] the episode after the prompt, as text
   counts: dict[str, Any]  # prefill_tokens (prompts, once), extend_tokens (observations), extend_calls, ...
@@ -385,7 +385,7 @@ class EpisodeRunner:
     """Each host resets the environments of its own episodes (in workers); returns (episodes {b:
     _Episode} of this host, prompts [P, Lp], mask, counts). When every host's episodes are an equal
     block of whole groups, each encodes its own groups' prompts (their first observations) into one
-    global array; otherwise (rl/batch.shared_prompts) the first observations are shared and every host
+    global array; otherwise (rl/step/groups.shared_prompts) the first observations are shared and every host
     encodes every prompt."""
     group = self.spec.group_size
     per_row = [e for e in examples for _ in range(group)]

@@ -41,7 +41,7 @@ def held_out_examples(cfg, *, train_prompts: Sequence[str] = (),
   with data.jsonl / data.array_record and the multi-turn families: rl/step/sources.task_mixture;
   fewer when it has fewer distinct prompts there).
 
-  eval.jsonl's rows are read as training data's are (rl/prompts.JsonlSource): malformed rows are
+  eval.jsonl's rows are read as training data's are (rl/envs/prompts.JsonlSource): malformed rows are
   skipped and `report`ed in one line naming file and line (data.skip_bad_rows=false: refused), and a
   file without a valid row is refused.
 

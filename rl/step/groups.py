@@ -105,7 +105,7 @@ def start_scoring(arrays: dict, examples: list[dict], tokenizer: Tokenizer, pool
 
 def response_columns(arrays: dict, max_new_tokens: int) -> dict[str, np.ndarray]:
   """The response columns [B, N] (the last N = max_new_tokens) of tokens and response_mask as host
-  numpy (what scoring reads). A field kept on the devices (rl/rows.DeviceRows) is sliced there and
+  numpy (what scoring reads). A field kept on the devices (rl/batches/rows.DeviceRows) is sliced there and
   all-gathered, so with several processes every host calls this with the same rows."""
   columns = slice(-max_new_tokens, None)
   return {name: arrays[name].to_host(columns) if isinstance(arrays[name], DeviceRows)

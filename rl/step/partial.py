@@ -148,7 +148,7 @@ class PartialRollouts(GroupSlots):
 
   Several host processes: `draw` gives every host the same prompts, so every host holds the same
   pool bookkeeping and every group's example; the ended groups' per-token fields stay on the devices
-  (rl/rows.rollout_rows: rows of the pool's batch), and rl/step/program.py scores each host's share of them.
+  (rl/batches/rows.rollout_rows: rows of the pool's batch), and rl/step/program.py scores each host's share of them.
   """
 
   def __init__(self, generator, num_groups: int):
@@ -171,7 +171,7 @@ class PartialRollouts(GroupSlots):
 
   def step(self, params, extra, draw, key, version) -> tuple[dict, list, dict]:
     """One RL step's generation -> (the ended groups' arrays [E * G, ...]: per-token fields kept on
-    the devices, rl/rows.rollout_rows; their examples; info). draw(count) -> (examples, tokens [count, Lp],
+    the devices, rl/batches/rows.rollout_rows; their examples; info). draw(count) -> (examples, tokens [count, Lp],
     mask) supplies new groups; `key` seeds the new groups' samples; `version` is stamped on the tokens
     generated now."""
     return self.dispatch(params, extra, draw, key, version)()

@@ -6,7 +6,7 @@
   metrics = rl_step(run, examples, key)               # one step; run.state is replaced
 
   collect   rollout(s) on the devices (jit) -> ScoredBatch, scored on the host's RewardPool, with
-            DAPO dynamic sampling; the samples' tokens stay on the devices (rl/rows.DeviceRows: the
+            DAPO dynamic sampling; the samples' tokens stay on the devices (rl/batches/rows.DeviceRows: the
             host moves rows and pulls only the response columns it scores)
   prepare   ScoredBatch -> UpdateBatch: prediction-aligned arrays, reference log-probs and critic
             values (jit), advantages (jit, `advantages.make_advantages`), zigzag for ring attention
@@ -82,11 +82,11 @@ class RLRun:
   batch_sharding: Any  # NamedSharding of [B, S] update arrays, or None without a mesh
   zigzag_shards: int  # > 1: update batches are laid out zigzag over the sequence axis
   samples_sharding: Any = None  # NamedSharding of [samples, S] contiguous arrays (packed updates' advantages)
-  partial: Any = None  # rl/partial.PartialRollouts (multi-turn: rl/multiturn.PartialEpisodes) when
+  partial: Any = None  # rl/step/partial.PartialRollouts (multi-turn: rl/step/episodes.PartialEpisodes) when
   #                      rl.rollout_token_budget > 0: groups carried over
   version: int = 0  # policy version: RL updates applied so far (restored with the checkpoint's step)
   in_flight: collections.deque = dataclasses.field(default_factory=collections.deque)  # InFlight
-  multiturn: Any = None  # rl/multiturn.EpisodeRunner when episodes are multi-turn (else None)
+  multiturn: Any = None  # rl/step/episodes.EpisodeRunner when episodes are multi-turn (else None)
   env_work: Any = None  # rl/envs/env_work.EnvWork: the run's quarantine (in the checkpoint), episodes' starts
   episode_thread: Any = None  # asynchronous multi-turn RL: the executor running episodes beside the update
   bootstrap: Any = None  # rl/step/bootstrap.Bootstrap (issue 33: level curriculum, retries of unsolved prompts)
@@ -157,7 +157,7 @@ def _rollout_arrays(batch, keep_on_devices: bool = False) -> dict:
   """RolloutBatch (device) -> the host's dict of its fields; the routing stays on the devices (a
   RoutingRows of [B, L, S, K], rl/batches/routes.py) or is dropped.
 
-  keep_on_devices: the per-token fields [B, S] stay where they are too, as rl/rows.DeviceRows (the
+  keep_on_devices: the per-token fields [B, S] stay where they are too, as rl/batches/rows.DeviceRows (the
   host moves samples by row; scoring pulls the response columns, `prepare` builds the update batch on
   the devices): no host ever holds the batch's tokens, [B, 1M] per field at a 1M-token context.
   The per-sample fields (lengths, truncated [B]) come to every host. False: everything to the host

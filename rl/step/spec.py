@@ -2,7 +2,7 @@
 
   generation_spec(cfg, stop_ids=..., pad_id=...)   -> rl/generation GenerationSpec
   make_generator(cfg, mesh, tokenizer-ids...)      -> rl/generation Generator (the rollout of a run)
-  episode_runner(cfg, mesh, tokenizer)             -> rl/multiturn EpisodeRunner (multi-turn runs)
+  episode_runner(cfg, mesh, tokenizer)             -> rl/step/episodes.EpisodeRunner (multi-turn runs)
   rollout_model_config(cfg, mesh)                  -> the model numbers under the generation rules
 
 Schedulers from the config: rl.engine = "static" or "continuous"; rl.rollout_token_budget > 0 makes

@@ -1,4 +1,4 @@
-"""Every bad config value a run would hit is refused by rl/loop.check_config (plus configs/checks.py's
+"""Every bad config value a run would hit is refused by rl/step/run_spec.check_config (plus configs/checks.py's
 serve section for the server) in one line naming the field, before anything runs: a table of the
 values users typed (issue 31), and a sweep that gives every numeric field of configs/base.py a
 nonsense value."""

@@ -34,7 +34,7 @@ SMALL = ["model.num_layers=2", "model.embed_dim=64", "model.head_dim=16", "model
          "data.seq_len=32", "rm.max_len=16", "rm.steps=3", "rm.synthetic_pairs=64", "rm.eval_pairs=16", "rm.batch_size=8",
          "rm.eval_every=0", "log.progress_bar=false", "log.tensorboard=false", "log.plot=false",
          "checkpoint.async_save=false",
-         # the synthetic pipeline (no warm start before the reward model; tests/train/test_policy_pairs.py
+         # the synthetic pipeline (no warm start before the reward model; tests/rl/test_policy_pairs.py
          # covers the preset's policy pairs), its raw scores as rewards
          "rm.pairs_from=synthetic", "rm.init=model", "rl.rm_binarize=false"]
 

@@ -1,5 +1,5 @@
 """What a rollout sends through the hosts (rl/step/program.py `_rollout_arrays`, issue 14). A step keeps the
-per-token fields on the devices (rl/rows.DeviceRows, equal to the batch pulled whole) and pulls only
+per-token fields on the devices (rl/batches/rows.DeviceRows, equal to the batch pulled whole) and pulls only
 their response columns, for scoring and the staleness metric, for both rollout engines, the
 asynchronous queue and partial rollouts (the ended groups' rows of the pool's batch)."""
 

@@ -1,4 +1,4 @@
-"""rl/loop.run refuses what would lose or corrupt work before it writes a byte (issue 31): a folder
+"""rl/step/driver.run refuses what would lose or corrupt work before it writes a byte (issue 31): a folder
 holding another run, bad data or held-out files found after the config check, a disk without room
 for a checkpoint; a disk that fills during training is one line naming the last checkpoint; and a
 warm-start-only run (rl.num_steps=0) exits 0 without plotting an empty curve."""

@@ -26,7 +26,7 @@ def _cfg(*extra):
   return configs.load("configs/tiny.py", SMALL + list(extra))
 
 
-@pytest.mark.slow  # suite budget: tests/rl/test_rollout.py checks the rollout reads the train state without copy
+@pytest.mark.slow  # suite budget: tests/rl/test_generation.py checks the rollout reads the train state without copy
 def test_loop_hands_the_rollout_exactly_the_train_state_arrays(devices):
   run, prompts = loop.setup(_cfg("mesh.fsdp=4", "mesh.tensor=2"))
   seen = []
@@ -99,7 +99,7 @@ def _lines(path):
     # rollouts in flight saved and restored: async_partial below does it too, with partial harvests
     pytest.param(["rl.max_staleness=1", "rl.tis_level=token"], marks=pytest.mark.slow),
     pytest.param(["rl.engine=continuous", "rl.rollout_token_budget=48", "rl.max_resample_rounds=0"],
-                 marks=pytest.mark.slow),  # partial rollouts (tests/rl/test_engine.py by default)
+                 marks=pytest.mark.slow),  # partial rollouts (tests/rl/test_generation.py by default)
     # both: the next step's partial rollout dispatched ahead, its harvest saved with the carried pool
     ["rl.max_staleness=1", "rl.tis_level=token", "rl.engine=continuous", "rl.rollout_token_budget=48",
      "rl.max_resample_rounds=0"],

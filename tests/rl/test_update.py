@@ -183,7 +183,7 @@ def test_empty_and_non_finite_minibatches_leave_the_state_unchanged(tis_case):
     state, metrics = run.update(state, bad, jax.random.key(0))
     assert float(metrics[counter]) == 1.0, counter
     assert float(metrics["updated_minibatches"]) == 0.0
-    # Nothing was measured: NaN, which rl/loop.without_unmeasured leaves out of the record (an
+    # Nothing was measured: NaN, which rl/step/driver.without_unmeasured leaves out of the record (an
     # entropy of 0 had been reported for such a step).
     for name in ("loss", "entropy", "grad_norm", "ratio_mean_first"):
       assert np.isnan(float(metrics[name])), name
@@ -296,7 +296,7 @@ def test_one_minibatch_takes_the_proximal_policy_from_the_update_forward(devices
 def test_update_metrics_average_the_applied_minibatches_only():
   """2 epochs x 2 minibatches, the second of each empty (dynamic sampling dropped its groups): its
   zeros must not halve the entropy; with none applied there is no value, and the step's record
-  leaves the key out (rl/loop.without_unmeasured)."""
+  leaves the key out (rl/step/driver.without_unmeasured)."""
   from meshrl.rl.step.driver import without_unmeasured  # pylint: disable=import-outside-toplevel
   from meshrl.rl.algo.update import _update_metrics  # pylint: disable=import-outside-toplevel
   per = {"entropy": jnp.array([[2.0, 0.0], [4.0, 0.0]]), "ratio_mean": jnp.array([[1.0, 0.0], [1.1, 0.0]]),
