@@ -9,6 +9,7 @@ run, and everything downstream takes the numbers (or the run spec) as an argumen
 """
 
 import ast
+import fnmatch
 import functools
 import os
 import re
@@ -346,3 +347,37 @@ def test_every_path_the_code_and_docs_name_exists():
       for number, line in enumerate(f, 1):
         stale += [f"{os.path.relpath(path, REPO)}:{number}: {ref}" for ref in stale_path_references(line, exists)]
   assert not stale, "paths that do not exist:\n" + "\n".join(stale)
+
+
+def module_map_gaps(page: str, listing) -> list[str]:
+  """What docs/architecture.md's module map (`page`: its rows "| `folder/` | ... |") gets wrong:
+  a file a row names (`name.py`, `name.sh`, or a pattern such as `bench_*.py`) that its folder lacks,
+  and a module of the folder (`listing(folder)`, without __init__.py) that no name of its row covers."""
+  gaps = []
+  for folder, body in re.findall(r"^\| `([\w/]+/)` \| (.*) \|$", page, re.M):
+    named = set(re.findall(r"`([\w*]+\.(?:py|sh))`", body))
+    present = listing(folder)
+    gaps += [f"{folder}{name} is named but absent" for name in sorted(named)
+             if not any(fnmatch.fnmatch(module, name) for module in present)]
+    gaps += [f"{folder}{module} is not on the map" for module in sorted(present)
+             if not any(fnmatch.fnmatch(module, name) for name in named)]
+  return gaps
+
+
+def _folder_modules(folder: str) -> set[str]:
+  if folder in ("tests/", "notebooks/"):  # described as a whole, not file by file
+    return set()
+  return {name for name in os.listdir(os.path.join(REPO, folder))
+          if name.endswith((".py", ".sh")) and name != "__init__.py"}
+
+
+def test_the_map_check_finds_a_missing_and_an_unmapped_module():
+  page = "| `zz/` | `a.py` (one), `b_*.py` and `gone.py` |\n"
+  listing = lambda folder: {"a.py", "b_one.py", "new.py"}
+  assert module_map_gaps(page, listing) == ["zz/gone.py is named but absent", "zz/new.py is not on the map"]
+
+
+def test_the_module_map_names_every_module_and_only_modules_that_exist():
+  with open(os.path.join(REPO, "docs", "architecture.md"), encoding="utf-8") as f:
+    gaps = module_map_gaps(f.read(), _folder_modules)
+  assert not gaps, "docs/architecture.md's module map: " + "; ".join(gaps)
