@@ -421,8 +421,9 @@ def prepare(cfg, workdir: str, mesh=None, *, overwrite: bool = False) -> _Prepar
     print(skipped_rows(source))
   held_out = []
   if cfg.eval.every:
+    pools = source.pools if isinstance(source, TaskMixture) else None  # the data files are read once
     held_out = (multiturn_held_out if cfg.rl.multi_turn else held_out_examples)(
-        cfg, train_prompts=train_prompts(source))
+        cfg, train_prompts=train_prompts(source), pools=pools)
     if not held_out:
       raise ValueError("eval.every > 0 but there are no held-out prompts (eval.jsonl, data.eval_fraction).")
   size = checkpoint_bytes(spec.model, cfg.optim)

@@ -294,7 +294,7 @@ class Demonstrations:
     return {**example, "prompt": text, "answer": turns[cut]}
 
 
-def held_out(cfg, *, train_prompts: Sequence[str] = ()) -> list[dict]:
+def held_out(cfg, *, train_prompts: Sequence[str] = (), pools: dict | None = None) -> list[dict]:
   """Held-out examples for a multi-turn run: a data.domains registry's held-out side (terminal
   domains included, quarantine honoured), else rl/step/evaluation.held_out_examples (eval.jsonl, or
   the eval side of the training mixture with its multi-turn families)."""
@@ -305,4 +305,4 @@ def held_out(cfg, *, train_prompts: Sequence[str] = ()) -> list[dict]:
     mixture = DomainMixture(load_domains(cfg.data.domains), seed=cfg.seed + 7919, split="eval",
                             eval_fraction=cfg.data.eval_fraction, quarantine=Quarantine(cfg.data.quarantine))
     return mixture.held_out(max(1, cfg.eval.num_prompts // len(mixture.names)))
-  return held_out_examples(cfg, train_prompts=train_prompts)
+  return held_out_examples(cfg, train_prompts=train_prompts, pools=pools)

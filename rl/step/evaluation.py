@@ -34,12 +34,13 @@ from meshrl.sharding import hosts
 from meshrl.sharding.rules import data_parallel_size
 
 
-def held_out_examples(cfg, *, train_prompts: Sequence[str] = (),
-                      report: Callable[[str], None] = print) -> list[dict]:
+def held_out_examples(cfg, *, train_prompts: Sequence[str] = (), report: Callable[[str], None] = print,
+                      pools: dict | None = None) -> list[dict]:
   """eval.num_prompts held-out examples with distinct prompts: from eval.jsonl, else from the
   held-out side of the data.domains registry (every domain), else of the training mixture (data.tasks
   with data.jsonl / data.array_record and the multi-turn families: rl/step/sources.task_mixture;
-  fewer when it has fewer distinct prompts there).
+  fewer when it has fewer distinct prompts there). `pools`: the training mixture's (TaskMixture.pools),
+  so that its files are not read again.
 
   eval.jsonl's rows are read as training data's are (rl/envs/prompts.JsonlSource): malformed rows are
   skipped and `report`ed in one line naming file and line (data.skip_bad_rows=false: refused), and a
@@ -66,7 +67,8 @@ def held_out_examples(cfg, *, train_prompts: Sequence[str] = (),
     return held_out_from_file(cfg.data.domains, count=cfg.eval.num_prompts, seed=cfg.seed + 7919,
                               eval_fraction=cfg.data.eval_fraction,
                               quarantine=Quarantine(cfg.data.quarantine))
-  return distinct_examples(task_mixture(cfg, split="eval", seed=cfg.seed + 7919), cfg.eval.num_prompts)
+  return distinct_examples(task_mixture(cfg, split="eval", seed=cfg.seed + 7919, pools=pools),
+                           cfg.eval.num_prompts)
 
 
 class Evaluator:

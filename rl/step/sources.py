@@ -27,12 +27,18 @@ def file_sources(cfg) -> dict:
   return pools
 
 
-def task_mixture(cfg, *, split: str, seed: int) -> TaskMixture:
+def task_mixture(cfg, *, split: str, seed: int, pools: dict | None = None) -> TaskMixture:
   """data.tasks with the file pools (weight 1 each) and the multi-turn families' pools, drawing only
-  from `split` ("all", "train" or "eval") of the hash split data.eval_fraction."""
-  files, spec = file_sources(cfg), cfg.data.tasks
-  for name in files:
+  from `split` ("all", "train" or "eval") of the hash split data.eval_fraction.
+
+  `pools`: another mixture of the same config's pools (the training source's), so that evaluation
+  draws its side of the split without reading data.jsonl / data.array_record a second time; else
+  they are read here."""
+  if pools is None:
+    pools = {**file_sources(cfg), **episode_pools(cfg)}
+  spec = cfg.data.tasks
+  for name in (name for name in ("jsonl", "array_record") if name in pools):
     spec = f"{name}:1.0" if not spec else f"{spec},{name}:1.0"
-  pools = {**files, **episode_pools(cfg)} or None
+  pools = pools or None
   return TaskMixture(spec, difficulty=cfg.data.difficulty, seed=seed, pools=pools, split=split,
                      eval_fraction=cfg.data.eval_fraction)

@@ -180,3 +180,21 @@ def test_a_warm_start_only_run_exits_0_without_a_reward_plot(tmp_path):
   assert "rl.num_steps=0: the warm start alone" in out.stdout
   assert not (tmp_path / "reward_curve.png").exists() and not (tmp_path / "metrics.jsonl").exists()
   assert [json.loads(line)["step"] for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_evaluation_takes_its_held_out_rows_from_the_training_read_of_data_jsonl(tmp_path, monkeypatch):
+  """data.jsonl was read twice at start-up (training's pools, then evaluation's own mixture): seconds
+  on a file of millions of rows. The held-out rows are the ones a fresh read gives."""
+  from meshrl.rl.step import sources  # pylint: disable=import-outside-toplevel
+  path = tmp_path / "data.jsonl"
+  words = [a + b + c for a in "abcdefgh" for b in "ijklmnop" for c in "qrst"]
+  path.write_text("".join(json.dumps({"prompt": f"rev {w}=", "answer": w[::-1]}) + "\n" for w in words))
+  cfg = configs.load("configs/tiny.py", SMALL + [f"data.jsonl={path}", "data.tasks=", "data.eval_fraction=0.2",
+                                                 "eval.every=5", "eval.num_prompts=16"])
+  fresh = held_out_examples(cfg)
+  reads = []
+  real = sources.JsonlSource
+  monkeypatch.setattr(sources, "JsonlSource", lambda *a, **k: reads.append(a) or real(*a, **k))
+  ready = loop.prepare(cfg, str(tmp_path / "run"))
+  assert len(reads) == 1
+  assert ready.held_out == fresh and len(fresh) == 16
