@@ -355,7 +355,7 @@ class Engine:
     rest[0, :fed - start] = prompt[start:fed]
     seed = request.seed if request.seed is not None else int(self._rng.integers(0, 2**31 - 1))
     stops = list(dict.fromkeys(tuple(request.stop_ids)))
-    details = (np.int32(request.max_tokens), jax.random.key_data(jax.random.key(seed)),
+    details = (np.int32(request.max_tokens), np.int32(seed),
                np.float32(request.temperature), np.float32(request.top_p),
                np.asarray(stops + [-1] * (MAX_STOP_IDS - len(stops)), np.int32))
     self._slots, self._pool = engine.start(self._weights, self._slots, self._pool, np.int32(slot), row,

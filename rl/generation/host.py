@@ -137,9 +137,11 @@ class SlotEngine:
     already hold the prompt's first `prefix` tokens (placed from the prefix cache), and rest [1, T]
     (the prompt's tokens from `prefix` on, right-padded) is fed now up to prompt token `fed` (length:
     all of it; less: the sample waits, paused, for `feed` to bring in the rest). request:
-    (max_tokens [], raw key [2], temperature [], top_p [], stop ids [M])."""
+    (max_tokens [], seed [] (the sample's key is jax.random.key(seed), made here: no eager dispatch per
+    request), temperature [], top_p [], stop ids [M])."""
     models = self.models(weights)
-    max_tokens, key, temperature, top_p, stops = request
+    max_tokens, seed, temperature, top_p, stops = request
+    key = jax.random.key_data(jax.random.key(seed))
     put = lambda a, v: a.at[slot].set(v)  # noqa: E731
     pool = pool.replace(
         tokens=put(pool.tokens, row_tokens), policy=put(pool.policy, False), logprobs=put(pool.logprobs, 0.0),
