@@ -43,11 +43,6 @@ def _axes_of(variable: nnx.Variable) -> tuple:
   return tuple(meta["axes"])
 
 
-def logical_axes(state: Any) -> Any:
-  """The state's pytree with each Variable replaced by its tuple of logical names."""
-  return jax.tree.map(_axes_of, state, is_leaf=_is_variable)
-
-
 def state_shardings(state: Any, mesh: Mesh, rules: Rules = TRAIN_RULES) -> Any:
   """NamedShardings for every Variable of `state` (a prefix tree of the state).
 

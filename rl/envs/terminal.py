@@ -349,16 +349,6 @@ def _parse_report(stdout: bytes, num_steps: int, snapshot: bool, partial: bool) 
   return RunReport(tuple(steps), state)
 
 
-_DEFAULT_RUNNER: ShellRunner | None = None
-
-
-def default_runner() -> ShellRunner:
-  global _DEFAULT_RUNNER  # pylint: disable=global-statement
-  if _DEFAULT_RUNNER is None:
-    _DEFAULT_RUNNER = ShellRunner()
-  return _DEFAULT_RUNNER
-
-
 # --- the environment ---------------------------------------------------------------------------
 
 # Per-process and per-session limits of an episode's session (per-command timeouts come per call).
