@@ -37,8 +37,9 @@ def task_mixture(cfg, *, split: str, seed: int, pools: dict | None = None) -> Ta
   if pools is None:
     pools = {**file_sources(cfg), **episode_pools(cfg)}
   spec = cfg.data.tasks
-  for name in (name for name in ("jsonl", "array_record") if name in pools):
-    spec = f"{name}:1.0" if not spec else f"{spec},{name}:1.0"
+  for name in ("jsonl", "array_record"):  # file_sources' pools, weight 1 each
+    if name in pools:
+      spec = f"{name}:1.0" if not spec else f"{spec},{name}:1.0"
   pools = pools or None
   return TaskMixture(spec, difficulty=cfg.data.difficulty, seed=seed, pools=pools, split=split,
                      eval_fraction=cfg.data.eval_fraction)
