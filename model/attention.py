@@ -30,6 +30,12 @@ from meshrl.sharding.rules import TRAIN_RULES, Rules, constrain
 
 __all__ = ["attend", "KernelConfig", "GQAttention", "MLAttention"]
 
+# The reference kernel's uncached self-attention (training, log-probs) of at least this many tokens
+# scores two query halves, the first against the first half of the keys only: 3/4 of the score
+# matrix. The update's forward and backward at the agent preset's 32 x 120 tokens took 0.83x the
+# time of one whole block (docs/benchmarks.md "The multi-turn agent demo"); 3 or 4 blocks were no faster.
+REFERENCE_SPLIT_MIN_LEN = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
@@ -114,6 +120,8 @@ class KernelConfig:
                   kv_positions=kv_positions, segment_ids=segment_ids, scale=scale)
     if self.impl != "reference":
       kwargs.update(block_q=self.block_q, block_kv=self.block_kv)
+    elif not cached and q.shape[1] >= REFERENCE_SPLIT_MIN_LEN:  # self-attention in token order
+      kwargs.update(causal_blocks=2)
     return attend(q, k, v, **kwargs)
 
   def _ring_splash(self, q, k, v, *, q_positions, kv_positions, segment_ids, scale, prefill: bool):

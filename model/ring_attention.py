@@ -192,34 +192,65 @@ def _local_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, causal, segments,
 
 
 def reference_attention(q, k, v, *, causal, q_positions, kv_positions, q_segment_ids=None,
-                        kv_segment_ids=None, scale):
+                        kv_segment_ids=None, scale, causal_blocks: int = 1):
   """Plain softmax attention in float32 (the whole [T, S] score matrix); rows with no key give 0.
 
   Shapes as `attend`; segment ids are [B, T] and [B, S] or None. Decode (T = 1 against a KV cache)
   takes this path too, without the unit query axis: on XLA:CPU its batched dots, transposed cache
   copies included, measured 2-20x faster than a broadcast-multiply over the cache as laid out (an
-  earlier kernel), and dropping the axis 1.3-1.5x faster than keeping it.
+  earlier kernel), and dropping the axis 1.3-1.5x faster than keeping it. More queries are laid out
+  [B, K, T * G, H] (batch axes first), so neither product nor its gradients transpose the scores: the
+  agent preset's update took 0.94x, an observation fed into its cache 0.66x the time of [B, T, K, G, H].
+
+  causal_blocks: n > 1 splits the queries into n blocks, each scored against the keys up to its own
+  last column only: (n + 1) / 2n of the score matrix. Exact when no query attends a later column:
+  causal self-attention (T == S) in token order, whatever segments and positions restart inside a
+  row (packed rows). Not for the zigzag layout, whose columns are out of token order.
   """
-  b, t, n, h = q.shape
-  kv_heads = k.shape[2]
-  qg = q.astype(jnp.float32).reshape(b, t, kv_heads, n // kv_heads, h)  # [B, T, K, G, H]
-  mask = jnp.ones((b, t, k.shape[1]), bool)
+  t = q.shape[1]
+  if causal_blocks > 1:
+    if not causal or t != k.shape[1]:
+      raise ValueError(f"causal_blocks={causal_blocks} needs causal self-attention (T == S); got causal="
+                       f"{causal}, T={t}, S={k.shape[1]}.")
+    ends = [round(t * (i + 1) / causal_blocks) for i in range(causal_blocks)]
+    starts = [0] + ends[:-1]
+    segments = (lambda a, z: dict(q_segment_ids=q_segment_ids[:, a:z], kv_segment_ids=kv_segment_ids[:, :z])
+                ) if q_segment_ids is not None else (lambda a, z: {})
+    return jnp.concatenate([
+        reference_attention(q[:, a:z], k[:, :z], v[:, :z], causal=True, q_positions=q_positions[:, a:z],
+                            kv_positions=kv_positions[:, :z], scale=scale, **segments(a, z))
+        for a, z in zip(starts, ends) if z > a], axis=1)
+  b, _, n, h = q.shape
+  kv_heads, s_len = k.shape[2], k.shape[1]
+  groups = n // kv_heads
+  mask = jnp.ones((b, t, s_len), bool)
   if causal:
     mask &= q_positions[:, :, None] >= kv_positions[:, None, :]
   if q_segment_ids is not None:
     mask &= q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
-  queries = "T" if t > 1 else ""  # one query (decode): its axis dropped
-  if t == 1:
-    qg, mask = qg[:, 0], mask[:, 0]
   hi = lax.Precision.HIGHEST
-  s = jnp.einsum(f"B{queries}KGH,BSKH->BKG{queries}S", qg, k.astype(jnp.float32), precision=hi) * scale
-  s = jnp.where(mask[:, None, None], s, -jnp.inf)
+  if t > 1:  # queries [B, K, T * G, H], keys and values [B, K, S, .]
+    queries = q.astype(jnp.float32).reshape(b, t, kv_heads, groups, h).transpose(0, 2, 1, 3, 4)
+    keys, values = (x.astype(jnp.float32).transpose(0, 2, 1, 3) for x in (k, v))
+    rows = jnp.broadcast_to(mask[:, None, :, None], (b, 1, t, groups, s_len))
+    s = jnp.einsum("BKMH,BKSH->BKMS", queries.reshape(b, kv_heads, t * groups, h), keys, precision=hi) * scale
+    p = _softmax(jnp.where(rows.reshape(b, 1, t * groups, s_len), s, -jnp.inf))
+    out = jnp.einsum("BKMS,BKSJ->BKMJ", p, values, precision=hi).reshape(b, kv_heads, t, groups, -1)
+    return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, v.shape[-1]).astype(q.dtype)
+  # One query (decode): its axis dropped, the cache read in its own layout
+  s = jnp.einsum("BKGH,BSKH->BKGS", q.astype(jnp.float32).reshape(b, kv_heads, groups, h),
+                 k.astype(jnp.float32), precision=hi) * scale
+  p = _softmax(jnp.where(mask[:, :, None], s, -jnp.inf))  # mask [B, 1, 1, S]
+  out = jnp.einsum("BKGS,BSKJ->BKGJ", p, v.astype(jnp.float32), precision=hi)
+  return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
+
+
+def _softmax(s):
+  """Softmax over the last axis of scores whose masked entries are -inf; a row with none left gives 0."""
   m = s.max(axis=-1, keepdims=True)
   p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
   l = p.sum(axis=-1, keepdims=True)
-  p = p / jnp.where(l > 0, l, 1.0)
-  out = jnp.einsum(f"BKG{queries}S,BSKJ->B{queries}KGJ", p, v.astype(jnp.float32), precision=hi)
-  return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
+  return p / jnp.where(l > 0, l, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +326,7 @@ def _outer_specs(mesh: Mesh, batch: int, kv_heads: int):
 
 def attend(q, k, v, *, impl: str, mesh: Mesh | None = None, causal: bool = True,
            q_positions=None, kv_positions=None, segment_ids: Any = None,
-           scale: float | None = None, block_q: int = 512, block_kv: int = 256):
+           scale: float | None = None, block_q: int = 512, block_kv: int = 256, causal_blocks: int = 1):
   """Softmax attention with grouped-query heads, position-based causal masks and packed segments.
 
   Args:
@@ -314,6 +345,8 @@ def attend(q, k, v, *, impl: str, mesh: Mesh | None = None, causal: bool = True,
     scale: score scale, default 1 / sqrt(H).
     block_q: query rows per block (blockwise and ring; capped at the local length).
     block_kv: key rows per block.
+    causal_blocks: "reference" only: n > 1 scores each of n query blocks against the keys up to its
+      own last column (`reference_attention`); for causal self-attention in token order.
 
   Returns:
     [B, T, N, J] in q's dtype, sharded like q under "ring". Query rows that can see no key give 0.
@@ -328,7 +361,7 @@ def attend(q, k, v, *, impl: str, mesh: Mesh | None = None, causal: bool = True,
   if impl == "reference":
     return reference_attention(q, k, v, causal=causal, q_positions=q_pos, kv_positions=kv_pos,
                                q_segment_ids=q_seg if use_segments else None,
-                               kv_segment_ids=kv_seg, scale=scale)
+                               kv_segment_ids=kv_seg, scale=scale, causal_blocks=causal_blocks)
   local = functools.partial(_local_attention, causal=causal, segments=use_segments, scale=scale,
                             block_q=block_q, block_kv=block_kv)
   if impl == "blockwise":

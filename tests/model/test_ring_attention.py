@@ -75,6 +75,31 @@ def test_one_query_form_equals_the_many_query_form():
   assert float(jnp.max(jnp.abs(got[2]))) == 0.0 and float(jnp.max(jnp.abs(got[:2]))) > 0.1
 
 
+
+@pytest.mark.parametrize("t,blocks", [(96, 2), (97, 3)])
+def test_causal_blocks_equal_one_block_and_score_less(t, blocks):
+  """Causal self-attention split into query blocks, each scored against the keys up to its own last
+  column (attend's causal_blocks, the reference kernel's training path), gives the one-block result
+  and gradients on packed rows whose positions restart in every document, with trailing padding;
+  and it compiles to fewer FLOPs (the skipped keys are really not scored)."""
+  q, k, v, cot = _inputs(b=2, t=t, n=4, kv_heads=2)
+  segments = _packed_segments(2, t) + 1
+  segments = jnp.where(jnp.arange(t)[None] >= t - 5, 0, segments)  # five padding columns
+  starts = jax.vmap(lambda row: jnp.searchsorted(row, row, side="left"))(segments)
+  positions = jnp.arange(t)[None] - starts  # 0.. in each document
+  kwargs = dict(q_positions=positions, kv_positions=positions, segment_ids=segments)
+  run = {n: jax.jit(lambda q, k, v, cot, n=n: _out_and_grads("reference", q, k, v, cot, causal_blocks=n, **kwargs))
+         for n in (1, blocks)}
+  whole, split = run[1](q, k, v, cot), run[blocks](q, k, v, cot)
+  assert max(_max_errors(split, whole)) <= TOL, _max_errors(split, whole)
+  flops = {n: fn.lower(q, k, v, cot).compile().cost_analysis()["flops"] for n, fn in run.items()}
+  assert flops[blocks] < 0.9 * flops[1], flops
+  with pytest.raises(ValueError, match="causal_blocks=2 needs causal self-attention"):
+    ra.attend(q, k, v, impl="reference", causal=False, causal_blocks=2)
+  with pytest.raises(ValueError, match="T=8, S=96"):
+    ra.attend(q[:, :8], k[:, :96], v[:, :96], impl="reference", causal_blocks=2)
+
+
 BLOCKWISE_CASES = {
     # name: (input shapes, attend kwargs)
     "causal_gqa_padded_len200": (dict(t=200, n=4, kv_heads=2), dict(block_q=64, block_kv=32)),

@@ -228,3 +228,27 @@ def test_bad_input_errors():
   mesh = make_mesh(cfg.mesh)
   with pytest.raises(ValueError, match="(?i)expert"):
     build_model(ModelConfig.from_config(cfg, mesh), mesh)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mla"])
+def test_uncached_self_attention_scores_query_halves(monkeypatch, variant):
+  """The reference kernel's uncached self-attention of at least REFERENCE_SPLIT_MIN_LEN tokens (the
+  update's and log-probs' forward) takes the split path (two query halves, attention.KernelConfig):
+  the model's logits on packed rows equal those of one whole block, in fewer compiled FLOPs."""
+  from meshrl.model import attention  # pylint: disable=import-outside-toplevel
+  cfg = _cfg("model.max_seq_len=128", *(MLA if variant == "mla" else []))
+  model = build_model(ModelConfig.from_config(cfg))
+  graphdef, state = nnx.split(model)
+  length = attention.REFERENCE_SPLIT_MIN_LEN + 16
+  tokens = _tokens(batch=2, length=length, seed=5)
+  segments = jnp.asarray((np.arange(length)[None] >= np.array([[30], [50]])) + 1, jnp.int32)
+  positions = jnp.asarray(np.where(np.arange(length)[None] >= np.array([[30], [50]]),
+                                   np.arange(length)[None] - np.array([[30], [50]]), np.arange(length)[None]),
+                          jnp.int32)
+  results = {}
+  for name, threshold in (("split", attention.REFERENCE_SPLIT_MIN_LEN), ("whole", 10**9)):
+    monkeypatch.setattr(attention, "REFERENCE_SPLIT_MIN_LEN", threshold)
+    fn = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t, positions=positions, segment_ids=segments).logits)
+    results[name] = (fn(state, tokens), fn.lower(state, tokens).compile().cost_analysis()["flops"])
+  np.testing.assert_allclose(np.asarray(results["split"][0]), np.asarray(results["whole"][0]), atol=1e-5)
+  assert results["split"][1] < results["whole"][1], (results["split"][1], results["whole"][1])
