@@ -122,6 +122,7 @@ def first_max_index(x: jax.Array) -> jax.Array:
   return jnp.min(jnp.where(hit, columns, x.shape[-1]), axis=-1)
 
 
+@jax.jit
 def sample_keys(key: jax.Array, sample_ids: jax.Array) -> jax.Array:
   """One key per sample [B] from a base key and the samples' ids [B] int (fold_in(key, id))."""
   return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, sample_ids)

@@ -19,6 +19,7 @@ L MoE layers, K experts per token, V vocab, W stop-sequence window.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -69,13 +70,17 @@ class Pool:
     return (columns >= self.pad[:, None]) & (columns < self.count[:, None])
 
 
+@functools.partial(jax.jit, static_argnames=("group_size", "width", "pad_id", "max_new_tokens",
+                                               "routing_shape"))
 def new_pool(prompts: jax.Array, prompt_mask: jax.Array, keys: jax.Array, *, group_size: int, width: int,
              pad_id: int, max_lengths=None, max_new_tokens: int | None = None,
              routing_shape: tuple[int, int] | None = None) -> Pool:
   """A pool of fresh samples, G per prompt (sample b is prompt b // G, in its group's order).
 
   prompts [P, Lp] left-padded with prompt_mask [P, Lp]; keys [B] typed PRNG keys; width S >= Lp;
-  max_lengths [B] (default max_new_tokens, else S - Lp); routing_shape (L, K) of a MoE model."""
+  max_lengths [B] (default max_new_tokens, else S - Lp); routing_shape (L, K) of a MoE model. One
+  program (eagerly its dozen operations cost the episodic rollout, which waits for them, a few ms a
+  step)."""
   num_prompts, prompt_len = prompts.shape
   num = num_prompts * group_size
   group_of = jnp.arange(num, dtype=jnp.int32) // group_size
