@@ -2,9 +2,9 @@
 
 Run it:  python scripts/rl.py --config=configs/tiny_agent.py
 Expect (docs/benchmarks.md "The multi-turn agent demo"; 2 cores): held-out greedy multi-turn success
-10.9% after the warm start -> 59-69% after 320 GRPO steps with this preset (MoE, routing replay,
+8-11% after the warm start -> 55-69% after 320 GRPO steps with this preset (MoE, routing replay,
 continuous engine, asynchronous RL, an update sized to the groups dynamic sampling keeps; 16-30% after
-80 steps, 47-59% after 240: the MoE asynchronous policy learns steadily but more slowly than the dense
+80 steps, 37-59% after 240: the MoE asynchronous policy learns steadily but more slowly than the dense
 synchronous one), 3-4 minutes in all (2 min 54 s alone on 2 cores, 2026-12-05). The dense,
 synchronous recipe (moe.num_experts=0, rl.engine=static, rl.max_staleness=0, rl.tis_level=none,
 rl.replay_routing=false, rl.num_steps=80) measured 6.2% -> 53.1% (the code before the generation
