@@ -32,8 +32,9 @@ __all__ = ["attend", "KernelConfig", "GQAttention", "MLAttention"]
 
 # The reference kernel's uncached self-attention (training, log-probs) of at least this many tokens
 # scores two query halves, the first against the first half of the keys only: 3/4 of the score
-# matrix. The update's forward and backward at the agent preset's 32 x 120 tokens took 0.83x the
-# time of one whole block (docs/benchmarks.md "The multi-turn agent demo"); 3 or 4 blocks were no faster.
+# matrix. The update's forward and backward at the agent preset's 32 x 120 tokens took 0.83x the time
+# of the earlier kernel (one block, queries [B, T, K, G, H]), 0.94x with the batch-first layout alone
+# (docs/benchmarks.md "The multi-turn agent demo"); 3 or 4 blocks were no faster than 2.
 REFERENCE_SPLIT_MIN_LEN = 64
 
 
