@@ -213,13 +213,12 @@ def reference_attention(q, k, v, *, causal, q_positions, kv_positions, q_segment
       raise ValueError(f"causal_blocks={causal_blocks} needs causal self-attention (T == S); got causal="
                        f"{causal}, T={t}, S={k.shape[1]}.")
     ends = [round(t * (i + 1) / causal_blocks) for i in range(causal_blocks)]
-    starts = [0] + ends[:-1]
-    segments = (lambda a, z: dict(q_segment_ids=q_segment_ids[:, a:z], kv_segment_ids=kv_segment_ids[:, :z])
-                ) if q_segment_ids is not None else (lambda a, z: {})
+    cut = lambda x, a, z: None if x is None else x[:, a:z]  # noqa: E731  (segment ids may be None)
     return jnp.concatenate([
         reference_attention(q[:, a:z], k[:, :z], v[:, :z], causal=True, q_positions=q_positions[:, a:z],
-                            kv_positions=kv_positions[:, :z], scale=scale, **segments(a, z))
-        for a, z in zip(starts, ends) if z > a], axis=1)
+                            kv_positions=kv_positions[:, :z], q_segment_ids=cut(q_segment_ids, a, z),
+                            kv_segment_ids=cut(kv_segment_ids, 0, z), scale=scale)
+        for a, z in zip([0] + ends[:-1], ends) if z > a], axis=1)
   b, _, n, h = q.shape
   kv_heads, s_len = k.shape[2], k.shape[1]
   groups = n // kv_heads

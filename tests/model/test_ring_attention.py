@@ -75,7 +75,6 @@ def test_one_query_form_equals_the_many_query_form():
   assert float(jnp.max(jnp.abs(got[2]))) == 0.0 and float(jnp.max(jnp.abs(got[:2]))) > 0.1
 
 
-
 @pytest.mark.parametrize("t,blocks", [(96, 2), (97, 3)])
 def test_causal_blocks_equal_one_block_and_score_less(t, blocks):
   """Causal self-attention split into query blocks, each scored against the keys up to its own last
