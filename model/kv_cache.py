@@ -129,16 +129,16 @@ def _write_rows(target: jax.Array, value: jax.Array, index: jax.Array, axis: int
 
   A write that would run past the end is moved back to end at S (dynamic_update_slice's clamping);
   the engine only lets that happen to rows whose contents are dead (a finished slot awaiting refill).
+  Per-row indices write by a scatter (vmapped dynamic_update_slice) that updates `target` in place,
+  decode steps (T = 1) included: a select over the S columns read and wrote the whole cache per step,
+  and XLA:CPU recomputed a key's RoPE for each of its columns; 0.90-0.92x the decode forward's time
+  (docs/benchmarks.md "The multi-turn agent demo"). The scatter keeps the cache's sharding (the same
+  collectives as the select over data, fsdp, tensor, expert and sequence axes).
   """
   value = value.astype(target.dtype)
   at = lambda i, ndim, where: tuple(i if d == where else 0 for d in range(ndim))  # noqa: E731
   if index.ndim == 0:
     return jax.lax.dynamic_update_slice(target, value, at(index, target.ndim, axis))
-  slots = target.shape[axis]
-  if value.shape[axis] == 1:  # decode: an elementwise select, which keeps the cache's sharding (no scatter)
-    hit = jnp.arange(slots) == jnp.minimum(index, slots - 1)[:, None]  # [B, S]
-    shape = tuple(n if d in (0, axis) else 1 for d, n in enumerate(target.shape))
-    return jnp.where(hit.reshape(shape), value, target)
   row = lambda t, v, i: jax.lax.dynamic_update_slice(t, v, at(i, t.ndim, axis - 1))  # noqa: E731
   return jax.vmap(row)(target, value, index)
 

@@ -22,8 +22,8 @@ cache rows, and `logits` are the distribution of the next one. A decode step the
      column in step 3, so there is nothing to roll back).
 With k = 0 this is plain decoding. Rows move by different counts, so the caches have per-row write
 indices; a static batch without proposals keeps one shared index (`lockstep`: every row writes at
-the same column, a finished row's writes land in its own dead row), which lets XLA update the cache
-in place instead of selecting over it.
+the same column, a finished row's writes land in its own dead row): one dynamic-update-slice per
+cache entry instead of one row-indexed write per row (both update the cache in place).
 
 Axis legend: B samples, C slots, R rows extended, T tokens extended, k proposals, K1 = k + 1, S
 cache/buffer columns, V vocab, L MoE layers, K experts per token, M stop sequences, W their length.

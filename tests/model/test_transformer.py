@@ -150,6 +150,67 @@ def test_decode_step_reads_the_per_layer_cache_without_copying_it(cache_dtype):
                              np.asarray(stacked(state, cache)), atol=1e-5)
 
 
+
+def _ops_of_size(hlo: str, size: int) -> list[str]:
+  """The optimised program's instructions (name and opcode) whose result has `size` elements."""
+  found = []
+  for line in hlo.splitlines():
+    match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \w+\[([\d,]*)\]\{[\d,]*\} ([\w\-]+)\(", line)
+    if match and math.prod(int(n) for n in match.group(2).split(",") if n) == size:
+      found.append(f"{match.group(1)} {match.group(3)}")
+  return found
+
+
+def test_per_row_decode_writes_the_cache_in_place():
+  """A decode step with per-row write indices (the engine's slots) writes each row's new column
+  into the cache in place (a scatter, or the dynamic-update-slices XLA makes of one): the program holds no select (or fusion of one) over a
+  whole layer's entry, which would read and write all S columns to change one; the cache comes
+  back as a prefill of the same tokens leaves it."""
+  model = build_model(ModelConfig.from_config(_cfg("moe.first_k_dense=0", "model.num_kv_heads=2")))
+  graphdef, state = nnx.split(model)
+  tokens = _tokens(batch=4, length=6, seed=3)
+  weights = jax.jit(lambda s: nnx.merge(graphdef, s).layer_weights())(state)
+  prefix = kvc.unstack(kvc.with_row_index(model(tokens[:, :5], cache=model.init_cache(4, 24)).cache))
+  step = jax.jit(lambda s, c: nnx.merge(graphdef, s)(tokens[:, 5:], cache=c, layer_weights=weights).cache,
+                 donate_argnums=(1,))
+  size = math.prod(prefix.layers["moe"][0]["k"].shape)
+  ops = _ops_of_size(step.lower(state, prefix).compile().as_text(), size)
+  in_place = [op for op in ops if "scatter" in op or "dynamic-update-slice" in op]
+  assert in_place, ops
+  assert not [op for op in ops if "select" in op and op not in in_place], ops
+  whole = model(tokens, cache=model.init_cache(4, 24)).cache
+  written = kvc.stack(step(state, prefix))
+  for name, entry in written.layers["moe"].items():
+    np.testing.assert_allclose(np.asarray(entry), np.asarray(whole.layers["moe"][name]), atol=1e-5, err_msg=name)
+
+
+def _collectives(hlo: str) -> list[str]:
+  """The optimised program's collectives, as 'opcode result-shape', sorted."""
+  found = re.findall(r"= (\w+\[[\d,]*\])\{[\d,]*\} (all-gather|all-reduce|all-to-all|collective-permute|"
+                     r"reduce-scatter)(?:-start)?\(", hlo)
+  return sorted(f"{op} {shape}" for shape, op in found)
+
+
+def test_per_row_decode_write_adds_no_collective_on_a_mesh(devices):
+  """On a mesh that splits the cache's rows (data), columns (sequence) and heads (tensor), a decode
+  step writing at per-row indices communicates exactly what the step writing at one shared index
+  does: the row-indexed write stays local to each device's part of the cache."""
+  cfg = _cfg("moe.first_k_dense=0", "model.num_kv_heads=2", "mesh.data=2", "mesh.sequence=2", "mesh.tensor=2")
+  mesh = make_mesh(cfg.mesh)
+  model = build_model(ModelConfig.from_config(cfg, mesh), mesh)
+  graphdef, state = nnx.split(model)
+  tokens = _tokens(batch=8, length=1, seed=4)
+
+  def step(state, per_row):
+    m = nnx.merge(graphdef, state)
+    cache = m.init_cache(8, 32)
+    weights, cache = m.decode_loop_inputs(kvc.with_row_index(cache) if per_row else cache)
+    return m(tokens, cache=cache, layer_weights=weights).logits
+
+  hlo = {per_row: jax.jit(step, static_argnums=1).lower(state, per_row).compile().as_text() for per_row in (True, False)}
+  assert _collectives(hlo[False])  # the mesh does split the step
+  assert _collectives(hlo[True]) == _collectives(hlo[False])
+
 def test_dense_weight_gradient_reads_its_operands_as_they_lie():
   """The compiled backward of a Dense layer on [B, T, D] inputs with merge_leading (the CPU choice,
   ModelConfig.merge_dense_axes) holds no transposed copy of the input or of the output gradient; the
