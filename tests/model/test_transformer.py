@@ -114,16 +114,21 @@ def test_decode_writes_each_layer_slot_like_a_prefill(row_index, layers):
   np.testing.assert_array_equal(np.asarray(cache.index), np.full(cache.index.shape, 9))
 
 
+def _ops_of_size(hlo: str, size: int) -> list[str]:
+  """The optimised program's instructions ('name opcode') whose result has `size` elements."""
+  found = []
+  for line in hlo.splitlines():
+    match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \w+\[([\d,]*)\]\{[\d,]*\} ([\w\-]+)\(", line)
+    if match and math.prod(int(n) for n in match.group(2).split(",") if n) == size:
+      found.append(f"{match.group(1)} {match.group(3)}")
+  return found
+
+
 def _transposes(hlo: str, size: int) -> list[str]:
   """The optimised program's transposes (plain, or fusions named after them) of arrays with `size`
   elements. (Plain copies are left out: a step that writes a cache it was not donated copies it.)"""
-  found = []
-  for line in hlo.splitlines():
-    match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \w+\[([\d,]*)\]\{[\d,]*\} (\w+)\(", line)
-    if match and (match.group(3) == "transpose" or (match.group(3) == "fusion" and match.group(1).startswith(
-        "transpose"))) and math.prod(int(n) for n in match.group(2).split(",") if n) == size:
-      found.append(line.strip()[:160])
-  return found
+  return [op for op in _ops_of_size(hlo, size)
+          if op.endswith(" transpose") or (op.startswith("transpose") and op.endswith(" fusion"))]
 
 
 @pytest.mark.parametrize("cache_dtype", ["model", "int8"])
@@ -150,22 +155,11 @@ def test_decode_step_reads_the_per_layer_cache_without_copying_it(cache_dtype):
                              np.asarray(stacked(state, cache)), atol=1e-5)
 
 
-
-def _ops_of_size(hlo: str, size: int) -> list[str]:
-  """The optimised program's instructions (name and opcode) whose result has `size` elements."""
-  found = []
-  for line in hlo.splitlines():
-    match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \w+\[([\d,]*)\]\{[\d,]*\} ([\w\-]+)\(", line)
-    if match and math.prod(int(n) for n in match.group(2).split(",") if n) == size:
-      found.append(f"{match.group(1)} {match.group(3)}")
-  return found
-
-
 def test_per_row_decode_writes_the_cache_in_place():
   """A decode step with per-row write indices (the engine's slots) writes each row's new column
-  into the cache in place (a scatter, or the dynamic-update-slices XLA makes of one): the program holds no select (or fusion of one) over a
-  whole layer's entry, which would read and write all S columns to change one; the cache comes
-  back as a prefill of the same tokens leaves it."""
+  into the cache in place (a scatter, or the dynamic-update-slices XLA makes of one): the program
+  holds no select (or fusion of one) over a whole layer's entry, which would read and write all S
+  columns to change one; the cache comes back as a prefill of the same tokens leaves it."""
   model = build_model(ModelConfig.from_config(_cfg("moe.first_k_dense=0", "model.num_kv_heads=2")))
   graphdef, state = nnx.split(model)
   tokens = _tokens(batch=4, length=6, seed=3)
@@ -181,7 +175,8 @@ def test_per_row_decode_writes_the_cache_in_place():
   whole = model(tokens, cache=model.init_cache(4, 24)).cache
   written = kvc.stack(step(state, prefix))
   for name, entry in written.layers["moe"].items():
-    np.testing.assert_allclose(np.asarray(entry), np.asarray(whole.layers["moe"][name]), atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(np.asarray(entry), np.asarray(whole.layers["moe"][name]), atol=1e-5,
+                               err_msg=name)
 
 
 def _collectives(hlo: str) -> list[str]:
@@ -207,9 +202,11 @@ def test_per_row_decode_write_adds_no_collective_on_a_mesh(devices):
     weights, cache = m.decode_loop_inputs(kvc.with_row_index(cache) if per_row else cache)
     return m(tokens, cache=cache, layer_weights=weights).logits
 
-  hlo = {per_row: jax.jit(step, static_argnums=1).lower(state, per_row).compile().as_text() for per_row in (True, False)}
+  hlo = {per_row: jax.jit(step, static_argnums=1).lower(state, per_row).compile().as_text()
+         for per_row in (True, False)}
   assert _collectives(hlo[False])  # the mesh does split the step
   assert _collectives(hlo[True]) == _collectives(hlo[False])
+
 
 def test_dense_weight_gradient_reads_its_operands_as_they_lie():
   """The compiled backward of a Dense layer on [B, T, D] inputs with merge_leading (the CPU choice,
