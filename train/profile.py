@@ -63,6 +63,10 @@ class StepProfiler:
       return
     if not self.active:  # the first traced step (or the first after a resume inside the window)
       os.makedirs(self.folder, exist_ok=True)
+      # Work dispatched before the window finishes first: a loop that waits on one device's scalar
+      # (e.g. a replicated flag) may leave the previous step still running on the others, and its
+      # run would be traced and counted as a call of the traced steps.
+      jax.block_until_ready(jax.live_arrays())
       jax.profiler.start_trace(self.folder)
       self.active, self.first = True, step
     try:

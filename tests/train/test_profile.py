@@ -32,6 +32,26 @@ def outside(x):
   return x * 2.0
 
 
+@jax.jit
+def slow(x):
+  return jax.lax.fori_loop(0, 60, lambda _, y: jnp.tanh(y @ y), x)
+
+
+def test_work_dispatched_before_the_window_is_not_traced(tmp_path):
+  """A program dispatched before the first traced step and not waited for (a loop that waited on one
+  device's scalar leaves the previous step running on the others) finishes before the trace starts:
+  it is not counted in the traced steps."""
+  x = jnp.ones((512, 512)) / 512
+  jax.block_until_ready(slow(x))  # compiled
+  profiler = StepProfiler(str(tmp_path / "profile"), start=1, steps=1, name="test")
+  pending = slow(x)  # still running when the window opens
+  with profiler.step(1):
+    jax.block_until_ready(light(x))
+  jax.block_until_ready(pending)
+  by_name = {p["program"]: p for p in profiler.summary["programs"]}
+  assert by_name["jit_light"]["calls"] == 1
+  assert "jit_slow" not in by_name
+
 def test_the_window_is_traced_and_each_program_timed(tmp_path):
   """Steps 2 and 3 of 1..4 are traced: the programs they ran are in the summary with their calls,
   the longer one first; what steps 1 and 4 ran is not."""
