@@ -298,13 +298,16 @@ def train_steps(run: RLRun, prompts: PromptStream, *, start_step: int = 0, num_s
   `profiler` (train/profile.py, log.profile_start), its steps' `rl_step` calls are traced.
 
   Each record's `step_wall_s` is the loop's wall time since the previous record: the step, its hooks
-  (evaluation) and the previous step's checkpoint; `time_s` counts `rl_step` alone."""
+  (evaluation) and the previous step's checkpoint; `time_s` counts `rl_step` alone. `host_cpu_s` is
+  the process's CPU time over the same span (every thread, user and system: time.process_time), so
+  host_cpu_s / step_wall_s is how many of the host's cores the step kept busy (on a CPU backend the
+  devices' work included)."""
   num_steps = run.cfg.rl.num_steps if num_steps is None else num_steps
   streak = NonFiniteStreak(run.cfg.rl.max_nonfinite_steps, what="RL", field="rl.max_nonfinite_steps")
   key = jax.random.key(run.cfg.seed + 1)
   records, counter = [], CompileCounter()
   run.version = start_step  # one policy update per RL step
-  since = time.perf_counter()
+  since, cpu_since = time.perf_counter(), time.process_time()
   try:
     for step in range(start_step + 1, num_steps + 1):
       with profiler.step(step) if profiler is not None else contextlib.nullcontext():
@@ -319,8 +322,9 @@ def train_steps(run: RLRun, prompts: PromptStream, *, start_step: int = 0, num_s
       for hook in hooks:
         hook(step, run, metrics)
       stopping = metrics.pop("stopping")
-      now = time.perf_counter()
+      now, cpu_now = time.perf_counter(), time.process_time()
       metrics["step_wall_s"], since = now - since, now
+      metrics["host_cpu_s"], cpu_since = cpu_now - cpu_since, cpu_now
       records.append(writer.write(step, metrics) if writer is not None else {"step": step, **metrics})
       if checkpoint is not None:
         checkpoint(step, run, {**metrics, "stopping": stopping or step == num_steps})

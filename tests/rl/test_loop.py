@@ -204,6 +204,36 @@ def test_the_carried_state_is_built_only_for_the_steps_that_are_saved(tmp_path, 
   assert records[1]["step_wall_s"] >= 0.2 > records[2]["step_wall_s"]  # the wall counts the checkpoint before it
 
 
+def test_host_cpu_s_counts_every_threads_cpu_time_in_the_step(monkeypatch):
+  """host_cpu_s is the process's CPU time since the previous record, a worker thread's included (an
+  asynchronous step's rollout runs in one): a step that waits while a thread spins 0.3 s counts it;
+  a step that sleeps does not."""
+  import threading  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+
+  def spin(seconds):
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+      pass
+
+  steps = []
+
+  def fake_step(run, prompts, key):
+    steps.append(key)
+    if len(steps) == 1:  # the first step: a worker thread burns CPU while this one waits
+      worker = threading.Thread(target=spin, args=(0.3,))
+      worker.start()
+      worker.join()
+    else:
+      time.sleep(0.3)
+    return {"nonfinite_minibatches": 0.0}
+  monkeypatch.setattr(loop, "rl_step", fake_step)
+  cfg = configs.load("configs/tiny.py", ["rl.num_steps=2"])
+  records = loop.train_steps(_FakeRun(cfg), None)
+  assert records[0]["host_cpu_s"] >= 0.25 and records[0]["step_wall_s"] >= 0.25
+  assert records[1]["host_cpu_s"] < 0.15 <= records[1]["step_wall_s"]
+
+
 @pytest.mark.slow
 def test_sigterm_to_the_script_saves_and_exits_zero(tmp_path):
   """scripts/rl.py in a subprocess gets SIGTERM mid-run: it exits 0 with a message, and its last
