@@ -168,7 +168,8 @@ def get_config(arg=None):
   config.rl.pack_updates = False  # Update on trajectories packed into rows with segment ids (rl/batches/packing.py).
   config.rl.packed_row_len = 0  # Packed update: tokens per row (0 = max_prompt_len + max_new_tokens).
   config.rl.packed_rows = 0  # Packed update: rows per batch, static; must hold every step's tokens (0 = one per sample).
-  config.rl.packed_row_buckets = 1  # Packed update: a step takes the fewest of packed_rows, /2, ... /2^(n-1) rows that hold its kept samples (one compile each).
+  config.rl.packed_row_buckets = 1  # Packed update: a step takes the fewest of n row counts that hold its kept samples (one compile each), spaced by packed_row_spacing.
+  config.rl.packed_row_spacing = "halve"  # The n row counts: "halve" (packed_rows, /2, ... /2^(n-1)) or "even" (packed_rows * k / n, k = 1..n).
   config.rl.tis_level = "none"  # Truncated importance weights vs the behaviour policy: "none", "token", "sequence".
   config.rl.tis_cap = 2.0  # Truncation cap of the importance weights (>= 1).
   config.rl.max_staleness = 0  # Asynchronous RL: rollouts generated up to this many updates ahead (0 = synchronous).

@@ -125,6 +125,7 @@ def check_model_rewards(cfg) -> None:
       raise ValueError(f"rl.{field}={path!r} does not exist.")
   at_least(cfg, "rl.rm_length_penalty", 0.0, " (0 = off)")
   one_of(cfg, "rl.reward_norm", ("none", "domain"))
+  one_of(cfg, "rl.packed_row_spacing", ("halve", "even"))  # rl/batches/packing.row_ladder
   positive(cfg, "rl.judge_max_score", " (the top of the judge's scale)")
   for field in ("judge_prompt_len", "judge_max_tokens"):
     at_least(cfg, f"rl.{field}", 1)

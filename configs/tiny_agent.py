@@ -71,10 +71,12 @@ def get_config(arg=None):
   config.rl.max_new_tokens = 96
   config.rl.temperature = 0.7
   config.rl.max_resample_rounds = 0
-  # Dynamic sampling keeps the groups whose rewards differ (1-5 of 8 here): the update takes the fewest
-  # of 64, 32, 16, 8 rows that hold them (one compile each), not 64 rows of which most are masked.
+  # Dynamic sampling keeps the groups whose rewards differ (1-5 of 8 early in the run, 4-7 later): the
+  # update takes the fewest of 16, 32, 48, 64 rows that hold them (one compile each), not 64 rows of
+  # which most are masked. Halvings (8, 16, 32, 64) took all 64 rows for 5-7 groups.
   config.rl.pack_updates = True
   config.rl.packed_row_buckets = 4
+  config.rl.packed_row_spacing = "even"
   config.rl.sft_steps = 200
   config.rl.sft_batch_size = 16
   config.data.seq_len = 128
@@ -102,6 +104,7 @@ def get_config(arg=None):
     config.rl.num_minibatches = 2  # as measured (2026-12-04): two updates a step on a padded batch
     config.rl.pack_updates = False
     config.rl.packed_row_buckets = 1
+    config.rl.packed_row_spacing = "halve"
     config.rl.num_steps = 240  # held-out 28-30% -> 42-50% at step 80, 64-70% at 240 (measured)
     config.eval.every = 20
   elif arg:

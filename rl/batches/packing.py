@@ -14,9 +14,10 @@ Each trajectory keeps its positions (0.. over its real tokens) and gets its own 
 padding) lets the losses reduce per sample (rl/algo/losses.py `Sequences`).
 
 The packed shape [R, W] is static per run (`rl.packed_rows`, `rl.packed_row_len`): one compile. With
-`rl.packed_row_buckets` = n > 1 a step takes the fewest rows of the ladder R, R/2, ..., R/2^(n-1) that
-hold its trajectories (one compile per rung; the ladder stops early at a half that would not split
-into the minibatches over the data-parallel axes): dynamic sampling keeps only the groups whose rewards
+`rl.packed_row_buckets` = n > 1 a step takes the fewest rows of a ladder of n counts that hold its
+trajectories (`row_ladder`: R, R/2, ..., R/2^(n-1), or R*k/n with rl.packed_row_spacing=even; one
+compile per rung; a count that would not split into the minibatches over the data-parallel axes is
+left out): dynamic sampling keeps only the groups whose rewards
 differ, and the update then costs what the kept samples need, not what the rollout made (the groups
 it drops would have been forwarded and backpropagated with a zero mask).
 Rows are filled longest trajectory first into the least-loaded row (LPT), so their token counts
@@ -82,9 +83,18 @@ class PackingSpec:
     return self.ladder or (self.rows,)
 
 
-def halvings(rows: int, rungs: int, fits) -> tuple[int, ...]:
-  """rows, rows / 2, ... (at most `rungs` counts, each a whole half that `fits(count)`), fewest first:
-  the row ladder of rl.packed_row_buckets."""
+def row_ladder(rows: int, rungs: int, spacing: str, fits) -> tuple[int, ...]:
+  """The row counts of rl.packed_row_buckets = `rungs`, fewest first, each one that `fits(count)`:
+    halve  rows, rows / 2, ... (at most `rungs` counts, each a whole half, stopping at the first half
+           that does not fit): relative waste under 1/2, from rows / 2^(rungs-1) up;
+    even   rows * k / rungs for k = 1..rungs, the whole ones that fit: waste under rows / rungs rows.
+           Late in an RL run dynamic sampling keeps most groups, and a step's rows sit between rows / 2
+           and rows, where halving takes all `rows`."""
+  if spacing == "even":
+    return tuple(sorted({rows * k // rungs for k in range(1, rungs + 1)
+                         if rows * k % rungs == 0 and fits(rows * k // rungs)} | {rows}))
+  if spacing != "halve":
+    raise ValueError(f"rl.packed_row_spacing={spacing!r} is unknown; choose one of ('halve', 'even').")
   ladder = [rows]
   while len(ladder) < rungs and ladder[-1] % 2 == 0 and fits(ladder[-1] // 2):
     ladder.append(ladder[-1] // 2)

@@ -25,7 +25,7 @@ from meshrl.model.tokenizer import Tokenizer, tokenizer_from_config
 from meshrl.model.transformer import ModelConfig
 from meshrl.rl.algo import advantages as adv_lib
 from meshrl.rl.algo import losses
-from meshrl.rl.batches.packing import halvings, update_shape
+from meshrl.rl.batches.packing import row_ladder, update_shape
 from meshrl.rl.envs import TaskMixture
 from meshrl.rl.envs.file_sandbox import check_backend_runs
 from meshrl.rl.envs.quality import Quarantine
@@ -131,9 +131,10 @@ def build_spec(cfg, mesh: Mesh | None = None, *, tokenizer: Tokenizer | None = N
 
 
 def update_row_ladder(cfg, num_devices: int | None) -> tuple[int, ...]:
-  """The row counts a packed update batch may take, fewest first (rl/batches/packing.py): rl.packed_rows
-  halved up to rl.packed_row_buckets - 1 times, while a half still splits into rl.num_minibatches
-  minibatches over the data-parallel axes (and mesh.microbatches); (rows,) for a padded batch."""
+  """The row counts a packed update batch may take, fewest first (rl/batches/packing.row_ladder):
+  rl.packed_row_buckets counts spaced by rl.packed_row_spacing, each one that splits into
+  rl.num_minibatches minibatches over the data-parallel axes (and mesh.microbatches); (rows,) for a
+  padded batch."""
   rows, _ = update_shape(cfg)
   if not cfg.rl.pack_updates:
     return (rows,)
@@ -148,7 +149,7 @@ def update_row_ladder(cfg, num_devices: int | None) -> tuple[int, ...]:
     except ValueError:
       return False
     return True
-  return halvings(rows, cfg.rl.packed_row_buckets, fits)
+  return row_ladder(rows, cfg.rl.packed_row_buckets, cfg.rl.packed_row_spacing, fits)
 
 
 def _estimator(cfg):
@@ -205,6 +206,9 @@ def _check_shapes(cfg) -> tuple[int, int]:
   elif rl.packed_row_buckets != 1:
     raise ValueError(f"rl.packed_row_buckets={rl.packed_row_buckets} sizes packed update batches: set "
                      "rl.pack_updates=true (a padded batch has one row per sample).")
+  if rl.packed_row_spacing != "halve" and rl.packed_row_buckets == 1:
+    raise ValueError(f"rl.packed_row_spacing={rl.packed_row_spacing!r} spaces the row counts of "
+                     "rl.packed_row_buckets, which is 1 (one count): set rl.packed_row_buckets > 1.")
   if total > cfg.model.max_seq_len:
     raise ValueError(f"rl.max_prompt_len={rl.max_prompt_len} + rl.max_new_tokens={rl.max_new_tokens} "
                      f"exceeds model.max_seq_len={cfg.model.max_seq_len}.")

@@ -106,7 +106,13 @@ def test_row_buckets_take_the_fewest_rows_that_hold_the_kept_trajectories():
       (["rl.packed_row_buckets=9"], None, (2, 4, 8, 16)),  # 1 row does not split into 2 minibatches
       (["rl.packed_row_buckets=4", "mesh.fsdp=4", "mesh.tensor=2"], 8, (8, 16)),  # 2 rows per minibatch over 4
       (["rl.packed_row_buckets=4", "rl.packed_rows=12"], None, (6, 12)),  # 3 is odd: no halving
-      (["rl.packed_row_buckets=1"], None, (16,))):
+      (["rl.packed_row_buckets=1"], None, (16,)),
+      # Even spacing: 16 * k / 4, each splitting into 2 minibatches (over 4 shards: 2 rows each).
+      (["rl.packed_row_buckets=4", "rl.packed_row_spacing=even"], None, (4, 8, 12, 16)),
+      (["rl.packed_row_buckets=8", "rl.packed_row_spacing=even"], None, (2, 4, 6, 8, 10, 12, 14, 16)),
+      (["rl.packed_row_buckets=16", "rl.packed_row_spacing=even"], None, (2, 4, 6, 8, 10, 12, 14, 16)),
+      (["rl.packed_row_buckets=8", "rl.packed_row_spacing=even", "mesh.fsdp=4", "mesh.tensor=2"], 8, (8, 16)),
+      (["rl.packed_row_buckets=3", "rl.packed_row_spacing=even", "rl.packed_rows=12"], None, (4, 8, 12))):
     assert update_row_ladder(configs.load("configs/tiny.py", base + overrides), devices) == want, overrides
 
 
@@ -132,7 +138,10 @@ def test_bad_packing_input_is_refused_by_name():
       (["attention.logits_chunk=-1"], r"attention.logits_chunk=-1 must be at least 0"),
       (["rl.packed_row_buckets=0"], r"rl.packed_row_buckets=0 must be at least 1"),
       (["rl.pack_updates=false", "rl.packed_row_buckets=2"],
-       r"rl.packed_row_buckets=2 sizes packed update batches: set rl.pack_updates=true")):
+       r"rl.packed_row_buckets=2 sizes packed update batches: set rl.pack_updates=true"),
+      (["rl.packed_row_spacing=linear"], r"rl.packed_row_spacing='linear' is not one of 'halve', 'even'"),
+      (["rl.packed_row_spacing=even"], r"rl.packed_row_spacing='even' spaces the row counts of "
+                                       r"rl.packed_row_buckets, which is 1")):
     with pytest.raises(ValueError, match=match):
       check_config(configs.load("configs/tiny.py", base + overrides))
   with pytest.raises(ValueError, match=r"rl.packed_rows=6 / rl.num_minibatches=2 packed rows per minibatch "
