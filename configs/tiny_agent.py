@@ -5,7 +5,7 @@ Expect (docs/benchmarks.md "The multi-turn agent demo"; 2 cores): held-out greed
 8-11% after the warm start -> 55-69% after 320 GRPO steps with this preset (MoE, routing replay,
 continuous engine, asynchronous RL, an update sized to the groups dynamic sampling keeps; 16-30% after
 80 steps, 37-59% after 240: the MoE asynchronous policy learns steadily but more slowly than the dense
-synchronous one), 3-4 minutes in all (2 min 54 s alone on 2 cores, 2026-12-05). The dense,
+synchronous one), 2.5-4 minutes in all (2 min 33 s and 2 min 39 s alone on 2 cores, 2026-12-06). The dense,
 synchronous recipe (moe.num_experts=0, rl.engine=static, rl.max_staleness=0, rl.tis_level=none,
 rl.replay_routing=false, rl.num_steps=80) measured 6.2% -> 53.1% (the code before the generation
 engine: 6.2% -> 43.8%).
