@@ -167,11 +167,10 @@ def read_jsonl(path: str) -> list[dict]:
   return records
 
 
-def read_tensorboard(folder: str) -> dict[str, dict[int, float]]:
-  """{tag: {step: value}} of the scalars in the tensorboardX event files under `folder` (the writer's
-  tb/; TFRecord framing: an 8-byte length, 4 bytes of its CRC, the Event, 4 bytes of its CRC)."""
+def tensorboard_events(folder: str):
+  """The Events of the tensorboardX event files under `folder` (the writer's tb/), in file order
+  (TFRecord framing: an 8-byte length, 4 bytes of its CRC, the Event, 4 bytes of its CRC)."""
   from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
-  scalars = collections.defaultdict(dict)
   for name in sorted(os.listdir(folder)):
     if not name.startswith("events.out.tfevents"):
       continue
@@ -180,10 +179,16 @@ def read_tensorboard(folder: str) -> dict[str, dict[int, float]]:
     offset = 0
     while offset + 12 <= len(data):
       length = int.from_bytes(data[offset:offset + 8], "little")
-      event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+      yield event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
       offset += 12 + length + 4
-      for value in event.summary.value:
-        scalars[value.tag][event.step] = value.simple_value
+
+
+def read_tensorboard(folder: str) -> dict[str, dict[int, float]]:
+  """{tag: {step: value}} of the scalars in the event files under `folder` (`tensorboard_events`)."""
+  scalars = collections.defaultdict(dict)
+  for event in tensorboard_events(folder):
+    for value in event.summary.value:
+      scalars[value.tag][event.step] = value.simple_value
   return dict(scalars)
 
 

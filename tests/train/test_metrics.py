@@ -12,7 +12,7 @@ from meshrl.configs import load
 from meshrl.model.init import parameter_counts
 from meshrl.model.transformer import ModelConfig
 from meshrl.train.metrics import (CompileCounter, MetricsWriter, mfu, model_flops_per_token,
-                                  plot_curve, read_jsonl, read_tensorboard)
+                                  plot_curve, read_jsonl, read_tensorboard, tensorboard_events)
 
 
 def test_writer_files_and_curve(tmp_path, caplog):
@@ -32,28 +32,14 @@ def test_writer_files_and_curve(tmp_path, caplog):
   assert set(board) == {"reward", "kl", "n", "bad"}  # scalars only: not "step", not the list "load"
   assert board["reward"] == pytest.approx({r["step"]: r["reward"] for r in records})
   assert board["n"] == {step: 3 for step in range(1, 6)} and np.isnan(board["bad"][5])
-  assert _tensorboard_events(os.path.join(workdir, "tb")) == 5  # one event per record, not per scalar
+  events = tensorboard_events(os.path.join(workdir, "tb"))
+  assert sum(event.HasField("summary") for event in events) == 5  # one event per record, not per scalar
   assert "NaN or Inf" not in caplog.text
   jsonl = os.path.join(workdir, "metrics.jsonl")
   png = plot_curve(jsonl, "reward", os.path.join(workdir, "reward_curve.png"), smooth=2)
   assert os.path.getsize(png) > 1000
   with pytest.raises(ValueError, match="'missing'"):
     plot_curve(jsonl, "missing", os.path.join(workdir, "x.png"))
-
-
-def _tensorboard_events(folder: str) -> int:
-  """The events holding summaries in the event files under `folder` (TFRecord framing, as
-  read_tensorboard reads it)."""
-  from tensorboardX.proto import event_pb2
-  count = 0
-  for name in os.listdir(folder):
-    data = open(os.path.join(folder, name), "rb").read()
-    offset = 0
-    while offset + 12 <= len(data):
-      length = int.from_bytes(data[offset:offset + 8], "little")
-      count += event_pb2.Event.FromString(data[offset + 12:offset + 12 + length]).HasField("summary")
-      offset += 12 + length + 4
-  return count
 
 
 def test_resume_drops_later_steps(tmp_path):
